@@ -1,0 +1,295 @@
+"""Scoring, metrics and prompt datasets: what training, offline values and evaluation share.
+
+1. Scoring: the binary reward r(x, y) in {0, 1} that the tracker absorbs (paper Eq. 5) and the advantage
+   subtracts from (Eq. 8). The authors' strict rule (SPO_NOTES §2): the answer is the last `\\boxed{...}`, which
+   must start within the last 100 characters, and must equal the ground truth exactly after stripping whitespace
+   (`\\boxed{1/2}` is wrong for "0.5"). think_format=True adds their gate on `</think>` and tool tags.
+2. Metrics (SPO_NOTES §4): avg@k, the unbiased pass@k of Chen et al. (2021), maj@k as a single vote and as a
+   bootstrap expectation (the paper's maj@32 values look like one), a per-benchmark summary and a markdown table.
+3. Datasets: `load_prompts` is the one loader for spo.py, offline_values.py and evaluation, so a prompt gets
+   the same id (a hash of its chat messages, not its row number) everywhere and survives reordering.
+
+Usage:
+    from eval import compute_score, load_prompts, summarize, markdown_table
+    prompts = load_prompts("dapo_math_17k.parquet")           # ids, chat messages, answers
+    r = compute_score(response_text, prompts.answers[0])      # 0.0 or 1.0
+"""
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+# ---------------------------------------------------------------------------------------------- scoring
+TAIL_CHARS = 100  # the authors' window: a box that starts earlier than this is not the final answer
+BOX = "\\boxed{"  # `\boxed {x}` (with a space) is valid LaTeX but is NOT an answer here, as in the authors' rule
+
+
+def extract_boxed(text: str, tail_chars: int | None = None) -> str | None:
+    """Content of the last `\\boxed{` in text (or in its last tail_chars characters), braces matched.
+
+    The LAST opener decides: if it never closes (a response cut off inside its final box) the result is None,
+    we do not fall back to an earlier box. Braces are counted naively, so `\\{ \\}` pairs count too.
+    """
+    if tail_chars is not None:
+        text = text[max(len(text) - tail_chars, 0):]  # the box must start (and so end) inside the window
+    start = text.rfind(BOX)
+    if start < 0:
+        return None
+    depth = 0
+    for i in range(start + len(BOX) - 1, len(text)):
+        if text[i] == "{":
+            depth += 1
+        elif text[i] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[start + len(BOX):i]
+    return None
+
+
+def score_and_answer(response_text: str, ground_truth: str, think_format: bool = False,
+                     tail_chars: int = TAIL_CHARS) -> tuple[float, str | None]:
+    """(reward in {0.0, 1.0}, extracted answer or None). The answer feeds maj@k; None never wins a vote.
+
+    think_format: the authors' gate for thinking models with tools: exactly one `</think>` and no `<code>` /
+    `<interpreter>` after it, else (0.0, None). The box is then searched in the whole text, as they do.
+    """
+    if think_format:
+        after_think = response_text.partition("</think>")[2]
+        if response_text.count("</think>") != 1 or "<code>" in after_think or "<interpreter>" in after_think:
+            return 0.0, None
+    boxed = extract_boxed(response_text, tail_chars)
+    answer = boxed.strip() if boxed is not None else ""
+    if not answer:  # `\boxed{}` or `\boxed{  }` is no answer
+        return 0.0, None
+    return float(answer == str(ground_truth).strip()), answer
+
+
+def compute_score(response_text: str, ground_truth: str, think_format: bool = False,
+                  tail_chars: int = TAIL_CHARS) -> float:
+    """The binary reward r(x, y): 1.0 if the final boxed answer equals the ground truth, else 0.0."""
+    return score_and_answer(response_text, ground_truth, think_format, tail_chars)[0]
+
+
+# ---------------------------------------------------------------------------------------------- metrics
+def pass_at_k(n, c, k: int):
+    """Unbiased pass@k = 1 - C(n-c, k) / C(n, k) for n samples, c correct (Chen et al. 2021), in the stable
+    product form 1 - prod_{i=n-c+1}^{n} (1 - k/i) (no huge binomials). n, c: scalars or arrays (P,)."""
+    n, c = np.asarray(n), np.asarray(c)
+    if k < 1 or np.any(k > n):
+        raise ValueError(f"pass@k needs 1 <= k <= n samples, got k={k}, n={int(np.min(n))}")
+    if np.any((c < 0) | (c > n)):
+        raise ValueError(f"pass@k needs 0 <= c <= n, got c={c}, n={n}")
+    i = np.arange(1, int(np.max(n)) + 1)                                     # (M,)
+    in_product = (i > (n - c)[..., None]) & (i <= n[..., None])               # (P, M)
+    # when n - c < k the product contains the factor at i = k, which is exactly 0: pass@k = 1.0 exactly
+    p = 1.0 - np.where(in_product, 1.0 - k / i, 1.0).prod(axis=-1)            # (P,)
+    return float(p) if p.ndim == 0 else p
+
+
+def _encode(answers) -> tuple[np.ndarray, int]:
+    """Answers -> integer codes numbered by first appearance; None / empty after strip -> -1 (no vote)."""
+    index: dict[str, int] = {}
+    codes = [-1 if a is None or not str(a).strip() else index.setdefault(str(a).strip(), len(index))
+             for a in answers]
+    return np.array(codes, dtype=np.int64), len(index)
+
+
+def _votes(codes: np.ndarray, correct: np.ndarray, n_unique: int) -> np.ndarray:
+    """One majority vote per row of codes (R, k) -> (R,) correctness of the winner. Tie-break: among the most
+    frequent answers, the one whose first sample comes EARLIEST in the row wins; the winner is scored by that
+    sample (all samples of one answer agree under compute_score). A row with no parsed answer is wrong."""
+    R, k = codes.shape
+    if n_unique == 0:
+        return np.zeros(R, dtype=bool)
+    onehot = codes[:, :, None] == np.arange(n_unique)                        # (R, k, U)
+    counts = onehot.sum(axis=1)                                               # (R, U)
+    first = np.where(counts > 0, onehot.argmax(axis=1), k)                    # (R, U) first position
+    rank = counts * (k + 1) + (k - first)     # more votes first, then earlier; absent answers rank 0
+    winner = rank.argmax(axis=1)                                              # (R,)
+    rows = np.arange(R)
+    return (counts[rows, winner] > 0) & correct[rows, first[rows, winner].clip(max=k - 1)]
+
+
+def majority_vote(answers, correct_flags) -> float:
+    """maj@k of one problem: 1.0 if the most frequent parsed answer is correct (ties: earliest sample wins)."""
+    codes, n_unique = _encode(answers)
+    correct = np.asarray(correct_flags, dtype=bool)
+    if len(codes) == 0 or correct.shape != codes.shape:
+        raise ValueError(f"majority_vote needs as many answers as flags (> 0), got {len(codes)}, {correct.size}")
+    return float(_votes(codes[None], correct[None], n_unique)[0])
+
+
+def bootstrap_maj_at_k(answers_per_problem, correct_per_problem, k: int, n_boot: int = 1000,
+                       seed: int = 0) -> tuple[float, float]:
+    """Mean and std of the benchmark's maj@k over n_boot resamples; each draws, per problem, k of its n samples
+    with replacement (seeded numpy Generator) and votes."""
+    rng = np.random.default_rng(seed)
+    maj = np.zeros((len(answers_per_problem), n_boot))                        # (P, B)
+    for p, (answers, flags) in enumerate(zip(answers_per_problem, correct_per_problem)):
+        codes, n_unique = _encode(answers)
+        correct = np.asarray(flags, dtype=bool)
+        if not 1 <= k <= len(codes) or correct.shape != codes.shape:
+            raise ValueError(f"bootstrap maj@{k}: problem {p} has {len(codes)} answers, {correct.size} flags")
+        draw = rng.integers(0, len(codes), size=(n_boot, k))                  # (B, k)
+        maj[p] = _votes(codes[draw], correct[draw], n_unique)
+    per_resample = maj.mean(axis=0)                                           # (B,)
+    return float(per_resample.mean()), float(per_resample.std())
+
+
+def summarize(samples, ks=(1, 2, 4, 8, 16, 32), n_boot: int = 1000, seed: int = 0) -> dict:
+    """One benchmark; samples[p] lists the n (answer or None, correct) of problem p. Returns fractions in [0, 1]:
+    avg@n, pass@k for each k <= n, maj@n (one vote) and maj@n_boot_mean / _std."""
+    n = len(samples[0]) if samples else 0
+    if n == 0 or any(len(s) != n for s in samples):
+        raise ValueError(f"summarize needs n > 0 samples for every problem, got {sorted({len(s) for s in samples})}")
+    answers = [[a for a, _ in s] for s in samples]
+    correct = np.array([[bool(ok) for _, ok in s] for s in samples])         # (P, n)
+    out = {"problems": len(samples), "samples": n, f"avg@{n}": float(correct.mean())}
+    for k in ks:
+        if k <= n:
+            out[f"pass@{k}"] = float(pass_at_k(n, correct.sum(axis=1), k).mean())
+    out[f"maj@{n}"] = float(np.mean([majority_vote(a, c) for a, c in zip(answers, correct)]))
+    out[f"maj@{n}_boot_mean"], out[f"maj@{n}_boot_std"] = bootstrap_maj_at_k(answers, correct, n, n_boot, seed)
+    return out
+
+
+def markdown_table(summaries: dict[str, dict]) -> str:
+    """Benchmarks as rows (plus their unweighted average, as in the paper's Table 1), metrics in percent."""
+    columns = []
+    for summary in summaries.values():
+        columns += [c for c in summary if c not in columns and not c.endswith("_boot_std")]
+    rows = dict(summaries)
+    if len(summaries) > 1:
+        rows["average"] = {c: float(np.mean([s[c] for s in summaries.values()])) for c in columns
+                           if "@" in c and all(c in s for s in summaries.values())}
+
+    def cell(summary, column):
+        if column not in summary:
+            return ""
+        if "@" not in column:
+            return str(summary[column])
+        std = summary.get(column.replace("_boot_mean", "_boot_std")) if column.endswith("_boot_mean") else None
+        return f"{100 * summary[column]:.1f}" + (f" ± {100 * std:.1f}" if std is not None else "")
+
+    lines = ["| benchmark | " + " | ".join(c.replace("_boot_mean", " (boot)") for c in columns) + " |",
+             "|---" * (len(columns) + 1) + "|"]
+    lines += [f"| {name} | " + " | ".join(cell(s, c) for c in columns) + " |" for name, s in rows.items()]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------- datasets
+PROMPT_COLUMNS = ("prompt", "problem", "question")  # first one present wins
+# reward_model (a struct with ground_truth) comes before solution: in the open-r1 processed DAPO files both hold
+# the answer, while in plain math files `solution` is often a worked solution and `answer` the short answer.
+ANSWER_COLUMNS = ("answer", "ground_truth", "reward_model", "solution")
+
+
+@dataclass
+class PromptSet:
+    ids: list[str]                  # prompt_id(messages): stable across files, reorderings and programs
+    messages: list[list[dict]]      # chat messages [{"role", "content"}, ...]
+    answers: list[str]              # ground truths, stripped strings
+    path: str
+    n_rows: int                     # rows in the file
+    n_duplicates: int               # rows dropped because their prompt appeared earlier
+    n_conflicting: int              # of those, rows whose answer differed from the kept one
+
+
+def prompt_id(messages: list[dict]) -> str:
+    """First 16 hex digits of sha1 of the messages' canonical JSON. A plain string prompt s and
+    [{"role": "user", "content": s}] get the same id, so the verl and open-r1 DAPO files agree."""
+    canonical = json.dumps(messages, ensure_ascii=False, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha1(canonical.encode("utf-8")).hexdigest()[:16]
+
+
+def _read_rows(path: Path) -> tuple[list[dict], list[str]]:
+    """Rows as dicts and the column names, from parquet or JSON lines (.jsonl / .ndjson / .json)."""
+    if path.suffix == ".parquet":
+        try:
+            table = pq.read_table(path)
+        except (pa.ArrowException, OSError) as e:
+            raise ValueError(f"{path}: not a readable parquet file ({e})") from None
+        return table.to_pylist(), table.column_names
+    if path.suffix not in (".jsonl", ".ndjson", ".json"):
+        raise ValueError(f"{path}: unsupported file type '{path.suffix}' (use .parquet, .jsonl or .json)")
+    rows, columns = [], []
+    for line_no, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} line {line_no}: not JSON lines ({e.msg})") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{path} line {line_no}: each line must be a JSON object")
+        rows.append(row)
+        columns += [c for c in row if c not in columns]
+    return rows, columns
+
+
+def _messages(value, where: str) -> list[dict]:
+    if isinstance(value, str):
+        value = [{"role": "user", "content": value}]
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"{where}: missing or empty prompt")
+    if not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+               for m in value):
+        raise ValueError(f"{where}: prompt must be a string or a list of {{'role', 'content'}} string messages")
+    if not any(m["content"].strip() for m in value):
+        raise ValueError(f"{where}: missing or empty prompt")
+    return [{"role": m["role"], "content": m["content"]} for m in value]  # drop extra keys: stable ids
+
+
+def _answer(value, where: str) -> str:
+    if isinstance(value, dict):                                       # verl's reward_model struct
+        value = value.get("ground_truth")
+    if isinstance(value, float) and value.is_integer():               # parquet float64 answers: 17.0 -> "17"
+        value = int(value)
+    if not isinstance(value, (str, int, float)) or (isinstance(value, float) and math.isnan(value)):
+        value = None
+    if value is None or not str(value).strip():
+        raise ValueError(f"{where}: missing or empty answer")
+    return str(value).strip()
+
+
+def load_prompts(path) -> PromptSet:
+    """Load prompts and answers; one id per distinct prompt (the first occurrence's answer is kept).
+
+    Accepted: verl DAPO parquet (prompt = chat messages, reward_model.ground_truth), open-r1 processed DAPO
+    (prompt = string, solution), and any parquet / JSONL with a prompt column in PROMPT_COLUMNS (string or
+    messages) and an answer column in ANSWER_COLUMNS. Row numbers in errors count data rows from 0.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file")
+    rows, columns = _read_rows(path)
+    if not rows:
+        raise ValueError(f"{path}: the dataset is empty (no rows)")
+    prompt_col = next((c for c in PROMPT_COLUMNS if c in columns), None)
+    answer_col = next((c for c in ANSWER_COLUMNS if c in columns), None)
+    if prompt_col is None or answer_col is None:
+        raise ValueError(f"{path}: unrecognised columns {columns}; need a prompt column (one of "
+                         f"{', '.join(PROMPT_COLUMNS)}) and an answer column (one of {', '.join(ANSWER_COLUMNS)})")
+    ids, messages, answers, first_index, n_duplicates, n_conflicting = [], [], [], {}, 0, 0
+    for i, row in enumerate(rows):
+        where = f"{path} row {i}"
+        msgs, answer = _messages(row.get(prompt_col), where), _answer(row.get(answer_col), where)
+        pid = prompt_id(msgs)
+        if pid in first_index:
+            n_duplicates += 1
+            n_conflicting += answers[first_index[pid]] != answer
+            continue
+        first_index[pid] = len(ids)
+        ids.append(pid)
+        messages.append(msgs)
+        answers.append(answer)
+    return PromptSet(ids, messages, answers, str(path), len(rows), n_duplicates, n_conflicting)
+
+
+# ---------------------------------------------------------------------------------------------- evaluation
+# (the command-line evaluation that drives vLLM follows here)

@@ -1,0 +1,200 @@
+"""The built-in toy: a verifiable arithmetic task and a tiny model, so that the default run works offline.
+
+Nothing here is special to SPO. The toy produces exactly what a real user brings: train / test parquet files in
+the verl schema used for DAPO (chat-message `prompt`, `reward_model.ground_truth`) and a Hugging Face model
+directory (a Qwen3-architecture model and its tokenizer) that both transformers and vLLM load. spo.py never
+knows it is training the toy.
+
+- Task: "a+b=" with operands of at most two digits; the answer must be written as \\boxed{a+b}. Difficulty varies
+  across prompts (carries, three-digit sums), which is what a value tracker and prioritised sampling feed on.
+- Model: Qwen3 config, hidden 128, 4 layers, char-level vocabulary: about 0.6M parameters.
+- Warm start: a short supervised phase on the answers, where 30% of the answers have one digit replaced by a
+  random digit. Without that noise the model is as good sampled at temperature 1.0 as greedy and RL has little
+  to sharpen (SPO_NOTES section 7); with it the base model sits near 25% and has a wide spread of per-prompt
+  success rates.
+
+The toy is built on first use and cached in `--toy_dir` (default ./toy); a build is deterministic for a seed
+on one machine. Measure the base model (exact success probabilities, no sampling):
+
+    python toy.py
+"""
+import argparse
+import json
+import os
+import shutil
+import time
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+import torch.nn.functional as F
+
+TOY_VERSION = 1  # bump when the recipe below changes, so cached toys are rebuilt
+SPECIAL_TOKENS = ["<|pad|>", "<|im_end|>", "<|unk|>"]
+# The chat template is what a real model ships; ours puts the question on one line and the answer after it.
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}{% endif %}"
+
+
+def make_problems(seed, n_train, n_test):
+    """Disjoint train / test sets of (a, b) pairs, 0 <= a, b <= 99."""
+    rng = np.random.default_rng(seed)
+    pairs = rng.permutation(100 * 100)[: n_train + n_test]
+    a, b = pairs // 100, pairs % 100
+    return list(zip(a[:n_train], b[:n_train])), list(zip(a[n_train:], b[n_train:]))
+
+
+def write_parquet(path, problems, split):
+    """The verl / DAPO schema: prompt as chat messages, the answer in reward_model.ground_truth."""
+    table = pa.table({
+        "data_source": ["toy_add"] * len(problems),
+        "prompt": [[{"role": "user", "content": f"{a}+{b}="}] for a, b in problems],
+        "ability": ["math"] * len(problems),
+        "reward_model": [{"style": "rule", "ground_truth": str(a + b)} for a, b in problems],
+        "extra_info": [{"split": split, "index": i} for i in range(len(problems))],
+    })
+    pq.write_table(table, path)
+
+
+def build_tokenizer(out_dir):
+    """A character-level tokenizer (printable ASCII + newline) saved in Hugging Face format."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    chars = ["\n"] + [chr(c) for c in range(32, 127)]
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + chars)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<|unk|>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")  # one token per character
+    tok.decoder = decoders.Fuse()  # join characters back without spaces
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|pad|>", eos_token="<|im_end|>",
+                                        unk_token="<|unk|>")
+    tokenizer.add_special_tokens({"additional_special_tokens": []})
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(out_dir)
+    return tokenizer
+
+
+def build_model(tokenizer, seed):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    config = Qwen3Config(
+        vocab_size=128, hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=512, tie_word_embeddings=True,
+        bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        torch_dtype="float32")
+    torch.manual_seed(seed)
+    return Qwen3ForCausalLM(config)
+
+
+def encode_pairs(tokenizer, prompts, responses):
+    """Right-padded (B, T) input ids and a (B, T) mask that is 1 on the response tokens the model predicts."""
+    seqs, masks = [], []
+    for prompt, response in zip(prompts, responses):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                             tokenize=False)
+        p = tokenizer.encode(text, add_special_tokens=False)
+        r = tokenizer.encode(response, add_special_tokens=False) + [tokenizer.eos_token_id]
+        seqs.append(p + r)
+        masks.append([0] * len(p) + [1] * len(r))
+    T = max(map(len, seqs))
+    ids = torch.full((len(seqs), T), tokenizer.pad_token_id)
+    mask = torch.zeros(len(seqs), T)
+    for i, (s, m) in enumerate(zip(seqs, masks)):
+        ids[i, : len(s)] = torch.tensor(s)
+        mask[i, : len(m)] = torch.tensor(m, dtype=torch.float)
+    return ids, mask
+
+
+def response_logprob(model, ids, mask):
+    """(B,) log-probability of the masked response tokens: log pi(response | prompt) at temperature 1."""
+    logits = model(input_ids=ids).logits[:, :-1]  # (B, T-1, V)
+    logp = torch.log_softmax(logits.float(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    return (logp * mask[:, 1:]).sum(-1)
+
+
+@torch.no_grad()
+def success_probability(model, tokenizer, problems):
+    """Exact probability of sampling the correct answer at temperature 1.0, per problem.
+
+    The toy's only correct response is `\\boxed{a+b}` then end-of-turn, so the probability of sampling it is
+    exp(log pi(response | prompt)): a noise-free measure of accuracy at temperature 1.0 from one forward pass.
+    """
+    out = []
+    for i in range(0, len(problems), 256):
+        chunk = problems[i: i + 256]
+        ids, mask = encode_pairs(tokenizer, [f"{a}+{b}=" for a, b in chunk], [f"\\boxed{{{a + b}}}" for a, b in chunk])
+        out.append(response_logprob(model, ids, mask).exp())
+    return torch.cat(out).numpy()
+
+
+def noisy_answer(a, b, rng, noise):
+    """The correct sum, or with probability `noise` the sum with one digit replaced by a random digit."""
+    answer = list(str(a + b))
+    if rng.random() < noise:
+        answer[rng.integers(len(answer))] = str(rng.integers(10))
+    return "".join(answer)
+
+
+def warm_start(model, tokenizer, train, steps, lr, batch_size, noise, seed):
+    """Supervised warm start on (noisy) answers; loss on the response tokens only."""
+    rng = np.random.default_rng(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20))  # 20-step warm-up
+    model.train()
+    for step in range(steps):
+        batch = [train[j] for j in rng.integers(len(train), size=batch_size)]
+        ids, mask = encode_pairs(tokenizer, [f"{a}+{b}=" for a, b in batch],
+                                 [f"\\boxed{{{noisy_answer(a, b, rng, noise)}}}" for a, b in batch])
+        loss = -response_logprob(model, ids, mask).sum() / mask[:, 1:].sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        schedule.step()
+    model.eval()
+    return loss.item()
+
+
+def build_toy(toy_dir, seed=0, n_train=2000, n_test=500, steps=800, lr=3e-3, batch_size=64, noise=0.3):
+    """Build the toy into toy_dir atomically (a half-built toy is never mistaken for a finished one)."""
+    tmp = f"{toy_dir}.tmp{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(f"{tmp}/model")
+    train, test = make_problems(seed, n_train, n_test)
+    write_parquet(f"{tmp}/train.parquet", train, "train")
+    write_parquet(f"{tmp}/test.parquet", test, "test")
+    tokenizer = build_tokenizer(f"{tmp}/model")
+    model = build_model(tokenizer, seed)
+    t0 = time.time()
+    loss = warm_start(model, tokenizer, train, steps, lr, batch_size, noise, seed)
+    model.save_pretrained(f"{tmp}/model", safe_serialization=True)
+    p_test = success_probability(model, tokenizer, test)
+    p_train = success_probability(model, tokenizer, train)
+    info = {"version": TOY_VERSION, "seed": seed, "n_train": n_train, "n_test": n_test, "steps": steps, "lr": lr,
+            "noise": noise, "final_sft_loss": loss, "warm_start_seconds": round(time.time() - t0, 1),
+            "test_accuracy_t1": float(p_test.mean()),
+            "train_success_histogram": np.histogram(p_train, bins=np.linspace(0, 1, 11))[0].tolist()}
+    with open(f"{tmp}/toy.json", "w") as f:
+        json.dump(info, f, indent=1)
+    shutil.rmtree(toy_dir, ignore_errors=True)
+    os.replace(tmp, toy_dir)
+    return info
+
+
+def ensure_toy(toy_dir="toy", seed=0):
+    """Paths of the toy's model and data, building it on first use. Returns (model_dir, train, test)."""
+    marker = os.path.join(toy_dir, "toy.json")
+    cached = os.path.exists(marker) and json.load(open(marker)).get("version") == TOY_VERSION
+    if not cached:
+        print(f"building the toy task and model into {toy_dir}/ (first use, about 2 minutes)", flush=True)
+        info = build_toy(toy_dir, seed=seed)
+        print(f"toy built: base test accuracy at temperature 1.0 = {info['test_accuracy_t1']:.1%}", flush=True)
+    return os.path.join(toy_dir, "model"), os.path.join(toy_dir, "train.parquet"), os.path.join(toy_dir, "test.parquet")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--toy_dir", default="toy", help="where to build the toy")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the data split and the warm start")
+    parser.add_argument("--steps", type=int, default=800, help="warm-start optimiser steps")
+    parser.add_argument("--noise", type=float, default=0.3, help="share of warm-start answers with a wrong digit")
+    args = parser.parse_args()
+    info = build_toy(args.toy_dir, seed=args.seed, steps=args.steps, noise=args.noise)
+    print(json.dumps(info, indent=1))

@@ -1,0 +1,430 @@
+"""The trainer side of spo.py: the FSDP2 policy, its log-probs, the PPO-clip update, checkpoints and logging.
+
+spo.py tells the algorithm's story; this file holds the machinery it calls:
+- `setup_distributed`: torch.distributed on gloo (CPU) or nccl (GPU); `python spo.py` works as a world of 1.
+- `build_policy`: a Hugging Face causal LM sharded with FSDP2 (`fully_shard` per decoder layer, then the root);
+  on GPU bf16 compute with fp32 master weights and fp32 gradient reduction.
+- `score_responses` / `ppo_update`: per-token log-probs of prompt + response sequences, and the PPO-clip loss
+  of Eq. 10 with clip-higher and dual-clip, aggregated as a token mean over the GLOBAL batch.
+  FSDP2 averages gradients over ranks; our loss is already a global mean, so each rank scales its loss by the
+  world size to get the true gradient (set_gradient_divide_factor(1) would do the same but fails on gloo).
+- checkpoints (HF model + optimiser + tracker + sampler + step, written atomically) and a metrics logger.
+"""
+import json
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from eval import load_prompts
+
+
+def fail(message):
+    """A clear one-line error instead of a traceback, for bad input."""
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+# ------------------------------------------------------------------------------------------------ setup
+def setup_distributed():
+    """Start torch.distributed. Under torchrun the environment says who we are; plain `python spo.py` is a
+    world of one (vLLM's external launcher needs the process group either way)."""
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def load_tokenizer(path):
+    from transformers import AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        fail(f"--model {path}: not a model directory and not loadable from the Hugging Face hub "
+             f"({str(e).splitlines()[0][:200]})")
+
+
+@dataclass
+class Dataset:
+    ids: list          # stable prompt ids (eval.prompt_id); the tracker is indexed by position in this list
+    prompt_ids: list   # token ids of each chat-formatted prompt
+    answers: list
+
+    def __getitem__(self, s):
+        return Dataset(self.ids[s], self.prompt_ids[s], self.answers[s])
+
+
+def load_dataset(path, tokenizer, max_prompt_len, verbose):
+    try:
+        prompts = load_prompts(path)
+    except (ValueError, FileNotFoundError) as e:
+        fail(str(e))
+    texts = [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in prompts.messages]
+    prompt_ids = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+    keep = [i for i, p in enumerate(prompt_ids) if len(p) <= max_prompt_len]
+    if verbose and prompts.n_duplicates:
+        print(f"{path}: {prompts.n_duplicates} duplicate prompts merged (one id per distinct prompt; "
+              f"{prompts.n_conflicting} had a different answer, the first was kept)", flush=True)
+    if verbose and len(keep) < len(prompt_ids):
+        print(f"{path}: {len(prompt_ids) - len(keep)} prompts longer than --max_prompt_len {max_prompt_len} "
+              f"tokens left out", flush=True)
+    if not keep:
+        fail(f"{path}: no prompt fits in --max_prompt_len {max_prompt_len} tokens")
+    return Dataset([prompts.ids[i] for i in keep], [prompt_ids[i] for i in keep], [prompts.answers[i] for i in keep])
+
+
+def init_tracker_from_file(tracker, path, data, smoothing, verbose):
+    """Algorithm 2: initialise the tracker from offline_values.py output ({"prompts": {id: {"scores": [...]}}})."""
+    try:
+        with open(path) as f:
+            entries = json.load(f)["prompts"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        fail(f"--offline_values {path}: not an offline-values file ({e.__class__.__name__}: {e})")
+    position = {pid: i for i, pid in enumerate(data.ids)}
+    unknown = [pid for pid in entries if pid not in position]
+    if unknown:
+        fail(f"--offline_values {path}: {len(unknown)} of its {len(entries)} prompt ids are not in the training "
+             f"set (e.g. {unknown[0]}): was it made for another dataset?")
+    index = np.array([position[pid] for pid in entries], dtype=np.int64)
+    scores = [np.asarray(e["scores"], dtype=np.float64) for e in entries.values()]
+    tracker.init_from_scores(index, np.array([s.sum() for s in scores]), np.array([s.size for s in scores]),
+                             smoothing=smoothing)
+    if verbose and len(index) < len(data.ids):
+        print(f"--offline_values: {len(data.ids) - len(index)} training prompts have no offline scores and "
+              f"start from the uninformed prior", flush=True)
+
+
+# ------------------------------------------------------------------------------------------------ the policy
+def build_policy(path, device, lr, weight_decay):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)  # fp32 master weights
+    on_gpu = device.type == "cuda"
+    if on_gpu:
+        model.gradient_checkpointing_enable()  # long responses: recompute activations instead of storing them
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if on_gpu else None
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, **({"mp_policy": mp} if mp else {}))
+    fully_shard(model, mesh=mesh, **({"mp_policy": mp} if mp else {}))
+    model.to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    return model, optimizer
+
+
+def full_parameters(model):
+    """(name, full tensor) for every parameter, gathered one at a time: the weight push never holds a second
+    full copy of the model. Every rank must iterate (each gather is a collective).
+
+    Tied weights are sent under both names (remove_duplicate=False): vLLM's CPU backend keeps a separately
+    packed copy of a tied lm_head, which goes stale if only the embedding is pushed (measured: 0.43 nats)."""
+    for name, p in model.named_parameters(remove_duplicate=False):
+        yield name, (p.full_tensor() if isinstance(p, DTensor) else p).detach()
+
+
+def pack(sequences, device):
+    """Right-padded (B, T) ids and the (B, T-1) mask of predicted response tokens that count in the loss.
+
+    Right padding needs no attention mask: with causal attention real tokens never see the pads after them."""
+    T = max(len(p) + len(r) for p, r, _ in sequences)
+    ids = torch.zeros(len(sequences), T, dtype=torch.long)
+    mask = torch.zeros(len(sequences), T - 1)
+    for i, (p, r, m) in enumerate(sequences):
+        ids[i, : len(p) + len(r)] = torch.tensor(list(p) + list(r))
+        mask[i, len(p) - 1: len(p) - 1 + len(r)] = torch.as_tensor(m, dtype=torch.float)
+    return ids.to(device), mask.to(device)
+
+
+def token_logprobs(model, ids, temperature):
+    """(B, T-1) log pi(token_t | tokens_<t) at the sampling temperature, and the (B, T-1) entropy."""
+    logits = model(input_ids=ids).logits[:, :-1].float() / temperature  # (B, T-1, V)
+    logp = torch.log_softmax(logits, -1)
+    token_logp = logp.gather(-1, ids[:, 1:, None]).squeeze(-1)
+    return token_logp, logp
+
+
+def _micro_batches(n, size):
+    """Micro-batch slices, padded to the same count on every rank: FSDP2's forward is a collective."""
+    count = torch.tensor([(n + size - 1) // size])
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    return [slice(k * size, min((k + 1) * size, n)) for k in range(int(count))]
+
+
+@torch.no_grad()
+def score_responses(model, rollouts, previous, temperature, micro_batch_size):
+    """Trainer log-probs of this batch's responses (PPO's old log-probs) and of `previous` responses (for D),
+    in one pass. previous: list of (prompt ids, response ids, acting log-probs, response mask)."""
+    device = next(model.parameters()).device
+    sequences = [(r.prompt_ids, r.response_ids, r.response_mask) for r in rollouts] + \
+                [(p, r, m) for p, r, _, m in previous]
+    out, entropy_sum, token_count = [], 0.0, 0.0
+    for sl in _micro_batches(len(sequences), micro_batch_size):
+        chunk = sequences[sl] or [([0], [0], [0])]  # an idle rank still joins the collective forward
+        ids, mask = pack(chunk, device)
+        token_logp, logp = token_logprobs(model, ids, temperature)
+        if not sequences[sl]:
+            continue
+        current = mask * (torch.arange(sl.start, sl.start + len(chunk), device=device) < len(rollouts))[:, None]
+        entropy_sum += float((-(logp.exp() * logp).sum(-1) * current).sum())
+        token_count += float(current.sum())
+        for (p, r, _), row in zip(chunk, token_logp):
+            out.append(row[len(p) - 1: len(p) - 1 + len(r)].float().cpu().numpy())
+    logprobs = out[: len(rollouts)]
+    gap = np.concatenate([np.abs(lp - np.asarray(r.logprobs)) for lp, r in zip(logprobs, rollouts)])
+    return {"logprobs": logprobs, "previous_logprobs": out[len(rollouts):],
+            "entropy": entropy_sum / max(token_count, 1.0), "logprob_gap_mean": float(gap.mean()),
+            "logprob_gap_max": float(gap.max())}
+
+
+def remember_responses(previous, index, rollouts, logprobs):
+    """Keep each prompt's latest response and the acting policy's log-probs of it on EVERY rank (a prompt may
+    land on any rank next time): all-gather this step's responses. Stored compactly as numpy arrays."""
+    mine = [(int(i), np.asarray(r.response_ids, np.int32), lp.astype(np.float32),
+             np.asarray(r.response_mask, np.int8)) for i, r, lp in zip(index, rollouts, logprobs)]
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    for part in gathered:
+        for i, ids, lp, m in part:
+            previous[i] = (ids, lp, m)
+
+
+def ppo_update(model, optimizer, rollouts, old_logprobs, advantage, args):
+    """Eq. 10, PPO-clip with clip-higher (eps_low, eps_high) and dual-clip (c) for negative advantages, token
+    mean over the global mini-batch, `ppo_steps` optimiser steps over consecutive mini-batches."""
+    device = next(model.parameters()).device
+    world = dist.get_world_size()
+    n = len(rollouts)
+    per = n // args.ppo_steps
+    sums = {"loss": 0.0, "clip_fraction": 0.0, "approx_kl": 0.0, "tokens": 0.0, "grad_norm": 0.0}
+    nonfinite = False
+    for k in range(args.ppo_steps):
+        mini = list(range(k * per, (k + 1) * per))
+        local_tokens = sum(float(np.sum(rollouts[i].response_mask)) for i in mini)
+        global_tokens = torch.tensor([local_tokens])
+        dist.all_reduce(global_tokens)
+        loss_total = torch.zeros(())
+        for sl in _micro_batches(len(mini), args.micro_batch_size):
+            rows = mini[sl]
+            ids, mask = pack([(rollouts[i].prompt_ids, rollouts[i].response_ids, rollouts[i].response_mask)
+                              for i in rows], device)
+            old = torch.zeros_like(mask)
+            for j, i in enumerate(rows):
+                start = len(rollouts[i].prompt_ids) - 1
+                old[j, start: start + len(old_logprobs[i])] = torch.from_numpy(old_logprobs[i])
+            adv = torch.as_tensor(advantage[rows], dtype=torch.float32, device=device)[:, None]  # (b, 1)
+            logp, _ = token_logprobs(model, ids, args.temperature)
+            log_ratio = (logp - old) * mask
+            ratio = torch.exp(log_ratio)
+            loss_unclipped = -adv * ratio
+            loss_clipped = -adv * torch.clamp(ratio, 1 - args.clip_low, 1 + args.clip_high)
+            loss_tok = torch.maximum(loss_unclipped, loss_clipped)
+            # Dual-clip: a negative advantage with a huge ratio cannot push the loss past c * |A|.
+            loss_tok = torch.where(adv < 0, torch.minimum(loss_tok, -adv * args.dual_clip), loss_tok)
+            loss = (loss_tok * mask).sum() / global_tokens.item()
+            (loss * world).backward()  # x world: FSDP2 averages gradients, our loss is already a global mean
+            loss_total += loss.detach()
+            with torch.no_grad():
+                sums["clip_fraction"] += float(((loss_clipped > loss_unclipped).float() * mask).sum())
+                sums["approx_kl"] += float(((ratio - 1 - log_ratio) * mask).sum())  # k3 estimate of KL(old||new)
+                sums["tokens"] += float(mask.sum())
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        grad_norm = float(grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm)
+        check = torch.tensor([loss_total.item()])
+        dist.all_reduce(check)
+        if not (np.isfinite(check.item()) and np.isfinite(grad_norm)):
+            nonfinite = True  # every rank sees the same global values, so every rank skips this step
+            optimizer.zero_grad(set_to_none=True)
+            continue
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        sums["loss"] += check.item()
+        sums["grad_norm"] += grad_norm
+    totals = torch.tensor([sums["clip_fraction"], sums["approx_kl"], sums["tokens"]])
+    dist.all_reduce(totals)
+    return {"loss": sums["loss"] / args.ppo_steps, "grad_norm": sums["grad_norm"] / args.ppo_steps,
+            "clip_fraction": (totals[0] / totals[2]).item(), "approx_kl": (totals[1] / totals[2]).item(),
+            "nonfinite": nonfinite}
+
+
+# ------------------------------------------------------------------------------------------------ metrics
+def step_metrics(reward, raw_advantage, advantage, rollouts, old, stats, times, group, tracker, divergence, rho):
+    """Everything worth watching in one flat dict, over the global batch (all ranks)."""
+    from spo import all_gather_np
+    reward, raw, adv = all_gather_np(reward), all_gather_np(raw_advantage), all_gather_np(np.asarray(advantage))
+    lengths = all_gather_np(np.array([len(r.response_ids) for r in rollouts]))
+    truncated = all_gather_np(np.array([r.finish_reason == "length" for r in rollouts], dtype=np.float64))
+    scalars = torch.tensor([old["entropy"], old["logprob_gap_mean"], old["logprob_gap_max"]])
+    dist.all_reduce(scalars, op=dist.ReduceOp.SUM)
+    world = dist.get_world_size()
+    m = {"reward/mean": reward.mean(),
+         "advantage/mean": raw.mean(), "advantage/std": raw.std(),
+         "advantage/p05": np.quantile(raw, 0.05), "advantage/p50": np.quantile(raw, 0.5),
+         "advantage/p95": np.quantile(raw, 0.95), "advantage/normalised_std": adv.std(),
+         "response/length_mean": lengths.mean(), "response/length_max": lengths.max(),
+         "response/truncated": truncated.mean(),
+         "policy/entropy": scalars[0].item() / world, "policy/logprob_gap_mean": scalars[1].item() / world,
+         "policy/logprob_gap_max": scalars[2].item() / world,
+         "policy/clip_fraction": stats["clip_fraction"], "policy/approx_kl": stats["approx_kl"],
+         "policy/grad_norm": stats["grad_norm"], "policy/loss": stats["loss"]}
+    if group > 1:  # GRPO: a group whose rewards are all equal has zero advantage, i.e. no signal
+        r = reward.reshape(-1, group)
+        m["zero_signal/degenerate_groups"] = float(np.mean(r.min(1) == r.max(1)))
+    else:
+        m["zero_signal/abs_adv_le_1e-4"] = float(np.mean(np.abs(raw) <= 1e-4))
+        m["zero_signal/abs_adv_le_0.02"] = float(np.mean(np.abs(raw) <= 0.02))
+    if tracker is not None:
+        value = tracker.value
+        m.update({"tracker/value_mean": value.mean(), "tracker/value_p10": np.quantile(value, 0.1),
+                  "tracker/value_p50": np.quantile(value, 0.5), "tracker/value_p90": np.quantile(value, 0.9),
+                  "tracker/n_eff_mean": tracker.n_eff.mean(), "tracker/rho_mean": float(np.mean(rho)),
+                  "tracker/divergence_mean": float(np.mean(divergence)),
+                  "tracker/divergence_max": float(np.max(divergence))})
+    m.update({f"time/{k}": v for k, v in times.items()})
+    m["time/step"] = sum(times.values())
+    m["throughput/tokens_per_second"] = lengths.sum() / max(times["generate"], 1e-9) / world
+    return {k: float(v) for k, v in m.items()}
+
+
+class Logger:
+    """Rank 0 logs: a tqdm bar, a console line every few steps, metrics.jsonl per run, and TensorBoard or wandb
+    when installed and asked for."""
+
+    def __init__(self, run_dir, config, is_main, wandb_project=None, tensorboard=False):
+        self.is_main, self.bar, self.tb, self.wandb = is_main, None, None, None
+        if not is_main:
+            return
+        os.makedirs(run_dir, exist_ok=True)
+        with open(os.path.join(run_dir, "config.json"), "w") as f:
+            json.dump(config, f, indent=1)
+        print("config: " + json.dumps(config), flush=True)
+        self.file = open(os.path.join(run_dir, "metrics.jsonl"), "a")
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+                self.tb = SummaryWriter(run_dir)
+            except ImportError:
+                print("--tensorboard: tensorboard is not installed, skipped", flush=True)
+        if wandb_project:
+            try:
+                import wandb
+                self.wandb = wandb.init(project=wandb_project, config=config, dir=run_dir)
+            except ImportError:
+                print("--wandb: wandb is not installed, skipped", flush=True)
+
+    def progress(self, iterable, total, initial):
+        if not self.is_main:
+            return iterable
+        from tqdm import tqdm
+        self.bar = tqdm(iterable, total=total, initial=initial, desc="train", dynamic_ncols=True)
+        return self.bar
+
+    def console(self, message):
+        if self.is_main:
+            (self.bar.write if self.bar is not None else print)(message)
+
+    def log(self, step, metrics, console=False):
+        if not self.is_main:
+            return
+        self.file.write(json.dumps({"step": step, "time": time.time(), **metrics}) + "\n")
+        self.file.flush()
+        if self.tb:
+            for k, v in metrics.items():
+                self.tb.add_scalar(k, v, step)
+        if self.wandb:
+            self.wandb.log(metrics, step=step)
+        if self.bar is not None and "reward/mean" in metrics:
+            self.bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}")
+        if console or (self.bar is None) or "eval/accuracy" in metrics:
+            keys = {"reward/mean": "reward", "eval/accuracy": "test_acc", "advantage/std": "adv_std",
+                    "tracker/value_mean": "value", "tracker/rho_mean": "rho", "policy/entropy": "entropy",
+                    "policy/approx_kl": "kl", "policy/logprob_gap_max": "gap", "response/length_mean": "len",
+                    "time/step": "sec"}
+            shown = " ".join(f"{short}={metrics[k]:.4g}" for k, short in keys.items() if k in metrics)
+            self.console(f"step {step}: {shown}")
+
+    def close(self):
+        if self.is_main:
+            if self.bar is not None:
+                self.bar.close()
+            self.file.close()
+            if self.tb:
+                self.tb.close()
+
+
+# ------------------------------------------------------------------------------------------------ checkpoints
+def save_checkpoint(run_dir, step, model, optimizer, tokenizer, world, prompt_ids, tracker_state,
+                    sampler_state, previous, config, keep=2):
+    """Write checkpoints/step_N atomically: everything goes into step_N.tmp, which is renamed only when
+    complete, then `latest` is replaced atomically. A crash mid-write leaves the previous checkpoint intact.
+    The model directory is a plain Hugging Face model: transformers and vLLM load it as it is."""
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # gathered on rank 0 only
+    model_state = get_model_state_dict(model, options=options)
+    optim_state = get_optimizer_state_dict(model, optimizer, options=options)
+    if dist.get_rank() == 0:
+        root = os.path.join(run_dir, "checkpoints")
+        final, tmp = os.path.join(root, f"step_{step:06d}"), os.path.join(root, f"step_{step:06d}.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(os.path.join(tmp, "model"))
+        if model.config.tie_word_embeddings:
+            model_state.pop("lm_head.weight", None)  # shared with the embedding; safetensors refuses aliases
+        save_file({k: v.contiguous() for k, v in model_state.items()}, os.path.join(tmp, "model", "model.safetensors"),
+                  metadata={"format": "pt"})
+        model.config.save_pretrained(os.path.join(tmp, "model"))
+        tokenizer.save_pretrained(os.path.join(tmp, "model"))
+        torch.save({"step": step, "world_size": world, "prompt_ids": prompt_ids, "optimizer": optim_state,
+                    "tracker": tracker_state, "sampler": sampler_state, "previous": previous, "config": config},
+                   os.path.join(tmp, "state.pt"))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        with open(os.path.join(root, "latest.tmp"), "w") as f:
+            f.write(os.path.basename(final))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(os.path.join(root, "latest.tmp"), os.path.join(root, "latest"))
+        done = sorted(d for d in os.listdir(root) if d.startswith("step_") and not d.endswith(".tmp"))
+        for old in done[:-keep]:
+            shutil.rmtree(os.path.join(root, old), ignore_errors=True)
+    dist.barrier()
+
+
+def load_checkpoint(run_dir, world, prompt_ids):
+    """The latest complete checkpoint of run_dir, checked against this run's world size and dataset."""
+    root = os.path.join(run_dir, "checkpoints")
+    try:
+        with open(os.path.join(root, "latest")) as f:
+            path = os.path.join(root, f.read().strip())
+        state = torch.load(os.path.join(path, "state.pt"), weights_only=False)  # our own file: numpy inside
+    except (OSError, EOFError, RuntimeError) as e:
+        fail(f"--resume {run_dir}: no complete checkpoint found ({e.__class__.__name__}: {e})")
+    if state["prompt_ids"] != prompt_ids:
+        fail(f"--resume {run_dir}: the checkpoint was made with another training set "
+             f"({len(state['prompt_ids'])} prompts there, {len(prompt_ids)} here, or a different order)")
+    if state["world_size"] != world:
+        fail(f"--resume {run_dir}: the checkpoint was made with world size {state['world_size']}, this run has "
+             f"{world}: per-rank sampling would differ, so it cannot resume exactly; use --nproc_per_node="
+             f"{state['world_size']}")
+    state["model_dir"] = os.path.join(path, "model")
+    return state
+
+
+def restore_optimizer(model, optimizer, optim_state):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+    set_optimizer_state_dict(model, optimizer, optim_state_dict=optim_state,
+                             options=StateDictOptions(full_state_dict=True))
