@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 import trainer
+from trainer import all_gather_np, all_reduce_np
 from eval import compute_score, load_prompts
 from sampler import PromptSampler, priority_weights
 from tracker import ValueTracker
@@ -136,20 +137,10 @@ def grpo_advantage(reward, group_size, eps=1e-6):
 
 def global_normalise(advantage, eps=1e-8):
     """Eq. 9: (A - mean) / std over the global batch, i.e. over all ranks (unbiased std, as the authors)."""
-    stats = torch.tensor([advantage.sum(), (advantage ** 2).sum(), advantage.size], dtype=torch.float64)
-    dist.all_reduce(stats)
-    total, total_sq, n = stats.tolist()
+    total, total_sq, n = all_reduce_np([advantage.sum(), (advantage ** 2).sum(), advantage.size])
     mean = total / n
     std = max((total_sq - n * mean ** 2) / max(n - 1, 1), 0.0) ** 0.5
     return (advantage - mean) / (std + eps)
-
-
-def all_gather_np(x):
-    """Concatenate equal-sized numpy arrays from all ranks in rank order."""
-    t = torch.from_numpy(np.ascontiguousarray(x))
-    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, t)
-    return torch.cat(out).numpy()
 
 
 # ------------------------------------------------------------------------------------------------ evaluation
@@ -163,9 +154,8 @@ def evaluate(engine, test_prompt_ids, test_answers, args, step):
                                temperature=args.eval_temperature, top_p=args.eval_top_p, top_k=args.eval_top_k)
     correct = sum(compute_score(r.text, test_answers[i]) for r, i in
                   zip(rollouts, [i for i in mine for _ in range(args.eval_samples)]))
-    stats = torch.tensor([correct, len(prompts)], dtype=torch.float64)
-    dist.all_reduce(stats)
-    return stats[0].item() / stats[1].item()
+    correct, total = all_reduce_np([correct, len(prompts)])
+    return correct / total
 
 
 # ------------------------------------------------------------------------------------------------ main

@@ -1073,7 +1073,8 @@ def _fixed_batch(tokenizer_size, n=8, seed=0):
 
 def grad_worker(out, model_path):
     import trainer
-    from spo import all_gather_np, global_normalise
+    from spo import global_normalise
+    from trainer import all_gather_np
     rank, world, device = trainer.setup_distributed()
     policy, _ = trainer.build_policy(model_path, device, lr=1.0, weight_decay=0.0)
     optimizer = torch.optim.SGD(policy.parameters(), lr=1.0)

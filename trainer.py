@@ -31,6 +31,27 @@ def fail(message):
     raise SystemExit(2)
 
 
+# ------------------------------------------------------------------------------------------------ collectives
+def _comm_device():
+    """nccl moves only GPU tensors; gloo only CPU ones."""
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def all_reduce_np(values, op="sum"):
+    """Element-wise sum (or max) of a small float array over all ranks."""
+    t = torch.as_tensor(np.asarray(values, dtype=np.float64), device=_comm_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+    return t.cpu().numpy()
+
+
+def all_gather_np(x):
+    """Concatenate equal-sized numpy arrays from all ranks, in rank order."""
+    t = torch.as_tensor(np.ascontiguousarray(x), device=_comm_device())
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t)
+    return torch.cat(out).cpu().numpy()
+
+
 # ------------------------------------------------------------------------------------------------ setup
 def setup_distributed():
     """Start torch.distributed. Under torchrun the environment says who we are; plain `python spo.py` is a
@@ -159,9 +180,8 @@ def token_logprobs(model, ids, temperature):
 
 def _micro_batches(n, size):
     """Micro-batch slices, padded to the same count on every rank: FSDP2's forward is a collective."""
-    count = torch.tensor([(n + size - 1) // size])
-    dist.all_reduce(count, op=dist.ReduceOp.MAX)
-    return [slice(k * size, min((k + 1) * size, n)) for k in range(int(count))]
+    count = int(all_reduce_np([(n + size - 1) // size], op="max")[0])
+    return [slice(k * size, min((k + 1) * size, n)) for k in range(count)]
 
 
 @torch.no_grad()
@@ -214,9 +234,8 @@ def ppo_update(model, optimizer, rollouts, old_logprobs, advantage, args):
     for k in range(args.ppo_steps):
         mini = list(range(k * per, (k + 1) * per))
         local_tokens = sum(float(np.sum(rollouts[i].response_mask)) for i in mini)
-        global_tokens = torch.tensor([local_tokens])
-        dist.all_reduce(global_tokens)
-        loss_total = torch.zeros(())
+        global_tokens = all_reduce_np([local_tokens])[0]
+        loss_total = 0.0
         for sl in _micro_batches(len(mini), args.micro_batch_size):
             rows = mini[sl]
             ids, mask = pack([(rollouts[i].prompt_ids, rollouts[i].response_ids, rollouts[i].response_mask)
@@ -234,41 +253,38 @@ def ppo_update(model, optimizer, rollouts, old_logprobs, advantage, args):
             loss_tok = torch.maximum(loss_unclipped, loss_clipped)
             # Dual-clip: a negative advantage with a huge ratio cannot push the loss past c * |A|.
             loss_tok = torch.where(adv < 0, torch.minimum(loss_tok, -adv * args.dual_clip), loss_tok)
-            loss = (loss_tok * mask).sum() / global_tokens.item()
+            loss = (loss_tok * mask).sum() / global_tokens
             (loss * world).backward()  # x world: FSDP2 averages gradients, our loss is already a global mean
-            loss_total += loss.detach()
+            loss_total += loss.item()
             with torch.no_grad():
                 sums["clip_fraction"] += float(((loss_clipped > loss_unclipped).float() * mask).sum())
                 sums["approx_kl"] += float(((ratio - 1 - log_ratio) * mask).sum())  # k3 estimate of KL(old||new)
                 sums["tokens"] += float(mask.sum())
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
         grad_norm = float(grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm)
-        check = torch.tensor([loss_total.item()])
-        dist.all_reduce(check)
-        if not (np.isfinite(check.item()) and np.isfinite(grad_norm)):
+        global_loss = all_reduce_np([loss_total])[0]
+        if not (np.isfinite(global_loss) and np.isfinite(grad_norm)):
             nonfinite = True  # every rank sees the same global values, so every rank skips this step
             optimizer.zero_grad(set_to_none=True)
             continue
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        sums["loss"] += check.item()
+        sums["loss"] += global_loss
         sums["grad_norm"] += grad_norm
-    totals = torch.tensor([sums["clip_fraction"], sums["approx_kl"], sums["tokens"]])
-    dist.all_reduce(totals)
+    totals = all_reduce_np([sums["clip_fraction"], sums["approx_kl"], sums["tokens"]])
     return {"loss": sums["loss"] / args.ppo_steps, "grad_norm": sums["grad_norm"] / args.ppo_steps,
-            "clip_fraction": (totals[0] / totals[2]).item(), "approx_kl": (totals[1] / totals[2]).item(),
+            "clip_fraction": totals[0] / totals[2], "approx_kl": totals[1] / totals[2],
             "nonfinite": nonfinite}
 
 
 # ------------------------------------------------------------------------------------------------ metrics
 def step_metrics(reward, raw_advantage, advantage, rollouts, old, stats, times, group, tracker, divergence, rho):
     """Everything worth watching in one flat dict, over the global batch (all ranks)."""
-    from spo import all_gather_np
     reward, raw, adv = all_gather_np(reward), all_gather_np(raw_advantage), all_gather_np(np.asarray(advantage))
     lengths = all_gather_np(np.array([len(r.response_ids) for r in rollouts]))
     truncated = all_gather_np(np.array([r.finish_reason == "length" for r in rollouts], dtype=np.float64))
-    scalars = torch.tensor([old["entropy"], old["logprob_gap_mean"], old["logprob_gap_max"]])
-    dist.all_reduce(scalars, op=dist.ReduceOp.SUM)
+    scalars = all_reduce_np([old["entropy"], old["logprob_gap_mean"]])
+    gap_max = all_reduce_np([old["logprob_gap_max"]], op="max")[0]
     world = dist.get_world_size()
     m = {"reward/mean": reward.mean(),
          "advantage/mean": raw.mean(), "advantage/std": raw.std(),
@@ -276,8 +292,8 @@ def step_metrics(reward, raw_advantage, advantage, rollouts, old, stats, times, 
          "advantage/p95": np.quantile(raw, 0.95), "advantage/normalised_std": adv.std(),
          "response/length_mean": lengths.mean(), "response/length_max": lengths.max(),
          "response/truncated": truncated.mean(),
-         "policy/entropy": scalars[0].item() / world, "policy/logprob_gap_mean": scalars[1].item() / world,
-         "policy/logprob_gap_max": scalars[2].item() / world,
+         "policy/entropy": scalars[0] / world, "policy/logprob_gap_mean": scalars[1] / world,
+         "policy/logprob_gap_max": gap_max,
          "policy/clip_fraction": stats["clip_fraction"], "policy/approx_kl": stats["approx_kl"],
          "policy/grad_norm": stats["grad_norm"], "policy/loss": stats["loss"]}
     if group > 1:  # GRPO: a group whose rewards are all equal has zero advantage, i.e. no signal
