@@ -16,7 +16,8 @@ How a run is built (`isolation()` probes once which of these the machine allows,
   unshare   new network namespace (only a downed loopback: no network at all), new pid namespace
             (the snippet sees only its own processes; all of them die with it), new mount namespace
             with a fresh /proc and fresh size-capped tmpfs on /tmp, /var/tmp, /dev/shm, /run/lock:
-            the working directory is the private /tmp, gone when the run ends.
+            the working directory is the private /tmp, gone when the run ends. (If the interpreter or its
+            venv lives under one of those dirs, that dir is bound read-only instead of hidden.)
   setpriv   when we are root: a dedicated unprivileged uid per concurrent run (60000 + slot, claimed
             with flock so parallel trainers never share one), no supplementary groups, no_new_privs.
             Root ignores RLIMIT_NPROC, so this is what stops a fork bomb; it also keeps the snippet off
@@ -112,6 +113,18 @@ def _claim_uid() -> tuple[int, int]:
     raise RuntimeError(f"sandbox: all {UID_SLOTS} dedicated uids from {UID_BASE} are busy")
 
 
+@functools.cache
+def _interpreter_dirs() -> frozenset:
+    """The private dirs that contain the running interpreter or its environment."""
+    paths = {os.path.realpath(p) for p in (sys.executable, sys.prefix, sys.base_prefix)} | {sys.executable}
+    return frozenset(d for d in _PRIVATE_DIRS if any(p == d or p.startswith(d + "/") for p in paths))
+
+
+def _workdir() -> str:
+    """The namespaced run's working directory: the first private dir that gets a fresh tmpfs."""
+    return next(d for d in _PRIVATE_DIRS if d not in _interpreter_dirs() and os.path.isdir(d))
+
+
 def _command(code: str, iso: Isolation, uid: int | None, limits: dict) -> list[str]:
     """prlimit -> [unshare -> sh that mounts the private dirs] -> [setpriv] -> python -I -c code."""
     argv = ["prlimit", *(f"--{name}={value}" for name, value in limits.items()), "--"]
@@ -120,9 +133,13 @@ def _command(code: str, iso: Isolation, uid: int | None, limits: dict) -> list[s
         argv += [] if os.geteuid() == 0 else ["--user", "--map-root-user"]
         # The shell stays pid 1 of the namespace (no exec), so python keeps ordinary signal
         # semantics and orphans get reaped; when the shell exits, the kernel kills the namespace.
-        mounts = "".join(f'[ ! -d {d} ] || mount -t tmpfs -o size={limits["fsize"]},mode=1777 tmpfs {d}; '
+        # A private dir that holds the interpreter itself (a checkout or venv under /tmp, say) cannot be
+        # hidden under a tmpfs: it becomes read-only instead, so the snippet can read it but not write there.
+        mounts = "".join(f'[ ! -d {d} ] || {{ mount --bind {d} {d} && mount -o remount,bind,ro {d}; }}; '
+                         if d in _interpreter_dirs() else
+                         f'[ ! -d {d} ] || mount -t tmpfs -o size={limits["fsize"]},mode=1777 tmpfs {d}; '
                          for d in _PRIVATE_DIRS)
-        argv += ["sh", "-c", f'set -e; {mounts}cd /tmp; "$@"', "sh"]
+        argv += ["sh", "-c", f'set -e; {mounts}cd {_workdir()}; "$@"', "sh"]
     if iso.dedicated_uid:
         # setpriv resolves the interpreter path before its capabilities go, so a python under
         # /root still execs; afterwards the snippet has no capabilities and cannot gain any.
@@ -195,7 +212,7 @@ def _run(code: str, iso: Isolation, timeout_s: float, max_output_bytes: int, lim
     try:
         if workdir and uid is not None:
             os.chown(workdir, uid, uid)
-        home = workdir or "/tmp"
+        home = workdir or _workdir()
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": home, "TMPDIR": home, "LANG": "C.UTF-8",
                # one BLAS thread: less contention with the trainer, and fewer threads for RLIMIT_NPROC
                "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
