@@ -6,6 +6,8 @@
 - steps: the step-time breakdown (generate / score / old log-probs + D(x) / update / weight push) of spo.py for
   --algo spo and --algo grpo on the toy at the same number of responses per step.
 - sandbox: sandbox runs per second and p50 / p99 latency with 1, 2 and 8 workers for a trivial snippet.
+- eval: evaluation tokens per second through eval.sample_and_score against raw vLLM LLM.generate on the same
+  requests and sampling (the overhead ratio).
 
     .venv/bin/python bench.py                 # everything
     .venv/bin/python bench.py tracker steps   # some
@@ -141,12 +143,59 @@ def bench_steps(steps=40, warmup=5, nproc=2, batch_size=64, group_size=8):
     return rows
 
 
+def bench_eval(toy_dir="toy", n_problems=100, n=8, max_tokens=32, repeats=3):
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    import toy
+    import trainer
+    from eval import EVAL_DEFAULTS, request_seeds, sample_and_score
+    from rollout import Engine
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    rank, world, device = trainer.setup_distributed()
+    model, _, test = toy.ensure_toy(toy_dir)
+    data = trainer.load_dataset(test, trainer.load_tokenizer(model), 256, False)[:n_problems]
+    engine = Engine(model, seed=0, max_model_len=256 + max_tokens, device=device)
+    sampling = {k: EVAL_DEFAULTS[k] for k in ("temperature", "top_p", "top_k")}
+    seeds = np.concatenate([request_seeds(0, pid, n) for pid in data.ids])
+    prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in data.prompt_ids for _ in range(n)]
+
+    def ours():
+        samples, rollouts = sample_and_score(engine, data, n, 0, max_tokens=max_tokens, rank=0, world=1, **sampling)
+        return sum(len(r.response_ids) for rs in rollouts.values() for r in rs)
+
+    def raw(logprobs):
+        params = [SamplingParams(max_tokens=max_tokens, seed=int(s), logprobs=logprobs, **sampling) for s in seeds]
+        return sum(len(o.outputs[0].token_ids) for o in engine.llm.generate(prompts, params, use_tqdm=False))
+
+    runs = {"vllm LLM.generate": lambda: raw(None), "vllm LLM.generate + logprobs": lambda: raw(0),
+            "eval.sample_and_score": ours}
+    for f in runs.values():
+        f()  # warm-up
+    best = {}
+    for name, f in runs.items():
+        rates = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            tokens = f()
+            rates.append((tokens / (time.perf_counter() - t0), tokens))
+        best[name] = max(rates)
+        print(f"{name:32s} {best[name][0]:9.0f} tokens/s  ({best[name][1]} tokens, {n_problems} x {n} requests, "
+              f"best of {repeats})", flush=True)
+    ours_rate = best["eval.sample_and_score"][0]
+    print(f"overhead (time ratio): sample_and_score / LLM.generate = {best['vllm LLM.generate'][0] / ours_rate:.2f}x, "
+          f"sample_and_score / LLM.generate with log-probs = "
+          f"{best['vllm LLM.generate + logprobs'][0] / ours_rate:.2f}x", flush=True)
+    engine.shutdown()
+    return best
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="spo benchmarks")
-    parser.add_argument("which", nargs="*", default=["tracker", "steps", "sandbox"],
-                        help="which benchmarks: tracker, steps, sandbox")
+    parser.add_argument("which", nargs="*", default=["tracker", "steps", "sandbox", "eval"],
+                        help="which benchmarks: tracker, steps, sandbox, eval (eval last: it starts an engine here)")
     parser.add_argument("--sizes", type=int, nargs="+", default=[14_000, 10**6, 10**7], help="tracker: prompts")
     args = parser.parse_args()
     for name in args.which:
         print(f"\n== {name}", flush=True)
-        {"tracker": lambda: bench_tracker_sampler(args.sizes), "steps": bench_steps, "sandbox": bench_sandbox}[name]()
+        {"tracker": lambda: bench_tracker_sampler(args.sizes), "steps": bench_steps, "sandbox": bench_sandbox,
+         "eval": bench_eval}[name]()

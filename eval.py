@@ -8,15 +8,20 @@
    bootstrap expectation (the paper's maj@32 values look like one), a per-benchmark summary and a markdown table.
 3. Datasets: `load_prompts` is the one loader for spo.py, offline_values.py and evaluation, so a prompt gets
    the same id (a hash of its chat messages, not its row number) everywhere and survives reordering.
+4. Evaluation with vLLM: `sample_and_score` (shared with spo.py) and the command line below (paper defaults:
+   n 32, temperature 0.6, top_p 0.95, top_k 20); --model also takes an spo.py run or checkpoint directory.
 
 Usage:
     from eval import compute_score, load_prompts, summarize, markdown_table
     prompts = load_prompts("dapo_math_17k.parquet")           # ids, chat messages, answers
     r = compute_score(response_text, prompts.answers[0])      # 0.0 or 1.0
+
+    torchrun --nproc_per_node=2 eval.py --model runs/<run>/checkpoints/step_N/model --data aime24.parquet
 """
 import hashlib
 import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -293,3 +298,161 @@ def load_prompts(path) -> PromptSet:
 
 # ---------------------------------------------------------------------------------------------- evaluation
 # (the command-line evaluation that drives vLLM follows here)
+# Each rank's engine takes problems rank, rank + world, ...; every request has its own seed, derived from (seed,
+# prompt id, sample index) only, so a sample is the same whatever the world size, batch or order.
+EVAL_DEFAULTS = {"n": 32, "temperature": 0.6, "top_p": 0.95, "top_k": 20}  # the paper's evaluation sampling
+
+
+def request_seeds(base, prompt_id: str, n: int) -> np.ndarray:
+    """(n,) per-request seeds for samples 0..n-1 of one prompt; base: an int or a sequence of ints (>= 0).
+    The first k seeds do not depend on n, so asking for more samples later keeps the earlier ones."""
+    key = int(hashlib.sha1(prompt_id.encode("utf-8")).hexdigest()[:16], 16)
+    return np.random.SeedSequence([*np.atleast_1d(base).tolist(), key]).generate_state(n)
+
+
+def sample_and_score(engine, data, n, seeds_base, *, temperature, top_p, top_k, max_tokens, rank, world,
+                     think_format=False, tools=None):
+    """n samples of every problem of `data` (trainer.Dataset: ids, prompt_ids, answers), sharded over ranks.
+
+    Returns (samples, rollouts). samples[p] lists the n (answer or None, correct) of problem p, for EVERY problem
+    in data order and on every rank (gathered: call it on all ranks), ready for summarize(). rollouts maps this
+    rank's problems p to their n Rollouts (responses to write out). tools: a rollout.Tools for the tool loop."""
+    mine = list(range(rank, len(data.ids), world))
+    outputs = []
+    if mine:  # a rank with no problem (more ranks than problems) still joins the gather below
+        seeds = np.concatenate([request_seeds(seeds_base, data.ids[p], n) for p in mine])
+        outputs = engine.generate([data.prompt_ids[p] for p in mine for _ in range(n)], seeds,
+                                  max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                  **({"tools": tools} if tools is not None else {}))
+    rollouts = {p: outputs[j * n:(j + 1) * n] for j, p in enumerate(mine)}
+    local = {p: [(answer, bool(reward)) for reward, answer in
+                 (score_and_answer(r.text, data.answers[p], think_format) for r in rs)] for p, rs in rollouts.items()}
+    parts = [local]
+    if world > 1:
+        import torch.distributed as dist
+        parts = [None] * world
+        dist.all_gather_object(parts, local)  # answers and flags only: responses stay on their rank
+    merged = {p: s for part in parts for p, s in part.items()}
+    return [merged[p] for p in range(len(data.ids))], rollouts
+
+
+def resolve_model(path: str) -> str:
+    """A model directory from what a user naturally passes: an HF dir or hub name as is, or spo.py output: a run
+    directory (its latest checkpoint), its checkpoints/ directory, or a step_N directory (its model/)."""
+    if os.path.isdir(os.path.join(path, "checkpoints")):
+        path = os.path.join(path, "checkpoints")
+    if os.path.isfile(os.path.join(path, "latest")):
+        with open(os.path.join(path, "latest")) as f:
+            path = os.path.join(path, f.read().strip())
+    if os.path.isdir(os.path.join(path, "model")) and not os.path.isfile(os.path.join(path, "config.json")):
+        path = os.path.join(path, "model")
+    return path
+
+
+def write_samples(path, data, samples, rollouts, n, rank, world):
+    """One JSONL line per sample, problems in data order. Each rank writes its shard, then rank 0 interleaves
+    the shards (problem p is the (p // world)-th problem of rank p % world) without holding them in memory."""
+    import torch.distributed as dist
+    with open(f"{path}.rank{rank}", "w") as f:
+        for p, rs in rollouts.items():
+            for i, r in enumerate(rs):
+                answer, correct = samples[p][i]
+                f.write(json.dumps({"prompt_id": data.ids[p], "sample": i, "answer": answer, "correct": correct,
+                                    "ground_truth": data.answers[p], "finish_reason": r.finish_reason,
+                                    "response_tokens": len(r.response_ids), "response": r.text}) + "\n")
+    dist.barrier()
+    if rank == 0:
+        shards = [open(f"{path}.rank{r}") for r in range(world)]
+        with open(path, "w") as out:
+            for p in range(len(data.ids)):
+                out.writelines(shards[p % world].readline() for _ in range(n))
+        for r, shard in enumerate(shards):
+            shard.close()
+            os.remove(f"{path}.rank{r}")
+    dist.barrier()
+
+
+def parse_args(argv=None):
+    import argparse
+    p = argparse.ArgumentParser(description="Evaluate a model or an spo.py checkpoint: avg@n, pass@k, maj@n")
+    g = p.add_argument_group("model and data")
+    g.add_argument("--model", default=None, help="HF model, or spo.py run / checkpoint dir (default: the toy)")
+    g.add_argument("--data", nargs="+", default=None, help="benchmark files, parquet or JSONL (default: toy test)")
+    g.add_argument("--toy_dir", default="toy", help="where the built-in toy is cached")
+    g.add_argument("--max_prompt_len", type=int, default=4096, help="longer prompts are left out (counted)")
+    g = p.add_argument_group("sampling (defaults: the paper's evaluation)")
+    # Not `--n`: torchrun's own parser rejects it as an ambiguous abbreviation of --nnodes / --nproc_per_node.
+    g.add_argument("--n_samples", type=int, default=EVAL_DEFAULTS["n"], help="samples per problem (n of avg@n)")
+    g.add_argument("--temperature", type=float, default=EVAL_DEFAULTS["temperature"], help="sampling temperature")
+    g.add_argument("--top_p", type=float, default=EVAL_DEFAULTS["top_p"], help="nucleus sampling")
+    g.add_argument("--top_k", type=int, default=EVAL_DEFAULTS["top_k"], help="top-k sampling (-1: off)")
+    g.add_argument("--max_tokens", type=int, default=32, help="response token budget (paper: 32768)")
+    g.add_argument("--seed", type=int, default=0, help="per-request seeds derive from (seed, prompt id, sample)")
+    g.add_argument("--think_format", action="store_true", help="score with the authors' </think> / tool-tag gate")
+    # --tools goes here: build a rollout.Tools in main() and pass it as sample_and_score(..., tools=).
+    g = p.add_argument_group("output and engine")
+    g.add_argument("--out_dir", default="eval_out", help="<benchmark>.samples.jsonl, summary.json, summary.md")
+    g.add_argument("--n_boot", type=int, default=1000, help="bootstrap resamples for maj@n mean and std")
+    g.add_argument("--cpu_kv_cache_gib", type=int, default=1, help="vLLM KV cache per rank on CPU (GiB)")
+    g.add_argument("--gpu_memory_utilization", type=float, default=0.9, help="vLLM share of each GPU")
+    args = p.parse_args(argv)
+    if args.n_samples < 1 or args.max_tokens < 1:
+        p.error("--n_samples and --max_tokens must be at least 1")
+    return args
+
+
+def main(argv=None):
+    import trainer
+    args = parse_args(argv)
+    rank, world, device = trainer.setup_distributed()
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.cpu_kv_cache_gib))
+    if args.model is None or args.data is None:
+        import toy
+        import torch.distributed as dist
+        if rank == 0:
+            toy.ensure_toy(args.toy_dir)
+        dist.barrier()
+        args.model = args.model or os.path.join(args.toy_dir, "model")
+        args.data = args.data or [os.path.join(args.toy_dir, "test.parquet")]
+    args.model = resolve_model(args.model)
+    if rank == 0:
+        print("config: " + json.dumps(vars(args)), flush=True)
+    tokenizer = trainer.load_tokenizer(args.model)
+    benchmarks = {}
+    for path in args.data:  # names from file stems; a repeated stem gets a suffix
+        name, k = Path(path).stem, 1
+        while name in benchmarks:
+            name, k = f"{Path(path).stem}_{k}", k + 1
+        benchmarks[name] = trainer.load_dataset(path, tokenizer, args.max_prompt_len, rank == 0)
+    from rollout import Engine
+    from transformers import AutoConfig
+    longest = max(len(p) for data in benchmarks.values() for p in data.prompt_ids) + args.max_tokens
+    limit = getattr(AutoConfig.from_pretrained(args.model), "max_position_embeddings", None) or longest
+    if longest > limit:  # vLLM's own error is a long traceback
+        trainer.fail(f"--max_tokens + the longest prompt = {longest} tokens, more than --model's {limit} positions")
+    engine = Engine(args.model, seed=args.seed, max_model_len=longest, device=device,
+                    gpu_memory_utilization=args.gpu_memory_utilization)
+    os.makedirs(args.out_dir, exist_ok=True)
+    n = args.n_samples
+    ks = sorted({2 ** i for i in range(n.bit_length())} | {n})  # pass@1, 2, 4, ... and pass@n
+    summaries = {}
+    for name, data in benchmarks.items():
+        samples, rollouts = sample_and_score(engine, data, n, args.seed, temperature=args.temperature,
+                                             top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens,
+                                             rank=rank, world=world, think_format=args.think_format)
+        write_samples(os.path.join(args.out_dir, f"{name}.samples.jsonl"), data, samples, rollouts, n, rank, world)
+        if rank == 0:
+            summaries[name] = summarize(samples, ks=ks, n_boot=args.n_boot, seed=args.seed)
+    if rank == 0:
+        table = markdown_table(summaries)
+        with open(os.path.join(args.out_dir, "summary.json"), "w") as f:
+            json.dump({"config": vars(args), "results": summaries}, f, indent=1)
+        with open(os.path.join(args.out_dir, "summary.md"), "w") as f:
+            f.write(f"model `{args.model}`, n = {n}, temperature {args.temperature}, top_p {args.top_p}, "
+                    f"top_k {args.top_k}, max_tokens {args.max_tokens}\n\n{table}\n")
+        print(table, flush=True)
+    engine.shutdown()  # also tears down the process group
+
+
+if __name__ == "__main__":
+    main()

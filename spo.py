@@ -41,8 +41,9 @@ import torch.distributed as dist
 
 import trainer
 from trainer import all_gather_np, all_reduce_np
-from eval import compute_score, load_prompts
+from eval import compute_score, sample_and_score
 from sampler import PromptSampler, priority_weights
+from offline_values import estimate_offline_values
 from tracker import ValueTracker
 
 
@@ -53,7 +54,10 @@ def parse_args(argv=None):
     p.add_argument("--train", default=None, help="training prompts: parquet or JSONL (default: the toy)")
     p.add_argument("--test", default=None, help="held-out prompts for evaluation (default: the toy)")
     p.add_argument("--toy_dir", default="toy", help="where the built-in toy is built and cached")
-    p.add_argument("--offline_values", default=None, help="offline_values.py output: initialises the tracker")
+    p.add_argument("--offline_values", default="auto",
+                   help="offline_values.py output that initialises the tracker (Algorithm 2); 'auto': on the toy, "
+                        "built with the engine on first use, else none; 'none': the uninformed prior")
+    p.add_argument("--n0", type=int, default=8, help="offline samples per prompt when values are built here")
     p.add_argument("--max_prompt_len", type=int, default=256, help="longer prompts are left out (counted)")
     p.add_argument("--max_response_len", type=int, default=32, help="response token budget")
     # ---- algorithm
@@ -144,18 +148,13 @@ def global_normalise(advantage, eps=1e-8):
 
 
 # ------------------------------------------------------------------------------------------------ evaluation
-def evaluate(engine, test_prompt_ids, test_answers, args, step):
-    """Held-out accuracy (avg@n at the evaluation temperature) over all ranks; each rank scores its shard."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    mine = list(range(rank, len(test_prompt_ids), world))
-    prompts = [test_prompt_ids[i] for i in mine for _ in range(args.eval_samples)]
-    seeds = np.random.SeedSequence([args.seed, 1, step, rank]).generate_state(max(len(prompts), 1))
-    rollouts = engine.generate(prompts, seeds, max_tokens=args.max_response_len,
-                               temperature=args.eval_temperature, top_p=args.eval_top_p, top_k=args.eval_top_k)
-    correct = sum(compute_score(r.text, test_answers[i]) for r, i in
-                  zip(rollouts, [i for i in mine for _ in range(args.eval_samples)]))
-    correct, total = all_reduce_np([correct, len(prompts)])
-    return correct / total
+def evaluate(engine, test, args):
+    """Held-out accuracy (avg@n at the evaluation temperature) over all ranks, by the same code as eval.py.
+    The seeds do not depend on the step: every evaluation scores the same draws, so differences are the model's."""
+    samples, _ = sample_and_score(engine, test, args.eval_samples, [args.seed, 1], temperature=args.eval_temperature,
+                                  top_p=args.eval_top_p, top_k=args.eval_top_k, max_tokens=args.max_response_len,
+                                  rank=dist.get_rank(), world=dist.get_world_size())
+    return float(np.mean([correct for problem in samples for _, correct in problem]))
 
 
 # ------------------------------------------------------------------------------------------------ main
@@ -167,6 +166,7 @@ def main(argv=None):
     is_main = rank == 0
 
     # ---- model and data: the toy unless the user names their own
+    on_toy = args.train is None
     if args.model is None or args.train is None:
         if is_main:
             import toy
@@ -187,29 +187,44 @@ def main(argv=None):
         test = test[: args.eval_max_prompts]
     n_prompts = len(data.ids)
 
-    # ---- the per-prompt state SPO carries across steps: tracker, sampler, previous responses (for D)
-    tracker = ValueTracker(n_prompts, args.rho_min, args.rho_max, args.d_half,
-                           args.rho_constant if args.rho == "constant" else None)
-    if args.offline_values and not args.resume:
-        trainer.init_tracker_from_file(tracker, args.offline_values, data, args.init_smoothing, is_main)
-    sampler = PromptSampler(n_prompts, seed=args.seed, mode=args.sampler)
-    previous = {}  # prompt index -> (response ids, acting policy's log-probs, response mask)
-    start_step = 0
+    # ---- the policy (FSDP2) and its colocated engine
     state = trainer.load_checkpoint(args.resume, world, data.ids) if args.resume else None
     model_path = state["model_dir"] if state else args.model
     policy, optimizer = trainer.build_policy(model_path, device, args.lr, args.weight_decay)
+    from rollout import Engine
+    engine = Engine(model_path, seed=args.seed, max_model_len=args.max_prompt_len + args.max_response_len,
+                    device=device, gpu_memory_utilization=args.gpu_memory_utilization,
+                    temperature=args.temperature)
+
+    # ---- the per-prompt state SPO carries across steps: tracker, sampler, previous responses (for D)
+    tracker = ValueTracker(n_prompts, args.rho_min, args.rho_max, args.d_half,
+                           args.rho_constant if args.rho == "constant" else None)
+    sampler = PromptSampler(n_prompts, seed=args.seed, mode=args.sampler)
+    previous = {}  # prompt index -> (response ids, acting policy's log-probs, response mask)
+    start_step = 0
     if state:
         trainer.restore_optimizer(policy, optimizer, state["optimizer"])
         tracker.load_state_dict(state["tracker"])
         sampler.load_state_dict(state["sampler"])
         previous, start_step = state["previous"], state["step"]
+    elif args.algo == "spo" and args.offline_values != "none":
+        values_path = args.offline_values
+        if values_path == "auto" and on_toy:  # the toy's values, measured once with this engine and cached
+            values_path = os.path.join(args.toy_dir, f"offline_values_n{args.n0}_seed{args.seed}.json")
+            if not os.path.exists(values_path):
+                estimate_offline_values(engine, data, values_path, n0=args.n0, temperature=args.temperature,
+                                        max_tokens=args.max_response_len, seed=args.seed,
+                                        header={"model": args.model, "dataset": args.train},
+                                        truncated_reward=args.truncated_reward, progress=is_main)
+        if values_path == "auto":
+            if is_main:
+                print("no --offline_values: the tracker starts from the uninformed prior (make them with "
+                      "offline_values.py)", flush=True)
+        else:
+            trainer.init_tracker_from_file(tracker, values_path, data, args.init_smoothing, is_main)
     if args.sampler == "prioritized":
         sampler.set_weights(priority_weights(tracker.value, tracker.n_eff, args.sampling_eps, args.sampling_gamma))
 
-    from rollout import Engine
-    engine = Engine(model_path, seed=args.seed, max_model_len=args.max_prompt_len + args.max_response_len,
-                    device=device, gpu_memory_utilization=args.gpu_memory_utilization,
-                    temperature=args.temperature)
     logger = trainer.Logger(run_dir, vars(args), is_main, args.wandb, args.tensorboard)
     if is_main:
         logger.console(f"{n_prompts} training prompts, {len(test.ids) if test else 0} held-out, world size {world}, "
@@ -219,7 +234,7 @@ def main(argv=None):
     local = args.batch_size // world  # responses per rank per step
     nonfinite = 0
     if start_step == 0 and test is not None and args.eval_every:
-        logger.log(0, {"eval/accuracy": evaluate(engine, test.prompt_ids, test.answers, args, 0)})
+        logger.log(0, {"eval/accuracy": evaluate(engine, test, args)})
     for step in logger.progress(range(start_step + 1, args.steps + 1), total=args.steps, initial=start_step):
         t = {}
         # 1. prompts: every rank draws the same global batch (same seed, same tracker), then takes its slice.
@@ -286,7 +301,7 @@ def main(argv=None):
                                        all_divergence if args.algo == "spo" else None,
                                        rho if args.algo == "spo" else None)
         if test is not None and args.eval_every and (step % args.eval_every == 0 or step == args.steps):
-            metrics["eval/accuracy"] = evaluate(engine, test.prompt_ids, test.answers, args, step)
+            metrics["eval/accuracy"] = evaluate(engine, test, args)
         logger.log(step, metrics, console=(step % args.log_every == 0 or step == args.steps))
         if (args.save_every and step % args.save_every == 0) or step == args.steps:
             trainer.save_checkpoint(run_dir, step, policy, optimizer, tokenizer, world, data.ids,

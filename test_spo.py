@@ -9,6 +9,7 @@ import itertools
 import json
 import os
 import resource
+import shutil
 import socket
 import subprocess
 import sys
@@ -1058,6 +1059,187 @@ def test_resume_with_another_world_size_or_dataset(small_toy, spo_run, tmp_path)
     other.write_text(json.dumps({"problem": "1+1=", "answer": "2"}) + "\n")
     err = _run_fail("--model", small_toy["model"], "--train", str(other), "--resume", str(run))
     assert "another training set" in err
+
+
+# ================================================================================ offline values (Algorithm 2)
+def python(*args, timeout=300):
+    """A world of one without torchrun: offline_values.py / eval.py must work as plain scripts too."""
+    return subprocess.run([PYTHON, *args], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
+
+
+def offline_args(small_toy, out, *extra):
+    return ["offline_values.py", "--model", small_toy["model"], "--data", small_toy["train"], "--out", str(out),
+            "--max_prompts", "80", "--n0", "4", "--chunk_prompts", "8", *extra]
+
+
+@pytest.fixture(scope="session")
+def offline_full(small_toy, tmp_path_factory):
+    """An uninterrupted pass, one process."""
+    out = tmp_path_factory.mktemp("offline_full") / "values.json"
+    _ok(python(*offline_args(small_toy, out)))
+    return out
+
+
+@pytest.fixture(scope="session")
+def offline_interrupted(small_toy, tmp_path_factory):
+    """A pass stopped after 2 chunks of 8 prompts; the partial file is kept read-only as a snapshot for the tests
+    below, which each copy it."""
+    snapshot = tmp_path_factory.mktemp("offline_interrupted")
+    proc = _ok(python(*offline_args(small_toy, snapshot / "values.json", "--max_chunks", "2")))
+    assert "rerun the same command to resume" in proc.stdout
+    return snapshot
+
+
+def _copy_partial(snapshot, to):
+    for name in os.listdir(snapshot):
+        shutil.copy(snapshot / name, to / name)
+    return to / "values.json"
+
+
+def test_offline_values_file_format(offline_full):
+    saved = json.loads(offline_full.read_text())
+    assert {"model", "dataset", "n0", "temperature", "top_p", "max_tokens", "seed", "created"} <= set(saved["header"])
+    assert saved["header"]["temperature"] == 1.0 and saved["header"]["top_p"] == 1.0  # training sampling
+    prompts = saved["prompts"]
+    assert len(prompts) == 80
+    assert all(len(e["scores"]) == 4 and set(e["scores"]) <= {0.0, 1.0} for e in prompts.values())
+    assert all(e["prompt"].strip().endswith("=") for e in prompts.values())  # decoded "a+b=" prompts
+    flat = np.array([e["scores"] for e in prompts.values()])  # (80, 4)
+    # The small toy's base model solves a few percent at temperature 1: 320 samples without a success (or all
+    # successes) would mean a broken scorer, and would make the resume test below trivially pass.
+    assert 0 < flat.sum() < flat.size
+    assert not list(offline_full.parent.glob("*.partial.jsonl"))  # merged partial files are removed
+
+
+def test_offline_values_interrupted_then_resumed_equals_uninterrupted(small_toy, offline_full, offline_interrupted,
+                                                                       tmp_path):
+    out = _copy_partial(offline_interrupted, tmp_path)
+    assert not out.exists()
+    lines = (tmp_path / "values.json.rank0.partial.jsonl").read_text().splitlines()
+    assert len(lines) == 1 + 16  # the header + 2 chunks x 8 prompts, all n0 scores of a prompt on one line
+    # Resume with another world size: the seeds depend on (seed, prompt id, sample), not on rank or chunking.
+    _ok(torchrun(2, *offline_args(small_toy, out)))
+    resumed, full = json.loads(out.read_text()), json.loads(offline_full.read_text())
+    assert list(resumed["prompts"]) == list(full["prompts"])  # dataset order
+    assert resumed["prompts"] == full["prompts"]  # identical scores per prompt
+    assert not list(tmp_path.glob("*.partial.jsonl"))
+
+
+def test_tracker_from_offline_file_has_n_eff_n0(small_toy, offline_full):
+    import trainer
+    from tracker import ValueTracker
+    tokenizer = trainer.load_tokenizer(small_toy["model"])
+    data = trainer.load_dataset(small_toy["train"], tokenizer, 256, False)[:80]
+    tracker = ValueTracker(len(data.ids), rho_min=0.875)
+    trainer.init_tracker_from_file(tracker, str(offline_full), data, "kt", False)
+    np.testing.assert_allclose(tracker.n_eff, 8.0)  # N0 = 1 / (1 - rho_min)
+    scores = json.loads(offline_full.read_text())["prompts"]
+    successes = np.array([sum(scores[pid]["scores"]) for pid in data.ids])
+    np.testing.assert_allclose(tracker.value, (successes + 0.5) / 5.0)  # KT: (s + 0.5) / (n0 + 1), n0 = 4
+
+
+def test_offline_values_refuses_to_resume_with_other_settings(small_toy, offline_interrupted, tmp_path):
+    out = _copy_partial(offline_interrupted, tmp_path)
+    before = (tmp_path / "values.json.rank0.partial.jsonl").read_text()
+    proc = python(*offline_args(small_toy, out, "--temperature", "0.6"))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert "partial.jsonl" in proc.stderr and "temperature: 1.0 there, 0.6 now" in proc.stderr
+    assert (tmp_path / "values.json.rank0.partial.jsonl").read_text() == before  # nothing appended
+    assert not out.exists()
+
+
+def test_offline_values_refuses_a_final_file_made_with_other_settings(small_toy, offline_full, tmp_path):
+    out = tmp_path / "values.json"
+    shutil.copy(offline_full, out)
+    args = offline_args(small_toy, out)
+    args[args.index("--n0") + 1] = "8"
+    proc = python(*args)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "n0: 4 there, 8 now" in proc.stderr and "Traceback" not in proc.stderr
+
+
+# ================================================================================ eval.py
+def test_eval_imports_without_vllm():
+    code = "import sys; sys.modules['vllm'] = None; import eval; assert 'rollout' not in sys.modules"
+    _ok(subprocess.run([PYTHON, "-c", code], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120))
+
+
+def test_request_seeds_depend_on_prompt_and_sample_only():
+    from eval import request_seeds
+    a = request_seeds([0, 1], "edbe8e30412159f8", 8)
+    assert list(request_seeds([0, 1], "edbe8e30412159f8", 3)) == list(a[:3])  # more samples keep the first ones
+    assert len(set(a.tolist())) == 8
+    assert not set(a.tolist()) & set(request_seeds([0, 1], "edbe8e30412159f9", 8).tolist())
+    assert not set(a.tolist()) & set(request_seeds([0, 2], "edbe8e30412159f8", 8).tolist())
+
+
+@pytest.fixture(scope="session")
+def spo_run_dir(spo_run):
+    return spo_run[0]
+
+
+def test_resolve_model_finds_a_checkpoint_model(spo_run_dir):
+    from eval import resolve_model
+    model = str(spo_run_dir / "checkpoints" / "step_000004" / "model")
+    assert resolve_model(str(spo_run_dir)) == model
+    assert resolve_model(str(spo_run_dir / "checkpoints")) == model
+    assert resolve_model(os.path.dirname(model)) == model
+    assert resolve_model(model) == model
+    assert resolve_model("Qwen/Qwen3-8B") == "Qwen/Qwen3-8B"
+
+
+@pytest.fixture(scope="session")
+def eval_run(small_toy, spo_run_dir, tmp_path_factory):
+    """eval.py on two ranks, on a real spo.py checkpoint (a plain HF dir), over two files: the toy test set and
+    a JSONL copy of its first 10 problems in another schema."""
+    out = tmp_path_factory.mktemp("eval_out")
+    subset = out / "first10.jsonl"
+    rows = pq.read_table(small_toy["test"]).to_pylist()[:10]
+    subset.write_text("".join(json.dumps({"problem": r["prompt"][0]["content"],
+                                          "answer": r["reward_model"]["ground_truth"]}) + "\n" for r in rows))
+    model = str(spo_run_dir / "checkpoints" / "step_000004" / "model")
+    _ok(torchrun(2, "eval.py", "--model", model, "--data", small_toy["test"], str(subset), "--n_samples", "4",
+                 "--max_tokens", "32", "--out_dir", str(out / "eval")))
+    return out / "eval"
+
+
+def _samples(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_eval_cli_writes_samples_and_summaries(eval_run):
+    assert {"test.samples.jsonl", "first10.samples.jsonl", "summary.json", "summary.md"} <= set(os.listdir(eval_run))
+    assert not [f for f in os.listdir(eval_run) if ".rank" in f]  # per-rank shards merged and removed
+    results = json.loads((eval_run / "summary.json").read_text())["results"]
+    assert set(results) == {"test", "first10"} and results["test"]["problems"] == 40
+    for summary in results.values():
+        metrics = {k: v for k, v in summary.items() if "@" in k}
+        assert {"avg@4", "pass@1", "pass@2", "pass@4", "maj@4", "maj@4_boot_mean"} <= set(metrics)
+        assert all(0.0 <= v <= 1.0 for v in metrics.values())
+        assert summary["pass@1"] == pytest.approx(summary["avg@4"], abs=1e-12)
+        assert summary["avg@4"] <= summary["pass@2"] <= summary["pass@4"]
+    table = (eval_run / "summary.md").read_text()
+    assert "| test |" in table and "| first10 |" in table and "| average |" in table
+
+
+def test_eval_samples_are_in_order_and_agree_with_the_summary(eval_run):
+    rows = _samples(eval_run / "test.samples.jsonl")
+    assert len(rows) == 40 * 4
+    assert [r["sample"] for r in rows] == [0, 1, 2, 3] * 40  # problems in data order, 4 samples each
+    assert len({r["prompt_id"] for r in rows}) == 40
+    summary = json.loads((eval_run / "summary.json").read_text())["results"]["test"]
+    assert np.mean([r["correct"] for r in rows]) == pytest.approx(summary["avg@4"])
+    from eval import score_and_answer
+    assert all((bool(s), a) == (r["correct"], r["answer"]) for r in rows
+               for s, a in [score_and_answer(r["response"], r["ground_truth"])])
+
+
+def test_eval_samples_do_not_depend_on_the_file_or_rank(eval_run):
+    """The subset's problems land on the same ranks but in another request batch; seeds come from the prompt
+    id, so their responses match the full set's exactly."""
+    full, subset = _samples(eval_run / "test.samples.jsonl"), _samples(eval_run / "first10.samples.jsonl")
+    assert subset == full[:40]
 
 
 # ---- workers run under torchrun by the tests above

@@ -1,0 +1,221 @@
+"""Offline value estimates (Algorithm 2, Eq. 6): n0 samples per prompt from the initial policy give v0.
+
+SPO's tracker needs a starting value for every prompt. Before training, the initial model answers each training
+prompt n0 times (default 8); its success fraction is v0(x), and spo.py starts the tracker from
+alpha0 = N0 * v0, beta0 = N0 * (1 - v0) with N0 = 1 / (1 - rho_min) (Eq. 6; tracker.init_from_scores, which
+also applies the smoothing). Without this pass the tracker starts uninformed (alpha = beta = 0.5).
+
+- Sampling: by default exactly the training distribution (temperature 1.0, top_p 1.0, the training token budget
+  and reward, where a response cut off by the budget scores 0). The authors measured v0 at their evaluation
+  temperature 0.6 while training at 1.0: a prior for another distribution. Any override is recorded in the header.
+- Reproducible: every request has its own seed derived from (seed, prompt id, sample index), so the scores do not
+  depend on the world size, the chunking or an interruption.
+- Resumable: each rank appends finished prompts (all n0 scores at once) to <out>.rank<r>.partial.jsonl, whose
+  first line holds the settings; a rerun skips what is there and refuses other settings. When every prompt is
+  done, rank 0 writes <out> atomically and removes the partial files.
+
+Output, read by spo.py --offline_values:
+    {"header": {"model", "dataset", "n0", "temperature", "top_p", "max_tokens", "seed", ...},
+     "prompts": {prompt_id: {"prompt": decoded prompt text, "scores": [0.0, 1.0, ...]}}}  (dataset order)
+
+    torchrun --nproc_per_node=2 offline_values.py --model M --data train.parquet --out values.json
+    python offline_values.py                                   # the built-in toy, one process
+    torchrun --nproc_per_node=2 spo.py --model M --train train.parquet --offline_values values.json
+Use the same --max_prompt_len as training: spo.py refuses a file with prompts its training set left out.
+"""
+import argparse
+import glob
+import json
+import os
+import time
+
+import numpy as np
+import torch.distributed as dist
+
+from eval import compute_score, request_seeds
+
+
+def run_header(header, *, n0, temperature, top_p, max_tokens, seed, truncated_reward):
+    """The settings that make scores comparable; a partial file made with other settings cannot be resumed."""
+    return {**header, "n0": n0, "temperature": float(temperature), "top_p": float(top_p),
+            "max_tokens": max_tokens, "seed": seed, "truncated_reward": truncated_reward}
+
+
+def partial_paths(out_path):
+    """Partial files of earlier runs, of any world size: ranks of a smaller rerun still pick them up."""
+    return sorted(glob.glob(glob.escape(out_path) + ".rank*.partial.jsonl"))
+
+
+def read_finished(out_path, header):
+    """{prompt id: scores} already computed for out_path (its final file and partial files) with these settings.
+    Raises ValueError naming the file and the differing settings otherwise."""
+    wanted = {k: v for k, v in header.items() if k != "created"}
+    done = {}
+    for path in ([out_path] if os.path.exists(out_path) else []) + partial_paths(out_path):
+        with open(path) as f:
+            try:
+                if path == out_path:
+                    saved = json.load(f)
+                    theirs, entries = saved["header"], {pid: e["scores"] for pid, e in saved["prompts"].items()}
+                else:
+                    lines = f.read().split("\n")
+                    theirs, entries = json.loads(lines[0])["header"], {}
+                    for line in lines[1:]:
+                        try:
+                            row = json.loads(line)
+                            entries[row["id"]] = row["scores"]
+                        except (ValueError, KeyError, TypeError):
+                            pass  # an empty line or one cut off by a crash: that prompt is simply redone
+            except (ValueError, KeyError, TypeError, AttributeError):
+                raise ValueError(f"{path}: not an offline-values file (unreadable header); move it away or choose "
+                                 f"another --out") from None
+        theirs = {k: v for k, v in theirs.items() if k != "created"}
+        if theirs != wanted:
+            diff = "; ".join(f"{k}: {theirs.get(k)!r} there, {wanted.get(k)!r} now" for k in sorted({*theirs, *wanted})
+                             if theirs.get(k) != wanted.get(k))
+            raise ValueError(f"{path} was made with other settings ({diff}): rerun with the same settings to "
+                             f"resume, or delete it / choose another --out to start over")
+        done.update(entries)
+    return done
+
+
+def estimate_offline_values(engine, data, out_path, *, n0=8, temperature=1.0, top_p=1.0, max_tokens, seed=0,
+                            header, truncated_reward="zero", chunk_prompts=64, progress=True, max_chunks=None):
+    """n0 scored samples of every prompt of `data` (trainer.Dataset), sharded over ranks (rank r takes prompts
+    r, r + W, ...), resumable. Call on every rank. Returns the output dict on every rank once all prompts are
+    done, or None if max_chunks stopped this run early (a debugging aid: rerun to resume)."""
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    barrier = dist.barrier if world > 1 else (lambda: None)
+    header = run_header(header, n0=n0, temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed,
+                        truncated_reward=truncated_reward)
+    done = read_finished(out_path, header)
+    barrier()  # every rank has read the files before any rank appends to them
+    todo = [p for p in range(rank, len(data.ids), world) if data.ids[p] not in done]
+    partial = f"{out_path}.rank{rank}.partial.jsonl"
+    bar = None
+    if rank == 0 and progress:
+        from tqdm import tqdm
+        print(f"offline values: {len(data.ids)} prompts, {len(done)} already done, n0 = {n0}", flush=True)
+        bar = tqdm(total=len(todo), desc=f"offline values (rank 0 of {world})", unit="prompt", dynamic_ncols=True)
+    with open(partial, "a") as f:
+        if f.tell() == 0:
+            f.write(json.dumps({"header": {**header, "created": time.strftime("%Y-%m-%d %H:%M:%S")}}) + "\n")
+        else:
+            f.write("\n")  # ends a line a crash may have cut off; blank lines are skipped when read
+        for c in range(0, len(todo), chunk_prompts):
+            if max_chunks is not None and c >= max_chunks * chunk_prompts:
+                break
+            chunk = todo[c: c + chunk_prompts]
+            seeds = np.concatenate([request_seeds(seed, data.ids[p], n0) for p in chunk])  # (len(chunk) * n0,)
+            rollouts = engine.generate([data.prompt_ids[p] for p in chunk for _ in range(n0)], seeds,
+                                       max_tokens=max_tokens, temperature=temperature, top_p=top_p)
+            scores = np.array([compute_score(r.text, data.answers[p]) *
+                               (truncated_reward == "score" or r.finish_reason != "length")
+                               for r, p in zip(rollouts, np.repeat(chunk, n0))]).reshape(len(chunk), n0)
+            f.writelines(json.dumps({"id": data.ids[p], "scores": s.tolist()}) + "\n" for p, s in zip(chunk, scores))
+            f.flush()
+            os.fsync(f.fileno())
+            if bar is not None:
+                bar.update(len(chunk))
+    if bar is not None:
+        bar.close()
+    barrier()
+    result = None
+    if rank == 0:
+        done = read_finished(out_path, header)
+        missing = sum(pid not in done for pid in data.ids)
+        if missing:
+            print(f"offline values: stopped with {missing} prompts to go; rerun the same command to resume", flush=True)
+        else:
+            tokenizer = engine.llm.get_tokenizer()
+            result = {"header": {**header, "created": time.strftime("%Y-%m-%d %H:%M:%S")},
+                      "prompts": {pid: {"prompt": tokenizer.decode(ids), "scores": done[pid]}
+                                  for pid, ids in zip(data.ids, data.prompt_ids)}}
+            with open(out_path + ".tmp", "w") as f:
+                json.dump(result, f)
+            os.replace(out_path + ".tmp", out_path)  # a crash never leaves a half-written values file
+            for path in partial_paths(out_path):
+                os.remove(path)
+            if progress:
+                print_histogram(result, n0)
+    if world > 1:
+        box = [result is not None]
+        dist.broadcast_object_list(box)
+        if box[0] and rank != 0:
+            with open(out_path) as f:
+                result = json.load(f)
+    return result
+
+
+def print_histogram(result, n0):
+    """How many prompts the initial model solves k of n0 times: the spread that SPO's sampler feeds on."""
+    successes = np.array([round(sum(e["scores"])) for e in result["prompts"].values()])  # (P,)
+    counts = np.bincount(successes, minlength=n0 + 1)
+    print(f"v0 over {len(successes)} prompts (mean {successes.mean() / n0:.3f}):")
+    for k, count in enumerate(counts):
+        print(f"  {k:>3}/{n0} {count:>7}  " + "#" * round(50 * count / max(counts.max(), 1)))
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="Offline value estimates v0 for SPO's tracker (Algorithm 2)")
+    g = p.add_argument_group("model and data")
+    g.add_argument("--model", default=None, help="the INITIAL policy: HF model name or dir (default: the toy)")
+    g.add_argument("--data", default=None, help="training prompts, parquet or JSONL (default: the toy's)")
+    g.add_argument("--toy_dir", default="toy", help="where the built-in toy is built and cached")
+    g.add_argument("--out", default="offline_values.json", help="output JSON (partial files go next to it)")
+    g.add_argument("--max_prompt_len", type=int, default=256, help="as in training: longer prompts are left out")
+    g.add_argument("--max_prompts", type=int, default=0, help="only the first N prompts (0: all)")
+    g = p.add_argument_group("sampling (defaults: training's)")
+    g.add_argument("--n0", type=int, default=8, help="samples per prompt (paper: 8)")
+    g.add_argument("--temperature", type=float, default=1.0, help="as training samples (the authors used 0.6)")
+    g.add_argument("--top_p", type=float, default=1.0, help="as training samples")
+    g.add_argument("--max_tokens", type=int, default=32, help="training's --max_response_len")
+    g.add_argument("--truncated_reward", choices=["zero", "score"], default="zero", help="as spo.py")
+    g.add_argument("--seed", type=int, default=0, help="per-request seeds derive from (seed, prompt id, sample)")
+    g = p.add_argument_group("run and engine")
+    g.add_argument("--chunk_prompts", type=int, default=64, help="prompts per generate call and partial flush")
+    g.add_argument("--max_chunks", type=int, default=None, help="debugging: stop after N chunks per rank")
+    g.add_argument("--cpu_kv_cache_gib", type=int, default=1, help="vLLM KV cache per rank on CPU (GiB)")
+    g.add_argument("--gpu_memory_utilization", type=float, default=0.9, help="vLLM share of each GPU")
+    args = p.parse_args(argv)
+    if args.n0 < 1 or args.max_tokens < 1 or args.chunk_prompts < 1:
+        p.error("--n0, --max_tokens and --chunk_prompts must be at least 1")
+    return args
+
+
+def main(argv=None):
+    import trainer
+    args = parse_args(argv)
+    rank, world, device = trainer.setup_distributed()
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.cpu_kv_cache_gib))
+    if args.model is None or args.data is None:
+        if rank == 0:
+            import toy
+            toy.ensure_toy(args.toy_dir, seed=0)
+        dist.barrier()
+        args.model = args.model or os.path.join(args.toy_dir, "model")
+        args.data = args.data or os.path.join(args.toy_dir, "train.parquet")
+    if rank == 0:
+        print("config: " + json.dumps(vars(args)), flush=True)
+    sampling = {k: getattr(args, k) for k in ("n0", "temperature", "top_p", "max_tokens", "seed", "truncated_reward")}
+    # Paths as absolute so that a rerun from another directory still matches the partial files' header.
+    header = {k: os.path.abspath(v) if os.path.exists(v) else v for k, v in (("model", args.model),
+                                                                             ("dataset", args.data))}
+    try:
+        read_finished(args.out, run_header(header, **sampling))  # a settings mismatch fails before the engine starts
+    except ValueError as e:
+        trainer.fail(str(e))
+    tokenizer = trainer.load_tokenizer(args.model)
+    data = trainer.load_dataset(args.data, tokenizer, args.max_prompt_len, rank == 0)
+    if args.max_prompts:
+        data = data[: args.max_prompts]
+    from rollout import Engine
+    engine = Engine(args.model, seed=args.seed, max_model_len=args.max_prompt_len + args.max_tokens, device=device,
+                    gpu_memory_utilization=args.gpu_memory_utilization, temperature=args.temperature)
+    estimate_offline_values(engine, data, args.out, header=header, chunk_prompts=args.chunk_prompts,
+                            max_chunks=args.max_chunks, **sampling)
+    engine.shutdown()  # also tears down the process group
+
+
+if __name__ == "__main__":
+    main()
