@@ -17,6 +17,12 @@ The toy is built on first use and cached in `--toy_dir` (default ./toy); a build
 on one machine. Measure the base model (exact success probabilities, no sampling):
 
     python toy.py
+
+The tool toy (`ensure_tool_toy`, cached in ./toy_tools) is the same model on "a*b=" with a Python tool: the
+model writes `print(a*b)` in a code block, the tool loop (rollout.py) runs it, and the model copies the answer
+from the interpreter output into the box. Build it, then measure it through the real loop (vLLM + sandbox):
+
+    python toy.py --tools && python toy.py --tools --measure
 """
 import argparse
 import json
@@ -189,12 +195,210 @@ def ensure_toy(toy_dir="toy", seed=0):
     return os.path.join(toy_dir, "model"), os.path.join(toy_dir, "train.parquet"), os.path.join(toy_dir, "test.parquet")
 
 
+# ------------------------------------------------------------------------------------------------ the tool toy
+# a*b (a of two or three digits, b of two): the tiny model cannot multiply in its head, but it can write
+# `print(a*b)` and copy the interpreter's answer. The warm start mixes tool traces (code, interpreter output,
+# boxed answer) with direct guesses, and a share of the tool traces carry a typo in an operand (the boxed answer
+# then copies the wrong product), so the base model calls the tool only some of the time and gets the code
+# right only part of the time: RL can raise both. The interpreter text is in the traces but out of the loss,
+# exactly as the tool loop masks it (rollout.py), because the model never generates it.
+TOOL_TOY_VERSION = 1
+
+
+def make_tool_problems(seed, n_train, n_test):
+    """Disjoint train / test sets of (a, b): a has 2 or 3 digits (equally likely), b has 2. Products of 3 to 5
+    digits; copying three-digit operands is what the tiny model learns slowest (both operands of 3 digits
+    needed twice the warm-start steps)."""
+    rng = np.random.default_rng(seed)
+    digits = np.stack([rng.integers(2, 4, size=4 * (n_train + n_test)), np.full(4 * (n_train + n_test), 2)], 1)
+    operands = rng.integers(10 ** (digits - 1), 10 ** digits)  # (N, 2)
+    _, first = np.unique(operands[:, 0] * 1000 + operands[:, 1], return_index=True)
+    pairs = operands[np.sort(first)][: n_train + n_test]  # distinct pairs, in draw order
+    if len(pairs) < n_train + n_test:
+        raise ValueError(f"make_tool_problems: cannot draw {n_train + n_test} distinct problems")
+    pairs = [(int(a), int(b)) for a, b in pairs]
+    return pairs[:n_train], pairs[n_train:]
+
+
+def write_tool_parquet(path, problems, split):
+    """The verl / DAPO schema, like write_parquet. The prompt carries no tool instruction: the warm start
+    teaches the format (a real model gets rollout.TOOL_INSTRUCTION instead)."""
+    table = pa.table({
+        "data_source": ["toy_mul_tool"] * len(problems),
+        "prompt": [[{"role": "user", "content": f"{a}*{b}="}] for a, b in problems],
+        "ability": ["math"] * len(problems),
+        "reward_model": [{"style": "rule", "ground_truth": str(a * b)} for a, b in problems],
+        "extra_info": [{"split": split, "index": i} for i in range(len(problems))],
+    })
+    pq.write_table(table, path)
+
+
+def tool_trace(a, b):
+    """A tool-use response as (text, in the loss) pieces: the code the model writes, the interpreter output the
+    tool loop appends (out of the loss), the boxed answer. Same text as rollout.py's loop produces."""
+    return [(f"<code>\n```python\nprint({a}*{b})\n```\n</code>", True),
+            (f"<interpreter>\n{a * b}\n</interpreter>\n\n", False), (f"\\boxed{{{a * b}}}", True)]
+
+
+def typo(n, rng):
+    """n with one digit replaced by a random digit (the leading digit never by 0)."""
+    digits = list(str(n))
+    k = rng.integers(len(digits))
+    digits[k] = str(rng.integers(1 if k == 0 else 0, 10))
+    return int("".join(digits))
+
+
+def noisy_tool_response(a, b, rng, tool_fraction, typo_rate):
+    """A warm-start response: a tool trace (an operand mistyped with probability typo_rate) or a direct guess."""
+    if rng.random() >= tool_fraction:
+        return [(f"\\boxed{{{a * b}}}", True)]  # the true product: the model cannot learn it, only guess
+    if rng.random() < typo_rate:
+        a, b = (typo(a, rng), b) if rng.random() < 0.5 else (a, typo(b, rng))
+    return tool_trace(a, b)
+
+
+def encode_segments(tokenizer, prompts, responses, end_of_turn=True):
+    """Like encode_pairs, for responses made of (text, in the loss) pieces: the mask is 0 on pieces out of it."""
+    seqs, masks = [], []
+    for prompt, pieces in zip(prompts, responses):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                             tokenize=False)
+        seq = tokenizer.encode(text, add_special_tokens=False)
+        mask = [0] * len(seq)
+        for piece, trained in pieces:
+            ids = tokenizer.encode(piece, add_special_tokens=False)
+            seq, mask = seq + ids, mask + [int(trained)] * len(ids)
+        seqs.append(seq + [tokenizer.eos_token_id] * end_of_turn)
+        masks.append(mask + [1] * end_of_turn)
+    T = max(map(len, seqs))
+    ids = torch.full((len(seqs), T), tokenizer.pad_token_id)
+    mask = torch.zeros(len(seqs), T)
+    for i, (s, m) in enumerate(zip(seqs, masks)):
+        ids[i, : len(s)] = torch.tensor(s)
+        mask[i, : len(m)] = torch.tensor(m, dtype=torch.float)
+    return ids, mask
+
+
+@torch.no_grad()
+def tool_success_probability(model, tokenizer, problems):
+    """Per problem, exact probabilities at temperature 1.0 of (the correct tool trace, the correct direct
+    answer, starting with a tool call). The correct tool trace is the one way to succeed with the tool that the
+    model knows (`print(a*b)`, then copying the output); a different but correct program is not counted."""
+    prompts = [f"{a}*{b}=" for a, b in problems]
+    out = []
+    for responses in ([tool_trace(a, b) for a, b in problems], [[(f"\\boxed{{{a * b}}}", True)] for a, b in problems]):
+        ids, mask = encode_segments(tokenizer, prompts, responses)
+        out.append(response_logprob(model, ids, mask).exp().numpy())
+    ids, mask = encode_segments(tokenizer, prompts, [[("<code>", True)]] * len(problems), end_of_turn=False)
+    out.append(response_logprob(model, ids, mask).exp().numpy())
+    return out
+
+
+def build_tool_toy(toy_dir, seed=0, n_train=2000, n_test=500, steps=1200, lr=3e-3, batch_size=32,
+                   tool_fraction=0.5, typo_rate=0.3):
+    """Build the tool toy into toy_dir atomically: same tokenizer and model as the default toy.
+
+    Copying operands and the interpreter's answer is learned suddenly, around step 500 (before, accuracy is
+    ~0 whatever the tool use), then climbs towards tool_fraction * (1 - typo_rate) = 35%. The last 30% of the
+    steps decay the learning rate to a tenth, so the end point does not depend on where an oscillation stops.
+    Measured (seed 0), through the real tool loop at temperature 1.0 (`--measure`): accuracy 30%, tool use 46%
+    (65% correct when it calls the tool, 0% when it answers directly); toy.json's teacher-forced figures agree."""
+    tmp = f"{toy_dir}.tmp{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(f"{tmp}/model")
+    train, test = make_tool_problems(seed, n_train, n_test)
+    write_tool_parquet(f"{tmp}/train.parquet", train, "train")
+    write_tool_parquet(f"{tmp}/test.parquet", test, "test")
+    tokenizer = build_tokenizer(f"{tmp}/model")
+    model = build_model(tokenizer, seed)
+    t0 = time.time()
+    rng = np.random.default_rng(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(  # 20-step warm-up, linear decay to lr / 10 over the last 30%
+        opt, lambda s: min((s + 1) / 20, 1.0, 0.1 + 0.9 * (steps - s) / (0.3 * steps)))
+    model.train()
+    for step in range(steps):
+        batch = [train[j] for j in rng.integers(len(train), size=batch_size)]
+        ids, mask = encode_segments(tokenizer, [f"{a}*{b}=" for a, b in batch],
+                                    [noisy_tool_response(a, b, rng, tool_fraction, typo_rate) for a, b in batch])
+        loss = -response_logprob(model, ids, mask).sum() / mask[:, 1:].sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        schedule.step()
+    model.eval()
+    model.save_pretrained(f"{tmp}/model", safe_serialization=True)
+    p_tool, p_direct, p_call = tool_success_probability(model, tokenizer, test)
+    info = {"version": TOOL_TOY_VERSION, "task": "a*b with a python tool", "seed": seed, "n_train": n_train,
+            "n_test": n_test, "steps": steps, "lr": lr, "tool_fraction": tool_fraction, "typo_rate": typo_rate,
+            "final_sft_loss": loss.item(), "warm_start_seconds": round(time.time() - t0, 1),
+            "test_accuracy_t1": float((p_tool + p_direct).mean()), "test_tool_use_t1": float(p_call.mean()),
+            "test_direct_accuracy_t1": float(p_direct.mean())}
+    with open(f"{tmp}/toy.json", "w") as f:
+        json.dump(info, f, indent=1)
+    shutil.rmtree(toy_dir, ignore_errors=True)
+    os.replace(tmp, toy_dir)
+    return info
+
+
+def ensure_tool_toy(toy_dir="toy_tools", seed=0):
+    """Paths of the tool toy's model and data, building it on first use. Returns (model_dir, train, test)."""
+    marker = os.path.join(toy_dir, "toy.json")
+    cached = os.path.exists(marker) and json.load(open(marker)).get("version") == TOOL_TOY_VERSION
+    if not cached:
+        print(f"building the tool toy into {toy_dir}/ (first use, about 3 minutes)", flush=True)
+        info = build_tool_toy(toy_dir, seed=seed)
+        print(f"tool toy built: base test accuracy at temperature 1.0 = {info['test_accuracy_t1']:.1%}, "
+              f"tool use {info['test_tool_use_t1']:.1%}", flush=True)
+    return os.path.join(toy_dir, "model"), os.path.join(toy_dir, "train.parquet"), os.path.join(toy_dir, "test.parquet")
+
+
+def measure_with_tools(toy_dir="toy_tools", n_prompts=500, max_tokens=160, temperature=1.0, seed=0, workers=4):
+    """The tool toy's base model through the real tool loop (vLLM + sandbox): accuracy, tool-use rate and
+    tool statistics on the test set, one sample per prompt. Needs vllm; starts a world of one."""
+    import trainer
+    from eval import compute_score, load_prompts
+    from rollout import Engine, Tools
+    from sandbox import SandboxPool
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    _, _, device = trainer.setup_distributed()
+    model_dir, _, test_path = ensure_tool_toy(toy_dir)
+    tokenizer = trainer.load_tokenizer(model_dir)
+    test = trainer.load_dataset(test_path, tokenizer, 64, False)[:n_prompts]
+    engine = Engine(model_dir, seed=seed, max_model_len=64 + max_tokens, device=device)
+    with SandboxPool(workers=workers, timeout_s=10) as pool:
+        t0 = time.time()
+        seeds = np.random.SeedSequence([seed, 7]).generate_state(len(test.ids))
+        rollouts = engine.generate(test.prompt_ids, seeds, max_tokens=max_tokens, temperature=temperature,
+                                   tools=Tools(pool))
+        seconds = time.time() - t0
+    engine.shutdown()
+    correct = np.array([compute_score(r.text, a) for r, a in zip(rollouts, test.answers)])
+    calls = np.array([r.tool_calls for r in rollouts])
+    return {"accuracy": float(correct.mean()), "tool_use": float(np.mean(calls > 0)),
+            "accuracy_with_tool": float(correct[calls > 0].mean()) if (calls > 0).any() else 0.0,
+            "accuracy_without_tool": float(correct[calls == 0].mean()) if (calls == 0).any() else 0.0,
+            "tool_calls_mean": float(calls.mean()), "tool_errors": int(sum(r.tool_errors for r in rollouts)),
+            "truncated": float(np.mean([r.finish_reason == "length" for r in rollouts])),
+            "response_tokens_mean": float(np.mean([len(r.response_ids) for r in rollouts])),
+            "seconds": round(seconds, 2), "n": len(rollouts), "temperature": temperature}
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--toy_dir", default="toy", help="where to build the toy")
     parser.add_argument("--seed", type=int, default=0, help="seed of the data split and the warm start")
-    parser.add_argument("--steps", type=int, default=800, help="warm-start optimiser steps")
+    parser.add_argument("--steps", type=int, default=None, help="warm-start optimiser steps (800; tools: 1200)")
     parser.add_argument("--noise", type=float, default=0.3, help="share of warm-start answers with a wrong digit")
+    parser.add_argument("--tools", action="store_true", help="build the tool toy (a*b with python) instead; "
+                        "--toy_dir defaults to toy_tools")
+    parser.add_argument("--measure", action="store_true",
+                        help="with --tools: measure the cached tool toy through the real tool loop (vLLM + sandbox)")
     args = parser.parse_args()
-    info = build_toy(args.toy_dir, seed=args.seed, steps=args.steps, noise=args.noise)
+    if args.tools:
+        toy_dir = "toy_tools" if args.toy_dir == "toy" else args.toy_dir
+        info = (measure_with_tools(toy_dir) if args.measure else
+                build_tool_toy(toy_dir, seed=args.seed, steps=args.steps or 1200))
+    else:
+        info = build_toy(args.toy_dir, seed=args.seed, steps=args.steps or 800, noise=args.noise)
     print(json.dumps(info, indent=1))

@@ -204,7 +204,9 @@ def score_responses(model, rollouts, previous, temperature, micro_batch_size):
         for (p, r, _), row in zip(chunk, token_logp):
             out.append(row[len(p) - 1: len(p) - 1 + len(r)].float().cpu().numpy())
     logprobs = out[: len(rollouts)]
-    gap = np.concatenate([np.abs(lp - np.asarray(r.logprobs)) for lp, r in zip(logprobs, rollouts)])
+    # Policy tokens only: tool-output tokens were never sampled, their vLLM log-prob is a placeholder 0.
+    gap = np.concatenate([np.abs(lp - np.asarray(r.logprobs))[np.asarray(r.response_mask) > 0]
+                          for lp, r in zip(logprobs, rollouts)])
     return {"logprobs": logprobs, "previous_logprobs": out[len(rollouts):],
             "entropy": entropy_sum / max(token_count, 1.0), "logprob_gap_mean": float(gap.mean()),
             "logprob_gap_max": float(gap.max())}
