@@ -408,12 +408,8 @@ def main(argv=None):
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.cpu_kv_cache_gib))
     if args.model is None or args.data is None:
         import toy
-        import torch.distributed as dist
-        if rank == 0:
-            toy.ensure_toy(args.toy_dir)
-        dist.barrier()
-        args.model = args.model or os.path.join(args.toy_dir, "model")
-        args.data = args.data or [os.path.join(args.toy_dir, "test.parquet")]
+        toy_model, _, toy_test = toy.toy_paths(args.toy_dir)
+        args.model, args.data = args.model or toy_model, args.data or [toy_test]
     args.model = resolve_model(args.model)
     if rank == 0:
         print("config: " + json.dumps(vars(args)), flush=True)

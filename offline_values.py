@@ -189,12 +189,9 @@ def main(argv=None):
     rank, world, device = trainer.setup_distributed()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.cpu_kv_cache_gib))
     if args.model is None or args.data is None:
-        if rank == 0:
-            import toy
-            toy.ensure_toy(args.toy_dir, seed=0)
-        dist.barrier()
-        args.model = args.model or os.path.join(args.toy_dir, "model")
-        args.data = args.data or os.path.join(args.toy_dir, "train.parquet")
+        import toy
+        toy_model, toy_train, _ = toy.toy_paths(args.toy_dir)
+        args.model, args.data = args.model or toy_model, args.data or toy_train
     if rank == 0:
         print("config: " + json.dumps(vars(args)), flush=True)
     sampling = {k: getattr(args, k) for k in ("n0", "temperature", "top_p", "max_tokens", "seed", "truncated_reward")}

@@ -168,12 +168,8 @@ def main(argv=None):
     # ---- model and data: the toy unless the user names their own
     on_toy = args.train is None
     if args.model is None or args.train is None:
-        if is_main:
-            import toy
-            toy.ensure_toy(args.toy_dir, seed=0)
-        dist.barrier()
-        toy_model, toy_train, toy_test = (os.path.join(args.toy_dir, f) for f in
-                                          ("model", "train.parquet", "test.parquet"))
+        import toy
+        toy_model, toy_train, toy_test = toy.toy_paths(args.toy_dir)
         args.model, args.train = args.model or toy_model, args.train or toy_train
         args.test = args.test or toy_test
     run_dir = args.run_dir or os.path.join("runs", f"{args.algo}-{time.strftime('%Y%m%d-%H%M%S')}")

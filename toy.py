@@ -195,6 +195,15 @@ def ensure_toy(toy_dir="toy", seed=0):
     return os.path.join(toy_dir, "model"), os.path.join(toy_dir, "train.parquet"), os.path.join(toy_dir, "test.parquet")
 
 
+
+def toy_paths(toy_dir="toy"):
+    """(model_dir, train, test) of the toy for a torchrun job: rank 0 builds it on first use, the others wait."""
+    import torch.distributed as dist
+    if dist.get_rank() == 0:
+        ensure_toy(toy_dir, seed=0)
+    dist.barrier()
+    return os.path.join(toy_dir, "model"), os.path.join(toy_dir, "train.parquet"), os.path.join(toy_dir, "test.parquet")
+
 # ------------------------------------------------------------------------------------------------ the tool toy
 # a*b (a of two or three digits, b of two): the tiny model cannot multiply in its head, but it can write
 # `print(a*b)` and copy the interpreter's answer. The warm start mixes tool traces (code, interpreter output,
