@@ -8,6 +8,8 @@
 - sandbox: sandbox runs per second and p50 / p99 latency with 1, 2 and 8 workers for a trivial snippet.
 - eval: evaluation tokens per second through eval.sample_and_score against raw vLLM LLM.generate on the same
   requests and sampling (the overhead ratio).
+- tools: rollout tokens per second on the tool toy with the tool loop (sandboxed runs, interpreter tokens
+  appended) against the same requests without tools (the model then writes its own "interpreter" text).
 
     .venv/bin/python bench.py                 # everything
     .venv/bin/python bench.py tracker steps   # some
@@ -189,13 +191,50 @@ def bench_eval(toy_dir="toy", n_problems=100, n=8, max_tokens=32, repeats=3):
     return best
 
 
+def bench_tools(toy_dir="toy_tools", n_prompts=256, max_tokens=160, workers=4, repeats=2):
+    """Policy tokens per second of Engine.generate on the tool toy, tools on against off (same prompts, seeds,
+    budget); best of `repeats`. Counts only tokens the model generated: interpreter tokens are not throughput."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    import toy
+    import trainer
+    from rollout import Engine, Tools
+    _, _, device = trainer.setup_distributed()
+    model, _, test = toy.ensure_tool_toy(toy_dir)
+    data = trainer.load_dataset(test, trainer.load_tokenizer(model), 64, False)[:n_prompts]
+    engine = Engine(model, seed=0, max_model_len=64 + max_tokens, device=device)
+    seeds = np.random.SeedSequence([0, 7]).generate_state(len(data.ids))
+    with SandboxPool(workers=workers) as pool:
+        runs = {"no tools": None, f"tools ({workers} sandbox workers)": Tools(pool)}
+        engine.generate(data.prompt_ids[:16], seeds[:16], max_tokens=max_tokens)  # warm-up
+        best = {}
+        for name, tools in runs.items():
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                rollouts = engine.generate(data.prompt_ids, seeds, max_tokens=max_tokens, tools=tools)
+                seconds = time.perf_counter() - t0
+                policy = sum(sum(r.response_mask) for r in rollouts)
+                row = (policy / seconds, policy, sum(len(r.response_ids) for r in rollouts) - policy,
+                       sum(r.tool_calls for r in rollouts), seconds)
+                best[name] = max(best.get(name, row), row)
+            rate, policy, tool_tokens, calls, seconds = best[name]
+            print(f"{name:28s} {rate:8.0f} policy tokens/s  ({policy} policy + {tool_tokens} interpreter tokens, "
+                  f"{calls} tool calls, {seconds:.2f} s, {len(rollouts)} prompts, best of {repeats})", flush=True)
+    names = list(runs)
+    print(f"tools / no tools (policy tokens per second): {best[names[1]][0] / best[names[0]][0]:.2f}x", flush=True)
+    engine.shutdown()
+    return best
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="spo benchmarks")
-    parser.add_argument("which", nargs="*", default=["tracker", "steps", "sandbox", "eval"],
-                        help="which benchmarks: tracker, steps, sandbox, eval (eval last: it starts an engine here)")
+    parser.add_argument("which", nargs="*", default=["tracker", "steps", "sandbox", "eval", "tools"],
+                        help="which benchmarks: tracker, steps, sandbox, eval, tools")
     parser.add_argument("--sizes", type=int, nargs="+", default=[14_000, 10**6, 10**7], help="tracker: prompts")
     args = parser.parse_args()
     for name in args.which:
         print(f"\n== {name}", flush=True)
+        if name in ("eval", "tools") and len(args.which) > 1:  # one engine (and process group) per process
+            subprocess.run([sys.executable, os.path.abspath(__file__), name], check=True)
+            continue
         {"tracker": lambda: bench_tracker_sampler(args.sizes), "steps": bench_steps, "sandbox": bench_sandbox,
-         "eval": bench_eval}[name]()
+         "eval": bench_eval, "tools": bench_tools}[name]()

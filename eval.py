@@ -22,6 +22,7 @@ import hashlib
 import json
 import math
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +33,8 @@ import pyarrow.parquet as pq
 # ---------------------------------------------------------------------------------------------- scoring
 TAIL_CHARS = 100  # the authors' window: a box that starts earlier than this is not the final answer
 BOX = "\\boxed{"  # `\boxed {x}` (with a space) is valid LaTeX but is NOT an answer here, as in the authors' rule
+# Tool calls and their output (rollout.py's loop; unclosed when cut by the budget) are not the model's answer.
+TOOL_BLOCKS = re.compile(r"<(code|interpreter)>.*?(?:</\1>|$)", re.DOTALL)
 
 
 def extract_boxed(text: str, tail_chars: int | None = None) -> str | None:
@@ -62,11 +65,15 @@ def score_and_answer(response_text: str, ground_truth: str, think_format: bool =
 
     think_format: the authors' gate for thinking models with tools: exactly one `</think>` and no `<code>` /
     `<interpreter>` after it, else (0.0, None). The box is then searched in the whole text, as they do.
+    Unlike theirs, `<code>...</code>` and `<interpreter>...</interpreter>` blocks are removed first: the answer
+    must be written by the model outside its tool calls. Scored as is, a snippet that prints `\\boxed{N}` answers
+    for the model (in its code and again in the tool output: a reward hack).
     """
     if think_format:
         after_think = response_text.partition("</think>")[2]
         if response_text.count("</think>") != 1 or "<code>" in after_think or "<interpreter>" in after_think:
             return 0.0, None
+    response_text = TOOL_BLOCKS.sub("", response_text)
     boxed = extract_boxed(response_text, tail_chars)
     answer = boxed.strip() if boxed is not None else ""
     if not answer:  # `\boxed{}` or `\boxed{  }` is no answer
@@ -378,7 +385,7 @@ def parse_args(argv=None):
     g = p.add_argument_group("model and data")
     g.add_argument("--model", default=None, help="HF model, or spo.py run / checkpoint dir (default: the toy)")
     g.add_argument("--data", nargs="+", default=None, help="benchmark files, parquet or JSONL (default: toy test)")
-    g.add_argument("--toy_dir", default="toy", help="where the built-in toy is cached")
+    g.add_argument("--toy_dir", default=None, help="where the built-in toy is cached (toy; toy_tools with --tools)")
     g.add_argument("--max_prompt_len", type=int, default=4096, help="longer prompts are left out (counted)")
     g = p.add_argument_group("sampling (defaults: the paper's evaluation)")
     # Not `--n`: torchrun's own parser rejects it as an ambiguous abbreviation of --nnodes / --nproc_per_node.
@@ -386,16 +393,19 @@ def parse_args(argv=None):
     g.add_argument("--temperature", type=float, default=EVAL_DEFAULTS["temperature"], help="sampling temperature")
     g.add_argument("--top_p", type=float, default=EVAL_DEFAULTS["top_p"], help="nucleus sampling")
     g.add_argument("--top_k", type=int, default=EVAL_DEFAULTS["top_k"], help="top-k sampling (-1: off)")
-    g.add_argument("--max_tokens", type=int, default=32, help="response token budget (paper: 32768)")
+    g.add_argument("--max_tokens", type=int, default=None, help="response token budget (32, tools: 160; paper: 32768)")
     g.add_argument("--seed", type=int, default=0, help="per-request seeds derive from (seed, prompt id, sample)")
     g.add_argument("--think_format", action="store_true", help="score with the authors' </think> / tool-tag gate")
-    # --tools goes here: build a rollout.Tools in main() and pass it as sample_and_score(..., tools=).
     g = p.add_argument_group("output and engine")
     g.add_argument("--out_dir", default="eval_out", help="<benchmark>.samples.jsonl, summary.json, summary.md")
     g.add_argument("--n_boot", type=int, default=1000, help="bootstrap resamples for maj@n mean and std")
     g.add_argument("--cpu_kv_cache_gib", type=int, default=1, help="vLLM KV cache per rank on CPU (GiB)")
     g.add_argument("--gpu_memory_utilization", type=float, default=0.9, help="vLLM share of each GPU")
+    from rollout import add_tool_flags
+    add_tool_flags(p)
     args = p.parse_args(argv)
+    args.toy_dir = args.toy_dir or ("toy_tools" if args.tools else "toy")
+    args.max_tokens = args.max_tokens or (160 if args.tools else 32)
     if args.n_samples < 1 or args.max_tokens < 1:
         p.error("--n_samples and --max_tokens must be at least 1")
     return args
@@ -408,19 +418,20 @@ def main(argv=None):
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.cpu_kv_cache_gib))
     if args.model is None or args.data is None:
         import toy
-        toy_model, _, toy_test = toy.toy_paths(args.toy_dir)
+        toy_model, _, toy_test = toy.toy_paths(args.toy_dir, tools=args.tools)
         args.model, args.data = args.model or toy_model, args.data or [toy_test]
     args.model = resolve_model(args.model)
     if rank == 0:
         print("config: " + json.dumps(vars(args)), flush=True)
+    from rollout import TOOL_INSTRUCTION, Engine, tools_from_flags
     tokenizer = trainer.load_tokenizer(args.model)
     benchmarks = {}
     for path in args.data:  # names from file stems; a repeated stem gets a suffix
         name, k = Path(path).stem, 1
         while name in benchmarks:
             name, k = f"{Path(path).stem}_{k}", k + 1
-        benchmarks[name] = trainer.load_dataset(path, tokenizer, args.max_prompt_len, rank == 0)
-    from rollout import Engine
+        benchmarks[name] = trainer.load_dataset(path, tokenizer, args.max_prompt_len, rank == 0,
+                                                TOOL_INSTRUCTION if args.tool_instruction else None)
     from transformers import AutoConfig
     longest = max(len(p) for data in benchmarks.values() for p in data.prompt_ids) + args.max_tokens
     limit = getattr(AutoConfig.from_pretrained(args.model), "max_position_embeddings", None) or longest
@@ -428,6 +439,7 @@ def main(argv=None):
         trainer.fail(f"--max_tokens + the longest prompt = {longest} tokens, more than --model's {limit} positions")
     engine = Engine(args.model, seed=args.seed, max_model_len=longest, device=device,
                     gpu_memory_utilization=args.gpu_memory_utilization)
+    tools = tools_from_flags(args)
     os.makedirs(args.out_dir, exist_ok=True)
     n = args.n_samples
     ks = sorted({2 ** i for i in range(n.bit_length())} | {n})  # pass@1, 2, 4, ... and pass@n
@@ -435,7 +447,7 @@ def main(argv=None):
     for name, data in benchmarks.items():
         samples, rollouts = sample_and_score(engine, data, n, args.seed, temperature=args.temperature,
                                              top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens,
-                                             rank=rank, world=world, think_format=args.think_format)
+                                             rank=rank, world=world, think_format=args.think_format, tools=tools)
         write_samples(os.path.join(args.out_dir, f"{name}.samples.jsonl"), data, samples, rollouts, n, rank, world)
         if rank == 0:
             summaries[name] = summarize(samples, ks=ks, n_boot=args.n_boot, seed=args.seed)
@@ -447,6 +459,8 @@ def main(argv=None):
             f.write(f"model `{args.model}`, n = {n}, temperature {args.temperature}, top_p {args.top_p}, "
                     f"top_k {args.top_k}, max_tokens {args.max_tokens}\n\n{table}\n")
         print(table, flush=True)
+    if tools:
+        tools.pool.close()
     engine.shutdown()  # also tears down the process group
 
 

@@ -33,12 +33,17 @@ import numpy as np
 import torch.distributed as dist
 
 from eval import compute_score, request_seeds
+from rollout import TOOL_INSTRUCTION, add_tool_flags, tools_from_flags
 
 
-def run_header(header, *, n0, temperature, top_p, max_tokens, seed, truncated_reward):
+def run_header(header, *, n0, temperature, top_p, max_tokens, seed, truncated_reward, tools=None):
     """The settings that make scores comparable; a partial file made with other settings cannot be resumed."""
-    return {**header, "n0": n0, "temperature": float(temperature), "top_p": float(top_p),
-            "max_tokens": max_tokens, "seed": seed, "truncated_reward": truncated_reward}
+    header = {**header, "n0": n0, "temperature": float(temperature), "top_p": float(top_p),
+              "max_tokens": max_tokens, "seed": seed, "truncated_reward": truncated_reward}
+    if tools is not None:  # absent without tools: files made before the tool loop existed still match
+        header["tools"] = {"max_turns": tools.max_turns, "max_tool_output_chars": tools.max_tool_output_chars,
+                           "show_last_expression": tools.show_last_expression}
+    return header
 
 
 def partial_paths(out_path):
@@ -80,14 +85,16 @@ def read_finished(out_path, header):
 
 
 def estimate_offline_values(engine, data, out_path, *, n0=8, temperature=1.0, top_p=1.0, max_tokens, seed=0,
-                            header, truncated_reward="zero", chunk_prompts=64, progress=True, max_chunks=None):
+                            header, truncated_reward="zero", chunk_prompts=64, progress=True, max_chunks=None,
+                            tools=None):
     """n0 scored samples of every prompt of `data` (trainer.Dataset), sharded over ranks (rank r takes prompts
     r, r + W, ...), resumable. Call on every rank. Returns the output dict on every rank once all prompts are
-    done, or None if max_chunks stopped this run early (a debugging aid: rerun to resume)."""
+    done, or None if max_chunks stopped this run early (a debugging aid: rerun to resume).
+    tools: a rollout.Tools to sample with the tool loop, as training does; its settings join the header."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     barrier = dist.barrier if world > 1 else (lambda: None)
     header = run_header(header, n0=n0, temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed,
-                        truncated_reward=truncated_reward)
+                        truncated_reward=truncated_reward, tools=tools)
     done = read_finished(out_path, header)
     barrier()  # every rank has read the files before any rank appends to them
     todo = [p for p in range(rank, len(data.ids), world) if data.ids[p] not in done]
@@ -108,7 +115,7 @@ def estimate_offline_values(engine, data, out_path, *, n0=8, temperature=1.0, to
             chunk = todo[c: c + chunk_prompts]
             seeds = np.concatenate([request_seeds(seed, data.ids[p], n0) for p in chunk])  # (len(chunk) * n0,)
             rollouts = engine.generate([data.prompt_ids[p] for p in chunk for _ in range(n0)], seeds,
-                                       max_tokens=max_tokens, temperature=temperature, top_p=top_p)
+                                       max_tokens=max_tokens, temperature=temperature, top_p=top_p, tools=tools)
             scores = np.array([compute_score(r.text, data.answers[p]) *
                                (truncated_reward == "score" or r.finish_reason != "length")
                                for r, p in zip(rollouts, np.repeat(chunk, n0))]).reshape(len(chunk), n0)
@@ -161,7 +168,7 @@ def parse_args(argv=None):
     g = p.add_argument_group("model and data")
     g.add_argument("--model", default=None, help="the INITIAL policy: HF model name or dir (default: the toy)")
     g.add_argument("--data", default=None, help="training prompts, parquet or JSONL (default: the toy's)")
-    g.add_argument("--toy_dir", default="toy", help="where the built-in toy is built and cached")
+    g.add_argument("--toy_dir", default=None, help="where the built-in toy is cached (toy; toy_tools with --tools)")
     g.add_argument("--out", default="offline_values.json", help="output JSON (partial files go next to it)")
     g.add_argument("--max_prompt_len", type=int, default=256, help="as in training: longer prompts are left out")
     g.add_argument("--max_prompts", type=int, default=0, help="only the first N prompts (0: all)")
@@ -169,7 +176,7 @@ def parse_args(argv=None):
     g.add_argument("--n0", type=int, default=8, help="samples per prompt (paper: 8)")
     g.add_argument("--temperature", type=float, default=1.0, help="as training samples (the authors used 0.6)")
     g.add_argument("--top_p", type=float, default=1.0, help="as training samples")
-    g.add_argument("--max_tokens", type=int, default=32, help="training's --max_response_len")
+    g.add_argument("--max_tokens", type=int, default=None, help="training's --max_response_len (32; tools: 160)")
     g.add_argument("--truncated_reward", choices=["zero", "score"], default="zero", help="as spo.py")
     g.add_argument("--seed", type=int, default=0, help="per-request seeds derive from (seed, prompt id, sample)")
     g = p.add_argument_group("run and engine")
@@ -177,7 +184,10 @@ def parse_args(argv=None):
     g.add_argument("--max_chunks", type=int, default=None, help="debugging: stop after N chunks per rank")
     g.add_argument("--cpu_kv_cache_gib", type=int, default=1, help="vLLM KV cache per rank on CPU (GiB)")
     g.add_argument("--gpu_memory_utilization", type=float, default=0.9, help="vLLM share of each GPU")
+    add_tool_flags(p)
     args = p.parse_args(argv)
+    args.toy_dir = args.toy_dir or ("toy_tools" if args.tools else "toy")
+    args.max_tokens = args.max_tokens or (160 if args.tools else 32)
     if args.n0 < 1 or args.max_tokens < 1 or args.chunk_prompts < 1:
         p.error("--n0, --max_tokens and --chunk_prompts must be at least 1")
     return args
@@ -190,7 +200,7 @@ def main(argv=None):
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.cpu_kv_cache_gib))
     if args.model is None or args.data is None:
         import toy
-        toy_model, toy_train, _ = toy.toy_paths(args.toy_dir)
+        toy_model, toy_train, _ = toy.toy_paths(args.toy_dir, tools=args.tools)
         args.model, args.data = args.model or toy_model, args.data or toy_train
     if rank == 0:
         print("config: " + json.dumps(vars(args)), flush=True)
@@ -198,19 +208,24 @@ def main(argv=None):
     # Paths as absolute so that a rerun from another directory still matches the partial files' header.
     header = {k: os.path.abspath(v) if os.path.exists(v) else v for k, v in (("model", args.model),
                                                                              ("dataset", args.data))}
+    if args.tool_instruction:
+        header["system_prompt"] = TOOL_INSTRUCTION
+    tools = tools_from_flags(args)
     try:
-        read_finished(args.out, run_header(header, **sampling))  # a settings mismatch fails before the engine starts
+        read_finished(args.out, run_header(header, **sampling, tools=tools))  # a settings mismatch fails before the engine starts
     except ValueError as e:
         trainer.fail(str(e))
     tokenizer = trainer.load_tokenizer(args.model)
-    data = trainer.load_dataset(args.data, tokenizer, args.max_prompt_len, rank == 0)
+    data = trainer.load_dataset(args.data, tokenizer, args.max_prompt_len, rank == 0, header.get("system_prompt"))
     if args.max_prompts:
         data = data[: args.max_prompts]
     from rollout import Engine
     engine = Engine(args.model, seed=args.seed, max_model_len=args.max_prompt_len + args.max_tokens, device=device,
                     gpu_memory_utilization=args.gpu_memory_utilization, temperature=args.temperature)
     estimate_offline_values(engine, data, args.out, header=header, chunk_prompts=args.chunk_prompts,
-                            max_chunks=args.max_chunks, **sampling)
+                            max_chunks=args.max_chunks, tools=tools, **sampling)
+    if tools:
+        tools.pool.close()
     engine.shutdown()  # also tears down the process group
 
 

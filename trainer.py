@@ -88,12 +88,24 @@ class Dataset:
         return Dataset(self.ids[s], self.prompt_ids[s], self.answers[s])
 
 
-def load_dataset(path, tokenizer, max_prompt_len, verbose):
+def with_system(messages, system_prompt):
+    """Messages with system_prompt first: a system message of its own, or joined to the data's system message."""
+    if not system_prompt:
+        return messages
+    if messages and messages[0]["role"] == "system":
+        return [{"role": "system", "content": system_prompt + "\n\n" + messages[0]["content"]}] + messages[1:]
+    return [{"role": "system", "content": system_prompt}] + messages
+
+
+def load_dataset(path, tokenizer, max_prompt_len, verbose, system_prompt=None):
+    """Chat-formatted prompt token ids. system_prompt (e.g. the tool instruction) changes the prompts the model
+    sees, not their ids: the ids are hashes of the data's own messages."""
     try:
         prompts = load_prompts(path)
     except (ValueError, FileNotFoundError) as e:
         fail(str(e))
-    texts = [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in prompts.messages]
+    texts = [tokenizer.apply_chat_template(with_system(m, system_prompt), add_generation_prompt=True, tokenize=False)
+             for m in prompts.messages]
     prompt_ids = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
     keep = [i for i, p in enumerate(prompt_ids) if len(p) <= max_prompt_len]
     if verbose and prompts.n_duplicates:
@@ -280,10 +292,25 @@ def ppo_update(model, optimizer, rollouts, old_logprobs, advantage, args):
 
 
 # ------------------------------------------------------------------------------------------------ metrics
-def step_metrics(reward, raw_advantage, advantage, rollouts, old, stats, times, group, tracker, divergence, rho):
+def tool_metrics(all_reward, rollouts):
+    """Tool use over the global batch (all_reward: already gathered from all ranks): share of trajectories that
+    called the tool, their accuracy and that of the others, calls and turns per trajectory, errors and timeouts
+    per call."""
+    calls, errors, timeouts, turns = (all_gather_np(np.array([getattr(r, k) for r in rollouts], dtype=np.float64))
+                                      for k in ("tool_calls", "tool_errors", "tool_timeouts", "turns"))
+    reward, used = np.asarray(all_reward, dtype=np.float64), calls > 0
+    return {"tools/use_rate": used.mean(), "tools/calls_mean": calls.mean(), "tools/turns_mean": turns.mean(),
+            "tools/accuracy_with_tool": reward[used].mean() if used.any() else 0.0,
+            "tools/accuracy_without_tool": reward[~used].mean() if (~used).any() else 0.0,
+            "tools/error_rate": errors.sum() / max(calls.sum(), 1), "tools/timeout_rate": timeouts.sum() / max(calls.sum(), 1)}
+
+
+def step_metrics(reward, raw_advantage, advantage, rollouts, old, stats, times, group, tracker, divergence, rho,
+                 tools=False):
     """Everything worth watching in one flat dict, over the global batch (all ranks)."""
     reward, raw, adv = all_gather_np(reward), all_gather_np(raw_advantage), all_gather_np(np.asarray(advantage))
     lengths = all_gather_np(np.array([len(r.response_ids) for r in rollouts]))
+    policy_tokens = all_gather_np(np.array([sum(r.response_mask) for r in rollouts]))  # tool output left out
     truncated = all_gather_np(np.array([r.finish_reason == "length" for r in rollouts], dtype=np.float64))
     scalars = all_reduce_np([old["entropy"], old["logprob_gap_mean"]])
     gap_max = all_reduce_np([old["logprob_gap_max"]], op="max")[0]
@@ -313,7 +340,10 @@ def step_metrics(reward, raw_advantage, advantage, rollouts, old, stats, times, 
                   "tracker/divergence_max": float(np.max(divergence))})
     m.update({f"time/{k}": v for k, v in times.items()})
     m["time/step"] = sum(times.values())
-    m["throughput/tokens_per_second"] = lengths.sum() / max(times["generate"], 1e-9) / world
+    m["throughput/tokens_per_second"] = policy_tokens.sum() / max(times["generate"], 1e-9) / world
+    if tools:
+        m["response/policy_tokens_mean"] = policy_tokens.mean()
+        m.update(tool_metrics(reward, rollouts))
     return {k: float(v) for k, v in m.items()}
 
 
