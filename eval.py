@@ -9,7 +9,8 @@
 3. Datasets: `load_prompts` is the one loader for spo.py, offline_values.py and evaluation, so a prompt gets
    the same id (a hash of its chat messages, not its row number) everywhere and survives reordering.
 4. Evaluation with vLLM: `sample_and_score` (shared with spo.py) and the command line below (paper defaults:
-   n 32, temperature 0.6, top_p 0.95, top_k 20); --model also takes an spo.py run or checkpoint directory.
+   n 32, temperature 0.6, top_p 0.95, top_k 20); --model also takes an spo.py run or checkpoint directory;
+   --tools samples through the multi-turn tool loop (rollout.py), as training with --tools does.
 
 Usage:
     from eval import compute_score, load_prompts, summarize, markdown_table

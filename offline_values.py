@@ -8,6 +8,8 @@ also applies the smoothing). Without this pass the tracker starts uninformed (al
 - Sampling: by default exactly the training distribution (temperature 1.0, top_p 1.0, the training token budget
   and reward, where a response cut off by the budget scores 0). The authors measured v0 at their evaluation
   temperature 0.6 while training at 1.0: a prior for another distribution. Any override is recorded in the header.
+- Tools: with --tools the samples go through the tool loop (rollout.py), as training with --tools samples; the
+  tool settings join the header.
 - Reproducible: every request has its own seed derived from (seed, prompt id, sample index), so the scores do not
   depend on the world size, the chunking or an interruption.
 - Resumable: each rank appends finished prompts (all n0 scores at once) to <out>.rank<r>.partial.jsonl, whose
@@ -152,6 +154,29 @@ def estimate_offline_values(engine, data, out_path, *, n0=8, temperature=1.0, to
             with open(out_path) as f:
                 result = json.load(f)
     return result
+
+
+def init_tracker_from_file(tracker, path, data, smoothing, verbose):
+    """Algorithm 2: initialise the tracker from this program's output ({"prompts": {id: {"scores": [...]}}}).
+    Bad files and files made for another dataset stop with a clear error."""
+    from trainer import fail
+    try:
+        with open(path) as f:
+            entries = json.load(f)["prompts"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        fail(f"--offline_values {path}: not an offline-values file ({e.__class__.__name__}: {e})")
+    position = {pid: i for i, pid in enumerate(data.ids)}
+    unknown = [pid for pid in entries if pid not in position]
+    if unknown:
+        fail(f"--offline_values {path}: {len(unknown)} of its {len(entries)} prompt ids are not in the training "
+             f"set (e.g. {unknown[0]}): was it made for another dataset?")
+    index = np.array([position[pid] for pid in entries], dtype=np.int64)
+    scores = [np.asarray(e["scores"], dtype=np.float64) for e in entries.values()]
+    tracker.init_from_scores(index, np.array([s.sum() for s in scores]), np.array([s.size for s in scores]),
+                             smoothing=smoothing)
+    if verbose and len(index) < len(data.ids):
+        print(f"--offline_values: {len(data.ids) - len(index)} training prompts have no offline scores and "
+              f"start from the uninformed prior", flush=True)
 
 
 def print_histogram(result, n0):

@@ -28,6 +28,7 @@ fp32 / bf16, vLLM's KV cache space / GPU memory fraction and sleep mode):
 
     torchrun --nproc_per_node=2 spo.py                                      # the toy, on a laptop CPU
     torchrun --nproc_per_node=2 spo.py --algo grpo                          # GRPO, same responses per step
+    torchrun --nproc_per_node=2 spo.py --tools                              # with a Python tool (a*b tool toy)
     torchrun --nproc_per_node=8 spo.py --model Qwen/Qwen3-8B --train dapo.parquet ...   (README)
 """
 import argparse
@@ -43,7 +44,7 @@ import trainer
 from trainer import all_gather_np, all_reduce_np
 from eval import compute_score, sample_and_score
 from sampler import PromptSampler, priority_weights
-from offline_values import estimate_offline_values
+from offline_values import estimate_offline_values, init_tracker_from_file
 from rollout import TOOL_INSTRUCTION, add_tool_flags, tools_from_flags
 from tracker import ValueTracker
 
@@ -236,7 +237,7 @@ def main(argv=None):
                 print("no --offline_values: the tracker starts from the uninformed prior (make them with "
                       "offline_values.py)", flush=True)
         else:
-            trainer.init_tracker_from_file(tracker, values_path, data, args.init_smoothing, is_main)
+            init_tracker_from_file(tracker, values_path, data, args.init_smoothing, is_main)
     if args.sampler == "prioritized":
         sampler.set_weights(priority_weights(tracker.value, tracker.n_eff, args.sampling_eps, args.sampling_gamma))
 
@@ -256,7 +257,8 @@ def main(argv=None):
         t0 = time.time()
         index = np.repeat(sampler.draw(args.batch_size // group), group)  # (B,)
         mine = index[rank * local: (rank + 1) * local]  # (B_local,)
-        # 2. one response per slot; per-request seeds so ranks and steps sample differently.
+        # 2. one response per slot (with --tools a multi-turn trajectory whose interpreter tokens have mask 0);
+        #    per-request seeds so ranks and steps sample differently.
         seeds = np.random.SeedSequence([args.seed, 0, step, rank]).generate_state(local)
         rollouts = engine.generate([data.prompt_ids[i] for i in mine], seeds, max_tokens=args.max_response_len,
                                    tools=tools)

@@ -1398,12 +1398,13 @@ def test_offline_values_interrupted_then_resumed_equals_uninterrupted(small_toy,
 
 
 def test_tracker_from_offline_file_has_n_eff_n0(small_toy, offline_full):
+    import offline_values
     import trainer
     from tracker import ValueTracker
     tokenizer = trainer.load_tokenizer(small_toy["model"])
     data = trainer.load_dataset(small_toy["train"], tokenizer, 256, False)[:80]
     tracker = ValueTracker(len(data.ids), rho_min=0.875)
-    trainer.init_tracker_from_file(tracker, str(offline_full), data, "kt", False)
+    offline_values.init_tracker_from_file(tracker, str(offline_full), data, "kt", False)
     np.testing.assert_allclose(tracker.n_eff, 8.0)  # N0 = 1 / (1 - rho_min)
     scores = json.loads(offline_full.read_text())["prompts"]
     successes = np.array([sum(scores[pid]["scores"]) for pid in data.ids])

@@ -119,27 +119,6 @@ def load_dataset(path, tokenizer, max_prompt_len, verbose, system_prompt=None):
     return Dataset([prompts.ids[i] for i in keep], [prompt_ids[i] for i in keep], [prompts.answers[i] for i in keep])
 
 
-def init_tracker_from_file(tracker, path, data, smoothing, verbose):
-    """Algorithm 2: initialise the tracker from offline_values.py output ({"prompts": {id: {"scores": [...]}}})."""
-    try:
-        with open(path) as f:
-            entries = json.load(f)["prompts"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        fail(f"--offline_values {path}: not an offline-values file ({e.__class__.__name__}: {e})")
-    position = {pid: i for i, pid in enumerate(data.ids)}
-    unknown = [pid for pid in entries if pid not in position]
-    if unknown:
-        fail(f"--offline_values {path}: {len(unknown)} of its {len(entries)} prompt ids are not in the training "
-             f"set (e.g. {unknown[0]}): was it made for another dataset?")
-    index = np.array([position[pid] for pid in entries], dtype=np.int64)
-    scores = [np.asarray(e["scores"], dtype=np.float64) for e in entries.values()]
-    tracker.init_from_scores(index, np.array([s.sum() for s in scores]), np.array([s.size for s in scores]),
-                             smoothing=smoothing)
-    if verbose and len(index) < len(data.ids):
-        print(f"--offline_values: {len(data.ids) - len(index)} training prompts have no offline scores and "
-              f"start from the uninformed prior", flush=True)
-
-
 # ------------------------------------------------------------------------------------------------ the policy
 def build_policy(path, device, lr, weight_decay):
     from torch.distributed.device_mesh import init_device_mesh
@@ -400,7 +379,7 @@ class Logger:
             keys = {"reward/mean": "reward", "eval/accuracy": "test_acc", "advantage/std": "adv_std",
                     "tracker/value_mean": "value", "tracker/rho_mean": "rho", "policy/entropy": "entropy",
                     "policy/approx_kl": "kl", "policy/logprob_gap_max": "gap", "response/length_mean": "len",
-                    "time/step": "sec"}
+                    "tools/use_rate": "tool_use", "eval/tool_use": "test_tool_use", "time/step": "sec"}
             shown = " ".join(f"{short}={metrics[k]:.4g}" for k, short in keys.items() if k in metrics)
             self.console(f"step {step}: {shown}")
 
