@@ -179,6 +179,7 @@ def main(argv=None):
     args = parse_args(argv)
     rank, world, device = trainer.setup_distributed()
     check_args(args, world)
+    tools = tools_from_flags(args)  # None without --tools; else the tool loop and this rank's sandbox pool
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.cpu_kv_cache_gib))
     is_main = rank == 0
 
@@ -209,7 +210,6 @@ def main(argv=None):
     engine = Engine(model_path, seed=args.seed, max_model_len=args.max_prompt_len + args.max_response_len,
                     device=device, gpu_memory_utilization=args.gpu_memory_utilization,
                     temperature=args.temperature)
-    tools = tools_from_flags(args)  # None without --tools; else the tool loop and this rank's sandbox pool
 
     # ---- the per-prompt state SPO carries across steps: tracker, sampler, previous responses (for D)
     tracker = ValueTracker(n_prompts, args.rho_min, args.rho_max, args.d_half,
