@@ -45,6 +45,7 @@ Used by spo.py, offline_values.py and eval.py; not run on its own:
         rollouts = engine.generate(prompt_ids, seeds, max_tokens=256, tools=Tools(pool))
 """
 import ast
+import logging
 import os
 import re
 from concurrent.futures import FIRST_COMPLETED, Future, wait
@@ -204,6 +205,10 @@ class Engine:
             logprobs_mode="processed_logprobs",
         )
         self.tokenizer = self.llm.get_tokenizer()
+        # Every push would warn "RotaryEmbedding: Failed to load weights": rotary layers hold a cos/sin cache but no
+        # weights, and vLLM puts the cache back by itself (model_loader/reload/layerwise.py). Only that line goes.
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
+            lambda record: not record.getMessage().startswith("RotaryEmbedding: Failed to load weights"))
         self.requests_sent = 0  # request ids stay unique across calls
         self.asleep = False
 

@@ -181,6 +181,9 @@ def main(argv=None):
     check_args(args, world)
     tools = tools_from_flags(args)  # None without --tools; else the tool loop and this rank's sandbox pool
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.cpu_kv_cache_gib))
+    # vLLM logs a few INFO lines per rank at every weight push, burying the progress bar; set
+    # VLLM_LOGGING_LEVEL=INFO to see them (and the engine's start-up report) again.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     is_main = rank == 0
 
     # ---- model and data: the toy unless the user names their own
