@@ -27,6 +27,7 @@ import numpy as np
 
 from sampler import PromptSampler, priority_weights
 from sandbox import SandboxPool, isolation, run_code
+from data import load_dataset, load_tokenizer
 from tracker import ValueTracker
 
 
@@ -155,7 +156,7 @@ def bench_eval(toy_dir="toy", n_problems=100, n=8, max_tokens=32, repeats=3):
     from vllm.inputs import TokensPrompt
     rank, world, device = trainer.setup_distributed()
     model, _, test = toy.ensure_toy(toy_dir)
-    data = trainer.load_dataset(test, trainer.load_tokenizer(model), 256, False)[:n_problems]
+    data = load_dataset(test, load_tokenizer(model), 256, False)[:n_problems]
     engine = Engine(model, seed=0, max_model_len=256 + max_tokens, device=device)
     sampling = {k: EVAL_DEFAULTS[k] for k in ("temperature", "top_p", "top_k")}
     seeds = np.concatenate([request_seeds(0, pid, n) for pid in data.ids])
@@ -200,7 +201,7 @@ def bench_tools(toy_dir="toy_tools", n_prompts=256, max_tokens=160, workers=4, r
     from rollout import Engine, Tools
     _, _, device = trainer.setup_distributed()
     model, _, test = toy.ensure_tool_toy(toy_dir)
-    data = trainer.load_dataset(test, trainer.load_tokenizer(model), 64, False)[:n_prompts]
+    data = load_dataset(test, load_tokenizer(model), 64, False)[:n_prompts]
     engine = Engine(model, seed=0, max_model_len=64 + max_tokens, device=device)
     seeds = np.random.SeedSequence([0, 7]).generate_state(len(data.ids))
     with SandboxPool(workers=workers) as pool:

@@ -1,4 +1,4 @@
-"""Scoring, metrics and prompt datasets: what training, offline values and evaluation share.
+"""Scoring, metrics and evaluation: what training, offline values and the evaluation command share.
 
 1. Scoring: the binary reward r(x, y) in {0, 1} that the tracker absorbs (paper Eq. 5) and the advantage
    subtracts from (Eq. 8). The authors' strict rule (SPO_NOTES §2): the answer is the last `\\boxed{...}`, which
@@ -6,30 +6,23 @@
    (`\\boxed{1/2}` is wrong for "0.5"). think_format=True adds their gate on `</think>` and tool tags.
 2. Metrics (SPO_NOTES §4): avg@k, the unbiased pass@k of Chen et al. (2021), maj@k as a single vote and as a
    bootstrap expectation (the paper's maj@32 values look like one), a per-benchmark summary and a markdown table.
-3. Datasets: `load_prompts` is the one loader for spo.py, offline_values.py and evaluation, so a prompt gets
-   the same id (a hash of its chat messages, not its row number) everywhere and survives reordering.
-4. Evaluation with vLLM: `sample_and_score` (shared with spo.py) and the command line below (paper defaults:
+3. Evaluation with vLLM: `sample_and_score` (shared with spo.py) and the command line below (paper defaults:
    n 32, temperature 0.6, top_p 0.95, top_k 20); --model also takes an spo.py run or checkpoint directory;
    --tools samples through the multi-turn tool loop (rollout.py), as training with --tools does.
 
-Usage:
-    from eval import compute_score, load_prompts, summarize, markdown_table
-    prompts = load_prompts("dapo_math_17k.parquet")           # ids, chat messages, answers
-    r = compute_score(response_text, prompts.answers[0])      # 0.0 or 1.0
+Usage (prompt files are read by data.py):
+    from eval import compute_score, summarize, markdown_table
+    r = compute_score(response_text, "17")                    # 0.0 or 1.0
 
     torchrun --nproc_per_node=2 eval.py --model runs/<run>/checkpoints/step_N/model --data aime24.parquet
 """
 import hashlib
 import json
-import math
 import os
 import re
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 
 # ---------------------------------------------------------------------------------------------- scoring
 TAIL_CHARS = 100  # the authors' window: a box that starts earlier than this is not the final answer
@@ -195,115 +188,6 @@ def markdown_table(summaries: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-# ---------------------------------------------------------------------------------------------- datasets
-PROMPT_COLUMNS = ("prompt", "problem", "question")  # first one present wins
-# reward_model (a struct with ground_truth) comes before solution: in the open-r1 processed DAPO files both hold
-# the answer, while in plain math files `solution` is often a worked solution and `answer` the short answer.
-ANSWER_COLUMNS = ("answer", "ground_truth", "reward_model", "solution")
-
-
-@dataclass
-class PromptSet:
-    ids: list[str]                  # prompt_id(messages): stable across files, reorderings and programs
-    messages: list[list[dict]]      # chat messages [{"role", "content"}, ...]
-    answers: list[str]              # ground truths, stripped strings
-    path: str
-    n_rows: int                     # rows in the file
-    n_duplicates: int               # rows dropped because their prompt appeared earlier
-    n_conflicting: int              # of those, rows whose answer differed from the kept one
-
-
-def prompt_id(messages: list[dict]) -> str:
-    """First 16 hex digits of sha1 of the messages' canonical JSON. A plain string prompt s and
-    [{"role": "user", "content": s}] get the same id, so the verl and open-r1 DAPO files agree."""
-    canonical = json.dumps(messages, ensure_ascii=False, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha1(canonical.encode("utf-8")).hexdigest()[:16]
-
-
-def _read_rows(path: Path) -> tuple[list[dict], list[str]]:
-    """Rows as dicts and the column names, from parquet or JSON lines (.jsonl / .ndjson / .json)."""
-    if path.suffix == ".parquet":
-        try:
-            table = pq.read_table(path)
-        except (pa.ArrowException, OSError) as e:
-            raise ValueError(f"{path}: not a readable parquet file ({e})") from None
-        return table.to_pylist(), table.column_names
-    if path.suffix not in (".jsonl", ".ndjson", ".json"):
-        raise ValueError(f"{path}: unsupported file type '{path.suffix}' (use .parquet, .jsonl or .json)")
-    rows, columns = [], []
-    for line_no, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path} line {line_no}: not JSON lines ({e.msg})") from None
-        if not isinstance(row, dict):
-            raise ValueError(f"{path} line {line_no}: each line must be a JSON object")
-        rows.append(row)
-        columns += [c for c in row if c not in columns]
-    return rows, columns
-
-
-def _messages(value, where: str) -> list[dict]:
-    if isinstance(value, str):
-        value = [{"role": "user", "content": value}]
-    if not isinstance(value, list) or not value:
-        raise ValueError(f"{where}: missing or empty prompt")
-    if not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-               for m in value):
-        raise ValueError(f"{where}: prompt must be a string or a list of {{'role', 'content'}} string messages")
-    if not any(m["content"].strip() for m in value):
-        raise ValueError(f"{where}: missing or empty prompt")
-    return [{"role": m["role"], "content": m["content"]} for m in value]  # drop extra keys: stable ids
-
-
-def _answer(value, where: str) -> str:
-    if isinstance(value, dict):                                       # verl's reward_model struct
-        value = value.get("ground_truth")
-    if isinstance(value, float) and value.is_integer():               # parquet float64 answers: 17.0 -> "17"
-        value = int(value)
-    if not isinstance(value, (str, int, float)) or (isinstance(value, float) and math.isnan(value)):
-        value = None
-    if value is None or not str(value).strip():
-        raise ValueError(f"{where}: missing or empty answer")
-    return str(value).strip()
-
-
-def load_prompts(path) -> PromptSet:
-    """Load prompts and answers; one id per distinct prompt (the first occurrence's answer is kept).
-
-    Accepted: verl DAPO parquet (prompt = chat messages, reward_model.ground_truth), open-r1 processed DAPO
-    (prompt = string, solution), and any parquet / JSONL with a prompt column in PROMPT_COLUMNS (string or
-    messages) and an answer column in ANSWER_COLUMNS. Row numbers in errors count data rows from 0.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such file")
-    rows, columns = _read_rows(path)
-    if not rows:
-        raise ValueError(f"{path}: the dataset is empty (no rows)")
-    prompt_col = next((c for c in PROMPT_COLUMNS if c in columns), None)
-    answer_col = next((c for c in ANSWER_COLUMNS if c in columns), None)
-    if prompt_col is None or answer_col is None:
-        raise ValueError(f"{path}: unrecognised columns {columns}; need a prompt column (one of "
-                         f"{', '.join(PROMPT_COLUMNS)}) and an answer column (one of {', '.join(ANSWER_COLUMNS)})")
-    ids, messages, answers, first_index, n_duplicates, n_conflicting = [], [], [], {}, 0, 0
-    for i, row in enumerate(rows):
-        where = f"{path} row {i}"
-        msgs, answer = _messages(row.get(prompt_col), where), _answer(row.get(answer_col), where)
-        pid = prompt_id(msgs)
-        if pid in first_index:
-            n_duplicates += 1
-            n_conflicting += answers[first_index[pid]] != answer
-            continue
-        first_index[pid] = len(ids)
-        ids.append(pid)
-        messages.append(msgs)
-        answers.append(answer)
-    return PromptSet(ids, messages, answers, str(path), len(rows), n_duplicates, n_conflicting)
-
-
 # ---------------------------------------------------------------------------------------------- evaluation
 # (the command-line evaluation that drives vLLM follows here)
 # Each rank's engine takes problems rank, rank + world, ...; every request has its own seed, derived from (seed,
@@ -320,7 +204,7 @@ def request_seeds(base, prompt_id: str, n: int) -> np.ndarray:
 
 def sample_and_score(engine, data, n, seeds_base, *, temperature, top_p, top_k, max_tokens, rank, world,
                      think_format=False, tools=None):
-    """n samples of every problem of `data` (trainer.Dataset: ids, prompt_ids, answers), sharded over ranks.
+    """n samples of every problem of `data` (data.Dataset: ids, prompt_ids, answers), sharded over ranks.
 
     Returns (samples, rollouts). samples[p] lists the n (answer or None, correct) of problem p, for EVERY problem
     in data order and on every rank (gathered: call it on all ranks), ready for summarize(). rollouts maps this
@@ -414,6 +298,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     import trainer
+    from data import load_dataset, load_tokenizer
     args = parse_args(argv)
     rank, world, device = trainer.setup_distributed()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.cpu_kv_cache_gib))
@@ -425,14 +310,14 @@ def main(argv=None):
     if rank == 0:
         print("config: " + json.dumps(vars(args)), flush=True)
     from rollout import TOOL_INSTRUCTION, Engine, tools_from_flags
-    tokenizer = trainer.load_tokenizer(args.model)
+    tokenizer = load_tokenizer(args.model)
     benchmarks = {}
     for path in args.data:  # names from file stems; a repeated stem gets a suffix
         name, k = Path(path).stem, 1
         while name in benchmarks:
             name, k = f"{Path(path).stem}_{k}", k + 1
-        benchmarks[name] = trainer.load_dataset(path, tokenizer, args.max_prompt_len, rank == 0,
-                                                TOOL_INSTRUCTION if args.tool_instruction else None)
+        benchmarks[name] = load_dataset(path, tokenizer, args.max_prompt_len, rank == 0,
+                                        TOOL_INSTRUCTION if args.tool_instruction else None)
     from transformers import AutoConfig
     longest = max(len(p) for data in benchmarks.values() for p in data.prompt_ids) + args.max_tokens
     limit = getattr(AutoConfig.from_pretrained(args.model), "max_position_embeddings", None) or longest

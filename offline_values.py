@@ -89,7 +89,7 @@ def read_finished(out_path, header):
 def estimate_offline_values(engine, data, out_path, *, n0=8, temperature=1.0, top_p=1.0, max_tokens, seed=0,
                             header, truncated_reward="zero", chunk_prompts=64, progress=True, max_chunks=None,
                             tools=None):
-    """n0 scored samples of every prompt of `data` (trainer.Dataset), sharded over ranks (rank r takes prompts
+    """n0 scored samples of every prompt of `data` (data.Dataset), sharded over ranks (rank r takes prompts
     r, r + W, ...), resumable. Call on every rank. Returns the output dict on every rank once all prompts are
     done, or None if max_chunks stopped this run early (a debugging aid: rerun to resume).
     tools: a rollout.Tools to sample with the tool loop, as training does; its settings join the header."""
@@ -159,7 +159,7 @@ def estimate_offline_values(engine, data, out_path, *, n0=8, temperature=1.0, to
 def init_tracker_from_file(tracker, path, data, smoothing, verbose):
     """Algorithm 2: initialise the tracker from this program's output ({"prompts": {id: {"scores": [...]}}}).
     Bad files and files made for another dataset stop with a clear error."""
-    from trainer import fail
+    from data import fail
     try:
         with open(path) as f:
             entries = json.load(f)["prompts"]
@@ -220,6 +220,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     import trainer
+    from data import load_dataset, load_tokenizer
     args = parse_args(argv)
     rank, world, device = trainer.setup_distributed()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.cpu_kv_cache_gib))
@@ -240,8 +241,8 @@ def main(argv=None):
         read_finished(args.out, run_header(header, **sampling, tools=tools))  # a settings mismatch fails before the engine starts
     except ValueError as e:
         trainer.fail(str(e))
-    tokenizer = trainer.load_tokenizer(args.model)
-    data = trainer.load_dataset(args.data, tokenizer, args.max_prompt_len, rank == 0, header.get("system_prompt"))
+    tokenizer = load_tokenizer(args.model)
+    data = load_dataset(args.data, tokenizer, args.max_prompt_len, rank == 0, header.get("system_prompt"))
     if args.max_prompts:
         data = data[: args.max_prompts]
     from rollout import Engine

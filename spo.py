@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 import trainer
 from trainer import all_gather_np, all_reduce_np
+from data import load_dataset, load_tokenizer
 from eval import compute_score, sample_and_score
 from sampler import PromptSampler, priority_weights
 from offline_values import estimate_offline_values, init_tracker_from_file
@@ -197,10 +198,10 @@ def main(argv=None):
     if args.resume:
         run_dir = args.resume
     args.run_dir = run_dir
-    tokenizer = trainer.load_tokenizer(args.model)
+    tokenizer = load_tokenizer(args.model)
     system_prompt = TOOL_INSTRUCTION if args.tool_instruction else None
-    data = trainer.load_dataset(args.train, tokenizer, args.max_prompt_len, is_main, system_prompt)
-    test = trainer.load_dataset(args.test, tokenizer, args.max_prompt_len, is_main, system_prompt) if args.test else None
+    data = load_dataset(args.train, tokenizer, args.max_prompt_len, is_main, system_prompt)
+    test = load_dataset(args.test, tokenizer, args.max_prompt_len, is_main, system_prompt) if args.test else None
     if test is not None and args.eval_max_prompts:
         test = test[: args.eval_max_prompts]
     n_prompts = len(data.ids)

@@ -2,7 +2,7 @@
 
     .venv/bin/python -m pytest test_spo.py -q          # the README's test command runs exactly this
 
-Sections: the tracker (Eq. 5-7, Algorithm 2) and sampler (Eq. 11); scoring, metrics and datasets (eval.py);
+Sections: the tracker (Eq. 5-7, Algorithm 2) and sampler (Eq. 11); scoring and metrics (eval.py), datasets (data.py);
 the sandbox attack suite (sandbox.py); the real trainer and engine end to end (FSDP2 gradients, weight push, spo / grpo runs, resume, bad input).
 """
 import itertools
@@ -28,8 +28,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from eval import (bootstrap_maj_at_k, compute_score, extract_boxed, load_prompts, majority_vote, markdown_table,
-                  pass_at_k, prompt_id, score_and_answer, summarize)
+from data import load_prompts, prompt_id
+from eval import (bootstrap_maj_at_k, compute_score, extract_boxed, majority_vote, markdown_table, pass_at_k,
+                  score_and_answer, summarize)
 import sandbox
 from rollout import CODE_STOP, Rollout, extract_code, interpreter_text, show_last_expression, turn_seed
 from sampler import PromptSampler, priority_weights
@@ -620,7 +621,7 @@ def test_ids_stable_under_reordering(tmp_path):
 
 
 def test_system_prompt_changes_the_prompt_not_the_id(tmp_path):
-    from trainer import with_system
+    from data import with_system
     user = [{"role": "user", "content": "q"}]
     assert with_system(user, None) == user
     assert with_system(user, "S") == [{"role": "system", "content": "S"}] + user
@@ -1399,10 +1400,10 @@ def test_offline_values_interrupted_then_resumed_equals_uninterrupted(small_toy,
 
 def test_tracker_from_offline_file_has_n_eff_n0(small_toy, offline_full):
     import offline_values
-    import trainer
+    from data import load_dataset, load_tokenizer
     from tracker import ValueTracker
-    tokenizer = trainer.load_tokenizer(small_toy["model"])
-    data = trainer.load_dataset(small_toy["train"], tokenizer, 256, False)[:80]
+    tokenizer = load_tokenizer(small_toy["model"])
+    data = load_dataset(small_toy["train"], tokenizer, 256, False)[:80]
     tracker = ValueTracker(len(data.ids), rho_min=0.875)
     offline_values.init_tracker_from_file(tracker, str(offline_full), data, "kt", False)
     np.testing.assert_allclose(tracker.n_eff, 8.0)  # N0 = 1 / (1 - rho_min)

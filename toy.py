@@ -369,14 +369,15 @@ def measure_with_tools(toy_dir="toy_tools", n_prompts=500, max_tokens=160, tempe
     """The tool toy's base model through the real tool loop (vLLM + sandbox): accuracy, tool-use rate and
     tool statistics on the test set, one sample per prompt. Needs vllm; starts a world of one."""
     import trainer
-    from eval import compute_score, load_prompts
+    from data import load_dataset, load_tokenizer
+    from eval import compute_score
     from rollout import Engine, Tools
     from sandbox import SandboxPool
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     _, _, device = trainer.setup_distributed()
     model_dir, _, test_path = ensure_tool_toy(toy_dir)
-    tokenizer = trainer.load_tokenizer(model_dir)
-    test = trainer.load_dataset(test_path, tokenizer, 64, False)[:n_prompts]
+    tokenizer = load_tokenizer(model_dir)
+    test = load_dataset(test_path, tokenizer, 64, False)[:n_prompts]
     engine = Engine(model_dir, seed=seed, max_model_len=64 + max_tokens, device=device)
     with SandboxPool(workers=workers, timeout_s=10) as pool:
         t0 = time.time()

@@ -13,22 +13,14 @@ spo.py tells the algorithm's story; this file holds the machinery it calls:
 import json
 import os
 import shutil
-import sys
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from eval import load_prompts
-
-
-def fail(message):
-    """A clear one-line error instead of a traceback, for bad input."""
-    print(f"error: {message}", file=sys.stderr, flush=True)
-    raise SystemExit(2)
+from data import fail
 
 
 # ------------------------------------------------------------------------------------------------ collectives
@@ -67,56 +59,6 @@ def setup_distributed():
         device = torch.device("cpu")
         dist.init_process_group("gloo")
     return dist.get_rank(), dist.get_world_size(), device
-
-
-def load_tokenizer(path):
-    from transformers import AutoTokenizer
-    try:
-        return AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError) as e:
-        fail(f"--model {path}: not a model directory and not loadable from the Hugging Face hub "
-             f"({str(e).splitlines()[0][:200]})")
-
-
-@dataclass
-class Dataset:
-    ids: list          # stable prompt ids (eval.prompt_id); the tracker is indexed by position in this list
-    prompt_ids: list   # token ids of each chat-formatted prompt
-    answers: list
-
-    def __getitem__(self, s):
-        return Dataset(self.ids[s], self.prompt_ids[s], self.answers[s])
-
-
-def with_system(messages, system_prompt):
-    """Messages with system_prompt first: a system message of its own, or joined to the data's system message."""
-    if not system_prompt:
-        return messages
-    if messages and messages[0]["role"] == "system":
-        return [{"role": "system", "content": system_prompt + "\n\n" + messages[0]["content"]}] + messages[1:]
-    return [{"role": "system", "content": system_prompt}] + messages
-
-
-def load_dataset(path, tokenizer, max_prompt_len, verbose, system_prompt=None):
-    """Chat-formatted prompt token ids. system_prompt (e.g. the tool instruction) changes the prompts the model
-    sees, not their ids: the ids are hashes of the data's own messages."""
-    try:
-        prompts = load_prompts(path)
-    except (ValueError, FileNotFoundError) as e:
-        fail(str(e))
-    texts = [tokenizer.apply_chat_template(with_system(m, system_prompt), add_generation_prompt=True, tokenize=False)
-             for m in prompts.messages]
-    prompt_ids = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
-    keep = [i for i, p in enumerate(prompt_ids) if len(p) <= max_prompt_len]
-    if verbose and prompts.n_duplicates:
-        print(f"{path}: {prompts.n_duplicates} duplicate prompts merged (one id per distinct prompt; "
-              f"{prompts.n_conflicting} had a different answer, the first was kept)", flush=True)
-    if verbose and len(keep) < len(prompt_ids):
-        print(f"{path}: {len(prompt_ids) - len(keep)} prompts longer than --max_prompt_len {max_prompt_len} "
-              f"tokens left out", flush=True)
-    if not keep:
-        fail(f"{path}: no prompt fits in --max_prompt_len {max_prompt_len} tokens")
-    return Dataset([prompts.ids[i] for i in keep], [prompt_ids[i] for i in keep], [prompts.answers[i] for i in keep])
 
 
 # ------------------------------------------------------------------------------------------------ the policy
