@@ -286,11 +286,10 @@ def parse_args(argv=None):
     g.add_argument("--n_boot", type=int, default=1000, help="bootstrap resamples for maj@n mean and std")
     g.add_argument("--cpu_kv_cache_gib", type=int, default=1, help="vLLM KV cache per rank on CPU (GiB)")
     g.add_argument("--gpu_memory_utilization", type=float, default=0.9, help="vLLM share of each GPU")
-    from rollout import add_tool_flags
+    from rollout import add_tool_flags, apply_tool_defaults
     add_tool_flags(p)
     args = p.parse_args(argv)
-    args.toy_dir = args.toy_dir or ("toy_tools" if args.tools else "toy")
-    args.max_tokens = args.max_tokens or (160 if args.tools else 32)
+    apply_tool_defaults(args, "max_tokens")
     if args.n_samples < 1 or args.max_tokens < 1:
         p.error("--n_samples and --max_tokens must be at least 1")
     return args

@@ -35,7 +35,7 @@ import numpy as np
 import torch.distributed as dist
 
 from eval import compute_score, request_seeds
-from rollout import TOOL_INSTRUCTION, add_tool_flags, tools_from_flags
+from rollout import TOOL_INSTRUCTION, add_tool_flags, apply_tool_defaults, tools_from_flags
 
 
 def run_header(header, *, n0, temperature, top_p, max_tokens, seed, truncated_reward, tools=None):
@@ -211,8 +211,7 @@ def parse_args(argv=None):
     g.add_argument("--gpu_memory_utilization", type=float, default=0.9, help="vLLM share of each GPU")
     add_tool_flags(p)
     args = p.parse_args(argv)
-    args.toy_dir = args.toy_dir or ("toy_tools" if args.tools else "toy")
-    args.max_tokens = args.max_tokens or (160 if args.tools else 32)
+    apply_tool_defaults(args, "max_tokens")
     if args.n0 < 1 or args.max_tokens < 1 or args.chunk_prompts < 1:
         p.error("--n0, --max_tokens and --chunk_prompts must be at least 1")
     return args

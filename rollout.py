@@ -108,6 +108,13 @@ def add_tool_flags(parser):
     g.add_argument("--sandbox_memory_mb", type=int, default=1024, help="address-space limit per snippet process")
 
 
+def apply_tool_defaults(args, budget_flag):
+    """Defaults that depend on --tools, for flags left unset: the toy directory (toy_tools / toy) and the
+    response budget `budget_flag` (160 / 32 tokens: room for a code call, its output and the answer)."""
+    args.toy_dir = args.toy_dir or ("toy_tools" if args.tools else "toy")
+    setattr(args, budget_flag, getattr(args, budget_flag) or (160 if args.tools else 32))
+
+
 def tools_from_flags(args):
     """A Tools with its own sandbox pool from add_tool_flags' flags, or None without --tools.
     Close it with tools.pool.close()."""

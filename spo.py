@@ -46,7 +46,7 @@ from data import load_dataset, load_tokenizer
 from eval import compute_score, sample_and_score
 from sampler import PromptSampler, priority_weights
 from offline_values import estimate_offline_values, init_tracker_from_file
-from rollout import TOOL_INSTRUCTION, add_tool_flags, tools_from_flags
+from rollout import TOOL_INSTRUCTION, add_tool_flags, apply_tool_defaults, tools_from_flags
 from tracker import ValueTracker
 
 
@@ -121,8 +121,7 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.sampler == "auto":
         args.sampler = "prioritized" if args.algo == "spo" else "uniform"
-    args.toy_dir = args.toy_dir or ("toy_tools" if args.tools else "toy")
-    args.max_response_len = args.max_response_len or (160 if args.tools else 32)
+    apply_tool_defaults(args, "max_response_len")
     return args
 
 

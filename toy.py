@@ -140,16 +140,14 @@ def noisy_answer(a, b, rng, noise):
     return "".join(answer)
 
 
-def warm_start(model, tokenizer, train, steps, lr, batch_size, noise, seed):
-    """Supervised warm start on (noisy) answers; loss on the response tokens only."""
-    rng = np.random.default_rng(seed)
+def warm_start(model, steps, lr, next_batch, lr_factor=lambda s: min(1.0, (s + 1) / 20)):
+    """Supervised warm start: AdamW on the response tokens of next_batch() = (ids, mask), learning rate
+    lr * lr_factor(step) (default: a 20-step warm-up). Returns the last loss."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20))  # 20-step warm-up
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
     model.train()
     for step in range(steps):
-        batch = [train[j] for j in rng.integers(len(train), size=batch_size)]
-        ids, mask = encode_pairs(tokenizer, [f"{a}+{b}=" for a, b in batch],
-                                 [f"\\boxed{{{noisy_answer(a, b, rng, noise)}}}" for a, b in batch])
+        ids, mask = next_batch()
         loss = -response_logprob(model, ids, mask).sum() / mask[:, 1:].sum()
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -159,30 +157,43 @@ def warm_start(model, tokenizer, train, steps, lr, batch_size, noise, seed):
     return loss.item()
 
 
-def build_toy(toy_dir, seed=0, n_train=2000, n_test=500, steps=800, lr=3e-3, batch_size=64, noise=0.3):
-    """Build the toy into toy_dir atomically (a half-built toy is never mistaken for a finished one)."""
+def build_atomically(toy_dir, build):
+    """Run build(tmp) -> info in a fresh sibling directory with an empty model/ inside, write info to toy.json,
+    then rename it over toy_dir: a half-built toy is never mistaken for a finished one."""
     tmp = f"{toy_dir}.tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(f"{tmp}/model")
-    train, test = make_problems(seed, n_train, n_test)
-    write_parquet(f"{tmp}/train.parquet", train, "train")
-    write_parquet(f"{tmp}/test.parquet", test, "test")
-    tokenizer = build_tokenizer(f"{tmp}/model")
-    model = build_model(tokenizer, seed)
-    t0 = time.time()
-    loss = warm_start(model, tokenizer, train, steps, lr, batch_size, noise, seed)
-    model.save_pretrained(f"{tmp}/model", safe_serialization=True)
-    p_test = success_probability(model, tokenizer, test)
-    p_train = success_probability(model, tokenizer, train)
-    info = {"version": TOY_VERSION, "seed": seed, "n_train": n_train, "n_test": n_test, "steps": steps, "lr": lr,
-            "noise": noise, "final_sft_loss": loss, "warm_start_seconds": round(time.time() - t0, 1),
-            "test_accuracy_t1": float(p_test.mean()),
-            "train_success_histogram": np.histogram(p_train, bins=np.linspace(0, 1, 11))[0].tolist()}
+    info = build(tmp)
     with open(f"{tmp}/toy.json", "w") as f:
         json.dump(info, f, indent=1)
     shutil.rmtree(toy_dir, ignore_errors=True)
     os.replace(tmp, toy_dir)
     return info
+
+
+def build_toy(toy_dir, seed=0, n_train=2000, n_test=500, steps=800, lr=3e-3, batch_size=64, noise=0.3):
+    """Build the toy into toy_dir atomically."""
+    def build(tmp):
+        train, test = make_problems(seed, n_train, n_test)
+        write_parquet(f"{tmp}/train.parquet", train, "train")
+        write_parquet(f"{tmp}/test.parquet", test, "test")
+        tokenizer = build_tokenizer(f"{tmp}/model")
+        model = build_model(tokenizer, seed)
+        t0, rng = time.time(), np.random.default_rng(seed)
+
+        def next_batch():  # noisy answers: see the module docstring
+            batch = [train[j] for j in rng.integers(len(train), size=batch_size)]
+            return encode_pairs(tokenizer, [f"{a}+{b}=" for a, b in batch],
+                                [f"\\boxed{{{noisy_answer(a, b, rng, noise)}}}" for a, b in batch])
+        loss = warm_start(model, steps, lr, next_batch)
+        model.save_pretrained(f"{tmp}/model", safe_serialization=True)
+        p_test = success_probability(model, tokenizer, test)
+        p_train = success_probability(model, tokenizer, train)
+        return {"version": TOY_VERSION, "seed": seed, "n_train": n_train, "n_test": n_test, "steps": steps,
+                "lr": lr, "noise": noise, "final_sft_loss": loss, "warm_start_seconds": round(time.time() - t0, 1),
+                "test_accuracy_t1": float(p_test.mean()),
+                "train_success_histogram": np.histogram(p_train, bins=np.linspace(0, 1, 11))[0].tolist()}
+    return build_atomically(toy_dir, build)
 
 
 def ensure_toy(toy_dir="toy", seed=0):
@@ -315,42 +326,29 @@ def build_tool_toy(toy_dir, seed=0, n_train=2000, n_test=500, steps=700, lr=4e-3
     oscillation stops. Measured (seed 0, 700 steps at 4e-3; 1200 at 3e-3 gave 30.3% / 48.7% in 1.7x the time):
     teacher-forced at temperature 1.0, accuracy 28.2%, tool use 50.8%, 0.05% correct without the tool; through
     the real tool loop (spo.py's step-0 evaluation, avg@2 on the 500 test problems) 29.0% and 54.3%."""
-    tmp = f"{toy_dir}.tmp{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(f"{tmp}/model")
-    train, test = make_tool_problems(seed, n_train, n_test)
-    write_tool_parquet(f"{tmp}/train.parquet", train, "train")
-    write_tool_parquet(f"{tmp}/test.parquet", test, "test")
-    tokenizer = build_tokenizer(f"{tmp}/model")
-    model = build_model(tokenizer, seed)
-    t0 = time.time()
-    rng = np.random.default_rng(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    schedule = torch.optim.lr_scheduler.LambdaLR(  # 20-step warm-up, linear decay to lr / 10 over the last 30%
-        opt, lambda s: min((s + 1) / 20, 1.0, 0.1 + 0.9 * (steps - s) / (0.3 * steps)))
-    model.train()
-    for step in range(steps):
-        batch = [train[j] for j in rng.integers(len(train), size=batch_size)]
-        ids, mask = encode_segments(tokenizer, [f"{a}*{b}=" for a, b in batch],
-                                    [noisy_tool_response(a, b, rng, tool_fraction, typo_rate) for a, b in batch])
-        loss = -response_logprob(model, ids, mask).sum() / mask[:, 1:].sum()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        schedule.step()
-    model.eval()
-    model.save_pretrained(f"{tmp}/model", safe_serialization=True)
-    p_tool, p_direct, p_call = tool_success_probability(model, tokenizer, test)
-    info = {"version": TOOL_TOY_VERSION, "task": "a*b with a python tool", "seed": seed, "n_train": n_train,
-            "n_test": n_test, "steps": steps, "lr": lr, "tool_fraction": tool_fraction, "typo_rate": typo_rate,
-            "final_sft_loss": loss.item(), "warm_start_seconds": round(time.time() - t0, 1),
-            "test_accuracy_t1": float((p_tool + p_direct).mean()), "test_tool_use_t1": float(p_call.mean()),
-            "test_direct_accuracy_t1": float(p_direct.mean())}
-    with open(f"{tmp}/toy.json", "w") as f:
-        json.dump(info, f, indent=1)
-    shutil.rmtree(toy_dir, ignore_errors=True)
-    os.replace(tmp, toy_dir)
-    return info
+    def build(tmp):
+        train, test = make_tool_problems(seed, n_train, n_test)
+        write_tool_parquet(f"{tmp}/train.parquet", train, "train")
+        write_tool_parquet(f"{tmp}/test.parquet", test, "test")
+        tokenizer = build_tokenizer(f"{tmp}/model")
+        model = build_model(tokenizer, seed)
+        t0, rng = time.time(), np.random.default_rng(seed)
+
+        def next_batch():
+            batch = [train[j] for j in rng.integers(len(train), size=batch_size)]
+            return encode_segments(tokenizer, [f"{a}*{b}=" for a, b in batch],
+                                   [noisy_tool_response(a, b, rng, tool_fraction, typo_rate) for a, b in batch])
+        # 20-step warm-up, then linear decay to lr / 10 over the last 30% of the steps
+        loss = warm_start(model, steps, lr, next_batch,
+                          lambda s: min((s + 1) / 20, 1.0, 0.1 + 0.9 * (steps - s) / (0.3 * steps)))
+        model.save_pretrained(f"{tmp}/model", safe_serialization=True)
+        p_tool, p_direct, p_call = tool_success_probability(model, tokenizer, test)
+        return {"version": TOOL_TOY_VERSION, "task": "a*b with a python tool", "seed": seed, "n_train": n_train,
+                "n_test": n_test, "steps": steps, "lr": lr, "tool_fraction": tool_fraction, "typo_rate": typo_rate,
+                "final_sft_loss": loss, "warm_start_seconds": round(time.time() - t0, 1),
+                "test_accuracy_t1": float((p_tool + p_direct).mean()), "test_tool_use_t1": float(p_call.mean()),
+                "test_direct_accuracy_t1": float(p_direct.mean())}
+    return build_atomically(toy_dir, build)
 
 
 def ensure_tool_toy(toy_dir="toy_tools", seed=0):
