@@ -200,7 +200,7 @@ def bench_tools(toy_dir="toy_tools", n_prompts=256, max_tokens=160, workers=4, r
     import trainer
     from rollout import Engine, Tools
     _, _, device = trainer.setup_distributed()
-    model, _, test = toy.ensure_tool_toy(toy_dir)
+    model, _, test = toy.ensure_toy(toy_dir, tools=True)
     data = load_dataset(test, load_tokenizer(model), 64, False)[:n_prompts]
     engine = Engine(model, seed=0, max_model_len=64 + max_tokens, device=device)
     seeds = np.random.SeedSequence([0, 7]).generate_state(len(data.ids))

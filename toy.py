@@ -18,7 +18,7 @@ on one machine. Measure the base model (exact success probabilities, no sampling
 
     python toy.py
 
-The tool toy (`ensure_tool_toy`, cached in ./toy_tools) is the same model on "a*b=" with a Python tool: the
+The tool toy (`ensure_toy(tools=True)`, cached in ./toy_tools) is the same model on "a*b=" with a Python tool: the
 model writes `print(a*b)` in a code block, the tool loop (rollout.py) runs it, and the model copies the answer
 from the interpreter output into the box. Build it, then measure it through the real loop (vLLM + sandbox):
 
@@ -196,16 +196,17 @@ def build_toy(toy_dir, seed=0, n_train=2000, n_test=500, steps=800, lr=3e-3, bat
     return build_atomically(toy_dir, build)
 
 
-def ensure_toy(toy_dir="toy", seed=0):
-    """Paths of the toy's model and data, building it on first use. Returns (model_dir, train, test)."""
+def ensure_toy(toy_dir="toy", seed=0, tools=False):
+    """Paths of the toy's (tools: the tool toy's) model and data, building it on first use or when the cached
+    one is of an older recipe. Returns (model_dir, train, test)."""
+    version, build, what = (TOOL_TOY_VERSION, build_tool_toy, "tool toy") if tools else (TOY_VERSION, build_toy, "toy")
     marker = os.path.join(toy_dir, "toy.json")
-    cached = os.path.exists(marker) and json.load(open(marker)).get("version") == TOY_VERSION
-    if not cached:
-        print(f"building the toy task and model into {toy_dir}/ (first use, about 2 minutes)", flush=True)
-        info = build_toy(toy_dir, seed=seed)
-        print(f"toy built: base test accuracy at temperature 1.0 = {info['test_accuracy_t1']:.1%}", flush=True)
+    if not (os.path.exists(marker) and json.load(open(marker)).get("version") == version):
+        print(f"building the {what} into {toy_dir}/ (first use, about {4 if tools else 2} minutes)", flush=True)
+        info = build(toy_dir, seed=seed)
+        print(f"{what} built: base test accuracy at temperature 1.0 = {info['test_accuracy_t1']:.1%}"
+              + (f", tool use {info['test_tool_use_t1']:.1%}" if tools else ""), flush=True)
     return os.path.join(toy_dir, "model"), os.path.join(toy_dir, "train.parquet"), os.path.join(toy_dir, "test.parquet")
-
 
 
 def toy_paths(toy_dir="toy", tools=False):
@@ -213,7 +214,7 @@ def toy_paths(toy_dir="toy", tools=False):
     use, the others wait."""
     import torch.distributed as dist
     if dist.get_rank() == 0:
-        (ensure_tool_toy if tools else ensure_toy)(toy_dir, seed=0)
+        ensure_toy(toy_dir, seed=0, tools=tools)
     dist.barrier()
     return os.path.join(toy_dir, "model"), os.path.join(toy_dir, "train.parquet"), os.path.join(toy_dir, "test.parquet")
 
@@ -351,18 +352,6 @@ def build_tool_toy(toy_dir, seed=0, n_train=2000, n_test=500, steps=700, lr=4e-3
     return build_atomically(toy_dir, build)
 
 
-def ensure_tool_toy(toy_dir="toy_tools", seed=0):
-    """Paths of the tool toy's model and data, building it on first use. Returns (model_dir, train, test)."""
-    marker = os.path.join(toy_dir, "toy.json")
-    cached = os.path.exists(marker) and json.load(open(marker)).get("version") == TOOL_TOY_VERSION
-    if not cached:
-        print(f"building the tool toy into {toy_dir}/ (first use, about 3 minutes)", flush=True)
-        info = build_tool_toy(toy_dir, seed=seed)
-        print(f"tool toy built: base test accuracy at temperature 1.0 = {info['test_accuracy_t1']:.1%}, "
-              f"tool use {info['test_tool_use_t1']:.1%}", flush=True)
-    return os.path.join(toy_dir, "model"), os.path.join(toy_dir, "train.parquet"), os.path.join(toy_dir, "test.parquet")
-
-
 def measure_with_tools(toy_dir="toy_tools", n_prompts=500, max_tokens=160, temperature=1.0, seed=0, workers=4):
     """The tool toy's base model through the real tool loop (vLLM + sandbox): accuracy, tool-use rate and
     tool statistics on the test set, one sample per prompt. Needs vllm; starts a world of one."""
@@ -373,7 +362,7 @@ def measure_with_tools(toy_dir="toy_tools", n_prompts=500, max_tokens=160, tempe
     from sandbox import SandboxPool
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     _, _, device = trainer.setup_distributed()
-    model_dir, _, test_path = ensure_tool_toy(toy_dir)
+    model_dir, _, test_path = ensure_toy(toy_dir, tools=True)
     tokenizer = load_tokenizer(model_dir)
     test = load_dataset(test_path, tokenizer, 64, False)[:n_prompts]
     engine = Engine(model_dir, seed=seed, max_model_len=64 + max_tokens, device=device)
