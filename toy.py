@@ -202,7 +202,7 @@ def ensure_toy(toy_dir="toy", seed=0, tools=False):
     version, build, what = (TOOL_TOY_VERSION, build_tool_toy, "tool toy") if tools else (TOY_VERSION, build_toy, "toy")
     marker = os.path.join(toy_dir, "toy.json")
     if not (os.path.exists(marker) and json.load(open(marker)).get("version") == version):
-        print(f"building the {what} into {toy_dir}/ (first use, about {4 if tools else 2} minutes)", flush=True)
+        print(f"building the {what} into {toy_dir}/ (first use, about {3 if tools else 2} minutes)", flush=True)
         info = build(toy_dir, seed=seed)
         print(f"{what} built: base test accuracy at temperature 1.0 = {info['test_accuracy_t1']:.1%}"
               + (f", tool use {info['test_tool_use_t1']:.1%}" if tools else ""), flush=True)
@@ -214,7 +214,14 @@ def toy_paths(toy_dir="toy", tools=False):
     use, the others wait."""
     import torch.distributed as dist
     if dist.get_rank() == 0:
-        ensure_toy(toy_dir, seed=0, tools=tools)
+        # torchrun gives each rank one thread, but the other ranks only wait here: build on every core (the
+        # toy's bytes do not depend on the thread count; checked for both toys at 1 and 2 threads).
+        threads = torch.get_num_threads()
+        torch.set_num_threads(os.cpu_count() or 1)
+        try:
+            ensure_toy(toy_dir, seed=0, tools=tools)
+        finally:
+            torch.set_num_threads(threads)
     dist.barrier()
     return os.path.join(toy_dir, "model"), os.path.join(toy_dir, "train.parquet"), os.path.join(toy_dir, "test.parquet")
 
