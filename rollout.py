@@ -120,8 +120,11 @@ def tools_from_flags(args):
     Close it with tools.pool.close()."""
     if not args.tools:
         return None
-    if args.max_turns < 1 or args.sandbox_workers < 1 or args.sandbox_timeout <= 0:
-        raise SystemExit("error: --max_turns and --sandbox_workers must be at least 1, --sandbox_timeout positive")
+    for flag, value, low in (("max_turns", args.max_turns, 1), ("sandbox_workers", args.sandbox_workers, 1),
+                             ("sandbox_timeout", args.sandbox_timeout, 1e-3),
+                             ("sandbox_memory_mb", args.sandbox_memory_mb, 1)):
+        if value < low:  # caught here: inside the loop a bad limit would only come back as tool error text
+            raise SystemExit(f"error: --{flag} must be at least {low}, got {value}")
     from sandbox import SandboxPool
     pool = SandboxPool(workers=args.sandbox_workers, timeout_s=args.sandbox_timeout, memory_mb=args.sandbox_memory_mb)
     return Tools(pool, max_turns=args.max_turns, max_tool_output_chars=args.max_tool_output_chars)
