@@ -159,7 +159,7 @@ def bench_eval(toy_dir="toy", n_problems=100, n=8, max_tokens=32, repeats=3):
     data = load_dataset(test, load_tokenizer(model), 256, False)[:n_problems]
     engine = Engine(model, seed=0, max_model_len=256 + max_tokens, device=device)
     sampling = {k: EVAL_DEFAULTS[k] for k in ("temperature", "top_p", "top_k")}
-    seeds = np.concatenate([request_seeds(0, pid, n) for pid in data.ids])
+    seeds = np.concatenate([request_seeds(0, key, n) for key in data.keys])
     prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in data.prompt_ids for _ in range(n)]
 
     def ours():
@@ -203,7 +203,7 @@ def bench_tools(toy_dir="toy_tools", n_prompts=256, max_tokens=160, workers=4, r
     model, _, test = toy.ensure_toy(toy_dir, tools=True)
     data = load_dataset(test, load_tokenizer(model), 64, False)[:n_prompts]
     engine = Engine(model, seed=0, max_model_len=64 + max_tokens, device=device)
-    seeds = np.random.SeedSequence([0, 7]).generate_state(len(data.ids))
+    seeds = np.random.SeedSequence([0, 7]).generate_state(len(data.keys))
     with SandboxPool(workers=workers) as pool:
         runs = {"no tools": None, f"tools ({workers} sandbox workers)": Tools(pool)}
         engine.generate(data.prompt_ids[:16], seeds[:16], max_tokens=max_tokens)  # warm-up

@@ -1,13 +1,13 @@
 """Prompt datasets: the one loader that spo.py, offline_values.py and eval.py share.
 
-A prompt's id is a hash of its chat messages, not its row number, so the tracker, the offline values and the
+A prompt's key is a hash of its chat messages, not its row number, so the tracker, the offline values and the
 evaluation agree on it across files, orderings and programs; duplicate prompts are merged and counted. Accepted
 files: verl DAPO parquet (chat-message `prompt`, `reward_model.ground_truth`), open-r1 processed DAPO (string
 `prompt`, `solution`), and any parquet / JSONL with a prompt column in PROMPT_COLUMNS and an answer column in
 ANSWER_COLUMNS. Bad files stop with an error that names the file, the row and what was found.
 
     from data import load_prompts, load_dataset, load_tokenizer
-    prompts = load_prompts("dapo_math_17k.parquet")            # ids, chat messages, answers (no tokenizer)
+    prompts = load_prompts("dapo_math_17k.parquet")            # keys, chat messages, answers (no tokenizer)
     data = load_dataset("dapo_math_17k.parquet", load_tokenizer("Qwen/Qwen3-8B"), max_prompt_len=2048,
                         verbose=True)                           # + chat-templated token ids, long prompts left out
 """
@@ -37,7 +37,7 @@ ANSWER_COLUMNS = ("answer", "ground_truth", "reward_model", "solution")
 
 @dataclass
 class PromptSet:
-    ids: list[str]                  # prompt_id(messages): stable across files, reorderings and programs
+    keys: list[str]                 # prompt_key(messages): stable across files, reorderings and programs
     messages: list[list[dict]]      # chat messages [{"role", "content"}, ...]
     answers: list[str]              # ground truths, stripped strings
     path: str
@@ -46,9 +46,9 @@ class PromptSet:
     n_conflicting: int              # of those, rows whose answer differed from the kept one
 
 
-def prompt_id(messages: list[dict]) -> str:
+def prompt_key(messages: list[dict]) -> str:
     """First 16 hex digits of sha1 of the messages' canonical JSON. A plain string prompt s and
-    [{"role": "user", "content": s}] get the same id, so the verl and open-r1 DAPO files agree."""
+    [{"role": "user", "content": s}] get the same key, so the verl and open-r1 DAPO files agree."""
     canonical = json.dumps(messages, ensure_ascii=False, sort_keys=True, separators=(",", ":"))
     return hashlib.sha1(canonical.encode("utf-8")).hexdigest()[:16]
 
@@ -88,7 +88,7 @@ def _messages(value, where: str) -> list[dict]:
         raise ValueError(f"{where}: prompt must be a string or a list of {{'role', 'content'}} string messages")
     if not any(m["content"].strip() for m in value):
         raise ValueError(f"{where}: missing or empty prompt")
-    return [{"role": m["role"], "content": m["content"]} for m in value]  # drop extra keys: stable ids
+    return [{"role": m["role"], "content": m["content"]} for m in value]  # drop extra fields: stable keys
 
 
 def _answer(value, where: str) -> str:
@@ -104,7 +104,7 @@ def _answer(value, where: str) -> str:
 
 
 def load_prompts(path) -> PromptSet:
-    """Load prompts and answers; one id per distinct prompt (the first occurrence's answer is kept).
+    """Load prompts and answers; one key per distinct prompt (the first occurrence's answer is kept).
 
     Accepted: verl DAPO parquet (prompt = chat messages, reward_model.ground_truth), open-r1 processed DAPO
     (prompt = string, solution), and any parquet / JSONL with a prompt column in PROMPT_COLUMNS (string or
@@ -121,20 +121,20 @@ def load_prompts(path) -> PromptSet:
     if prompt_col is None or answer_col is None:
         raise ValueError(f"{path}: unrecognised columns {columns}; need a prompt column (one of "
                          f"{', '.join(PROMPT_COLUMNS)}) and an answer column (one of {', '.join(ANSWER_COLUMNS)})")
-    ids, messages, answers, first_index, n_duplicates, n_conflicting = [], [], [], {}, 0, 0
+    keys, messages, answers, first_index, n_duplicates, n_conflicting = [], [], [], {}, 0, 0
     for i, row in enumerate(rows):
         where = f"{path} row {i}"
         msgs, answer = _messages(row.get(prompt_col), where), _answer(row.get(answer_col), where)
-        pid = prompt_id(msgs)
-        if pid in first_index:
+        key = prompt_key(msgs)
+        if key in first_index:
             n_duplicates += 1
-            n_conflicting += answers[first_index[pid]] != answer
+            n_conflicting += answers[first_index[key]] != answer
             continue
-        first_index[pid] = len(ids)
-        ids.append(pid)
+        first_index[key] = len(keys)
+        keys.append(key)
         messages.append(msgs)
         answers.append(answer)
-    return PromptSet(ids, messages, answers, str(path), len(rows), n_duplicates, n_conflicting)
+    return PromptSet(keys, messages, answers, str(path), len(rows), n_duplicates, n_conflicting)
 
 
 # ---------------------------------------------------------------------------------------------- tokenised
@@ -149,12 +149,12 @@ def load_tokenizer(path):
 
 @dataclass
 class Dataset:
-    ids: list          # stable prompt ids (prompt_id); the tracker is indexed by position in this list
+    keys: list         # stable prompt keys (prompt_key); the tracker is indexed by position in this list
     prompt_ids: list   # token ids of each chat-formatted prompt
     answers: list
 
     def __getitem__(self, s):
-        return Dataset(self.ids[s], self.prompt_ids[s], self.answers[s])
+        return Dataset(self.keys[s], self.prompt_ids[s], self.answers[s])
 
 
 def with_system(messages, system_prompt):
@@ -168,7 +168,7 @@ def with_system(messages, system_prompt):
 
 def load_dataset(path, tokenizer, max_prompt_len, verbose, system_prompt=None):
     """Chat-formatted prompt token ids. system_prompt (e.g. the tool instruction) changes the prompts the model
-    sees, not their ids: the ids are hashes of the data's own messages."""
+    sees, not their keys: the keys are hashes of the data's own messages."""
     try:
         prompts = load_prompts(path)
     except (ValueError, FileNotFoundError) as e:
@@ -178,11 +178,11 @@ def load_dataset(path, tokenizer, max_prompt_len, verbose, system_prompt=None):
     prompt_ids = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
     keep = [i for i, p in enumerate(prompt_ids) if len(p) <= max_prompt_len]
     if verbose and prompts.n_duplicates:
-        print(f"{path}: {prompts.n_duplicates} duplicate prompts merged (one id per distinct prompt; "
+        print(f"{path}: {prompts.n_duplicates} duplicate prompts merged (one key per distinct prompt; "
               f"{prompts.n_conflicting} had a different answer, the first was kept)", flush=True)
     if verbose and len(keep) < len(prompt_ids):
         print(f"{path}: {len(prompt_ids) - len(keep)} prompts longer than --max_prompt_len {max_prompt_len} "
               f"tokens left out", flush=True)
     if not keep:
         fail(f"{path}: no prompt fits in --max_prompt_len {max_prompt_len} tokens")
-    return Dataset([prompts.ids[i] for i in keep], [prompt_ids[i] for i in keep], [prompts.answers[i] for i in keep])
+    return Dataset([prompts.keys[i] for i in keep], [prompt_ids[i] for i in keep], [prompts.answers[i] for i in keep])

@@ -1,85 +1,26 @@
-"""Scoring, metrics and evaluation: what training, offline values and the evaluation command share.
+"""Evaluation: avg@k, pass@k and maj@k, and the command that samples a model with vLLM and scores it.
 
-1. Scoring: the binary reward r(x, y) in {0, 1} that the tracker absorbs (paper Eq. 5) and the advantage
-   subtracts from (Eq. 8). The authors' strict rule (SPO_NOTES §2): the answer is the last `\\boxed{...}`, which
-   must start within the last 100 characters, and must equal the ground truth exactly after stripping whitespace
-   (`\\boxed{1/2}` is wrong for "0.5"). think_format=True adds their gate on `</think>` and tool tags.
-2. Metrics (SPO_NOTES §4): avg@k, the unbiased pass@k of Chen et al. (2021), maj@k as a single vote and as a
-   bootstrap expectation (the paper's maj@32 values look like one), a per-benchmark summary and a markdown table.
-3. Evaluation with vLLM: `sample_and_score` (shared with spo.py) and the command line below (paper defaults:
-   n 32, temperature 0.6, top_p 0.95, top_k 20); --model also takes an spo.py run or checkpoint directory;
-   --tools samples through the multi-turn tool loop (rollout.py), as training with --tools does.
+1. Metrics: avg@k, the unbiased pass@k of Chen et al. (2021) in its stable product form, maj@k as a single vote
+   (ties go to the answer whose first sample comes earliest; an empty or unparsed answer never wins) and as a
+   bootstrap expectation over resamples (the paper's maj@32 values on 30-problem sets are not multiples of 1/30,
+   so they look like one), a per-benchmark summary and a markdown table.
+2. Sampling: `sample_and_score`, which spo.py's held-out evaluation calls too; every request's seed derives from
+   (seed, prompt key, sample index), so a sample does not depend on the world size, batch or order. Responses are
+   scored by reward.py, the same verifier as training.
+3. The command line (paper defaults: n 32, temperature 0.6, top_p 0.95, top_k 20); --model also takes an spo.py
+   run or checkpoint directory; --tools samples through the multi-turn tool loop (rollout.py), as training does.
 
-Usage (prompt files are read by data.py):
-    from eval import compute_score, summarize, markdown_table
-    r = compute_score(response_text, "17")                    # 0.0 or 1.0
-
-    torchrun --nproc_per_node=2 eval.py --model runs/<run>/checkpoints/step_N/model --data aime24.parquet
+    torchrun --nproc_per_node=2 eval.py --model runs/<run> --data aime24.parquet aime25.parquet
+    python eval.py                                            # the toy's test set, one process
 """
 import hashlib
 import json
 import os
-import re
 from pathlib import Path
 
 import numpy as np
 
-# ---------------------------------------------------------------------------------------------- scoring
-TAIL_CHARS = 100  # the authors' window: a box that starts earlier than this is not the final answer
-BOX = "\\boxed{"  # `\boxed {x}` (with a space) is valid LaTeX but is NOT an answer here, as in the authors' rule
-# Tool calls and their output (rollout.py's loop; unclosed when cut by the budget) are not the model's answer.
-TOOL_BLOCKS = re.compile(r"<(code|interpreter)>.*?(?:</\1>|$)", re.DOTALL)
-
-
-def extract_boxed(text: str, tail_chars: int | None = None) -> str | None:
-    """Content of the last `\\boxed{` in text (or in its last tail_chars characters), braces matched.
-
-    The LAST opener decides: if it never closes (a response cut off inside its final box) the result is None,
-    we do not fall back to an earlier box. Braces are counted naively, so `\\{ \\}` pairs count too.
-    """
-    if tail_chars is not None:
-        text = text[max(len(text) - tail_chars, 0):]  # the box must start (and so end) inside the window
-    start = text.rfind(BOX)
-    if start < 0:
-        return None
-    depth = 0
-    for i in range(start + len(BOX) - 1, len(text)):
-        if text[i] == "{":
-            depth += 1
-        elif text[i] == "}":
-            depth -= 1
-            if depth == 0:
-                return text[start + len(BOX):i]
-    return None
-
-
-def score_and_answer(response_text: str, ground_truth: str, think_format: bool = False,
-                     tail_chars: int = TAIL_CHARS) -> tuple[float, str | None]:
-    """(reward in {0.0, 1.0}, extracted answer or None). The answer feeds maj@k; None never wins a vote.
-
-    think_format: the authors' gate for thinking models with tools: exactly one `</think>` and no `<code>` /
-    `<interpreter>` after it, else (0.0, None). The box is then searched in the whole text, as they do.
-    Unlike theirs, `<code>...</code>` and `<interpreter>...</interpreter>` blocks are removed first: the answer
-    must be written by the model outside its tool calls. Scored as is, a snippet that prints `\\boxed{N}` answers
-    for the model (in its code and again in the tool output: a reward hack).
-    """
-    if think_format:
-        after_think = response_text.partition("</think>")[2]
-        if response_text.count("</think>") != 1 or "<code>" in after_think or "<interpreter>" in after_think:
-            return 0.0, None
-    response_text = TOOL_BLOCKS.sub("", response_text)
-    boxed = extract_boxed(response_text, tail_chars)
-    answer = boxed.strip() if boxed is not None else ""
-    if not answer:  # `\boxed{}` or `\boxed{  }` is no answer
-        return 0.0, None
-    return float(answer == str(ground_truth).strip()), answer
-
-
-def compute_score(response_text: str, ground_truth: str, think_format: bool = False,
-                  tail_chars: int = TAIL_CHARS) -> float:
-    """The binary reward r(x, y): 1.0 if the final boxed answer equals the ground truth, else 0.0."""
-    return score_and_answer(response_text, ground_truth, think_format, tail_chars)[0]
-
+from reward import reward_and_answer
 
 # ---------------------------------------------------------------------------------------------- metrics
 def pass_at_k(n, c, k: int):
@@ -108,7 +49,7 @@ def _encode(answers) -> tuple[np.ndarray, int]:
 def _votes(codes: np.ndarray, correct: np.ndarray, n_unique: int) -> np.ndarray:
     """One majority vote per row of codes (R, k) -> (R,) correctness of the winner. Tie-break: among the most
     frequent answers, the one whose first sample comes EARLIEST in the row wins; the winner is scored by that
-    sample (all samples of one answer agree under compute_score). A row with no parsed answer is wrong."""
+    sample (all samples of one answer agree under the verifier). A row with no parsed answer is wrong."""
     R, k = codes.shape
     if n_unique == 0:
         return np.zeros(R, dtype=bool)
@@ -189,43 +130,42 @@ def markdown_table(summaries: dict[str, dict]) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- evaluation
-# (the command-line evaluation that drives vLLM follows here)
 # Each rank's engine takes problems rank, rank + world, ...; every request has its own seed, derived from (seed,
-# prompt id, sample index) only, so a sample is the same whatever the world size, batch or order.
+# prompt key, sample index) only, so a sample is the same whatever the world size, batch or order.
 EVAL_DEFAULTS = {"n": 32, "temperature": 0.6, "top_p": 0.95, "top_k": 20}  # the paper's evaluation sampling
 
 
-def request_seeds(base, prompt_id: str, n: int) -> np.ndarray:
+def request_seeds(base, prompt_key: str, n: int) -> np.ndarray:
     """(n,) per-request seeds for samples 0..n-1 of one prompt; base: an int or a sequence of ints (>= 0).
     The first k seeds do not depend on n, so asking for more samples later keeps the earlier ones."""
-    key = int(hashlib.sha1(prompt_id.encode("utf-8")).hexdigest()[:16], 16)
+    key = int(hashlib.sha1(prompt_key.encode("utf-8")).hexdigest()[:16], 16)
     return np.random.SeedSequence([*np.atleast_1d(base).tolist(), key]).generate_state(n)
 
 
 def sample_and_score(engine, data, n, seeds_base, *, temperature, top_p, top_k, max_tokens, rank, world,
                      think_format=False, tools=None):
-    """n samples of every problem of `data` (data.Dataset: ids, prompt_ids, answers), sharded over ranks.
+    """n samples of every problem of `data` (data.Dataset: keys, prompt_ids, answers), sharded over ranks.
 
     Returns (samples, rollouts). samples[p] lists the n (answer or None, correct) of problem p, for EVERY problem
     in data order and on every rank (gathered: call it on all ranks), ready for summarize(). rollouts maps this
     rank's problems p to their n Rollouts (responses to write out). tools: a rollout.Tools for the tool loop."""
-    mine = list(range(rank, len(data.ids), world))
+    mine = list(range(rank, len(data.keys), world))
     outputs = []
     if mine:  # a rank with no problem (more ranks than problems) still joins the gather below
-        seeds = np.concatenate([request_seeds(seeds_base, data.ids[p], n) for p in mine])
+        seeds = np.concatenate([request_seeds(seeds_base, data.keys[p], n) for p in mine])
         outputs = engine.generate([data.prompt_ids[p] for p in mine for _ in range(n)], seeds,
                                   max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                   **({"tools": tools} if tools is not None else {}))
     rollouts = {p: outputs[j * n:(j + 1) * n] for j, p in enumerate(mine)}
     local = {p: [(answer, bool(reward)) for reward, answer in
-                 (score_and_answer(r.text, data.answers[p], think_format) for r in rs)] for p, rs in rollouts.items()}
+                 (reward_and_answer(r.text, data.answers[p], think_format) for r in rs)] for p, rs in rollouts.items()}
     parts = [local]
     if world > 1:
         import torch.distributed as dist
         parts = [None] * world
         dist.all_gather_object(parts, local)  # answers and flags only: responses stay on their rank
     merged = {p: s for part in parts for p, s in part.items()}
-    return [merged[p] for p in range(len(data.ids))], rollouts
+    return [merged[p] for p in range(len(data.keys))], rollouts
 
 
 def resolve_model(path: str) -> str:
@@ -249,14 +189,14 @@ def write_samples(path, data, samples, rollouts, n, rank, world):
         for p, rs in rollouts.items():
             for i, r in enumerate(rs):
                 answer, correct = samples[p][i]
-                f.write(json.dumps({"prompt_id": data.ids[p], "sample": i, "answer": answer, "correct": correct,
+                f.write(json.dumps({"prompt_key": data.keys[p], "sample": i, "answer": answer, "correct": correct,
                                     "ground_truth": data.answers[p], "finish_reason": r.finish_reason,
                                     "response_tokens": len(r.response_ids), "response": r.text}) + "\n")
     dist.barrier()
     if rank == 0:
         shards = [open(f"{path}.rank{r}") for r in range(world)]
         with open(path, "w") as out:
-            for p in range(len(data.ids)):
+            for p in range(len(data.keys)):
                 out.writelines(shards[p % world].readline() for _ in range(n))
         for r, shard in enumerate(shards):
             shard.close()

@@ -10,7 +10,7 @@ also applies the smoothing). Without this pass the tracker starts uninformed (al
   temperature 0.6 while training at 1.0: a prior for another distribution. Any override is recorded in the header.
 - Tools: with --tools the samples go through the tool loop (rollout.py), as training with --tools samples; the
   tool settings join the header.
-- Reproducible: every request has its own seed derived from (seed, prompt id, sample index), so the scores do not
+- Reproducible: every request has its own seed derived from (seed, prompt key, sample index), so the scores do not
   depend on the world size, the chunking or an interruption.
 - Resumable: each rank appends finished prompts (all n0 scores at once) to <out>.rank<r>.partial.jsonl, whose
   first line holds the settings; a rerun skips what is there and refuses other settings. When every prompt is
@@ -18,7 +18,8 @@ also applies the smoothing). Without this pass the tracker starts uninformed (al
 
 Output, read by spo.py --offline_values:
     {"header": {"model", "dataset", "n0", "temperature", "top_p", "max_tokens", "seed", ...},
-     "prompts": {prompt_id: {"prompt": decoded prompt text, "scores": [0.0, 1.0, ...]}}}  (dataset order)
+     "prompts": {prompt key: {"prompt": decoded prompt text, "scores": [0.0, 1.0, ...]}}}  (dataset order; scores
+     are the n0 rewards)
 
     torchrun --nproc_per_node=2 offline_values.py --model M --data train.parquet --out values.json
     python offline_values.py                                   # the built-in toy, one process
@@ -34,7 +35,8 @@ import time
 import numpy as np
 import torch.distributed as dist
 
-from eval import compute_score, request_seeds
+from eval import request_seeds
+from reward import rewards
 from rollout import TOOL_INSTRUCTION, add_tool_flags, apply_tool_defaults, tools_from_flags
 
 
@@ -54,7 +56,7 @@ def partial_paths(out_path):
 
 
 def read_finished(out_path, header):
-    """{prompt id: scores} already computed for out_path (its final file and partial files) with these settings.
+    """{prompt key: scores} already computed for out_path (its final file and partial files) with these settings.
     Raises ValueError naming the file and the differing settings otherwise."""
     wanted = {k: v for k, v in header.items() if k != "created"}
     done = {}
@@ -63,14 +65,14 @@ def read_finished(out_path, header):
             try:
                 if path == out_path:
                     saved = json.load(f)
-                    theirs, entries = saved["header"], {pid: e["scores"] for pid, e in saved["prompts"].items()}
+                    theirs, entries = saved["header"], {key: e["scores"] for key, e in saved["prompts"].items()}
                 else:
                     lines = f.read().split("\n")
                     theirs, entries = json.loads(lines[0])["header"], {}
                     for line in lines[1:]:
                         try:
                             row = json.loads(line)
-                            entries[row["id"]] = row["scores"]
+                            entries[row["key"]] = row["scores"]
                         except (ValueError, KeyError, TypeError):
                             pass  # an empty line or one cut off by a crash: that prompt is simply redone
             except (ValueError, KeyError, TypeError, AttributeError):
@@ -99,12 +101,12 @@ def estimate_offline_values(engine, data, out_path, *, n0=8, temperature=1.0, to
                         truncated_reward=truncated_reward, tools=tools)
     done = read_finished(out_path, header)
     barrier()  # every rank has read the files before any rank appends to them
-    todo = [p for p in range(rank, len(data.ids), world) if data.ids[p] not in done]
+    todo = [p for p in range(rank, len(data.keys), world) if data.keys[p] not in done]
     partial = f"{out_path}.rank{rank}.partial.jsonl"
     bar = None
     if rank == 0 and progress:
         from tqdm import tqdm
-        print(f"offline values: {len(data.ids)} prompts, {len(done)} already done, n0 = {n0}", flush=True)
+        print(f"offline values: {len(data.keys)} prompts, {len(done)} already done, n0 = {n0}", flush=True)
         bar = tqdm(total=len(todo), desc=f"offline values (rank 0 of {world})", unit="prompt", dynamic_ncols=True)
     with open(partial, "a") as f:
         if f.tell() == 0:
@@ -115,13 +117,12 @@ def estimate_offline_values(engine, data, out_path, *, n0=8, temperature=1.0, to
             if max_chunks is not None and c >= max_chunks * chunk_prompts:
                 break
             chunk = todo[c: c + chunk_prompts]
-            seeds = np.concatenate([request_seeds(seed, data.ids[p], n0) for p in chunk])  # (len(chunk) * n0,)
+            seeds = np.concatenate([request_seeds(seed, data.keys[p], n0) for p in chunk])  # (len(chunk) * n0,)
             rollouts = engine.generate([data.prompt_ids[p] for p in chunk for _ in range(n0)], seeds,
                                        max_tokens=max_tokens, temperature=temperature, top_p=top_p, tools=tools)
-            scores = np.array([compute_score(r.text, data.answers[p]) *
-                               (truncated_reward == "score" or r.finish_reason != "length")
-                               for r, p in zip(rollouts, np.repeat(chunk, n0))]).reshape(len(chunk), n0)
-            f.writelines(json.dumps({"id": data.ids[p], "scores": s.tolist()}) + "\n" for p, s in zip(chunk, scores))
+            scores = rewards(rollouts, [data.answers[p] for p in chunk for _ in range(n0)],
+                             truncated_reward=truncated_reward).reshape(len(chunk), n0)
+            f.writelines(json.dumps({"key": data.keys[p], "scores": s.tolist()}) + "\n" for p, s in zip(chunk, scores))
             f.flush()
             os.fsync(f.fileno())
             if bar is not None:
@@ -132,14 +133,14 @@ def estimate_offline_values(engine, data, out_path, *, n0=8, temperature=1.0, to
     result = None
     if rank == 0:
         done = read_finished(out_path, header)
-        missing = sum(pid not in done for pid in data.ids)
+        missing = sum(key not in done for key in data.keys)
         if missing:
             print(f"offline values: stopped with {missing} prompts to go; rerun the same command to resume", flush=True)
         else:
             tokenizer = engine.llm.get_tokenizer()
             result = {"header": {**header, "created": time.strftime("%Y-%m-%d %H:%M:%S")},
-                      "prompts": {pid: {"prompt": tokenizer.decode(ids), "scores": done[pid]}
-                                  for pid, ids in zip(data.ids, data.prompt_ids)}}
+                      "prompts": {key: {"prompt": tokenizer.decode(ids), "scores": done[key]}
+                                  for key, ids in zip(data.keys, data.prompt_ids)}}
             with open(out_path + ".tmp", "w") as f:
                 json.dump(result, f)
             os.replace(out_path + ".tmp", out_path)  # a crash never leaves a half-written values file
@@ -165,17 +166,17 @@ def init_tracker_from_file(tracker, path, data, smoothing, verbose):
             entries = json.load(f)["prompts"]
     except (OSError, ValueError, KeyError, TypeError) as e:
         fail(f"--offline_values {path}: not an offline-values file ({e.__class__.__name__}: {e})")
-    position = {pid: i for i, pid in enumerate(data.ids)}
-    unknown = [pid for pid in entries if pid not in position]
+    position = {key: i for i, key in enumerate(data.keys)}
+    unknown = [key for key in entries if key not in position]
     if unknown:
-        fail(f"--offline_values {path}: {len(unknown)} of its {len(entries)} prompt ids are not in the training "
+        fail(f"--offline_values {path}: {len(unknown)} of its {len(entries)} prompt keys are not in the training "
              f"set (e.g. {unknown[0]}): was it made for another dataset?")
-    index = np.array([position[pid] for pid in entries], dtype=np.int64)
+    index = np.array([position[key] for key in entries], dtype=np.int64)
     scores = [np.asarray(e["scores"], dtype=np.float64) for e in entries.values()]
     tracker.init_from_scores(index, np.array([s.sum() for s in scores]), np.array([s.size for s in scores]),
                              smoothing=smoothing)
-    if verbose and len(index) < len(data.ids):
-        print(f"--offline_values: {len(data.ids) - len(index)} training prompts have no offline scores and "
+    if verbose and len(index) < len(data.keys):
+        print(f"--offline_values: {len(data.keys) - len(index)} training prompts have no offline scores and "
               f"start from the uninformed prior", flush=True)
 
 
@@ -203,7 +204,7 @@ def parse_args(argv=None):
     g.add_argument("--top_p", type=float, default=1.0, help="as training samples")
     g.add_argument("--max_tokens", type=int, default=None, help="training's --max_response_len (32; tools: 160)")
     g.add_argument("--truncated_reward", choices=["zero", "score"], default="zero", help="as spo.py")
-    g.add_argument("--seed", type=int, default=0, help="per-request seeds derive from (seed, prompt id, sample)")
+    g.add_argument("--seed", type=int, default=0, help="per-request seeds derive from (seed, prompt key, sample)")
     g = p.add_argument_group("run and engine")
     g.add_argument("--chunk_prompts", type=int, default=64, help="prompts per generate call and partial flush")
     g.add_argument("--max_chunks", type=int, default=None, help="debugging: stop after N chunks per rank")
@@ -237,7 +238,8 @@ def main(argv=None):
         header["system_prompt"] = TOOL_INSTRUCTION
     tools = tools_from_flags(args)
     try:
-        read_finished(args.out, run_header(header, **sampling, tools=tools))  # a settings mismatch fails before the engine starts
+        # a settings mismatch fails here, before the engine starts
+        read_finished(args.out, run_header(header, **sampling, tools=tools))
     except ValueError as e:
         trainer.fail(str(e))
     tokenizer = load_tokenizer(args.model)

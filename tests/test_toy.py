@@ -1,0 +1,45 @@
+"""The built-in toys (toy.py): a build is deterministic for a seed, in the verl schema, and the tool toy's traces
+keep the interpreter text out of the loss.
+
+    .venv/bin/python -m pytest tests/test_toy.py -q
+"""
+import os
+
+import pyarrow.parquet as pq
+import pytest
+
+from data import load_prompts
+
+
+@pytest.mark.slow
+def test_toy_is_deterministic_and_in_the_verl_schema(small_toy, tmp_path):
+    import toy
+    toy.build_toy(str(tmp_path / "again"), seed=0, n_train=200, n_test=40, steps=150)
+    dirs = (os.path.dirname(small_toy["model"]), tmp_path / "again")
+    same = [open(f"{d}/model/model.safetensors", "rb").read() for d in dirs]
+    if same[0] != same[1]:  # say how far apart they are (a flake was seen once, not reproduced in 8 rebuilds)
+        from safetensors.torch import load_file
+        a, b = (load_file(f"{d}/model/model.safetensors") for d in dirs)
+        diff = {k: (a[k] - b[k]).abs().max().item() for k in a if a[k].shape == b[k].shape}
+        pytest.fail(f"rebuilt toy differs: tensors {sorted(set(a) ^ set(b))} unmatched, max |diff| "
+                    f"{max(diff.values(), default=None)} in {max(diff, key=diff.get, default=None)}")
+    table = pq.read_table(small_toy["train"])
+    assert {"prompt", "reward_model"} <= set(table.column_names)
+    assert load_prompts(small_toy["train"]).n_rows == 200
+
+
+def test_tool_toy_is_deterministic_with_a_masked_interpreter(tmp_path):
+    import toy
+    infos = [toy.build_tool_toy(str(tmp_path / d), n_train=100, n_test=20, steps=3) for d in ("a", "b")]
+    same = [open(tmp_path / d / "model" / "model.safetensors", "rb").read() for d in ("a", "b")]
+    assert same[0] == same[1] and infos[0]["test_accuracy_t1"] == infos[1]["test_accuracy_t1"]
+    rows = pq.read_table(tmp_path / "a" / "train.parquet").to_pylist()
+    a, b = map(int, rows[0]["prompt"][0]["content"].rstrip("=").split("*"))
+    assert rows[0]["reward_model"]["ground_truth"] == str(a * b) and 10 <= a <= 999 and 10 <= b <= 999
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "a" / "model")
+    ids, mask = toy.encode_segments(tokenizer, ["12*34="], [toy.tool_trace(12, 34)])
+    text = tokenizer.decode(ids[0][mask[0] == 0])
+    assert "<interpreter>\n408\n</interpreter>\n\n" in text and "print(12*34)" not in text
+    assert tokenizer.decode(ids[0][mask[0] == 1]) == "<code>\n```python\nprint(12*34)\n```\n</code>\\boxed{408}" \
+        + tokenizer.eos_token

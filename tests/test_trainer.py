@@ -1,0 +1,115 @@
+"""The trainer machinery (trainer.py) on the real FSDP2 under torchrun: two ranks compute the same update as one
+process, the weight push makes vLLM sample from the trained policy, and a non-finite loss skips the step.
+
+    .venv/bin/python -m pytest tests/test_trainer.py -q
+"""
+import functools
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from common import ok, torchrun
+
+
+@pytest.mark.slow
+def test_two_rank_fsdp2_gradients_and_normalisation_equal_one_process(small_toy, tmp_path):
+    """Same global batch, one SGD step (lr 1, no clipping): the weights after the step are the gradients.
+    World 2 must equal world 1, and Eq. 9's normalisation over two ranks must equal the single-process one."""
+    out = {}
+    for world in (1, 2):
+        ok(torchrun(world, "tests/test_trainer.py", "grad_worker", str(tmp_path / f"w{world}.pt"), small_toy["model"]))
+        out[world] = torch.load(tmp_path / f"w{world}.pt", weights_only=False)
+    moved = 0.0
+    for name, p1 in out[1]["params"].items():
+        torch.testing.assert_close(out[2]["params"][name], p1, atol=2e-6, rtol=1e-5)
+        moved = max(moved, (p1 - out[1]["before"][name]).abs().max().item())
+    assert moved > 1e-4  # the step really moved the weights, so the comparison means something
+    advantage = out[1]["raw_advantage"]
+    expected = (advantage - advantage.mean()) / (advantage.std(ddof=1) + 1e-8)
+    np.testing.assert_allclose(out[2]["normalised"], expected, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(out[1]["normalised"], expected, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.slow
+def test_vllm_logprobs_match_trainer_after_weight_push(small_toy, tmp_path):
+    ok(torchrun(1, "tests/test_trainer.py", "push_worker", str(tmp_path / "push.pt"), small_toy["model"]))
+    result = torch.load(tmp_path / "push.pt", weights_only=False)
+    assert result["gap_before_push"] > 1e-2  # the update changed the policy: a missed push would show
+    assert result["gap_after_push"] < 1e-4
+    assert result["nonfinite_flagged"] and result["nonfinite_left_weights_alone"]
+
+
+# ---- workers, run under torchrun by the tests above
+def _fixed_batch(tokenizer_size, n=8, seed=0):
+    from rollout import Rollout
+    rng = np.random.default_rng(seed)
+    rollouts = []
+    for _ in range(n):
+        response = list(rng.integers(3, tokenizer_size, size=rng.integers(2, 9)))
+        rollouts.append(Rollout(list(rng.integers(3, tokenizer_size, size=rng.integers(3, 7))), response,
+                                [0.0] * len(response), "", "stop"))
+    advantage = rng.normal(size=n)
+    return rollouts, advantage
+
+
+def _update(policy, optimizer, rollouts, old, advantage, micro_batch_size, grad_clip):
+    """One optimiser step of Eq. 10 with the paper's clip settings, through the trainer's machinery."""
+    import trainer
+    from spo import ppo_clip_loss
+    loss_fn = functools.partial(ppo_clip_loss, clip_low=0.2, clip_high=0.28, dual_clip=10.0)
+    return trainer.ppo_update(policy, optimizer, rollouts, old, advantage, loss_fn, ppo_steps=1,
+                              micro_batch_size=micro_batch_size, temperature=1.0, grad_clip=grad_clip)
+
+
+def grad_worker(out, model_path):
+    import trainer
+    from spo import global_normalise
+    from trainer import all_gather_np
+    rank, world, device = trainer.setup_distributed()
+    policy, _ = trainer.build_policy(model_path, device, lr=1.0, weight_decay=0.0)
+    optimizer = torch.optim.SGD(policy.parameters(), lr=1.0)
+    before = {k: v.clone() for k, v in trainer.full_parameters(policy)}
+    rollouts, advantage = _fixed_batch(90)
+    local = len(rollouts) // world
+    mine = slice(rank * local, (rank + 1) * local)
+    old = trainer.old_logprobs(policy, rollouts[mine], [], 1.0, 2)["batch"]
+    old = [lp - 0.05 for lp in old]  # ratios away from 1, inside the clip range on both sides
+    _update(policy, optimizer, rollouts[mine], old, advantage[mine], micro_batch_size=2, grad_clip=1e9)
+    params = {k: v.clone() for k, v in trainer.full_parameters(policy)}
+    normalised = all_gather_np(global_normalise(advantage[mine]))
+    if rank == 0:
+        torch.save({"params": params, "before": before, "raw_advantage": advantage, "normalised": normalised}, out)
+    dist.destroy_process_group()
+
+
+def push_worker(out, model_path):
+    import trainer
+    from rollout import Engine
+    rank, world, device = trainer.setup_distributed()
+    policy, optimizer = trainer.build_policy(model_path, device, lr=1e-2, weight_decay=0.0)
+    engine = Engine(model_path, seed=0, max_model_len=128, device=device)
+    rollouts, advantage = _fixed_batch(90)
+    old = trainer.old_logprobs(policy, rollouts, [], 1.0, 8)["batch"]
+    for _ in range(3):
+        _update(policy, optimizer, rollouts, old, advantage, micro_batch_size=8, grad_clip=1.0)
+    prompts = [r.prompt_ids for r in rollouts]
+    sampled = engine.generate(prompts, seeds=range(len(prompts)), max_tokens=16)
+    gap_before = trainer.old_logprobs(policy, sampled, [], 1.0, 8)["logprob_gap_max"]
+    engine.push_weights(trainer.full_parameters(policy))
+    sampled = engine.generate(prompts, seeds=range(len(prompts)), max_tokens=16)
+    gap_after = trainer.old_logprobs(policy, sampled, [], 1.0, 8)["logprob_gap_max"]
+    # A non-finite loss is flagged and the step skipped: the weights stay as they were.
+    before = {k: v.clone() for k, v in trainer.full_parameters(policy)}
+    stats = _update(policy, optimizer, rollouts, old, np.full(len(rollouts), np.nan), micro_batch_size=8,
+                    grad_clip=1.0)
+    unchanged = all(torch.equal(before[k], v) for k, v in trainer.full_parameters(policy))
+    torch.save({"gap_before_push": gap_before, "gap_after_push": gap_after,
+                "nonfinite_flagged": stats["nonfinite"], "nonfinite_left_weights_alone": unchanged}, out)
+    engine.shutdown()
+
+
+if __name__ == "__main__":  # torchrun tests/test_trainer.py WORKER OUT [ARGS...]
+    globals()[sys.argv[1]](*sys.argv[2:])
