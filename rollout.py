@@ -221,7 +221,8 @@ class Engine:
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
             lambda record: not record.getMessage().startswith("RotaryEmbedding: Failed to load weights"))
         self.requests_sent = 0  # request ids stay unique across calls
-        self.asleep = False
+        self.state = "awake"  # sleep mode (GPU only): "awake", "asleep" or "weights"; see sleep() below
+        self._empty_cache = torch.cuda.empty_cache if self.on_gpu else (lambda: None)
 
     def generate(self, prompt_ids, seeds, *, max_tokens, temperature=None, top_p=1.0, top_k=-1, stop=None,
                  tools=None, keep_first=None):
@@ -337,27 +338,47 @@ class Engine:
         kept = set(finished[:wanted])
         return [r if i in kept else None for i, r in enumerate(rollouts)]
 
+    # ---- sleep mode (GPU). The engine is in one of three states, kept here and nowhere else:
+    #   "awake"   weights and KV cache on the GPU: generate may run;
+    #   "asleep"  weights offloaded to host memory, KV cache dropped: the trainer has the card (vLLM sleep level 1);
+    #   "weights" weights back (for a push), KV cache still dropped.
+    # One step: generate (wakes the KV cache), sleep(), the trainer's update, push_weights (wakes the weights only,
+    # so the KV cache is not allocated while the trainer's memory may still be cached), the next generate.
+    # Before each wake, memory PyTorch has cached for the trainer goes back to the device (empty_cache): vLLM
+    # allocates through its own pool and cannot use PyTorch's cached blocks. Waking a part that is already awake
+    # would map it a second time, so every wake goes through _wake. On CPU nothing sleeps (state stays "awake").
+    def sleep(self):
+        """GPU: free the card for the trainer (weights to host, KV cache dropped). CPU: nothing to free."""
+        if self.on_gpu and self.state != "asleep":
+            self._wake("kv_cache")  # only after a push without a generate since: sleep from a whole engine
+            self.llm.sleep(level=1)  # also clears vLLM's prefix cache: its KV content is forgotten
+            self.state = "asleep"
+
+    def _wake(self, tag):
+        """Bring back "weights" (for a push) or everything ("kv_cache": for generation), each part only once."""
+        if self.state == "asleep":
+            self._empty_cache()
+            self.llm.wake_up(tags=["weights"])
+            self.state = "weights"
+        if tag == "kv_cache" and self.state == "weights":
+            self._empty_cache()
+            self.llm.wake_up(tags=["kv_cache"])
+            self.state = "awake"
+
+    def wake_up(self):
+        """Everything back on the device before generation (a no-op when awake, and on CPU)."""
+        self._wake("kv_cache")
+
     def push_weights(self, named_tensors):
         """Load new weights in place. `named_tensors` yields (name, full tensor) in Hugging Face naming.
 
         Pass an iterator, never None: reload_weights without weights reloads the checkpoint from disk."""
-        if self.on_gpu:
-            self.llm.wake_up(tags=["weights"])  # weights back on the GPU before they are overwritten
+        self._wake("weights")  # weights back on the GPU before they are overwritten; the KV cache stays asleep
         dtype = torch.bfloat16 if self.on_gpu else torch.float32
         self.llm.collective_rpc("reload_weights",
                                 kwargs={"weights_iterator": ((n, t.to(dtype)) for n, t in named_tensors)})
-        self.llm.reset_prefix_cache()  # cached KV was computed by the old weights
-
-    def sleep(self):
-        """GPU: free the card for the trainer (weights to CPU, KV cache dropped). CPU: nothing to free."""
-        if self.on_gpu and not self.asleep:
-            self.llm.sleep(level=1)
-            self.asleep = True
-
-    def wake_up(self):
-        if self.on_gpu and self.asleep:
-            self.llm.wake_up()
-            self.asleep = False
+        if self.state == "awake":
+            self.llm.reset_prefix_cache()  # cached KV was computed by the old weights (sleep already cleared it)
 
     def shutdown(self):
         """Release the engine. Its teardown also destroys torch.distributed's default process group."""

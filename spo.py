@@ -374,7 +374,7 @@ def main(argv=None):
                              f"lower --lr or check the data (metrics in {run_dir}/metrics.jsonl)")
         # 7. weight push: the next rollouts come from the updated policy.
         t0 = time.time()
-        engine.push_weights(trainer.full_parameters(policy))
+        engine.push_weights(trainer.full_parameters(policy, torch.bfloat16 if device.type == "cuda" else None))
         t["weight_push"] = time.time() - t0
 
         metrics = trainer.step_metrics(reward, raw_advantage, advantage, rollouts, old, stats, t,

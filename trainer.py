@@ -72,14 +72,16 @@ def setup_distributed():
 
 
 # ------------------------------------------------------------------------------------------------ the policy
-def build_policy(path, device, lr, weight_decay):
+def build_policy(path, device, lr, weight_decay, gradient_checkpointing=None):
+    """The policy: a Hugging Face causal LM in training mode, sharded with FSDP2, and its AdamW optimiser.
+    gradient_checkpointing: recompute each decoder layer's activations in the backward pass (None: on GPU only,
+    where long responses make the saved activations the largest memory item)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)  # fp32 master weights
     on_gpu = device.type == "cuda"
-    if on_gpu:
-        model.gradient_checkpointing_enable()  # long responses: recompute activations instead of storing them
+    prepare_for_training(model, on_gpu if gradient_checkpointing is None else gradient_checkpointing)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if on_gpu else None
     for layer in model.model.layers:
@@ -90,14 +92,35 @@ def build_policy(path, device, lr, weight_decay):
     return model, optimizer
 
 
-def full_parameters(model):
+def prepare_for_training(model, gradient_checkpointing):
+    """Training mode with dropout off, and optionally gradient checkpointing that really happens.
+
+    `from_pretrained` returns a model in eval mode, and transformers checkpoints a layer only while the model is
+    training: without `.train()` gradient checkpointing is silently never applied and every activation is kept.
+    Dropout stays off: PPO's ratio compares the update's log-probs with the old ones, and dropout noise in either
+    would move the ratio away from 1 for no reason (Qwen3 has none; other models may)."""
+    model.train()
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0  # attention modules pass it to the attention kernel in training mode
+    if gradient_checkpointing:
+        # Non-reentrant checkpointing: the variant that composes with FSDP2 and with inputs that need no grad.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def full_parameters(model, dtype=None):
     """(name, full tensor) for every parameter, gathered one at a time: the weight push never holds a second
-    full copy of the model. Every rank must iterate (each gather is a collective).
+    full copy of the model. Every rank must iterate (each gather is a collective). dtype: cast each rank's shard
+    BEFORE the gather (spo.py: bf16 on GPU, the engine's dtype), which halves the bytes gathered.
 
     Tied weights are sent under both names (remove_duplicate=False): vLLM's CPU backend keeps a separately
     packed copy of a tied lm_head, which goes stale if only the embedding is pushed (a large log-prob gap)."""
     for name, p in model.named_parameters(remove_duplicate=False):
-        yield name, (p.full_tensor() if isinstance(p, DTensor) else p).detach()
+        p = p.detach() if dtype is None else p.detach().to(dtype)
+        yield name, p.full_tensor() if isinstance(p, DTensor) else p
 
 
 def pack(sequences, device):
@@ -115,7 +138,8 @@ def pack(sequences, device):
 
 def token_logprobs(model, ids, temperature):
     """(B, T-1) log pi(token_t | tokens_<t) at the sampling temperature, and the (B, T-1) entropy."""
-    logits = model(input_ids=ids).logits[:, :-1].float() / temperature  # (B, T-1, V)
+    # use_cache=False: a training forward has no use for the KV cache transformers would otherwise build
+    logits = model(input_ids=ids, use_cache=False).logits[:, :-1].float() / temperature  # (B, T-1, V)
     logp = torch.log_softmax(logits, -1)
     token_logp = logp.gather(-1, ids[:, 1:, None]).squeeze(-1)
     return token_logp, logp

@@ -64,6 +64,61 @@ def test_interpreter_text_turns_every_failure_into_text():
     assert not error and len(text) < 64 + 40 and "\n...\n" in text  # cut keeping head and tail
 
 
+# ---- sleep mode: the order of calls
+class RecordingLLM:
+    """Records the calls Engine makes to vLLM's LLM around sleep mode. vLLM's sleep mode runs on CUDA only, so
+    on this machine the order of calls is what can be tested; the GPU run itself is not verified here."""
+
+    def __init__(self):
+        self.calls = []
+
+    def sleep(self, level):
+        self.calls.append(("sleep", level))
+
+    def wake_up(self, tags=None):
+        self.calls.append(("wake_up", tuple(tags) if tags else None))
+
+    def collective_rpc(self, method, kwargs):
+        list(kwargs["weights_iterator"])
+        self.calls.append((method,))
+
+    def reset_prefix_cache(self):
+        self.calls.append(("reset_prefix_cache",))
+
+
+def _engine_without_vllm(on_gpu):
+    from rollout import Engine
+    engine = Engine.__new__(Engine)  # the state machine only: no vLLM engine behind it
+    engine.on_gpu, engine.llm, engine.state = on_gpu, RecordingLLM(), "awake"
+    engine._empty_cache = lambda: engine.llm.calls.append(("empty_cache",))
+    return engine
+
+
+def _two_steps(engine):
+    for _ in range(2):  # what spo.py does each step: generate (wakes), sleep, train, push
+        engine.wake_up()
+        engine.sleep()
+        engine.push_weights(iter([("w", torch.zeros(2))]))
+    engine.wake_up()  # the evaluation or the next generate
+
+
+def test_sleep_mode_wakes_each_part_once_after_emptying_the_cache():
+    engine = _engine_without_vllm(on_gpu=True)
+    _two_steps(engine)
+    step = [("sleep", 1), ("empty_cache",), ("wake_up", ("weights",)), ("reload_weights",),
+            ("empty_cache",), ("wake_up", ("kv_cache",))]
+    assert engine.llm.calls == step * 2 and engine.state == "awake"
+    engine.sleep()
+    engine.sleep()  # twice: still one sleep
+    assert engine.llm.calls[-1] == ("sleep", 1) and engine.llm.calls[-2] == ("wake_up", ("kv_cache",))
+
+
+def test_on_cpu_nothing_sleeps_and_each_push_resets_the_prefix_cache():
+    engine = _engine_without_vllm(on_gpu=False)
+    _two_steps(engine)
+    assert engine.llm.calls == [("reload_weights",), ("reset_prefix_cache",)] * 2 and engine.state == "awake"
+
+
 # ---- the loop on the real engine (the scripted model of conftest.py)
 @pytest.fixture(scope="session")
 def loop_results(scripted_model, tmp_path_factory):

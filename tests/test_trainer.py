@@ -42,6 +42,56 @@ def test_vllm_logprobs_match_trainer_after_weight_push(small_toy, tmp_path):
     assert result["nonfinite_flagged"] and result["nonfinite_left_weights_alone"]
 
 
+def _saved_activation_bytes(model, ids):
+    """Bytes autograd keeps for the backward pass of the log-prob forward, and the log-probs."""
+    import trainer
+    saved = [0]
+
+    def keep(tensor):
+        saved[0] += tensor.numel() * tensor.element_size()
+        return tensor
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+        logprobs, _ = trainer.token_logprobs(model, ids, 1.0)
+    logprobs.sum().backward()
+    return saved[0], logprobs.detach()
+
+
+def test_gradient_checkpointing_really_drops_activations(tmp_path):
+    """transformers checkpoints a layer only in training mode, and from_pretrained returns eval mode: enabling
+    checkpointing without .train() (the old build_policy) keeps every activation. prepare_for_training keeps far
+    fewer, and the log-probs do not change (dropout stays off)."""
+    import toy
+    import trainer
+    tokenizer = toy.build_tokenizer(str(tmp_path))
+    ids = torch.randint(3, 128, (4, 96), generator=torch.Generator().manual_seed(0))
+
+    def model(mode):
+        m = toy.build_model(tokenizer, seed=0).eval()  # as from_pretrained returns it
+        if mode == "eval_mode_checkpointing":
+            m.gradient_checkpointing_enable()
+        elif mode != "eval":
+            trainer.prepare_for_training(m, gradient_checkpointing=(mode == "checkpointing"))
+        return m
+    measured = {mode: _saved_activation_bytes(model(mode), ids)
+                for mode in ("eval", "eval_mode_checkpointing", "train", "checkpointing")}
+    assert measured["eval_mode_checkpointing"][0] == measured["eval"][0]  # the bug: nothing was dropped
+    assert measured["checkpointing"][0] < 0.5 * measured["train"][0]
+    for mode in ("eval_mode_checkpointing", "train", "checkpointing"):
+        torch.testing.assert_close(measured[mode][1], measured["eval"][1], atol=1e-6, rtol=0)
+
+
+def test_prepare_for_training_turns_dropout_off():
+    import trainer
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    config = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=16, attention_dropout=0.5)
+    model = trainer.prepare_for_training(Qwen3ForCausalLM(config), gradient_checkpointing=False)
+    assert model.training
+    assert all(m.attention_dropout == 0.0 for m in model.modules() if hasattr(m, "attention_dropout"))
+    ids = torch.arange(3, 19)[None]
+    torch.testing.assert_close(model(ids).logits, model(ids).logits)  # deterministic in training mode
+
+
 # ---- workers, run under torchrun by the tests above
 def _fixed_batch(tokenizer_size, n=8, seed=0):
     from rollout import Rollout
