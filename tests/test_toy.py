@@ -8,13 +8,15 @@ import os
 import pyarrow.parquet as pq
 import pytest
 
+from common import one_thread
 from data import load_prompts
 
 
 @pytest.mark.slow
 def test_toy_is_deterministic_and_in_the_verl_schema(small_toy, tmp_path):
     import toy
-    toy.build_toy(str(tmp_path / "again"), seed=0, n_train=200, n_test=40, steps=150)
+    with one_thread():  # as conftest.small_toy was built
+        toy.build_toy(str(tmp_path / "again"), seed=0, n_train=200, n_test=40, steps=150)
     dirs = (os.path.dirname(small_toy["model"]), tmp_path / "again")
     same = [open(f"{d}/model/model.safetensors", "rb").read() for d in dirs]
     if same[0] != same[1]:  # say how far apart they are (a flake was seen once, not reproduced in 8 rebuilds)
@@ -30,7 +32,8 @@ def test_toy_is_deterministic_and_in_the_verl_schema(small_toy, tmp_path):
 
 def test_tool_toy_is_deterministic_with_a_masked_interpreter(tmp_path):
     import toy
-    infos = [toy.build_tool_toy(str(tmp_path / d), n_train=100, n_test=20, steps=3) for d in ("a", "b")]
+    with one_thread():
+        infos = [toy.build_tool_toy(str(tmp_path / d), n_train=100, n_test=20, steps=3) for d in ("a", "b")]
     same = [open(tmp_path / d / "model" / "model.safetensors", "rb").read() for d in ("a", "b")]
     assert same[0] == same[1] and infos[0]["test_accuracy_t1"] == infos[1]["test_accuracy_t1"]
     rows = pq.read_table(tmp_path / "a" / "train.parquet").to_pylist()
