@@ -9,7 +9,8 @@ also applies the smoothing). Without this pass the tracker starts uninformed (al
   and reward, where a response cut off by the budget scores 0). The authors measured v0 at their evaluation
   temperature 0.6 while training at 1.0: a prior for another distribution. Any override is recorded in the header.
 - Tools: with --tools the samples go through the tool loop (rollout.py), as training with --tools samples; the
-  tool settings join the header.
+  tool settings join the header, as do --think_format and --tool_instruction's system prompt. spo.py compares the
+  settings that change v0 with its own and refuses a mismatch (check_values_header).
 - Reproducible: every request has its own seed derived from (seed, prompt key, sample index), so the scores do not
   depend on the world size, the chunking or an interruption.
 - Resumable: each rank appends finished prompts (all n0 scores at once) to <out>.rank<r>.partial.jsonl, whose
@@ -40,14 +41,52 @@ from reward import rewards
 from rollout import TOOL_INSTRUCTION, add_tool_flags, apply_tool_defaults, tools_from_flags
 
 
-def run_header(header, *, n0, temperature, top_p, max_tokens, seed, truncated_reward, tools=None):
+def run_header(header, *, n0, temperature, top_p, max_tokens, seed, truncated_reward, tools=None,
+               think_format=False):
     """The settings that make scores comparable; a partial file made with other settings cannot be resumed."""
     header = {**header, "n0": n0, "temperature": float(temperature), "top_p": float(top_p),
               "max_tokens": max_tokens, "seed": seed, "truncated_reward": truncated_reward}
-    if tools is not None:  # absent without tools: files made before the tool loop existed still match
-        header["tools"] = {"max_turns": tools.max_turns, "max_tool_output_chars": tools.max_tool_output_chars,
-                           "show_last_expression": tools.show_last_expression}
+    # Absent when off, so that files made before these options existed still match.
+    if tools is not None:
+        header["tools"] = tool_settings(tools)
+    if think_format:
+        header["think_format"] = True
     return header
+
+
+def tool_settings(tools):
+    """The tool-loop settings that change what a sample can do (recorded in the header), or None."""
+    if tools is None:
+        return None
+    return {"max_turns": tools.max_turns, "max_tool_output_chars": tools.max_tool_output_chars,
+            "show_last_expression": tools.show_last_expression}
+
+
+# The header entries that change v0, and their values when absent from a file.
+V0_SETTINGS = {"temperature": None, "top_p": None, "max_tokens": None, "truncated_reward": "zero",
+               "think_format": False, "tools": None, "system_prompt": None}
+
+
+def check_values_header(path, wanted, accept_mismatch=False):
+    """Compare the v0-changing settings an offline-values file was made with (temperature, top_p, budget,
+    truncated reward, think gate, tools, system prompt) with `wanted` (the training run's). A mismatch is an
+    error naming each setting and both values, unless accept_mismatch (then a warning): the tracker would start
+    from values measured under another distribution than training samples from."""
+    from data import fail
+    try:
+        with open(path) as f:
+            header = json.load(f)["header"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        fail(f"--offline_values {path}: not an offline-values file ({e.__class__.__name__}: {e})")
+    diff = [f"{k}: {header.get(k, absent)!r} there, {wanted[k]!r} here" for k, absent in V0_SETTINGS.items()
+            if header.get(k, absent) != wanted[k]]
+    if not diff:
+        return
+    message = f"--offline_values {path} was made with other sampling settings than this run ({'; '.join(diff)})"
+    if not accept_mismatch:
+        fail(message + ": remake it with offline_values.py and this run's settings, or pass "
+                       "--accept_offline_mismatch to start from it anyway")
+    print(f"warning: {message}; used anyway (--accept_offline_mismatch)", flush=True)
 
 
 def partial_paths(out_path):
@@ -90,7 +129,7 @@ def read_finished(out_path, header):
 
 def estimate_offline_values(engine, data, out_path, *, n0=8, temperature=1.0, top_p=1.0, max_tokens, seed=0,
                             header, truncated_reward="zero", chunk_prompts=64, progress=True, max_chunks=None,
-                            tools=None):
+                            tools=None, think_format=False):
     """n0 scored samples of every prompt of `data` (data.Dataset), sharded over ranks (rank r takes prompts
     r, r + W, ...), resumable. Call on every rank. Returns the output dict on every rank once all prompts are
     done, or None if max_chunks stopped this run early (a debugging aid: rerun to resume).
@@ -98,7 +137,7 @@ def estimate_offline_values(engine, data, out_path, *, n0=8, temperature=1.0, to
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     barrier = dist.barrier if world > 1 else (lambda: None)
     header = run_header(header, n0=n0, temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed,
-                        truncated_reward=truncated_reward, tools=tools)
+                        truncated_reward=truncated_reward, tools=tools, think_format=think_format)
     done = read_finished(out_path, header)
     barrier()  # every rank has read the files before any rank appends to them
     todo = [p for p in range(rank, len(data.keys), world) if data.keys[p] not in done]
@@ -120,8 +159,8 @@ def estimate_offline_values(engine, data, out_path, *, n0=8, temperature=1.0, to
             seeds = np.concatenate([request_seeds(seed, data.keys[p], n0) for p in chunk])  # (len(chunk) * n0,)
             rollouts = engine.generate([data.prompt_ids[p] for p in chunk for _ in range(n0)], seeds,
                                        max_tokens=max_tokens, temperature=temperature, top_p=top_p, tools=tools)
-            scores = rewards(rollouts, [data.answers[p] for p in chunk for _ in range(n0)],
-                             truncated_reward=truncated_reward).reshape(len(chunk), n0)
+            scores = rewards(rollouts, [data.answers[p] for p in chunk for _ in range(n0)], think_format,
+                             truncated_reward).reshape(len(chunk), n0)
             f.writelines(json.dumps({"key": data.keys[p], "scores": s.tolist()}) + "\n" for p, s in zip(chunk, scores))
             f.flush()
             os.fsync(f.fileno())
@@ -204,6 +243,7 @@ def parse_args(argv=None):
     g.add_argument("--top_p", type=float, default=1.0, help="as training samples")
     g.add_argument("--max_tokens", type=int, default=None, help="training's --max_response_len (32; tools: 160)")
     g.add_argument("--truncated_reward", choices=["zero", "score"], default="zero", help="as spo.py")
+    g.add_argument("--think_format", action="store_true", help="as spo.py: the authors' </think> / tool-tag gate")
     g.add_argument("--seed", type=int, default=0, help="per-request seeds derive from (seed, prompt key, sample)")
     g = p.add_argument_group("run and engine")
     g.add_argument("--chunk_prompts", type=int, default=64, help="prompts per generate call and partial flush")
@@ -230,7 +270,8 @@ def main(argv=None):
         args.model, args.data = args.model or toy_model, args.data or toy_train
     if rank == 0:
         print("config: " + json.dumps(vars(args)), flush=True)
-    sampling = {k: getattr(args, k) for k in ("n0", "temperature", "top_p", "max_tokens", "seed", "truncated_reward")}
+    sampling = {k: getattr(args, k) for k in ("n0", "temperature", "top_p", "max_tokens", "seed", "truncated_reward",
+                                              "think_format")}
     # Paths as absolute so that a rerun from another directory still matches the partial files' header.
     header = {k: os.path.abspath(v) if os.path.exists(v) else v for k, v in (("model", args.model),
                                                                              ("dataset", args.data))}

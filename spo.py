@@ -37,6 +37,8 @@ fp32 / bf16, vLLM's KV cache space / GPU memory fraction and sleep mode):
 """
 import argparse
 import functools
+import hashlib
+import json
 import os
 import time
 from dataclasses import dataclass
@@ -49,7 +51,7 @@ import trainer
 from trainer import all_gather_np, all_reduce_np
 from data import load_dataset, load_tokenizer
 from eval import sample_and_score
-from offline_values import estimate_offline_values, init_tracker_from_file
+from offline_values import check_values_header, estimate_offline_values, init_tracker_from_file, tool_settings
 from reward import rewards
 from rollout import TOOL_INSTRUCTION, add_tool_flags, apply_tool_defaults, tools_from_flags
 from sampler import PromptSampler, priority_weights
@@ -68,6 +70,8 @@ def parse_args(argv=None):
                    help="offline_values.py output that initialises the tracker (Algorithm 2); 'auto': on the toy, "
                         "built with the engine on first use, else none; 'none': the uninformed prior")
     p.add_argument("--n0", type=int, default=8, help="offline samples per prompt when values are built here")
+    p.add_argument("--accept_offline_mismatch", action="store_true",
+                   help="use --offline_values made with other sampling settings than this run (refused otherwise)")
     p.add_argument("--max_prompt_len", type=int, default=256, help="longer prompts are left out (counted)")
     p.add_argument("--max_response_len", type=int, default=None,
                    help="response token budget, tool output included (default: 32, or 160 with --tools)")
@@ -85,7 +89,11 @@ def parse_args(argv=None):
     p.add_argument("--rho", choices=["kl", "constant"], default="kl", help="tracker forgetting factor")
     p.add_argument("--rho_min", type=float, default=0.875, help="lower clip of rho; N0 = 1/(1-rho_min)")
     p.add_argument("--rho_max", type=float, default=0.96, help="upper clip of rho (used on a first visit)")
-    p.add_argument("--d_half", type=float, default=0.06, help="divergence at which rho halves")
+    p.add_argument("--divergence", choices=["abs", "k3"], default="abs",
+                   help="D(x): mean |log-ratio| (abs, the measure the authors tuned D_half and the clip window for) "
+                        "or the k3 KL estimate (k3)")
+    p.add_argument("--d_half", type=float, default=None,
+                   help=f"divergence at which rho halves (default: {D_HALF['abs']} for abs, {D_HALF['k3']} for k3)")
     p.add_argument("--rho_constant", type=float, default=0.875, help="rho when --rho constant")
     p.add_argument("--init_smoothing", choices=["kt", "mean"], default="kt",
                    help="offline v0: (s+0.5)/(n+1) (kt, the authors') or s/n (mean, the paper's)")
@@ -129,6 +137,8 @@ def parse_args(argv=None):
         args.sampler = "prioritized" if args.algo == "spo" else "uniform"
     if args.algo == "spo":
         args.group_size = 1  # single stream: one response per prompt (GRPO: --group_size per prompt)
+    if args.d_half is None:
+        args.d_half = D_HALF[args.divergence]
     apply_tool_defaults(args, "max_response_len")
     return args
 
@@ -181,12 +191,27 @@ class PreviousResponse:
                    np.asarray(rollout.response_mask, np.int8))
 
 
-def divergence(now, then):
-    """D(x) for Eq. 5: the mean over a response's policy tokens of the k3 estimator e^l - 1 - l, with
-    l = log pi_now(y_k) - log pi_then(y_k). For y sampled from pi_then this is an unbiased, non-negative estimate
-    of KL(pi_then || pi_now) per token (about l^2 / 2 for small l). No tokens: 0 (rho = rho_max)."""
+# D_half per divergence measure. The authors' 0.06 and clip window [0.875, 0.96] were tuned for the mean |l|:
+# rho is unclipped only for D in [0.0035, 0.0116]. k3 is about l^2 / 2, and for Gaussian log-ratios
+# mean k3 = (pi / 4) (mean |l|)^2, so no single D_half makes the two agree everywhere; the k3 value makes them
+# agree at the window's geometric centre, mean |l| = sqrt(0.0035 * 0.0116) = 0.0064 (rho = 0.93):
+# D_half_k3 = 0.06 * (pi / 4) * 0.0064 = 3.0e-4. (With 0.06, k3 pins rho at rho_max for any realistic drift.)
+D_HALF = {"abs": 0.06, "k3": 3.0e-4}
+
+
+def divergence(now, then, estimator="abs"):
+    """D(x) for Eq. 5, from l = log pi_now(y_k) - log pi_then(y_k) over a response's policy tokens:
+    "abs": mean |l|, the authors' measure (the scale their D_half and clip window were tuned for);
+    "k3": mean of e^l - 1 - l: for y sampled from pi_then an unbiased, non-negative estimate of
+    KL(pi_then || pi_now) per token (about l^2 / 2 for small l). No tokens: 0 (rho = rho_max)."""
     log_ratio = np.asarray(now) - np.asarray(then)  # (T,) in the log-probs' own precision (float32 here)
-    return float(np.mean(np.expm1(log_ratio) - log_ratio)) if log_ratio.size else 0.0
+    if not log_ratio.size:
+        return 0.0
+    if estimator == "abs":
+        return float(np.mean(np.abs(log_ratio)))
+    if estimator == "k3":
+        return float(np.mean(np.expm1(log_ratio) - log_ratio))
+    raise ValueError(f"divergence: estimator must be 'abs' or 'k3', got {estimator!r}")
 
 
 def remember(previous, index, responses):
@@ -232,6 +257,12 @@ def evaluate(engine, test, args, tools):
     return metrics
 
 
+def toy_values_path(toy_dir, n0, seed, v0_settings):
+    """Where the toy's offline values for these settings are cached: one file per setting that changes v0."""
+    digest = hashlib.sha1(json.dumps(v0_settings, sort_keys=True).encode()).hexdigest()[:8]
+    return os.path.join(toy_dir, f"offline_values_n{n0}_seed{seed}_len{v0_settings['max_tokens']}_{digest}.json")
+
+
 # ------------------------------------------------------------------------------------------------ main
 def main(argv=None):
     args = parse_args(argv)
@@ -262,6 +293,13 @@ def main(argv=None):
     if test is not None and args.eval_max_prompts:
         test = test[: args.eval_max_prompts]
     n_prompts = len(data.keys)
+    # What changes the offline values v0 (Algorithm 2): a values file made otherwise would start the tracker from
+    # another distribution than training samples from. Checked before anything heavy starts.
+    v0_settings = {"temperature": float(args.temperature), "top_p": 1.0, "max_tokens": args.max_response_len,
+                   "truncated_reward": args.truncated_reward, "think_format": args.think_format,
+                   "tools": tool_settings(tools), "system_prompt": system_prompt}
+    if args.algo == "spo" and not args.resume and args.offline_values not in ("auto", "none"):
+        check_values_header(args.offline_values, v0_settings, args.accept_offline_mismatch)
 
     # ---- the policy (FSDP2) and its colocated engine
     state = trainer.load_checkpoint(args.resume, world, data.keys) if args.resume else None
@@ -287,13 +325,14 @@ def main(argv=None):
     elif args.algo == "spo" and args.offline_values != "none":
         values_path = args.offline_values
         if values_path == "auto" and on_toy:  # the toy's values, measured once with this engine and cached
-            values_path = os.path.join(args.toy_dir, f"offline_values_n{args.n0}_seed{args.seed}"
-                                                     f"_len{args.max_response_len}{'_tools' if tools else ''}.json")
+            values_path = toy_values_path(args.toy_dir, args.n0, args.seed, v0_settings)
             if not os.path.exists(values_path):
                 estimate_offline_values(engine, data, values_path, n0=args.n0, temperature=args.temperature,
                                         max_tokens=args.max_response_len, seed=args.seed,
-                                        header={"model": args.model, "dataset": args.train},
-                                        truncated_reward=args.truncated_reward, progress=is_main, tools=tools)
+                                        header={"model": args.model, "dataset": args.train,
+                                                **({"system_prompt": system_prompt} if system_prompt else {})},
+                                        truncated_reward=args.truncated_reward, progress=is_main, tools=tools,
+                                        think_format=args.think_format)
         if values_path == "auto":
             if is_main:
                 print("no --offline_values: the tracker starts from the uninformed prior (make them with "
@@ -346,10 +385,12 @@ def main(argv=None):
             value = tracker.value_at(mine) if args.baseline == "tracker" else np.zeros(local)  # v_{-1}(x)
             raw_advantage = spo_advantage(reward, value)  # Eq. 8, before the tracker absorbs r
             advantage = global_normalise(raw_advantage)  # Eq. 9
-            divergences = np.zeros(local)  # D(x) per slot; 0 on a first visit
+            divergences, revisit = np.zeros(local), np.zeros(local)  # D(x) per slot; 0 on a first visit
             for (slot, prev), now in zip(revisited, old["revisited"]):
-                divergences[slot] = divergence(now[prev.mask > 0], prev.logprobs[prev.mask > 0])
-            all_index, all_reward, all_divergences = (all_gather_np(x) for x in (mine, reward, divergences))
+                divergences[slot] = divergence(now[prev.mask > 0], prev.logprobs[prev.mask > 0], args.divergence)
+                revisit[slot] = 1.0
+            all_index, all_reward, all_divergences, all_revisit = (all_gather_np(x) for x in
+                                                                   (mine, reward, divergences, revisit))
             rho = tracker.rho(all_divergences)  # Eq. 5: 2^(-D / D_half), clipped
             tracker.update(all_index, all_reward, rho)  # Eq. 5: every rank applies the same global update
             if args.sampler == "prioritized":  # Eq. 11 for the prompts whose value just changed
@@ -358,7 +399,8 @@ def main(argv=None):
                                                      args.sampling_eps, args.sampling_gamma), uniq)
             remember(previous, all_index, trainer.all_gather_objects(
                 [PreviousResponse.of(r, logprobs) for r, logprobs in zip(rollouts, old["batch"])]))
-            algo_metrics = trainer.spo_metrics(all_gather_np(raw_advantage), tracker, all_divergences, rho)
+            algo_metrics = trainer.spo_metrics(all_gather_np(raw_advantage), tracker, all_divergences, rho,
+                                               all_revisit > 0)
         else:  # grpo
             raw_advantage = advantage = grpo_advantage(reward, group)
             algo_metrics = trainer.grpo_metrics(all_gather_np(reward), group)

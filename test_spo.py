@@ -16,8 +16,8 @@ import torch
 
 from reward import boxed_reward, extract_boxed, reward_and_answer
 from sampler import PromptSampler, priority_weights
-from spo import (PreviousResponse, divergence, global_normalise, grpo_advantage, ppo_clip_loss, remember,
-                 spo_advantage)
+from spo import (D_HALF, PreviousResponse, divergence, global_normalise, grpo_advantage, ppo_clip_loss,
+                 remember, spo_advantage)
 from tracker import ValueTracker
 
 
@@ -308,18 +308,30 @@ def test_grpo_advantage_is_a_z_score_within_each_group():
 # ---- D(x) and SPO's memory ------------------------------------------------------------------------------
 def test_divergence_by_hand():
     then = np.log([0.5, 0.25])
-    assert divergence(then, then) == 0.0  # the policy did not move
-    now = then + np.log([2.0, 0.5])  # l = +ln 2 and -ln 2: k3 = 1 - ln 2 and ln 2 - 1/2
-    assert divergence(now, then) == pytest.approx(0.25)
+    assert divergence(then, then, "abs") == divergence(then, then, "k3") == 0.0  # the policy did not move
+    now = then + np.log([2.0, 0.5])  # l = +ln 2 and -ln 2
+    assert divergence(now, then, "abs") == pytest.approx(math.log(2))  # mean |l|
+    assert divergence(now, then, "k3") == pytest.approx(0.25)  # (1 - ln 2) + (ln 2 - 1/2), halved
     assert divergence(np.array([]), np.array([])) == 0.0  # a response with no policy token: a first visit
 
 
-def test_divergence_is_an_unbiased_estimate_of_kl_then_now():
+def test_k3_divergence_is_an_unbiased_estimate_of_kl_then_now():
     """For tokens sampled from pi_then, the mean of e^l - 1 - l (l = log pi_now - log pi_then) is KL(then || now)."""
     p_then, p_now = np.array([0.7, 0.2, 0.1]), np.array([0.5, 0.3, 0.2])
     tokens = np.random.default_rng(0).choice(3, size=400_000, p=p_then)
     kl = float(np.sum(p_then * np.log(p_then / p_now)))
-    assert divergence(np.log(p_now[tokens]), np.log(p_then[tokens])) == pytest.approx(kl, rel=0.02)
+    assert divergence(np.log(p_now[tokens]), np.log(p_then[tokens]), "k3") == pytest.approx(kl, rel=0.02)
+
+
+def test_k3_d_half_gives_the_same_rho_as_abs_at_the_centre_of_the_clip_window():
+    """The authors' D_half = 0.06 leaves rho unclipped for mean |l| in [0.0035, 0.0116]; at the window's
+    geometric centre the k3 measure with its own D_half gives the same rho (Gaussian log-ratios), and with 0.06
+    it would pin rho at rho_max."""
+    log_ratio = np.random.default_rng(0).normal(0.0, math.sqrt(0.0035 * 0.0116) * math.sqrt(math.pi / 2), 200_000)
+    rho = {name: ValueTracker(1, d_half=D_HALF[name]).rho([divergence(log_ratio, 0 * log_ratio, name)])[0]
+           for name in ("abs", "k3")}
+    assert 0.9 < rho["abs"] < 0.95 and rho["k3"] == pytest.approx(rho["abs"], abs=0.003)
+    assert ValueTracker(1, d_half=0.06).rho([divergence(log_ratio, 0 * log_ratio, "k3")])[0] == 0.96
 
 
 def test_remember_keeps_each_prompts_latest_response():

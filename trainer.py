@@ -278,16 +278,26 @@ def step_metrics(reward, raw_advantage, advantage, rollouts, old, stats, times, 
     return {k: float(v) for k, v in m.items()}
 
 
-def spo_metrics(all_raw_advantage, tracker, divergence, rho):
+def spo_metrics(all_raw_advantage, tracker, divergence, rho, revisit):
     """SPO's own: samples with (almost) no signal (|A| below a threshold: the paper's Fig. 3a counterpart of
-    GRPO's all-equal groups), and the tracker's values, N_eff, rho and D(x) over this global batch."""
-    raw, value = np.asarray(all_raw_advantage), tracker.value
+    GRPO's all-equal groups), the tracker's values and N_eff, and D(x) and rho over this global batch. rho's
+    distribution is taken over revisited prompts (a first visit has D = 0, rho = rho_max by definition): its
+    quantiles and the share pinned at each clip bound show whether D(x) is on the scale D_half assumes."""
+    raw, value, rho, revisit = np.asarray(all_raw_advantage), tracker.value, np.asarray(rho), np.asarray(revisit)
     m = {"zero_signal/abs_adv_le_1e-4": np.mean(np.abs(raw) <= 1e-4),
          "zero_signal/abs_adv_le_0.02": np.mean(np.abs(raw) <= 0.02),
          "tracker/value_mean": value.mean(), "tracker/value_p10": np.quantile(value, 0.1),
          "tracker/value_p50": np.quantile(value, 0.5), "tracker/value_p90": np.quantile(value, 0.9),
          "tracker/n_eff_mean": tracker.n_eff.mean(), "tracker/rho_mean": np.mean(rho),
-         "tracker/divergence_mean": np.mean(divergence), "tracker/divergence_max": np.max(divergence)}
+         "tracker/divergence_mean": np.mean(divergence), "tracker/divergence_max": np.max(divergence),
+         "tracker/revisit_share": np.mean(revisit)}
+    if revisit.any():
+        again = rho[revisit]
+        m.update({"tracker/rho_p10": np.quantile(again, 0.1), "tracker/rho_p50": np.quantile(again, 0.5),
+                  "tracker/rho_p90": np.quantile(again, 0.9),
+                  "tracker/rho_at_min": np.mean(again <= tracker.rho_min + 1e-12),
+                  "tracker/rho_at_max": np.mean(again >= tracker.rho_max - 1e-12),
+                  "tracker/divergence_p50": np.quantile(np.asarray(divergence)[revisit], 0.5)})
     return {k: float(v) for k, v in m.items()}
 
 

@@ -32,6 +32,9 @@ def test_end_to_end_spo_two_ranks(spo_run):
         assert all(np.isfinite(v) for v in r.values())
         assert 0.0 <= r["reward/mean"] <= 1.0 and 0.875 <= r["tracker/rho_mean"] <= 0.96
         assert r["policy/logprob_gap_max"] < 1e-3  # every weight push landed
+        assert 0.0 <= r["tracker/revisit_share"] <= 1.0
+    config = json.loads((run / "config.json").read_text())
+    assert (config["divergence"], config["d_half"]) == ("abs", 0.06)  # the measure D_half = 0.06 was tuned for
     assert "eval/accuracy" in rows[2] and "eval/accuracy" in rows[4]
     # The checkpoint is a plain Hugging Face model.
     from transformers import AutoModelForCausalLM
@@ -137,7 +140,8 @@ def tool_run(scripted_model, tmp_path_factory):
     run = tmp / "run"
     ok(torchrun(2, "spo.py", "--model", scripted_model, "--train", data, "--test", data, "--run_dir", str(run),
                 "--offline_values", str(tmp / "values.json"), "--batch_size", "4", "--steps", "3",
-                "--eval_every", "3", "--micro_batch_size", "8", "--lr", "1e-5", *tool_flags))
+                "--eval_every", "3", "--micro_batch_size", "8", "--lr", "1e-5", "--divergence", "k3",
+                *tool_flags))
     ok(torchrun(1, "eval.py", "--model", str(run), "--data", data, "--n_samples", "2", "--temperature", "0",
                 "--out_dir", str(tmp / "eval"), *tool_flags))
     return tmp, run
@@ -169,7 +173,9 @@ def test_end_to_end_spo_with_tools_two_ranks(tool_run):
     assert max(r["tools/error_rate"] for r in steps) > 0  # 1/0
     assert 0.0 <= rows[0]["eval/tool_use"] <= 1.0 and rows[-1]["eval/tool_use"] > 0
     config = json.loads((run / "config.json").read_text())
-    assert config["tools"] and config["max_response_len"] == 160
+    assert config["tools"] and config["max_response_len"] == 160 and config["d_half"] == 3e-4  # k3's own D_half
+    revisits = [r for r in steps if "tracker/rho_p50" in r]  # 4 of 5 prompts per step: revisits from step 2 on
+    assert revisits and all(0.875 <= r["tracker/rho_p10"] <= r["tracker/rho_p90"] <= 0.96 for r in revisits)
 
 
 @pytest.mark.slow

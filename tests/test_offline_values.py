@@ -110,3 +110,36 @@ def test_offline_values_refuses_a_final_file_made_with_other_settings(small_toy,
     assert "n0: 4 there, 8 now" in proc.stderr and "Traceback" not in proc.stderr
 
 
+
+
+# ---- the training run checks the settings a values file was made with
+def _values_file(path, **header):
+    path.write_text(json.dumps({"header": {"n0": 8, "seed": 0, **header}, "prompts": {}}))
+    return str(path)
+
+
+WANTED = {"temperature": 1.0, "top_p": 1.0, "max_tokens": 32, "truncated_reward": "zero", "think_format": False,
+          "tools": None, "system_prompt": None}
+
+
+def test_values_header_check_names_each_differing_setting(tmp_path, capsys):
+    from offline_values import check_values_header
+    made = {"temperature": 1.0, "top_p": 1.0, "max_tokens": 32, "truncated_reward": "zero"}
+    check_values_header(_values_file(tmp_path / "same.json", **made), WANTED)  # absent think_format: off
+    other = _values_file(tmp_path / "other.json", **{**made, "temperature": 0.6, "think_format": True})
+    with pytest.raises(SystemExit):
+        check_values_header(other, WANTED)
+    err = capsys.readouterr().err
+    assert "temperature: 0.6 there, 1.0 here" in err and "think_format: True there, False here" in err
+    assert "max_tokens" not in err and len(err.strip().splitlines()) == 1
+    check_values_header(other, WANTED, accept_mismatch=True)  # knowingly: a warning, no error
+    assert "used anyway" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_spo_refuses_offline_values_made_with_other_settings(small_toy, offline_full, tmp_path):
+    proc = python("spo.py", "--model", small_toy["model"], "--train", small_toy["train"], "--offline_values",
+                  str(offline_full), "--temperature", "0.7", "--run_dir", str(tmp_path / "run"))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "temperature: 1.0 there, 0.7 here" in proc.stderr and "--accept_offline_mismatch" in proc.stderr
+    assert not (tmp_path / "run").exists()  # refused before anything started
