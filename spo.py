@@ -20,10 +20,11 @@ the per-prompt state (tracker.py, sampler.py); trainer.py holds the FSDP2 machin
 
 D(x), exactly: at the previous visit t' of x we keep the response y' and the log-probs the acting policy pi_t'
 gave it (that step's PPO old log-probs, computed anyway). At this visit the old-log-prob pass of the current
-policy pi_t also scores y', and D(x) = mean over y''s policy tokens of the k3 estimator e^l - 1 - l,
-l = log pi_t(y'_k) - log pi_t'(y'_k): an unbiased, non-negative estimate of KL(pi_t' || pi_t) per token, with ONE
-extra forward pass over at most B previous responses. The authors take the mean |log-ratio| between two
-post-update actors, tool tokens included, with two extra passes (README). First visit: D = 0, rho = rho_max.
+policy pi_t also scores y', and with l = log pi_t(y'_k) - log pi_t'(y'_k) over y''s policy tokens, D(x) is the
+mean |l| (--divergence abs, the authors' measure and the scale of their D_half) or the mean of e^l - 1 - l
+(k3: an unbiased, non-negative estimate of KL(pi_t' || pi_t) per token), with ONE extra forward pass over at most
+B previous responses. The authors compare two post-update actors, tool tokens included, with two extra passes
+(README). First visit: D = 0, rho = rho_max.
 The previous responses live in CPU memory on every rank (a prompt may land on any rank next time); each step
 all-gathers the B new ones.
 
