@@ -103,7 +103,8 @@ def test_unknown_model_path(small_toy, tmp_path):
 @pytest.mark.slow
 def test_offline_values_for_another_dataset(small_toy, tmp_path):
     values = tmp_path / "values.json"
-    values.write_text(json.dumps({"header": {}, "prompts": {"0123456789abcdef": {"scores": [1, 0]}}}))
+    header = {"temperature": 1.0, "top_p": 1.0, "max_tokens": 32, "truncated_reward": "zero"}  # spo.py's defaults
+    values.write_text(json.dumps({"header": header, "prompts": {"0123456789abcdef": {"scores": [1, 0]}}}))
     err = _run_fail("--model", small_toy["model"], "--train", small_toy["train"], "--offline_values", str(values))
     assert "not in the training set" in err
 
