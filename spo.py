@@ -50,6 +50,7 @@ import torch.distributed as dist
 
 import trainer
 from trainer import all_gather_np, all_reduce_np
+from metrics import Logger, grpo_metrics, spo_metrics, step_metrics
 from data import load_dataset, load_tokenizer
 from eval import sample_and_score
 from offline_values import check_values_header, estimate_offline_values, init_tracker_from_file, tool_settings
@@ -107,6 +108,8 @@ def parse_args(argv=None):
     p.add_argument("--clip_high", type=float, default=0.28, help="PPO ratio clip above 1 (clip-higher)")
     p.add_argument("--dual_clip", type=float, default=10.0, help="dual-clip bound for negative advantages")
     p.add_argument("--micro_batch_size", type=int, default=64, help="sequences per forward pass")
+    p.add_argument("--max_tokens_per_micro_batch", type=int, default=None,
+                   help="token budget per forward pass, padding included (sequences packed longest first)")
     p.add_argument("--temperature", type=float, default=1.0, help="training sampling temperature")
     p.add_argument("--truncated_reward", choices=["zero", "score"], default="zero",
                    help="a response cut off by the token budget gets 0 (zero) or is scored like any other")
@@ -343,7 +346,7 @@ def main(argv=None):
     if args.sampler == "prioritized":
         sampler.set_weights(priority_weights(tracker.value, tracker.n_eff, args.sampling_eps, args.sampling_gamma))
 
-    logger = trainer.Logger(run_dir, vars(args), is_main, args.wandb, args.tensorboard)
+    logger = Logger(run_dir, vars(args), is_main, args.wandb, args.tensorboard)
     if is_main:
         logger.console(f"{n_prompts} training prompts, {len(test.keys) if test else 0} held-out, world size {world}, "
                        f"device {device.type}")
@@ -379,7 +382,7 @@ def main(argv=None):
         revisited = [(slot, previous[i]) for slot, i in enumerate(mine) if i in previous]
         old = trainer.old_logprobs(policy, rollouts, [(data.prompt_ids[mine[slot]], p.response_ids, p.mask)
                                                       for slot, p in revisited],
-                                   args.temperature, args.micro_batch_size)
+                                   args.temperature, args.micro_batch_size, args.max_tokens_per_micro_batch)
         t["old_logprobs"] = time.time() - t0
         # 5. advantages, and the state each algorithm carries to the next step.
         if args.algo == "spo":
@@ -400,16 +403,17 @@ def main(argv=None):
                                                      args.sampling_eps, args.sampling_gamma), uniq)
             remember(previous, all_index, trainer.all_gather_objects(
                 [PreviousResponse.of(r, logprobs) for r, logprobs in zip(rollouts, old["batch"])]))
-            algo_metrics = trainer.spo_metrics(all_gather_np(raw_advantage), tracker, all_divergences, rho,
+            algo_metrics = spo_metrics(all_gather_np(raw_advantage), tracker, all_divergences, rho,
                                                all_revisit > 0)
         else:  # grpo
             raw_advantage = advantage = grpo_advantage(reward, group)
-            algo_metrics = trainer.grpo_metrics(all_gather_np(reward), group)
+            algo_metrics = grpo_metrics(all_gather_np(reward), group)
         # 6. PPO-clip (Eq. 10), `ppo_steps` optimiser steps over the global batch.
         t0 = time.time()
         stats = trainer.ppo_update(policy, optimizer, rollouts, old["batch"], advantage, loss_fn,
                                    ppo_steps=args.ppo_steps, micro_batch_size=args.micro_batch_size,
-                                   temperature=args.temperature, grad_clip=args.grad_clip)
+                                   temperature=args.temperature, grad_clip=args.grad_clip,
+                                   max_tokens=args.max_tokens_per_micro_batch)
         t["update"] = time.time() - t0
         nonfinite = nonfinite + 1 if stats["nonfinite"] else 0
         if nonfinite >= args.max_nonfinite:
@@ -420,7 +424,7 @@ def main(argv=None):
         engine.push_weights(trainer.full_parameters(policy, torch.bfloat16 if device.type == "cuda" else None))
         t["weight_push"] = time.time() - t0
 
-        metrics = trainer.step_metrics(reward, raw_advantage, advantage, rollouts, old, stats, t,
+        metrics = step_metrics(reward, raw_advantage, advantage, rollouts, old, stats, t,
                                        tools=tools is not None)
         metrics.update(algo_metrics)
         if test is not None and args.eval_every and (step % args.eval_every == 0 or step == args.steps):

@@ -1,4 +1,4 @@
-"""The trainer machinery spo.py calls: the FSDP2 policy, its log-probs, the update loop, checkpoints, logging.
+"""The trainer machinery spo.py calls: the FSDP2 policy, its log-probs, the update loop, checkpoints.
 
 spo.py tells the algorithm's story and holds its math (the advantages, D(x), the PPO-clip loss of Eq. 10); this
 file holds the mechanics that any policy-gradient trainer on torch FSDP2 needs:
@@ -9,14 +9,12 @@ file holds the mechanics that any policy-gradient trainer on torch FSDP2 needs:
   optimiser steps around a loss function given by the caller, normalised by the GLOBAL token count. FSDP2
   averages gradients over ranks; that loss is already a global mean, so each rank scales its loss by the world
   size to get the true gradient (set_gradient_divide_factor(1) would do the same but fails on gloo).
-- small collectives on numpy arrays, step metrics, checkpoints (HF model + optimiser + tracker + sampler +
-  previous responses + step, written atomically) and a logger (tqdm bar, console, metrics.jsonl).
+- small collectives on numpy arrays, and checkpoints (HF model + optimiser + tracker + sampler + previous
+  responses + step, written atomically). What a run records (metrics, logger) is in metrics.py.
 Not run on its own; the tests drive it through spo.py and tests/test_trainer.py.
 """
-import json
 import os
 import shutil
-import time
 
 import numpy as np
 import torch
@@ -145,32 +143,57 @@ def token_logprobs(model, ids, temperature):
     return token_logp, logp
 
 
-def _micro_batches(n, size):
-    """Micro-batch slices, padded to the same count on every rank: FSDP2's forward is a collective."""
-    count = int(all_reduce_np([(n + size - 1) // size], op="max")[0])
-    return [slice(k * size, min((k + 1) * size, n)) for k in range(count)]
+def plan_micro_batches(lengths, max_sequences, max_tokens=None):
+    """Micro-batches as lists of positions into `lengths` (prompt + response tokens per sequence).
+
+    max_tokens None: consecutive groups of max_sequences. Otherwise a token budget: sequences sorted longest first
+    and packed while (sequences x the longest one) stays within max_tokens, padding included (sequences in a
+    micro-batch are padded to its longest); a sequence longer than the budget gets a micro-batch of its own.
+    The loss is a sum over tokens divided by a global count, so how sequences are grouped never changes the
+    gradient, only the memory each forward needs."""
+    n = len(lengths)
+    if max_tokens is None:
+        return [list(range(k, min(k + max_sequences, n))) for k in range(0, n, max_sequences)]
+    plan, current = [], []
+    for i in sorted(range(n), key=lambda i: -lengths[i]):  # stable: ties keep their order
+        if current and ((len(current) + 1) * lengths[current[0]] > max_tokens or len(current) >= max_sequences):
+            plan.append(current)
+            current = []
+        current.append(i)
+    return plan + ([current] if current else [])
+
+
+def _micro_batches(lengths, max_sequences, max_tokens=None):
+    """plan_micro_batches, padded with empty micro-batches to the same count on every rank: FSDP2's forward and
+    backward are collectives, so a rank with less work still runs as many (on a dummy sequence)."""
+    plan = plan_micro_batches(lengths, max_sequences, max_tokens)
+    count = int(all_reduce_np([len(plan)], op="max")[0])
+    return plan + [[]] * (count - len(plan))
+
+
+IDLE = ([0], [0], [0])  # a one-token dummy sequence with mask 0, for a rank with no work in a micro-batch
 
 
 @torch.no_grad()
-def old_logprobs(model, rollouts, revisited, temperature, micro_batch_size):
+def old_logprobs(model, rollouts, revisited, temperature, micro_batch_size, max_tokens=None):
     """The trainer's log-probs, before this step's update, of this batch's responses (PPO's old log-probs) and of
     `revisited` responses (spo.py: previous responses, for D(x)), in one pass. revisited: (prompt token ids,
     response token ids, response mask) triples. Also the policy's entropy on this batch and the gap between
     the trainer's and vLLM's log-probs of the sampled tokens (a weight push that did not land shows here)."""
     device = next(model.parameters()).device
     sequences = [(r.prompt_ids, r.response_ids, r.response_mask) for r in rollouts] + list(revisited)
-    out, entropy_sum, token_count = [], 0.0, 0.0
-    for sl in _micro_batches(len(sequences), micro_batch_size):
-        chunk = sequences[sl] or [([0], [0], [0])]  # an idle rank still joins the collective forward
+    out, entropy_sum, token_count = [None] * len(sequences), 0.0, 0.0
+    for rows in _micro_batches([len(p) + len(r) for p, r, _ in sequences], micro_batch_size, max_tokens):
+        chunk = [sequences[i] for i in rows] or [IDLE]  # an idle rank still joins the collective forward
         ids, mask = pack(chunk, device)
         token_logp, logp = token_logprobs(model, ids, temperature)
-        if not sequences[sl]:
+        if not rows:
             continue
-        current = mask * (torch.arange(sl.start, sl.start + len(chunk), device=device) < len(rollouts))[:, None]
+        current = mask * (torch.tensor(rows, device=device) < len(rollouts))[:, None]  # this batch, not revisits
         entropy_sum += float((-(logp.exp() * logp).sum(-1) * current).sum())
         token_count += float(current.sum())
-        for (p, r, _), row in zip(chunk, token_logp):
-            out.append(row[len(p) - 1: len(p) - 1 + len(r)].float().cpu().numpy())
+        for i, (p, r, _), row in zip(rows, chunk, token_logp):
+            out[i] = row[len(p) - 1: len(p) - 1 + len(r)].float().cpu().numpy()
     batch = out[: len(rollouts)]
     # Policy tokens only: tool-output tokens were never sampled, their vLLM log-prob is a placeholder 0.
     gap = np.concatenate([np.abs(lp - np.asarray(r.logprobs))[np.asarray(r.response_mask) > 0]
@@ -181,13 +204,14 @@ def old_logprobs(model, rollouts, revisited, temperature, micro_batch_size):
 
 
 def ppo_update(model, optimizer, rollouts, old, advantage, loss_fn, *, ppo_steps, micro_batch_size, temperature,
-               grad_clip):
+               grad_clip, max_tokens=None):
     """`ppo_steps` optimiser steps over consecutive mini-batches of the rollouts, each step's loss from
     loss_fn(logprobs, old_logprobs, advantage, mask, n_tokens=...) -> (loss, clipped) (spo.ppo_clip_loss, Eq. 10),
     where n_tokens counts the policy tokens of the GLOBAL mini-batch (all ranks), so that the loss is a token mean
     over it. The machinery: micro-batches (gradient accumulation), the world-size scaling FSDP2 needs, gradient
     clipping, and skipping a step whose loss or gradient norm is not finite (on every rank alike).
-    old: (T_i,) old log-probs per rollout; advantage: (B_local,) one scalar per trajectory."""
+    old: (T_i,) old log-probs per rollout; advantage: (B_local,) one scalar per trajectory. max_tokens: the
+    micro-batches' token budget (plan_micro_batches); None: micro_batch_size sequences each."""
     device = next(model.parameters()).device
     world = dist.get_world_size()
     n = len(rollouts)
@@ -199,15 +223,16 @@ def ppo_update(model, optimizer, rollouts, old, advantage, loss_fn, *, ppo_steps
         local_tokens = sum(float(np.sum(rollouts[i].response_mask)) for i in mini)
         global_tokens = all_reduce_np([local_tokens])[0]
         loss_total = 0.0
-        for sl in _micro_batches(len(mini), micro_batch_size):
-            rows = mini[sl]
+        lengths = [len(rollouts[i].prompt_ids) + len(rollouts[i].response_ids) for i in mini]
+        for group in _micro_batches(lengths, micro_batch_size, max_tokens):
+            rows = [mini[j] for j in group]
             ids, mask = pack([(rollouts[i].prompt_ids, rollouts[i].response_ids, rollouts[i].response_mask)
-                              for i in rows], device)  # (b, T), (b, T)
+                              for i in rows] or [IDLE], device)  # (b, T), (b, T); an idle rank: mask 0, loss 0
             old_logp = torch.zeros_like(mask)  # (b, T), aligned with the packed sequences
             for j, i in enumerate(rows):
                 start = len(rollouts[i].prompt_ids) - 1
                 old_logp[j, start: start + len(old[i])] = torch.from_numpy(old[i])
-            adv = torch.as_tensor(advantage[rows], dtype=torch.float32, device=device)  # (b,)
+            adv = torch.as_tensor(advantage[rows] if rows else [0.0], dtype=torch.float32, device=device)  # (b,)
             logp, _ = token_logprobs(model, ids, temperature)
             loss, clipped = loss_fn(logp, old_logp, adv, mask, n_tokens=global_tokens)
             (loss * world).backward()  # x world: FSDP2 averages gradients, our loss is already a global mean
@@ -232,145 +257,6 @@ def ppo_update(model, optimizer, rollouts, old, advantage, loss_fn, *, ppo_steps
     return {"loss": sums["loss"] / ppo_steps, "grad_norm": sums["grad_norm"] / ppo_steps,
             "clip_fraction": totals[0] / totals[2], "approx_kl": totals[1] / totals[2],
             "nonfinite": nonfinite}
-
-
-# ------------------------------------------------------------------------------------------------ metrics
-def tool_metrics(all_reward, rollouts):
-    """Tool use over the global batch (all_reward: already gathered from all ranks): share of trajectories that
-    called the tool, their accuracy and that of the others, calls and turns per trajectory, errors and timeouts
-    per call."""
-    calls, errors, timeouts, turns = (all_gather_np(np.array([getattr(r, k) for r in rollouts], dtype=np.float64))
-                                      for k in ("tool_calls", "tool_errors", "tool_timeouts", "turns"))
-    reward, used = np.asarray(all_reward, dtype=np.float64), calls > 0
-    return {"tools/use_rate": used.mean(), "tools/calls_mean": calls.mean(), "tools/turns_mean": turns.mean(),
-            "tools/accuracy_with_tool": reward[used].mean() if used.any() else 0.0,
-            "tools/accuracy_without_tool": reward[~used].mean() if (~used).any() else 0.0,
-            "tools/error_rate": errors.sum() / max(calls.sum(), 1),
-            "tools/timeout_rate": timeouts.sum() / max(calls.sum(), 1)}
-
-
-def step_metrics(reward, raw_advantage, advantage, rollouts, old, stats, times, tools=False):
-    """What every algorithm reports, in one flat dict over the global batch (all ranks); spo_metrics and
-    grpo_metrics add each algorithm's own."""
-    reward, raw, adv = all_gather_np(reward), all_gather_np(raw_advantage), all_gather_np(np.asarray(advantage))
-    lengths = all_gather_np(np.array([len(r.response_ids) for r in rollouts]))
-    policy_tokens = all_gather_np(np.array([sum(r.response_mask) for r in rollouts]))  # tool output left out
-    truncated = all_gather_np(np.array([r.finish_reason == "length" for r in rollouts], dtype=np.float64))
-    scalars = all_reduce_np([old["entropy"], old["logprob_gap_mean"]])
-    gap_max = all_reduce_np([old["logprob_gap_max"]], op="max")[0]
-    world = dist.get_world_size()
-    m = {"reward/mean": reward.mean(),
-         "advantage/mean": raw.mean(), "advantage/std": raw.std(),
-         "advantage/p05": np.quantile(raw, 0.05), "advantage/p50": np.quantile(raw, 0.5),
-         "advantage/p95": np.quantile(raw, 0.95), "advantage/normalised_std": adv.std(),
-         "response/length_mean": lengths.mean(), "response/length_max": lengths.max(),
-         "response/truncated": truncated.mean(),
-         "policy/entropy": scalars[0] / world, "policy/logprob_gap_mean": scalars[1] / world,
-         "policy/logprob_gap_max": gap_max,
-         "policy/clip_fraction": stats["clip_fraction"], "policy/approx_kl": stats["approx_kl"],
-         "policy/grad_norm": stats["grad_norm"], "policy/loss": stats["loss"]}
-    m.update({f"time/{k}": v for k, v in times.items()})
-    m["time/step"] = sum(times.values())
-    m["throughput/tokens_per_second"] = policy_tokens.sum() / max(times["generate"], 1e-9) / world
-    if tools:
-        m["response/policy_tokens_mean"] = policy_tokens.mean()
-        m.update(tool_metrics(reward, rollouts))
-    return {k: float(v) for k, v in m.items()}
-
-
-def spo_metrics(all_raw_advantage, tracker, divergence, rho, revisit):
-    """SPO's own: samples with (almost) no signal (|A| below a threshold: the paper's Fig. 3a counterpart of
-    GRPO's all-equal groups), the tracker's values and N_eff, and D(x) and rho over this global batch. rho's
-    distribution is taken over revisited prompts (a first visit has D = 0, rho = rho_max by definition): its
-    quantiles and the share pinned at each clip bound show whether D(x) is on the scale D_half assumes."""
-    raw, value, rho, revisit = np.asarray(all_raw_advantage), tracker.value, np.asarray(rho), np.asarray(revisit)
-    m = {"zero_signal/abs_adv_le_1e-4": np.mean(np.abs(raw) <= 1e-4),
-         "zero_signal/abs_adv_le_0.02": np.mean(np.abs(raw) <= 0.02),
-         "tracker/value_mean": value.mean(), "tracker/value_p10": np.quantile(value, 0.1),
-         "tracker/value_p50": np.quantile(value, 0.5), "tracker/value_p90": np.quantile(value, 0.9),
-         "tracker/n_eff_mean": tracker.n_eff.mean(), "tracker/rho_mean": np.mean(rho),
-         "tracker/divergence_mean": np.mean(divergence), "tracker/divergence_max": np.max(divergence),
-         "tracker/revisit_share": np.mean(revisit)}
-    if revisit.any():
-        again = rho[revisit]
-        m.update({"tracker/rho_p10": np.quantile(again, 0.1), "tracker/rho_p50": np.quantile(again, 0.5),
-                  "tracker/rho_p90": np.quantile(again, 0.9),
-                  "tracker/rho_at_min": np.mean(again <= tracker.rho_min + 1e-12),
-                  "tracker/rho_at_max": np.mean(again >= tracker.rho_max - 1e-12),
-                  "tracker/divergence_p50": np.quantile(np.asarray(divergence)[revisit], 0.5)})
-    return {k: float(v) for k, v in m.items()}
-
-
-def grpo_metrics(all_reward, group):
-    """GRPO's own: the share of samples in groups whose rewards are all equal (zero advantage: no signal)."""
-    r = np.asarray(all_reward).reshape(-1, group)
-    return {"zero_signal/degenerate_groups": float(np.mean(r.min(1) == r.max(1)))}
-
-
-class Logger:
-    """Rank 0 logs: a tqdm bar, a console line every few steps, metrics.jsonl per run, and TensorBoard or wandb
-    when installed and asked for."""
-
-    def __init__(self, run_dir, config, is_main, wandb_project=None, tensorboard=False):
-        self.is_main, self.bar, self.tb, self.wandb = is_main, None, None, None
-        if not is_main:
-            return
-        os.makedirs(run_dir, exist_ok=True)
-        with open(os.path.join(run_dir, "config.json"), "w") as f:
-            json.dump(config, f, indent=1)
-        print("config: " + json.dumps(config), flush=True)
-        self.file = open(os.path.join(run_dir, "metrics.jsonl"), "a")
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-                self.tb = SummaryWriter(run_dir)
-            except ImportError:
-                print("--tensorboard: tensorboard is not installed, skipped", flush=True)
-        if wandb_project:
-            try:
-                import wandb
-                self.wandb = wandb.init(project=wandb_project, config=config, dir=run_dir)
-            except ImportError:
-                print("--wandb: wandb is not installed, skipped", flush=True)
-
-    def progress(self, iterable, total, initial):
-        if not self.is_main:
-            return iterable
-        from tqdm import tqdm
-        self.bar = tqdm(iterable, total=total, initial=initial, desc="train", dynamic_ncols=True)
-        return self.bar
-
-    def console(self, message):
-        if self.is_main:
-            (self.bar.write if self.bar is not None else print)(message)
-
-    def log(self, step, metrics, console=False):
-        if not self.is_main:
-            return
-        self.file.write(json.dumps({"step": step, "time": time.time(), **metrics}) + "\n")
-        self.file.flush()
-        if self.tb:
-            for k, v in metrics.items():
-                self.tb.add_scalar(k, v, step)
-        if self.wandb:
-            self.wandb.log(metrics, step=step)
-        if self.bar is not None and "reward/mean" in metrics:
-            self.bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}")
-        if console or (self.bar is None) or "eval/accuracy" in metrics:
-            keys = {"reward/mean": "reward", "eval/accuracy": "test_acc", "advantage/std": "adv_std",
-                    "tracker/value_mean": "value", "tracker/rho_mean": "rho", "policy/entropy": "entropy",
-                    "policy/approx_kl": "kl", "policy/logprob_gap_max": "gap", "response/length_mean": "len",
-                    "tools/use_rate": "tool_use", "eval/tool_use": "test_tool_use", "time/step": "sec"}
-            shown = " ".join(f"{short}={metrics[k]:.4g}" for k, short in keys.items() if k in metrics)
-            self.console(f"step {step}: {shown}")
-
-    def close(self):
-        if self.is_main:
-            if self.bar is not None:
-                self.bar.close()
-            self.file.close()
-            if self.tb:
-                self.tb.close()
 
 
 # ------------------------------------------------------------------------------------------------ checkpoints

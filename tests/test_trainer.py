@@ -19,18 +19,22 @@ def test_two_rank_fsdp2_gradients_and_normalisation_equal_one_process(small_toy,
     """Same global batch, one SGD step (lr 1, no clipping): the weights after the step are the gradients.
     World 2 must equal world 1, and Eq. 9's normalisation over two ranks must equal the single-process one."""
     out = {}
-    for world in (1, 2):
-        ok(torchrun(world, "tests/test_trainer.py", "grad_worker", str(tmp_path / f"w{world}.pt"), small_toy["model"]))
-        out[world] = torch.load(tmp_path / f"w{world}.pt", weights_only=False)
+    for run, world, max_tokens in (("w1", 1, "none"), ("w2", 2, "none"), ("w2_tokens", 2, "20")):
+        ok(torchrun(world, "tests/test_trainer.py", "grad_worker", str(tmp_path / f"{run}.pt"), small_toy["model"],
+                    max_tokens))
+        out[run] = torch.load(tmp_path / f"{run}.pt", weights_only=False)
     moved = 0.0
-    for name, p1 in out[1]["params"].items():
-        torch.testing.assert_close(out[2]["params"][name], p1, atol=2e-6, rtol=1e-5)
-        moved = max(moved, (p1 - out[1]["before"][name]).abs().max().item())
+    for name, p1 in out["w1"]["params"].items():
+        torch.testing.assert_close(out["w2"]["params"][name], p1, atol=2e-6, rtol=1e-5)
+        # token-budget micro-batches (sorted, uneven counts per rank: idle ranks run a dummy) change nothing either
+        torch.testing.assert_close(out["w2_tokens"]["params"][name], p1, atol=2e-6, rtol=1e-5)
+        moved = max(moved, (p1 - out["w1"]["before"][name]).abs().max().item())
     assert moved > 1e-4  # the step really moved the weights, so the comparison means something
-    advantage = out[1]["raw_advantage"]
+    advantage = out["w1"]["raw_advantage"]
     expected = (advantage - advantage.mean()) / (advantage.std(ddof=1) + 1e-8)
-    np.testing.assert_allclose(out[2]["normalised"], expected, rtol=1e-6, atol=1e-7)
-    np.testing.assert_allclose(out[1]["normalised"], expected, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(out["w2"]["normalised"], expected, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(out["w1"]["normalised"], expected, rtol=1e-6, atol=1e-7)
+    assert out["w2_tokens"]["micro_batches"] > out["w2"]["micro_batches"]  # the budget really split the batch
 
 
 @pytest.mark.slow
@@ -40,6 +44,19 @@ def test_vllm_logprobs_match_trainer_after_weight_push(small_toy, tmp_path):
     assert result["gap_before_push"] > 1e-2  # the update changed the policy: a missed push would show
     assert result["gap_after_push"] < 1e-4
     assert result["nonfinite_flagged"] and result["nonfinite_left_weights_alone"]
+
+
+def test_token_budget_micro_batches_cover_every_sequence_once_within_the_budget():
+    import trainer
+    lengths = [5, 17, 3, 9, 9, 30, 1, 12]
+    plan = trainer.plan_micro_batches(lengths, max_sequences=3, max_tokens=20)
+    assert sorted(i for group in plan for i in group) == list(range(len(lengths)))
+    for group in plan:
+        longest = max(lengths[i] for i in group)  # sequences are padded to the micro-batch's longest
+        assert len(group) <= 3 and (len(group) * longest <= 20 or len(group) == 1)
+        assert [lengths[i] for i in group] == sorted((lengths[i] for i in group), reverse=True)
+    assert plan[0] == [5]  # 30 tokens: over the budget, alone
+    assert trainer.plan_micro_batches(lengths, max_sequences=3) == [[0, 1, 2], [3, 4, 5], [6, 7]]  # no budget
 
 
 def _saved_activation_bytes(model, ids):
@@ -105,19 +122,21 @@ def _fixed_batch(tokenizer_size, n=8, seed=0):
     return rollouts, advantage
 
 
-def _update(policy, optimizer, rollouts, old, advantage, micro_batch_size, grad_clip):
+def _update(policy, optimizer, rollouts, old, advantage, micro_batch_size, grad_clip, max_tokens=None):
     """One optimiser step of Eq. 10 with the paper's clip settings, through the trainer's machinery."""
     import trainer
     from spo import ppo_clip_loss
     loss_fn = functools.partial(ppo_clip_loss, clip_low=0.2, clip_high=0.28, dual_clip=10.0)
     return trainer.ppo_update(policy, optimizer, rollouts, old, advantage, loss_fn, ppo_steps=1,
-                              micro_batch_size=micro_batch_size, temperature=1.0, grad_clip=grad_clip)
+                              micro_batch_size=micro_batch_size, temperature=1.0, grad_clip=grad_clip,
+                              max_tokens=max_tokens)
 
 
-def grad_worker(out, model_path):
+def grad_worker(out, model_path, max_tokens):
     import trainer
     from spo import global_normalise
     from trainer import all_gather_np
+    max_tokens = None if max_tokens == "none" else int(max_tokens)
     rank, world, device = trainer.setup_distributed()
     policy, _ = trainer.build_policy(model_path, device, lr=1.0, weight_decay=0.0)
     optimizer = torch.optim.SGD(policy.parameters(), lr=1.0)
@@ -125,13 +144,17 @@ def grad_worker(out, model_path):
     rollouts, advantage = _fixed_batch(90)
     local = len(rollouts) // world
     mine = slice(rank * local, (rank + 1) * local)
-    old = trainer.old_logprobs(policy, rollouts[mine], [], 1.0, 2)["batch"]
+    old = trainer.old_logprobs(policy, rollouts[mine], [], 1.0, 2, max_tokens)["batch"]
     old = [lp - 0.05 for lp in old]  # ratios away from 1, inside the clip range on both sides
-    _update(policy, optimizer, rollouts[mine], old, advantage[mine], micro_batch_size=2, grad_clip=1e9)
+    _update(policy, optimizer, rollouts[mine], old, advantage[mine], micro_batch_size=2, grad_clip=1e9,
+            max_tokens=max_tokens)
     params = {k: v.clone() for k, v in trainer.full_parameters(policy)}
     normalised = all_gather_np(global_normalise(advantage[mine]))
+    micro_batches = len(trainer._micro_batches([len(r.prompt_ids) + len(r.response_ids) for r in rollouts[mine]],
+                                               2, max_tokens))
     if rank == 0:
-        torch.save({"params": params, "before": before, "raw_advantage": advantage, "normalised": normalised}, out)
+        torch.save({"params": params, "before": before, "raw_advantage": advantage, "normalised": normalised,
+                    "micro_batches": micro_batches}, out)
     dist.destroy_process_group()
 
 

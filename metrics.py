@@ -1,0 +1,151 @@
+"""What a training run records: the step metrics every algorithm reports, each algorithm's own (SPO's tracker,
+rho and D(x); GRPO's all-equal groups), the tool-use metrics, and the logger that writes them (a tqdm bar and a
+console line on rank 0, metrics.jsonl in the run directory, TensorBoard or wandb when installed and asked for).
+The README lists every metric. Called by spo.py on every rank (the metrics gather over all ranks).
+"""
+import json
+import os
+import time
+
+import numpy as np
+import torch.distributed as dist
+
+from trainer import all_gather_np, all_reduce_np
+
+
+def tool_metrics(all_reward, rollouts):
+    """Tool use over the global batch (all_reward: already gathered from all ranks): share of trajectories that
+    called the tool, their accuracy and that of the others, calls and turns per trajectory, errors and timeouts
+    per call."""
+    calls, errors, timeouts, turns = (all_gather_np(np.array([getattr(r, k) for r in rollouts], dtype=np.float64))
+                                      for k in ("tool_calls", "tool_errors", "tool_timeouts", "turns"))
+    reward, used = np.asarray(all_reward, dtype=np.float64), calls > 0
+    return {"tools/use_rate": used.mean(), "tools/calls_mean": calls.mean(), "tools/turns_mean": turns.mean(),
+            "tools/accuracy_with_tool": reward[used].mean() if used.any() else 0.0,
+            "tools/accuracy_without_tool": reward[~used].mean() if (~used).any() else 0.0,
+            "tools/error_rate": errors.sum() / max(calls.sum(), 1),
+            "tools/timeout_rate": timeouts.sum() / max(calls.sum(), 1)}
+
+
+def step_metrics(reward, raw_advantage, advantage, rollouts, old, stats, times, tools=False):
+    """What every algorithm reports, in one flat dict over the global batch (all ranks); spo_metrics and
+    grpo_metrics add each algorithm's own."""
+    reward, raw, adv = all_gather_np(reward), all_gather_np(raw_advantage), all_gather_np(np.asarray(advantage))
+    lengths = all_gather_np(np.array([len(r.response_ids) for r in rollouts]))
+    policy_tokens = all_gather_np(np.array([sum(r.response_mask) for r in rollouts]))  # tool output left out
+    truncated = all_gather_np(np.array([r.finish_reason == "length" for r in rollouts], dtype=np.float64))
+    scalars = all_reduce_np([old["entropy"], old["logprob_gap_mean"]])
+    gap_max = all_reduce_np([old["logprob_gap_max"]], op="max")[0]
+    world = dist.get_world_size()
+    m = {"reward/mean": reward.mean(),
+         "advantage/mean": raw.mean(), "advantage/std": raw.std(),
+         "advantage/p05": np.quantile(raw, 0.05), "advantage/p50": np.quantile(raw, 0.5),
+         "advantage/p95": np.quantile(raw, 0.95), "advantage/normalised_std": adv.std(),
+         "response/length_mean": lengths.mean(), "response/length_max": lengths.max(),
+         "response/truncated": truncated.mean(),
+         "policy/entropy": scalars[0] / world, "policy/logprob_gap_mean": scalars[1] / world,
+         "policy/logprob_gap_max": gap_max,
+         "policy/clip_fraction": stats["clip_fraction"], "policy/approx_kl": stats["approx_kl"],
+         "policy/grad_norm": stats["grad_norm"], "policy/loss": stats["loss"]}
+    m.update({f"time/{k}": v for k, v in times.items()})
+    m["time/step"] = sum(times.values())
+    m["throughput/tokens_per_second"] = policy_tokens.sum() / max(times["generate"], 1e-9) / world
+    if tools:
+        m["response/policy_tokens_mean"] = policy_tokens.mean()
+        m.update(tool_metrics(reward, rollouts))
+    return {k: float(v) for k, v in m.items()}
+
+
+def spo_metrics(all_raw_advantage, tracker, divergence, rho, revisit):
+    """SPO's own: samples with (almost) no signal (|A| below a threshold: the paper's Fig. 3a counterpart of
+    GRPO's all-equal groups), the tracker's values and N_eff, and D(x) and rho over this global batch. rho's
+    distribution is taken over revisited prompts (a first visit has D = 0, rho = rho_max by definition): its
+    quantiles and the share pinned at each clip bound show whether D(x) is on the scale D_half assumes."""
+    raw, value, rho, revisit = np.asarray(all_raw_advantage), tracker.value, np.asarray(rho), np.asarray(revisit)
+    m = {"zero_signal/abs_adv_le_1e-4": np.mean(np.abs(raw) <= 1e-4),
+         "zero_signal/abs_adv_le_0.02": np.mean(np.abs(raw) <= 0.02),
+         "tracker/value_mean": value.mean(), "tracker/value_p10": np.quantile(value, 0.1),
+         "tracker/value_p50": np.quantile(value, 0.5), "tracker/value_p90": np.quantile(value, 0.9),
+         "tracker/n_eff_mean": tracker.n_eff.mean(), "tracker/rho_mean": np.mean(rho),
+         "tracker/divergence_mean": np.mean(divergence), "tracker/divergence_max": np.max(divergence),
+         "tracker/revisit_share": np.mean(revisit)}
+    if revisit.any():
+        again = rho[revisit]
+        m.update({"tracker/rho_p10": np.quantile(again, 0.1), "tracker/rho_p50": np.quantile(again, 0.5),
+                  "tracker/rho_p90": np.quantile(again, 0.9),
+                  "tracker/rho_at_min": np.mean(again <= tracker.rho_min + 1e-12),
+                  "tracker/rho_at_max": np.mean(again >= tracker.rho_max - 1e-12),
+                  "tracker/divergence_p50": np.quantile(np.asarray(divergence)[revisit], 0.5)})
+    return {k: float(v) for k, v in m.items()}
+
+
+def grpo_metrics(all_reward, group):
+    """GRPO's own: the share of samples in groups whose rewards are all equal (zero advantage: no signal)."""
+    r = np.asarray(all_reward).reshape(-1, group)
+    return {"zero_signal/degenerate_groups": float(np.mean(r.min(1) == r.max(1)))}
+
+
+class Logger:
+    """Rank 0 logs: a tqdm bar, a console line every few steps, metrics.jsonl per run, and TensorBoard or wandb
+    when installed and asked for."""
+
+    def __init__(self, run_dir, config, is_main, wandb_project=None, tensorboard=False):
+        self.is_main, self.bar, self.tb, self.wandb = is_main, None, None, None
+        if not is_main:
+            return
+        os.makedirs(run_dir, exist_ok=True)
+        with open(os.path.join(run_dir, "config.json"), "w") as f:
+            json.dump(config, f, indent=1)
+        print("config: " + json.dumps(config), flush=True)
+        self.file = open(os.path.join(run_dir, "metrics.jsonl"), "a")
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+                self.tb = SummaryWriter(run_dir)
+            except ImportError:
+                print("--tensorboard: tensorboard is not installed, skipped", flush=True)
+        if wandb_project:
+            try:
+                import wandb
+                self.wandb = wandb.init(project=wandb_project, config=config, dir=run_dir)
+            except ImportError:
+                print("--wandb: wandb is not installed, skipped", flush=True)
+
+    def progress(self, iterable, total, initial):
+        if not self.is_main:
+            return iterable
+        from tqdm import tqdm
+        self.bar = tqdm(iterable, total=total, initial=initial, desc="train", dynamic_ncols=True)
+        return self.bar
+
+    def console(self, message):
+        if self.is_main:
+            (self.bar.write if self.bar is not None else print)(message)
+
+    def log(self, step, metrics, console=False):
+        if not self.is_main:
+            return
+        self.file.write(json.dumps({"step": step, "time": time.time(), **metrics}) + "\n")
+        self.file.flush()
+        if self.tb:
+            for k, v in metrics.items():
+                self.tb.add_scalar(k, v, step)
+        if self.wandb:
+            self.wandb.log(metrics, step=step)
+        if self.bar is not None and "reward/mean" in metrics:
+            self.bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}")
+        if console or (self.bar is None) or "eval/accuracy" in metrics:
+            keys = {"reward/mean": "reward", "eval/accuracy": "test_acc", "advantage/std": "adv_std",
+                    "tracker/value_mean": "value", "tracker/rho_mean": "rho", "policy/entropy": "entropy",
+                    "policy/approx_kl": "kl", "policy/logprob_gap_max": "gap", "response/length_mean": "len",
+                    "tools/use_rate": "tool_use", "eval/tool_use": "test_tool_use", "time/step": "sec"}
+            shown = " ".join(f"{short}={metrics[k]:.4g}" for k, short in keys.items() if k in metrics)
+            self.console(f"step {step}: {shown}")
+
+    def close(self):
+        if self.is_main:
+            if self.bar is not None:
+                self.bar.close()
+            self.file.close()
+            if self.tb:
+                self.tb.close()
