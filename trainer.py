@@ -307,6 +307,9 @@ def load_checkpoint(run_dir, world, prompt_keys):
         state = torch.load(os.path.join(path, "state.pt"), weights_only=False)  # our own file: numpy inside
     except (OSError, EOFError, RuntimeError) as e:
         fail(f"--resume {run_dir}: no complete checkpoint found ({e.__class__.__name__}: {e})")
+    if "prompt_keys" not in state:  # written before the renames of 2026-11-30 (README, "Choices")
+        fail(f"--resume {run_dir}: the checkpoint was written by an older spo.py and cannot be resumed by this one; "
+             f"its model directory still loads (--model {os.path.join(path, 'model')})")
     if state["prompt_keys"] != prompt_keys:
         fail(f"--resume {run_dir}: the checkpoint was made with another training set "
              f"({len(state['prompt_keys'])} prompts there, {len(prompt_keys)} here, or a different order)")

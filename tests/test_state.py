@@ -56,3 +56,16 @@ def test_sampler_rejects_bad_input(call, match):
 def test_sampler_state_size_check():
     with pytest.raises(ValueError, match="10 prompts"):
         PromptSampler(11, seed=0).load_state_dict(PromptSampler(10, seed=0).state_dict())
+
+
+def test_a_checkpoint_from_before_the_renames_is_refused_in_one_line(tmp_path, capsys):
+    import torch
+    import trainer
+    step = tmp_path / "checkpoints" / "step_000002"
+    step.mkdir(parents=True)
+    (tmp_path / "checkpoints" / "latest").write_text("step_000002")
+    torch.save({"step": 2, "world_size": 1, "prompt_ids": ["0123456789abcdef"]}, step / "state.pt")  # old field
+    with pytest.raises(SystemExit):
+        trainer.load_checkpoint(str(tmp_path), 1, ["0123456789abcdef"])
+    err = capsys.readouterr().err
+    assert "older spo.py" in err and str(step / "model") in err and len(err.strip().splitlines()) == 1
