@@ -226,11 +226,77 @@ def bench_tools(toy_dir="toy_tools", n_prompts=256, max_tokens=160, workers=4, r
     return best
 
 
+# ------------------------------------------------------------------------------------------------ log-prob memory
+def _peak_rss_bytes(run):
+    """Peak resident memory added while `run()` executes: /proc's high-water mark, reset just before."""
+    import re
+
+    def status(field):
+        return 1024 * int(re.search(rf"{field}:\s+(\d+)", open("/proc/self/status").read()).group(1))
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current resident size
+    before = status("VmRSS")
+    run()
+    return status("VmHWM") - before
+
+
+def _logprob_memory_worker(path, grad, vocab, seq_len, prompt_len):
+    """One measurement in a fresh process (what one path freed must not flatter the other): peak memory of the
+    log-prob pass over one sequence, Qwen3's vocabulary and untied head on a one-layer, width-64 backbone."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    import trainer
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=32, tie_word_embeddings=False,
+                         max_position_embeddings=seq_len)
+    model = trainer.attach_logprob_forward(trainer.prepare_for_training(Qwen3ForCausalLM(config), False))
+    ids = torch.randint(0, vocab, (1, seq_len))
+    mask = torch.zeros(1, seq_len - 1)
+    mask[:, prompt_len - 1:] = 1  # the positions that predict response tokens
+
+    def plain():  # the computation response_logprobs replaced: every position's full-vocabulary log-softmax
+        logp = torch.log_softmax(model(input_ids=ids, use_cache=False).logits[:, :-1].float(), -1)  # (1, T-1, V)
+        token = logp.gather(-1, ids[:, 1:, None]).squeeze(-1)
+        if grad:
+            (token * mask).sum().backward()
+        else:
+            return token, -(logp.exp() * logp).sum(-1)
+
+    def chunked():
+        token, entropy = trainer.token_logprobs(model, ids, mask, 1.0, with_entropy=not grad)
+        if grad:
+            token.sum().backward()
+    with torch.set_grad_enabled(grad):
+        print(json.dumps({"peak_bytes": _peak_rss_bytes(plain if path == "plain" else chunked)}))
+
+
+def bench_logprob_memory(vocab=151_936, seq_len=4096, prompt_len=512):
+    """Peak memory of the log-prob pass, chunked response-only (trainer.token_logprobs) against the plain
+    full-vocabulary log-softmax, without gradients (old log-probs and entropy) and with (the PPO update)."""
+    ratios = {}
+    for grad in (False, True):
+        peak = {}
+        for path in ("plain", "chunked"):
+            out = subprocess.run([sys.executable, os.path.abspath(__file__), "_logprob_memory", path, str(int(grad)),
+                                  str(vocab), str(seq_len), str(prompt_len)], check=True, capture_output=True,
+                                 text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}).stdout
+            peak[path] = json.loads(out.strip().splitlines()[-1])["peak_bytes"]
+        ratios[grad] = peak["chunked"] / peak["plain"]
+        print(f"{'with' if grad else 'without'} gradients: plain {peak['plain'] / 2**30:.2f} GiB, chunked "
+              f"{peak['chunked'] / 2**30:.2f} GiB, ratio {ratios[grad]:.3f}  (V = {vocab}, T = {seq_len}, "
+              f"{seq_len - prompt_len} response tokens)", flush=True)
+    return ratios
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="spo benchmarks")
-    parser.add_argument("which", nargs="*", default=["tracker", "steps", "sandbox", "eval", "tools"],
-                        help="which benchmarks: tracker, steps, sandbox, eval, tools")
+    parser.add_argument("which", nargs="*", default=["tracker", "logprobs", "steps", "sandbox", "eval", "tools"],
+                        help="which benchmarks: tracker, logprobs, steps, sandbox, eval, tools")
     parser.add_argument("--sizes", type=int, nargs="+", default=[14_000, 10**6, 10**7], help="tracker: prompts")
+    if sys.argv[1:2] == ["_logprob_memory"]:  # bench_logprob_memory's worker process
+        _logprob_memory_worker(sys.argv[2], bool(int(sys.argv[3])), *map(int, sys.argv[4:7]))
+        sys.exit()
     args = parser.parse_args()
     for name in args.which:
         print(f"\n== {name}", flush=True)
@@ -238,4 +304,4 @@ if __name__ == "__main__":
             subprocess.run([sys.executable, os.path.abspath(__file__), name], check=True)
             continue
         {"tracker": lambda: bench_tracker_sampler(args.sizes), "steps": bench_steps, "sandbox": bench_sandbox,
-         "eval": bench_eval, "tools": bench_tools}[name]()
+         "eval": bench_eval, "tools": bench_tools, "logprobs": bench_logprob_memory}[name]()

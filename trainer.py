@@ -5,6 +5,8 @@ file holds the mechanics that any policy-gradient trainer on torch FSDP2 needs:
 - `setup_distributed`: torch.distributed on gloo (CPU) or nccl (GPU); `python spo.py` works as a world of 1.
 - `build_policy`: a Hugging Face causal LM sharded with FSDP2 (`fully_shard` per decoder layer, then the root);
   on GPU bf16 compute with fp32 master weights and fp32 gradient reduction.
+- `token_logprobs` (via `response_logprobs`): the decoder once per micro-batch, the output projection only at
+  response positions, in fp32 and in chunks, so no (B, T, V) logits tensor exists at any vocabulary size.
 - `old_logprobs` / `ppo_update`: per-token log-probs of prompt + response sequences in micro-batches, and the
   optimiser steps around a loss function given by the caller, normalised by the GLOBAL token count. FSDP2
   averages gradients over ranks; that loss is already a global mean, so each rank scales its loss by the world
@@ -13,6 +15,7 @@ file holds the mechanics that any policy-gradient trainer on torch FSDP2 needs:
   responses + step, written atomically). What a run records (metrics, logger) is in metrics.py.
 Not run on its own; the tests drive it through spo.py and tests/test_trainer.py.
 """
+import functools
 import os
 import shutil
 
@@ -20,6 +23,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint
 
 from data import fail
 
@@ -85,6 +89,7 @@ def build_policy(path, device, lr, weight_decay, gradient_checkpointing=None):
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh, **({"mp_policy": mp} if mp else {}))
     fully_shard(model, mesh=mesh, **({"mp_policy": mp} if mp else {}))
+    attach_logprob_forward(model)
     model.to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
     return model, optimizer
@@ -134,13 +139,82 @@ def pack(sequences, device):
     return ids.to(device), mask.to(device)
 
 
-def token_logprobs(model, ids, temperature):
-    """(B, T-1) log pi(token_t | tokens_<t) at the sampling temperature, and the (B, T-1) entropy."""
-    # use_cache=False: a training forward has no use for the KV cache transformers would otherwise build
-    logits = model(input_ids=ids, use_cache=False).logits[:, :-1].float() / temperature  # (B, T-1, V)
-    logp = torch.log_softmax(logits, -1)
-    token_logp = logp.gather(-1, ids[:, 1:, None]).squeeze(-1)
-    return token_logp, logp
+# One chunk of fp32 logits takes at most this many bytes: 441 positions at Qwen3's vocabulary of 151,936. The
+# backward of a chunk holds a few tensors of this size (the logits, their softmax, their gradient).
+LOGIT_CHUNK_BYTES = 2 ** 28
+
+
+def _chunk_logprobs(hidden, weight, bias, targets, temperature, with_entropy):
+    """(n,) log-probs of `targets` and (n,) entropies (or None) from (n, H) hidden states, in fp32.
+
+    The projection runs in fp32 even when the model computes in bf16: bf16 logits near 30 are rounded to steps
+    of 0.125, an error the log-probs (and PPO's ratio) would inherit. log p = logit - logsumexp(logits), so the
+    (n, V) log-softmax is never stored."""
+    logits = torch.nn.functional.linear(hidden.float(), weight, bias) / temperature  # (n, V) fp32
+    normaliser = torch.logsumexp(logits, -1)  # (n,)
+    logp = logits.gather(-1, targets[:, None]).squeeze(-1) - normaliser
+    if not with_entropy:
+        return logp, None
+    p_times_logits = (logits - normaliser[:, None]).exp_().mul_(logits)  # one more (n, V) tensor, not three
+    return logp, normaliser - p_times_logits.sum(-1)  # H = logsumexp - E_p[logit]
+
+
+def response_logprobs(model, ids, rows, cols, temperature, with_entropy=False, chunk=None):
+    """(N,) log pi(ids[rows, cols + 1] | ids[rows, :cols + 1]) at the sampling temperature, and the (N,) entropies
+    (or None): the decoder runs once over the (B, T) ids, the output projection only at the N positions asked for
+    (the response tokens), `chunk` positions at a time (default: LOGIT_CHUNK_BYTES of fp32 logits). No (B, T, V)
+    tensor ever exists: with Qwen3's vocabulary of 151,936 one micro-batch of 2 x 10k tokens would need 12 GB per
+    fp32 copy of its logits.
+
+    With gradients each chunk is checkpointed (its logits are recomputed in the backward pass), so the backward
+    too holds one chunk's logits at a time. Call it as `model.response_logprobs(...)` after attach_logprob_forward
+    (build_policy does), so that FSDP2 gathers the parameters around it as it would around `forward`."""
+    hidden = model.base_model(input_ids=ids, use_cache=False).last_hidden_state[rows, cols]  # (N, H)
+    head = model.get_output_embeddings()
+    weight = head.weight.float()  # (V, H): a fp32 copy under bf16 mixed precision, the parameter itself in fp32
+    bias = None if head.bias is None else head.bias.float()
+    targets = ids[rows, cols + 1]  # (N,)
+    chunk = chunk or max(1, LOGIT_CHUNK_BYTES // (4 * weight.shape[0]))
+    logp, entropy = [], []
+    for k in range(0, len(targets), chunk):
+        part = (hidden[k: k + chunk], weight, bias, targets[k: k + chunk], temperature, with_entropy)
+        if torch.is_grad_enabled():
+            part_logp, part_entropy = checkpoint(_chunk_logprobs, *part, use_reentrant=False)
+        else:
+            part_logp, part_entropy = _chunk_logprobs(*part)
+        logp.append(part_logp)
+        entropy.append(part_entropy)
+    return torch.cat(logp), (torch.cat(entropy) if with_entropy else None)
+
+
+def attach_logprob_forward(model):
+    """Give the model `model.response_logprobs(ids, rows, cols, temperature, with_entropy)`.
+
+    FSDP2 gathers a sharded module's parameters only around `forward`; the root unit here holds the embedding,
+    the final norm and the output projection, which response_logprobs uses outside the model's own forward.
+    register_fsdp_forward_method wraps the method in the same gather/release hooks (a no-op without FSDP)."""
+    from torch.distributed.fsdp import register_fsdp_forward_method
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    for name in ("final_logit_softcapping", "logit_scale"):  # applied inside forward, after the projection
+        if getattr(config, name, None) not in (None, 1, 1.0):
+            fail(f"--model: {config.model_type} scales its logits ({name}={getattr(config, name)}), which "
+                 f"trainer.response_logprobs does not apply; this model is not supported yet")
+    model.response_logprobs = functools.partial(response_logprobs, model)
+    register_fsdp_forward_method(model, "response_logprobs")
+    return model
+
+
+def token_logprobs(model, ids, mask, temperature, with_entropy=False):
+    """(B, T-1) log pi(token_t | tokens_<t) where mask > 0 (response tokens; 0 elsewhere) and, if asked, the
+    (B, T-1) entropy of pi at those positions. model: as returned by attach_logprob_forward."""
+    rows, cols = mask.nonzero(as_tuple=True)
+    if not len(rows):
+        # An idle rank (mask all 0) still projects one position: under FSDP2 every rank must produce a gradient
+        # for the output projection, or the ranks' reduce-scatters would not match. Its value is masked out.
+        rows = cols = torch.zeros(1, dtype=torch.long, device=ids.device)
+    logp, entropy = model.response_logprobs(ids, rows, cols, temperature, with_entropy)
+    scatter = functools.partial(torch.zeros(mask.shape, device=ids.device).index_put, (rows, cols))
+    return scatter(logp), (scatter(entropy) if with_entropy else None)
 
 
 def plan_micro_batches(lengths, max_sequences, max_tokens=None):
@@ -179,18 +253,19 @@ def old_logprobs(model, rollouts, revisited, temperature, micro_batch_size, max_
     """The trainer's log-probs, before this step's update, of this batch's responses (PPO's old log-probs) and of
     `revisited` responses (spo.py: previous responses, for D(x)), in one pass. revisited: (prompt token ids,
     response token ids, response mask) triples. Also the policy's entropy on this batch and the gap between
-    the trainer's and vLLM's log-probs of the sampled tokens (a weight push that did not land shows here)."""
+    the trainer's and vLLM's log-probs of the sampled tokens (a weight push that did not land shows here).
+    Tool-output tokens (mask 0) were never sampled: their log-prob is not computed and reads 0."""
     device = next(model.parameters()).device
     sequences = [(r.prompt_ids, r.response_ids, r.response_mask) for r in rollouts] + list(revisited)
     out, entropy_sum, token_count = [None] * len(sequences), 0.0, 0.0
     for rows in _micro_batches([len(p) + len(r) for p, r, _ in sequences], micro_batch_size, max_tokens):
         chunk = [sequences[i] for i in rows] or [IDLE]  # an idle rank still joins the collective forward
         ids, mask = pack(chunk, device)
-        token_logp, logp = token_logprobs(model, ids, temperature)
+        token_logp, entropy = token_logprobs(model, ids, mask, temperature, with_entropy=True)
         if not rows:
             continue
         current = mask * (torch.tensor(rows, device=device) < len(rollouts))[:, None]  # this batch, not revisits
-        entropy_sum += float((-(logp.exp() * logp).sum(-1) * current).sum())
+        entropy_sum += float((entropy * current).sum())
         token_count += float(current.sum())
         for i, (p, r, _), row in zip(rows, chunk, token_logp):
             out[i] = row[len(p) - 1: len(p) - 1 + len(r)].float().cpu().numpy()
@@ -233,7 +308,7 @@ def ppo_update(model, optimizer, rollouts, old, advantage, loss_fn, *, ppo_steps
                 start = len(rollouts[i].prompt_ids) - 1
                 old_logp[j, start: start + len(old[i])] = torch.from_numpy(old[i])
             adv = torch.as_tensor(advantage[rows] if rows else [0.0], dtype=torch.float32, device=device)  # (b,)
-            logp, _ = token_logprobs(model, ids, temperature)
+            logp, _ = token_logprobs(model, ids, mask, temperature)
             loss, clipped = loss_fn(logp, old_logp, adv, mask, n_tokens=global_tokens)
             (loss * world).backward()  # x world: FSDP2 averages gradients, our loss is already a global mean
             loss_total += loss.item()

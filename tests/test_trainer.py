@@ -67,8 +67,9 @@ def _saved_activation_bytes(model, ids):
     def keep(tensor):
         saved[0] += tensor.numel() * tensor.element_size()
         return tensor
+    mask = torch.ones(ids.shape[0], ids.shape[1] - 1)
     with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
-        logprobs, _ = trainer.token_logprobs(model, ids, 1.0)
+        logprobs, _ = trainer.token_logprobs(trainer.attach_logprob_forward(model), ids, mask, 1.0)
     logprobs.sum().backward()
     return saved[0], logprobs.detach()
 
@@ -95,6 +96,56 @@ def test_gradient_checkpointing_really_drops_activations(tmp_path):
     assert measured["checkpointing"][0] < 0.5 * measured["train"][0]
     for mode in ("eval_mode_checkpointing", "train", "checkpointing"):
         torch.testing.assert_close(measured[mode][1], measured["eval"][1], atol=1e-6, rtol=0)
+
+
+def _plain_logprobs(model, ids, temperature):
+    """The computation response_logprobs replaces: every position's full-vocabulary log-softmax."""
+    logp = torch.log_softmax(model(input_ids=ids).logits[:, :-1].float() / temperature, -1)  # (B, T-1, V)
+    return logp.gather(-1, ids[:, 1:, None]).squeeze(-1), -(logp.exp() * logp).sum(-1)
+
+
+def test_chunked_response_logprobs_equal_the_full_vocabulary_computation(tmp_path):
+    """Response positions only, 7 at a time, logits recomputed in the backward: the same log-probs, entropies
+    and gradients as the plain (B, T-1, V) log-softmax, within 1e-5."""
+    import toy
+    import trainer
+    model = toy.build_model(toy.build_tokenizer(str(tmp_path)), seed=0)
+    trainer.prepare_for_training(model, gradient_checkpointing=False)
+    ids = torch.randint(3, 128, (3, 30), generator=torch.Generator().manual_seed(1))
+    mask = torch.zeros(3, 29)
+    for b, (start, end) in enumerate([(4, 29), (10, 20), (0, 5)]):  # prompts, responses and padding differ
+        mask[b, start:end] = 1
+    rows, cols = mask.nonzero(as_tuple=True)
+    logp, entropy = trainer.response_logprobs(model, ids, rows, cols, 0.7, with_entropy=True, chunk=7)
+    (logp * torch.linspace(-1, 1, len(logp))).sum().backward()  # a loss that weighs the positions unequally
+    chunked_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    plain_logp, plain_entropy = _plain_logprobs(model, ids, 0.7)
+    (plain_logp[rows, cols] * torch.linspace(-1, 1, len(logp))).sum().backward()
+    torch.testing.assert_close(logp, plain_logp[rows, cols], atol=1e-5, rtol=0)
+    torch.testing.assert_close(entropy, plain_entropy[rows, cols], atol=1e-5, rtol=0)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(chunked_grads[name], p.grad, atol=1e-5, rtol=1e-4)
+    assert max(g.abs().max().item() for g in chunked_grads.values()) > 1e-3  # the gradients were not all zero
+    scattered, _ = trainer.token_logprobs(trainer.attach_logprob_forward(model), ids, mask, 0.7)
+    torch.testing.assert_close(scattered, plain_logp.detach() * mask, atol=1e-5, rtol=0)  # 0 off the responses
+
+
+def test_output_projection_in_fp32_keeps_bf16_rounding_out_of_the_logprobs():
+    """Under bf16 mixed precision the hidden states and weights are bf16; computing the logits in bf16 rounds
+    logits near 40 to steps of 0.25. _chunk_logprobs projects in fp32: with inputs bf16 holds exactly, the
+    log-probs are exact, where bf16 logits are off by more than 0.01."""
+    import trainer
+    g = torch.Generator().manual_seed(0)
+    hidden = (torch.randint(-8, 9, (16, 32), generator=g) / 2).to(torch.bfloat16)  # exact in bf16
+    weight = (torch.randint(-8, 9, (50, 32), generator=g) / 4).to(torch.bfloat16)
+    targets = torch.randint(0, 50, (16,), generator=g)
+    exact = torch.log_softmax(hidden.double() @ weight.double().T, -1).gather(-1, targets[:, None]).squeeze(-1)
+    assert (hidden.double() @ weight.double().T).abs().max() > 32  # logits where bf16 steps by 0.25
+    logp, _ = trainer._chunk_logprobs(hidden, weight.float(), None, targets, 1.0, False)
+    torch.testing.assert_close(logp.double(), exact, atol=2e-5, rtol=0)
+    bf16_logits = torch.log_softmax((hidden @ weight.T).float(), -1).gather(-1, targets[:, None]).squeeze(-1)
+    assert (bf16_logits.double() - exact).abs().max() > 1e-2
 
 
 def test_prepare_for_training_turns_dropout_off():
