@@ -104,7 +104,8 @@ class PromptSampler:
 
     # ---- drawing ---------------------------------------------------------------------------------------
     def draw(self, batch_size, weights=None):
-        """(B,) int64 distinct prompt indices. `weights` (n,), if given, replaces all weights first."""
+        """(B,) int64 distinct prompt indices, in random order. `weights` (n,), if given, replaces all weights
+        first."""
         if int(batch_size) != batch_size or not 1 <= batch_size <= self.n_prompts:
             raise ValueError(f"sampler.draw: batch_size must be in [1, {self.n_prompts}], got {batch_size}")
         batch_size = int(batch_size)
@@ -118,8 +119,12 @@ class PromptSampler:
         if method == "auto":
             method = "tree" if self.n_prompts >= self.TREE_MIN_RATIO * batch_size else "gumbel"
         if method == "gumbel":
-            return self._gumbel_top_k(batch_size, exclude=np.empty(0, np.int64))
-        return self._tree_draw(batch_size)
+            drawn = self._gumbel_top_k(batch_size, exclude=np.empty(0, np.int64))
+        else:
+            drawn = self._tree_draw(batch_size)
+        # In random order: the Gumbel draw comes out sorted by key, most uncertain prompts first, and callers
+        # slice the batch across ranks and PPO mini-batches (rank 0 and the first mini-batch would get them all).
+        return self.rng.permutation(drawn)
 
     def _tree_draw(self, batch_size):
         stream = np.empty(0, np.int64)  # prompts drawn with replacement, in draw order

@@ -101,17 +101,16 @@ def test_priority_weights():
 
 
 def exact_successive(w, batch_size):
-    """Exact P(first drawn = i) and P(i in batch) for successive sampling, by enumerating sequences."""
+    """Exact P(i in batch) for successive sampling, by enumerating sequences."""
     w = np.asarray(w, float)
-    first, inclusion = np.zeros(len(w)), np.zeros(len(w))
+    inclusion = np.zeros(len(w))
     for seq in itertools.permutations(range(len(w)), batch_size):
         left, p = w.sum(), 1.0
         for i in seq:
             p *= w[i] / left
             left -= w[i]
-        first[seq[0]] += p
         inclusion[list(seq)] += p
-    return first, inclusion
+    return inclusion
 
 
 @pytest.mark.parametrize("method, w, batch_size", [
@@ -120,13 +119,16 @@ def exact_successive(w, batch_size):
     ("tree", [1000, 1000, 1, 1, 2, 1], 4),  # repeats force the Gumbel continuation of the tree path
     ("gumbel", [1000, 1000, 1, 1, 2, 1], 4),
 ])
-def test_draws_follow_exact_successive_sampling(method, w, batch_size):
+def test_draws_follow_exact_successive_sampling_in_random_order(method, w, batch_size):
+    """Inclusion as successive sampling, and the batch's order carries no weight: every position (the first is
+    rank 0's slice and the first PPO mini-batch) holds prompt i with probability P(i in batch) / B."""
     draws = 20000
     sampler = PromptSampler(len(w), seed=1, method=method)
     sampler.set_weights(np.array(w, float))
     batches = np.stack([sampler.draw(batch_size) for _ in range(draws)])  # (draws, B)
-    first, inclusion = exact_successive(w, batch_size)
-    for observed, p in [(np.bincount(batches[:, 0], minlength=len(w)), first),
+    inclusion = exact_successive(w, batch_size)
+    for observed, p in [(np.bincount(batches[:, 0], minlength=len(w)), inclusion / batch_size),
+                        (np.bincount(batches[:, -1], minlength=len(w)), inclusion / batch_size),
                         (np.bincount(batches.ravel(), minlength=len(w)), inclusion)]:
         sigma = np.sqrt(draws * p * (1 - p)) + 1.0
         assert (np.abs(observed - draws * p) < 5 * sigma).all(), (observed / draws, p)
