@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from common import ok, torchrun
+from common import ok, python, torchrun
 
 
 @pytest.mark.slow
@@ -57,6 +57,20 @@ def test_token_budget_micro_batches_cover_every_sequence_once_within_the_budget(
         assert [lengths[i] for i in group] == sorted((lengths[i] for i in group), reverse=True)
     assert plan[0] == [5]  # 30 tokens: over the budget, alone
     assert trainer.plan_micro_batches(lengths, max_sequences=3) == [[0, 1, 2], [3, 4, 5], [6, 7]]  # no budget
+
+
+@pytest.mark.slow
+def test_bench_gpu_runs_the_trainer_path_on_a_tiny_qwen3_shape():
+    """`bench.py gpu` is the device check (README); here on a CPU with a tiny Qwen3 shape (the real vocabulary).
+    Its fp32 "reference" is the same weights unsharded, so on a CPU the FSDP2 log-probs must equal it."""
+    import re
+    proc = ok(python("bench.py", "gpu", "--shape", "tiny", "--response_len", "96", "--sequences", "3",
+                     "--max_tokens_per_micro_batch", "700"))
+    assert re.search(r"old log-probs +[\d.]+ s +\d+ tokens/s +peak memory [\d.]+ GiB", proc.stdout), proc.stdout
+    assert re.search(r"PPO step +[\d.]+ s +\d+ tokens/s +peak memory [\d.]+ GiB", proc.stdout), proc.stdout
+    gap_mean, gap_max, grad_norm = map(float, re.search(r"mean \|gap\| (\S+), max (\S+); loss \S+, grad norm (\S+)",
+                                                         proc.stdout).groups())
+    assert gap_mean <= gap_max < 1e-5 and 0 < grad_norm < float("inf")
 
 
 def _saved_activation_bytes(model, ids):
