@@ -321,7 +321,7 @@ def main(argv=None):
     previous = {}  # prompt index -> PreviousResponse (SPO only; stays empty for GRPO)
     start_step = 0
     if state:
-        trainer.restore_optimizer(policy, optimizer, state["optimizer"])
+        trainer.restore_training_state(policy, optimizer, state["shards"])
         tracker.load_state_dict(state["tracker"])
         sampler.load_state_dict(state["sampler"])
         previous = {i: PreviousResponse(**fields) for i, fields in state["previous"].items()}
@@ -433,7 +433,8 @@ def main(argv=None):
         if (args.save_every and step % args.save_every == 0) or step == args.steps:
             trainer.save_checkpoint(run_dir, step, policy, optimizer, tokenizer, world, data.keys,
                                     tracker.state_dict(), sampler.state_dict(),
-                                    {i: vars(p) for i, p in previous.items()}, vars(args))
+                                    {i: vars(p) for i, p in previous.items()}, vars(args),
+                                    export_dtype=torch.bfloat16 if device.type == "cuda" else None)
     logger.close()
     if tools:
         tools.pool.close()

@@ -11,10 +11,13 @@ file holds the mechanics that any policy-gradient trainer on torch FSDP2 needs:
   optimiser steps around a loss function given by the caller, normalised by the GLOBAL token count. FSDP2
   averages gradients over ranks; that loss is already a global mean, so each rank scales its loss by the world
   size to get the true gradient (set_gradient_divide_factor(1) would do the same but fails on gloo).
-- small collectives on numpy arrays, and checkpoints (HF model + optimiser + tracker + sampler + previous
-  responses + step, written atomically). What a run records (metrics, logger) is in metrics.py.
+- small collectives on numpy arrays, and checkpoints, written atomically: weights and optimiser state as
+  torch.distributed.checkpoint shards (every rank writes its own; resume reads them back exactly), a Hugging Face
+  export of the model for eval.py and vLLM, and the run's state (tracker, sampler, previous responses, step).
+  What a run records (metrics, logger) is in metrics.py.
 Not run on its own; the tests drive it through spo.py and tests/test_trainer.py.
 """
+import datetime
 import functools
 import os
 import shutil
@@ -57,6 +60,11 @@ def all_gather_objects(items):
 
 
 # ------------------------------------------------------------------------------------------------ setup
+# How long a rank waits in a collective before the job fails. NCCL's default, 10 minutes, is shorter than rank 0
+# writing an 8B model's HF export (16 GB in bf16) on a slow disk while the others wait at the barrier.
+DIST_TIMEOUT = datetime.timedelta(minutes=60)
+
+
 def setup_distributed():
     """Start torch.distributed. Under torchrun the environment says who we are; plain `python spo.py` is a
     world of one (vLLM's external launcher needs the process group either way)."""
@@ -66,10 +74,10 @@ def setup_distributed():
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
+        dist.init_process_group("nccl", device_id=device, timeout=DIST_TIMEOUT)
     else:
         device = torch.device("cpu")
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", timeout=DIST_TIMEOUT)
     return dist.get_rank(), dist.get_world_size(), device
 
 
@@ -77,11 +85,18 @@ def setup_distributed():
 def build_policy(path, device, lr, weight_decay, gradient_checkpointing=None):
     """The policy: a Hugging Face causal LM in training mode, sharded with FSDP2, and its AdamW optimiser.
     gradient_checkpointing: recompute each decoder layer's activations in the backward pass (None: on GPU only,
-    where long responses make the saved activations the largest memory item)."""
+    where long responses make the saved activations the largest memory item).
+
+    Only rank 0 reads the weights (in fp32, on the host: 33 GB for an 8B model); the other ranks build the model
+    on the meta device, and each rank receives its own shard by broadcast (set_model_state_dict with
+    broadcast_from_rank0), so a node holds one full copy on the host, not one per GPU."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)  # fp32 master weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+    loaded = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32) if dist.get_rank() == 0 else None
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.float32)
     on_gpu = device.type == "cuda"
     prepare_for_training(model, on_gpu if gradient_checkpointing is None else gradient_checkpointing)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
@@ -90,7 +105,17 @@ def build_policy(path, device, lr, weight_decay, gradient_checkpointing=None):
         fully_shard(layer, mesh=mesh, **({"mp_policy": mp} if mp else {}))
     fully_shard(model, mesh=mesh, **({"mp_policy": mp} if mp else {}))
     attach_logprob_forward(model)
-    model.to(device)
+    model.to_empty(device=device)  # storage for this rank's shards (and the buffers), contents undefined
+    set_model_state_dict(model, loaded.state_dict() if loaded is not None else {},
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    # Buffers that are not in the state dict (rotary inv_freq) are computed at construction, which on the meta
+    # device computed nothing: rank 0 copies its own and broadcasts them.
+    loaded_buffers = dict(loaded.named_buffers()) if loaded is not None else {}
+    for name, buffer in model.named_buffers():
+        if loaded is not None:
+            buffer.copy_(loaded_buffers[name])
+        dist.broadcast(buffer, src=0)
+    del loaded
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
     return model, optimizer
 
@@ -336,29 +361,40 @@ def ppo_update(model, optimizer, rollouts, old, advantage, loss_fn, *, ppo_steps
 
 # ------------------------------------------------------------------------------------------------ checkpoints
 def save_checkpoint(run_dir, step, model, optimizer, tokenizer, world, prompt_keys, tracker_state,
-                    sampler_state, previous, config, keep=2):
+                    sampler_state, previous, config, keep=2, export_dtype=None):
     """Write checkpoints/step_N atomically: everything goes into step_N.tmp, which is renamed only when
     complete, then `latest` is replaced atomically. A crash mid-write leaves the previous checkpoint intact.
-    The model directory is a plain Hugging Face model: transformers and vLLM load it as it is."""
+
+    step_N/shards: the fp32 weights and the optimiser state as torch.distributed.checkpoint shards, each rank
+    writing its own in parallel (what resume reads: exact). step_N/model: a plain Hugging Face model that
+    transformers, vLLM and eval.py load, gathered to rank 0 in export_dtype (spo.py: bf16 on GPU, the engine's
+    dtype, half the bytes; None: fp32). step_N/state.pt: the run's own state, small next to the weights."""
+    import copy
+    import torch.distributed.checkpoint as dcp
     from safetensors.torch import save_file
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                          get_optimizer_state_dict)
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # gathered on rank 0 only
-    model_state = get_model_state_dict(model, options=options)
-    optim_state = get_optimizer_state_dict(model, optimizer, options=options)
+    root = os.path.join(run_dir, "checkpoints")
+    final, tmp = os.path.join(root, f"step_{step:06d}"), os.path.join(root, f"step_{step:06d}.tmp")
     if dist.get_rank() == 0:
-        root = os.path.join(run_dir, "checkpoints")
-        final, tmp = os.path.join(root, f"step_{step:06d}"), os.path.join(root, f"step_{step:06d}.tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(os.path.join(tmp, "model"))
+    dist.barrier()
+    dcp.save({"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)},
+             checkpoint_id=os.path.join(tmp, "shards"))
+    model_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() == 0:
         if model.config.tie_word_embeddings:
             model_state.pop("lm_head.weight", None)  # shared with the embedding; safetensors refuses aliases
-        save_file({k: v.contiguous() for k, v in model_state.items()}, os.path.join(tmp, "model", "model.safetensors"),
-                  metadata={"format": "pt"})
-        model.config.save_pretrained(os.path.join(tmp, "model"))
+        save_file({k: (v if export_dtype is None else v.to(export_dtype)).contiguous() for k, v in model_state.items()},
+                  os.path.join(tmp, "model", "model.safetensors"), metadata={"format": "pt"})
+        hf_config = copy.deepcopy(model.config)
+        if export_dtype is not None:
+            hf_config.dtype = export_dtype  # what vLLM's dtype="auto" reads
+        hf_config.save_pretrained(os.path.join(tmp, "model"))
         tokenizer.save_pretrained(os.path.join(tmp, "model"))
-        torch.save({"step": step, "world_size": world, "prompt_keys": prompt_keys, "optimizer": optim_state,
-                    "tracker": tracker_state, "sampler": sampler_state, "previous": previous, "config": config},
+        torch.save({"step": step, "world_size": world, "prompt_keys": prompt_keys, "tracker": tracker_state,
+                    "sampler": sampler_state, "previous": previous, "config": config},
                    os.path.join(tmp, "state.pt"))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
@@ -382,7 +418,7 @@ def load_checkpoint(run_dir, world, prompt_keys):
         state = torch.load(os.path.join(path, "state.pt"), weights_only=False)  # our own file: numpy inside
     except (OSError, EOFError, RuntimeError) as e:
         fail(f"--resume {run_dir}: no complete checkpoint found ({e.__class__.__name__}: {e})")
-    if "prompt_keys" not in state:  # written before the renames of 2026-11-30 (README, "Choices")
+    if "prompt_keys" not in state or not os.path.isdir(os.path.join(path, "shards")):  # README, "Choices"
         fail(f"--resume {run_dir}: the checkpoint was written by an older spo.py and cannot be resumed by this one; "
              f"its model directory still loads (--model {os.path.join(path, 'model')})")
     if state["prompt_keys"] != prompt_keys:
@@ -392,11 +428,16 @@ def load_checkpoint(run_dir, world, prompt_keys):
         fail(f"--resume {run_dir}: the checkpoint was made with world size {state['world_size']}, this run has "
              f"{world}: per-rank sampling would differ, so it cannot resume exactly; use --nproc_per_node="
              f"{state['world_size']}")
-    state["model_dir"] = os.path.join(path, "model")
+    state["model_dir"], state["shards"] = os.path.join(path, "model"), os.path.join(path, "shards")
     return state
 
 
-def restore_optimizer(model, optimizer, optim_state):
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-    set_optimizer_state_dict(model, optimizer, optim_state_dict=optim_state,
-                             options=StateDictOptions(full_state_dict=True))
+def restore_training_state(model, optimizer, shards):
+    """Load a checkpoint's fp32 weights and optimiser state (save_checkpoint's shards) into the built policy and
+    its optimiser: each rank reads its own shards."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    model_state, optim_state = get_state_dict(model, optimizer)  # the optimiser's state is created first
+    state = {"model": model_state, "optimizer": optim_state}
+    dcp.load(state, checkpoint_id=shards)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])

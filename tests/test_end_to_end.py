@@ -68,6 +68,17 @@ def test_resume_is_exact(small_toy, spo_run, tmp_path):
     wb = load_file(tmp_path / "checkpoints" / "step_000004" / "model" / "model.safetensors")
     for name in wa:
         torch.testing.assert_close(wa[name], wb[name], atol=1e-6, rtol=0)
+    # The sharded fp32 weights and Adam moments (what resume reads) resume exactly too.
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    shards = {}
+    for run in (straight, tmp_path):
+        dcp_to_torch_save(run / "checkpoints" / "step_000004" / "shards", tmp_path / "shards.pt")
+        shards[run] = torch.load(tmp_path / "shards.pt", weights_only=False)
+    moments = [k for k in shards[straight]["optimizer"]["state"] if k.endswith("q_proj.weight")]
+    assert moments and shards[straight]["optimizer"]["state"][moments[0]]["exp_avg_sq"].abs().max() > 0
+    for part in ("model", "optimizer"):
+        resumed, expected = shards[tmp_path][part], shards[straight][part]
+        torch.testing.assert_close(resumed.get("state", resumed), expected.get("state", expected), atol=1e-6, rtol=0)
 
 
 

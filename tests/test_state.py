@@ -58,13 +58,14 @@ def test_sampler_state_size_check():
         PromptSampler(11, seed=0).load_state_dict(PromptSampler(10, seed=0).state_dict())
 
 
-def test_a_checkpoint_from_before_the_renames_is_refused_in_one_line(tmp_path, capsys):
+@pytest.mark.parametrize("keys_field", ["prompt_ids", "prompt_keys"])  # before the renames; before shards
+def test_a_checkpoint_from_an_older_spo_is_refused_in_one_line(tmp_path, capsys, keys_field):
     import torch
     import trainer
     step = tmp_path / "checkpoints" / "step_000002"
     step.mkdir(parents=True)
     (tmp_path / "checkpoints" / "latest").write_text("step_000002")
-    torch.save({"step": 2, "world_size": 1, "prompt_ids": ["0123456789abcdef"]}, step / "state.pt")  # old field
+    torch.save({"step": 2, "world_size": 1, keys_field: ["0123456789abcdef"]}, step / "state.pt")  # no shards/
     with pytest.raises(SystemExit):
         trainer.load_checkpoint(str(tmp_path), 1, ["0123456789abcdef"])
     err = capsys.readouterr().err
