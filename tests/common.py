@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -46,6 +47,25 @@ def torchrun(nproc, *args, timeout=900):
     """`torchrun --nproc_per_node=nproc ARGS` from the repository root; the CompletedProcess."""
     cmd = [PYTHON, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}", *args]
     return subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
+
+
+def torchrun_nodes(nnodes, *args, timeout=900):
+    """`torchrun --nnodes=N --nproc_per_node=1` started N times with a c10d rendezvous on localhost: N nodes of one
+    process each, as the README's multi-node command starts them (every process has local rank 0)."""
+    port = free_port()
+    cmd = [PYTHON, "-m", "torch.distributed.run", f"--nnodes={nnodes}", "--nproc_per_node=1", "--rdzv_backend=c10d",
+           f"--rdzv_endpoint=127.0.0.1:{port}", f"--rdzv_id=nodes{port}", *args]
+    with contextlib.ExitStack() as stack:
+        logs = [(stack.enter_context(tempfile.TemporaryFile("w+")), stack.enter_context(tempfile.TemporaryFile("w+")))
+                for _ in range(nnodes)]  # files, not pipes: one node's full pipe must not stall another
+        procs = [subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=out, stderr=err, text=True) for out, err in logs]
+        codes = [p.wait(timeout=timeout) for p in procs]
+        texts = []
+        for out, err in logs:
+            out.seek(0)
+            err.seek(0)
+            texts.append((out.read(), err.read()))
+    return [subprocess.CompletedProcess(cmd, code, out, err) for code, (out, err) in zip(codes, texts)]
 
 
 def python(*args, timeout=600):

@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from common import SNIPPET_TIMEOUT_S, ok, python, toy_args, torchrun, write_parquet
+from common import SNIPPET_TIMEOUT_S, ok, python, toy_args, torchrun, torchrun_nodes, write_parquet
 from data import prompt_key
 
 
@@ -48,38 +48,54 @@ def test_end_to_end_grpo_two_ranks(small_toy, tmp_path):
     assert "zero_signal/degenerate_groups" in rows[-1] and "tracker/value_mean" not in rows[-1]
 
 
+def _assert_same_checkpoint(a, b, scratch):
+    """Two runs' step-4 checkpoints hold the same tracker, sampler, previous responses, weights (HF export and
+    fp32 shards) and Adam moments."""
+    state = [torch.load(run / "checkpoints" / "step_000004" / "state.pt", weights_only=False) for run in (a, b)]
+    for key in ("alpha", "beta"):
+        np.testing.assert_array_equal(state[0]["tracker"][key], state[1]["tracker"][key])
+    assert str(state[0]["sampler"]) == str(state[1]["sampler"])
+    assert state[0]["previous"].keys() == state[1]["previous"].keys() and len(state[0]["previous"]) > 16
+    for i, fields in state[0]["previous"].items():  # SPO's memory for D(x)
+        for name, value in fields.items():
+            np.testing.assert_array_equal(value, state[1]["previous"][i][name])
+    from safetensors.torch import load_file
+    wa, wb = (load_file(run / "checkpoints" / "step_000004" / "model" / "model.safetensors") for run in (a, b))
+    for name in wa:
+        torch.testing.assert_close(wa[name], wb[name], atol=1e-6, rtol=0)
+    # The sharded fp32 weights and Adam moments (what resume reads).
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    shards = []
+    for run in (a, b):
+        dcp_to_torch_save(run / "checkpoints" / "step_000004" / "shards", scratch / "shards.pt")
+        shards.append(torch.load(scratch / "shards.pt", weights_only=False))
+    moments = [k for k in shards[0]["optimizer"]["state"] if k.endswith("q_proj.weight")]
+    assert moments and shards[0]["optimizer"]["state"][moments[0]]["exp_avg_sq"].abs().max() > 0
+    for part in ("model", "optimizer"):
+        expected, got = shards[0][part], shards[1][part]
+        torch.testing.assert_close(got.get("state", got), expected.get("state", expected), atol=1e-6, rtol=0)
+
+
 @pytest.mark.slow
 def test_resume_is_exact(small_toy, spo_run, tmp_path):
-    """4 steps straight == 2 steps, stop, --resume, 2 more: tracker, sampler and weights."""
+    """4 steps straight == 2 steps, stop, --resume, 2 more."""
     straight, _ = spo_run
     ok(torchrun(2, *toy_args(small_toy, tmp_path, "--steps", "2")))
     ok(torchrun(2, *toy_args(small_toy, tmp_path, "--steps", "4", "--resume", str(tmp_path))))
-    a = torch.load(straight / "checkpoints" / "step_000004" / "state.pt", weights_only=False)
-    b = torch.load(tmp_path / "checkpoints" / "step_000004" / "state.pt", weights_only=False)
-    for key in ("alpha", "beta"):
-        np.testing.assert_array_equal(a["tracker"][key], b["tracker"][key])
-    assert str(a["sampler"]) == str(b["sampler"])
-    assert a["previous"].keys() == b["previous"].keys() and len(a["previous"]) > 16  # SPO's memory for D(x)
-    for i, fields in a["previous"].items():
-        for name, value in fields.items():
-            np.testing.assert_array_equal(value, b["previous"][i][name])
-    from safetensors.torch import load_file
-    wa = load_file(straight / "checkpoints" / "step_000004" / "model" / "model.safetensors")
-    wb = load_file(tmp_path / "checkpoints" / "step_000004" / "model" / "model.safetensors")
-    for name in wa:
-        torch.testing.assert_close(wa[name], wb[name], atol=1e-6, rtol=0)
-    # The sharded fp32 weights and Adam moments (what resume reads) resume exactly too.
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-    shards = {}
-    for run in (straight, tmp_path):
-        dcp_to_torch_save(run / "checkpoints" / "step_000004" / "shards", tmp_path / "shards.pt")
-        shards[run] = torch.load(tmp_path / "shards.pt", weights_only=False)
-    moments = [k for k in shards[straight]["optimizer"]["state"] if k.endswith("q_proj.weight")]
-    assert moments and shards[straight]["optimizer"]["state"][moments[0]]["exp_avg_sq"].abs().max() > 0
-    for part in ("model", "optimizer"):
-        resumed, expected = shards[tmp_path][part], shards[straight][part]
-        torch.testing.assert_close(resumed.get("state", resumed), expected.get("state", expected), atol=1e-6, rtol=0)
+    _assert_same_checkpoint(straight, tmp_path, tmp_path)
 
+
+@pytest.mark.slow
+def test_two_nodes_train_and_resume_as_one_node_does(small_toy, spo_run, tmp_path):
+    """The README's multi-node command, as two one-process "nodes" on this machine (c10d rendezvous on
+    localhost, local rank 0 on both): 2 steps, a checkpoint, --resume for 2 more, into one shared run directory.
+    Same world size and seeds as the one-node run: the same checkpoint, exactly."""
+    straight, _ = spo_run
+    run = tmp_path / "run"
+    for extra in (("--steps", "2"), ("--steps", "4", "--resume", str(run))):
+        for proc in torchrun_nodes(2, *toy_args(small_toy, run, *extra)):
+            ok(proc)
+    _assert_same_checkpoint(straight, run, tmp_path)
 
 
 # ---- bad input: one clear line, no traceback
