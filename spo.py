@@ -48,6 +48,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+import checkpoint
 import trainer
 from trainer import all_gather_np, all_reduce_np
 from metrics import Logger, grpo_metrics, spo_metrics, step_metrics
@@ -306,7 +307,7 @@ def main(argv=None):
         check_values_header(args.offline_values, v0_settings, args.accept_offline_mismatch)
 
     # ---- the policy (FSDP2) and its colocated engine
-    state = trainer.load_checkpoint(args.resume, world, data.keys) if args.resume else None
+    state = checkpoint.load_checkpoint(args.resume, world, data.keys) if args.resume else None
     model_path = state["model_dir"] if state else args.model
     policy, optimizer = trainer.build_policy(model_path, device, args.lr, args.weight_decay)
     from rollout import Engine
@@ -321,7 +322,7 @@ def main(argv=None):
     previous = {}  # prompt index -> PreviousResponse (SPO only; stays empty for GRPO)
     start_step = 0
     if state:
-        trainer.restore_training_state(policy, optimizer, state["shards"])
+        checkpoint.restore_training_state(policy, optimizer, state["shards"])
         tracker.load_state_dict(state["tracker"])
         sampler.load_state_dict(state["sampler"])
         previous = {i: PreviousResponse(**fields) for i, fields in state["previous"].items()}
@@ -431,7 +432,7 @@ def main(argv=None):
             metrics.update(evaluate(engine, test, args, tools))
         logger.log(step, metrics, console=(step % args.log_every == 0 or step == args.steps))
         if (args.save_every and step % args.save_every == 0) or step == args.steps:
-            trainer.save_checkpoint(run_dir, step, policy, optimizer, tokenizer, world, data.keys,
+            checkpoint.save_checkpoint(run_dir, step, policy, optimizer, tokenizer, world, data.keys,
                                     tracker.state_dict(), sampler.state_dict(),
                                     {i: vars(p) for i, p in previous.items()}, vars(args),
                                     export_dtype=torch.bfloat16 if device.type == "cuda" else None)

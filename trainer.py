@@ -11,10 +11,8 @@ file holds the mechanics that any policy-gradient trainer on torch FSDP2 needs:
   optimiser steps around a loss function given by the caller, normalised by the GLOBAL token count. FSDP2
   averages gradients over ranks; that loss is already a global mean, so each rank scales its loss by the world
   size to get the true gradient (set_gradient_divide_factor(1) would do the same but fails on gloo).
-- small collectives on numpy arrays, and checkpoints, written atomically: weights and optimiser state as
-  torch.distributed.checkpoint shards (every rank writes its own; resume reads them back exactly), a Hugging Face
-  export of the model for eval.py and vLLM, and the run's state (tracker, sampler, previous responses, step).
-  What a run records (metrics, logger) is in metrics.py.
+- small collectives on numpy arrays. Checkpoints are in checkpoint.py, what a run records (metrics, logger) in
+  metrics.py.
 Not run on its own; the tests drive it through spo.py and tests/test_trainer.py.
 """
 import datetime
@@ -262,6 +260,19 @@ def plan_micro_batches(lengths, max_sequences, max_tokens=None):
     return plan + ([current] if current else [])
 
 
+def assign_by_tokens(lengths, world):
+    """(n,) the rank that computes each sequence: longest first, each to the rank with the fewest tokens so far
+    (ties: the lowest rank). Every rank derives the same assignment from the same list. Which rank computes a
+    sequence never changes the gradient (the loss is a token sum over a global count), only how long the
+    slowest rank takes: with responses of 1k to 16k tokens, slicing by count can leave one rank several times
+    the tokens of another."""
+    load, owner = np.zeros(world), np.zeros(len(lengths), dtype=np.int64)
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):  # stable: ties keep their order
+        owner[i] = int(np.argmin(load))
+        load[owner[i]] += lengths[i]
+    return owner
+
+
 def _micro_batches(lengths, max_sequences, max_tokens=None):
     """plan_micro_batches, padded with empty micro-batches to the same count on every rank: FSDP2's forward and
     backward are collectives, so a rank with less work still runs as many (on a dummy sequence)."""
@@ -311,28 +322,30 @@ def ppo_update(model, optimizer, rollouts, old, advantage, loss_fn, *, ppo_steps
     over it. The machinery: micro-batches (gradient accumulation), the world-size scaling FSDP2 needs, gradient
     clipping, and skipping a step whose loss or gradient norm is not finite (on every rank alike).
     old: (T_i,) old log-probs per rollout; advantage: (B_local,) one scalar per trajectory. max_tokens: the
-    micro-batches' token budget (plan_micro_batches); None: micro_batch_size sequences each."""
+    micro-batches' token budget (plan_micro_batches), and each mini-batch's sequences are then dealt to the ranks
+    by tokens (assign_by_tokens); None: micro_batch_size sequences each, every rank its own rollouts."""
     device = next(model.parameters()).device
     world = dist.get_world_size()
-    n = len(rollouts)
-    per = n // ppo_steps
+    per = len(rollouts) // ppo_steps
     sums = {"loss": 0.0, "clip_fraction": 0.0, "approx_kl": 0.0, "tokens": 0.0, "grad_norm": 0.0}
     nonfinite = False
     for k in range(ppo_steps):
-        mini = list(range(k * per, (k + 1) * per))
-        local_tokens = sum(float(np.sum(rollouts[i].response_mask)) for i in mini)
-        global_tokens = all_reduce_np([local_tokens])[0]
+        # this rank's part of mini-batch k: (prompt ids, response ids, response mask, old log-probs, advantage)
+        mini = [(r.prompt_ids, r.response_ids, r.response_mask, old[i], float(advantage[i]))
+                for i, r in enumerate(rollouts[k * per: (k + 1) * per], start=k * per)]
+        global_tokens = all_reduce_np([sum(float(np.sum(item[2])) for item in mini)])[0]
+        if max_tokens is not None:  # token budgets: also even out the ranks' tokens (long responses vary a lot)
+            everything = all_gather_objects(mini)
+            owner = assign_by_tokens([len(p) + len(r) for p, r, *_ in everything], world)
+            mini = [item for item, rank in zip(everything, owner) if rank == dist.get_rank()]
         loss_total = 0.0
-        lengths = [len(rollouts[i].prompt_ids) + len(rollouts[i].response_ids) for i in mini]
-        for group in _micro_batches(lengths, micro_batch_size, max_tokens):
+        for group in _micro_batches([len(p) + len(r) for p, r, *_ in mini], micro_batch_size, max_tokens):
             rows = [mini[j] for j in group]
-            ids, mask = pack([(rollouts[i].prompt_ids, rollouts[i].response_ids, rollouts[i].response_mask)
-                              for i in rows] or [IDLE], device)  # (b, T), (b, T); an idle rank: mask 0, loss 0
+            ids, mask = pack([row[:3] for row in rows] or [IDLE], device)  # (b, T); an idle rank: mask 0, loss 0
             old_logp = torch.zeros_like(mask)  # (b, T), aligned with the packed sequences
-            for j, i in enumerate(rows):
-                start = len(rollouts[i].prompt_ids) - 1
-                old_logp[j, start: start + len(old[i])] = torch.from_numpy(old[i])
-            adv = torch.as_tensor(advantage[rows] if rows else [0.0], dtype=torch.float32, device=device)  # (b,)
+            for j, (p, _, _, old_row, _) in enumerate(rows):
+                old_logp[j, len(p) - 1: len(p) - 1 + len(old_row)] = torch.from_numpy(old_row)
+            adv = torch.tensor([row[4] for row in rows] or [0.0], dtype=torch.float32, device=device)  # (b,)
             logp, _ = token_logprobs(model, ids, mask, temperature)
             loss, clipped = loss_fn(logp, old_logp, adv, mask, n_tokens=global_tokens)
             (loss * world).backward()  # x world: FSDP2 averages gradients, our loss is already a global mean
@@ -357,87 +370,3 @@ def ppo_update(model, optimizer, rollouts, old, advantage, loss_fn, *, ppo_steps
     return {"loss": sums["loss"] / ppo_steps, "grad_norm": sums["grad_norm"] / ppo_steps,
             "clip_fraction": totals[0] / totals[2], "approx_kl": totals[1] / totals[2],
             "nonfinite": nonfinite}
-
-
-# ------------------------------------------------------------------------------------------------ checkpoints
-def save_checkpoint(run_dir, step, model, optimizer, tokenizer, world, prompt_keys, tracker_state,
-                    sampler_state, previous, config, keep=2, export_dtype=None):
-    """Write checkpoints/step_N atomically: everything goes into step_N.tmp, which is renamed only when
-    complete, then `latest` is replaced atomically. A crash mid-write leaves the previous checkpoint intact.
-
-    step_N/shards: the fp32 weights and the optimiser state as torch.distributed.checkpoint shards, each rank
-    writing its own in parallel (what resume reads: exact). step_N/model: a plain Hugging Face model that
-    transformers, vLLM and eval.py load, gathered to rank 0 in export_dtype (spo.py: bf16 on GPU, the engine's
-    dtype, half the bytes; None: fp32). step_N/state.pt: the run's own state, small next to the weights."""
-    import copy
-    import torch.distributed.checkpoint as dcp
-    from safetensors.torch import save_file
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                         get_optimizer_state_dict)
-    root = os.path.join(run_dir, "checkpoints")
-    final, tmp = os.path.join(root, f"step_{step:06d}"), os.path.join(root, f"step_{step:06d}.tmp")
-    if dist.get_rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(os.path.join(tmp, "model"))
-    dist.barrier()
-    dcp.save({"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)},
-             checkpoint_id=os.path.join(tmp, "shards"))
-    model_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if dist.get_rank() == 0:
-        if model.config.tie_word_embeddings:
-            model_state.pop("lm_head.weight", None)  # shared with the embedding; safetensors refuses aliases
-        save_file({k: (v if export_dtype is None else v.to(export_dtype)).contiguous() for k, v in model_state.items()},
-                  os.path.join(tmp, "model", "model.safetensors"), metadata={"format": "pt"})
-        hf_config = copy.deepcopy(model.config)
-        if export_dtype is not None:
-            hf_config.dtype = export_dtype  # what vLLM's dtype="auto" reads
-        hf_config.save_pretrained(os.path.join(tmp, "model"))
-        tokenizer.save_pretrained(os.path.join(tmp, "model"))
-        torch.save({"step": step, "world_size": world, "prompt_keys": prompt_keys, "tracker": tracker_state,
-                    "sampler": sampler_state, "previous": previous, "config": config},
-                   os.path.join(tmp, "state.pt"))
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        with open(os.path.join(root, "latest.tmp"), "w") as f:
-            f.write(os.path.basename(final))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(os.path.join(root, "latest.tmp"), os.path.join(root, "latest"))
-        done = sorted(d for d in os.listdir(root) if d.startswith("step_") and not d.endswith(".tmp"))
-        for old in done[:-keep]:
-            shutil.rmtree(os.path.join(root, old), ignore_errors=True)
-    dist.barrier()
-
-
-def load_checkpoint(run_dir, world, prompt_keys):
-    """The latest complete checkpoint of run_dir, checked against this run's world size and dataset."""
-    root = os.path.join(run_dir, "checkpoints")
-    try:
-        with open(os.path.join(root, "latest")) as f:
-            path = os.path.join(root, f.read().strip())
-        state = torch.load(os.path.join(path, "state.pt"), weights_only=False)  # our own file: numpy inside
-    except (OSError, EOFError, RuntimeError) as e:
-        fail(f"--resume {run_dir}: no complete checkpoint found ({e.__class__.__name__}: {e})")
-    if "prompt_keys" not in state or not os.path.isdir(os.path.join(path, "shards")):  # README, "Choices"
-        fail(f"--resume {run_dir}: the checkpoint was written by an older spo.py and cannot be resumed by this one; "
-             f"its model directory still loads (--model {os.path.join(path, 'model')})")
-    if state["prompt_keys"] != prompt_keys:
-        fail(f"--resume {run_dir}: the checkpoint was made with another training set "
-             f"({len(state['prompt_keys'])} prompts there, {len(prompt_keys)} here, or a different order)")
-    if state["world_size"] != world:
-        fail(f"--resume {run_dir}: the checkpoint was made with world size {state['world_size']}, this run has "
-             f"{world}: per-rank sampling would differ, so it cannot resume exactly; use --nproc_per_node="
-             f"{state['world_size']}")
-    state["model_dir"], state["shards"] = os.path.join(path, "model"), os.path.join(path, "shards")
-    return state
-
-
-def restore_training_state(model, optimizer, shards):
-    """Load a checkpoint's fp32 weights and optimiser state (save_checkpoint's shards) into the built policy and
-    its optimiser: each rank reads its own shards."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-    model_state, optim_state = get_state_dict(model, optimizer)  # the optimiser's state is created first
-    state = {"model": model_state, "optimizer": optim_state}
-    dcp.load(state, checkpoint_id=shards)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])

@@ -61,12 +61,12 @@ def test_sampler_state_size_check():
 @pytest.mark.parametrize("keys_field", ["prompt_ids", "prompt_keys"])  # before the renames; before shards
 def test_a_checkpoint_from_an_older_spo_is_refused_in_one_line(tmp_path, capsys, keys_field):
     import torch
-    import trainer
+    import checkpoint
     step = tmp_path / "checkpoints" / "step_000002"
     step.mkdir(parents=True)
     (tmp_path / "checkpoints" / "latest").write_text("step_000002")
     torch.save({"step": 2, "world_size": 1, keys_field: ["0123456789abcdef"]}, step / "state.pt")  # no shards/
     with pytest.raises(SystemExit):
-        trainer.load_checkpoint(str(tmp_path), 1, ["0123456789abcdef"])
+        checkpoint.load_checkpoint(str(tmp_path), 1, ["0123456789abcdef"])
     err = capsys.readouterr().err
     assert "older spo.py" in err and str(step / "model") in err and len(err.strip().splitlines()) == 1

@@ -26,7 +26,8 @@ def test_two_rank_fsdp2_gradients_and_normalisation_equal_one_process(small_toy,
     moved = 0.0
     for name, p1 in out["w1"]["params"].items():
         torch.testing.assert_close(out["w2"]["params"][name], p1, atol=2e-6, rtol=1e-5)
-        # token-budget micro-batches (sorted, uneven counts per rank: idle ranks run a dummy) change nothing either
+        # token budgets (sequences dealt to the ranks by tokens, sorted, uneven counts: idle ranks run a dummy)
+        # change nothing either
         torch.testing.assert_close(out["w2_tokens"]["params"][name], p1, atol=2e-6, rtol=1e-5)
         moved = max(moved, (p1 - out["w1"]["before"][name]).abs().max().item())
     assert moved > 1e-4  # the step really moved the weights, so the comparison means something
@@ -71,6 +72,17 @@ def test_bench_gpu_runs_the_trainer_path_on_a_tiny_qwen3_shape():
     gap_mean, gap_max, grad_norm = map(float, re.search(r"mean \|gap\| (\S+), max (\S+); loss \S+, grad norm (\S+)",
                                                          proc.stdout).groups())
     assert gap_mean <= gap_max < 1e-5 and 0 < grad_norm < float("inf")
+
+
+def test_ranks_get_tokens_not_counts():
+    """Longest first to the least-loaded rank: no rank ends with more than the lightest one plus the longest
+    sequence, where slicing by count (first half / second half) gives one rank nearly all the tokens."""
+    import trainer
+    lengths = [16000, 15000, 14000, 900, 800, 700, 600, 500]
+    owner = trainer.assign_by_tokens(lengths, world=2)
+    load = np.bincount(owner, weights=lengths, minlength=2)
+    assert load.max() - load.min() <= max(lengths) and load.max() < 0.6 * sum(lengths)
+    assert list(trainer.assign_by_tokens([5, 5, 5, 5], world=2)) == [0, 1, 0, 1]  # ties: in order, lowest rank
 
 
 def _saved_activation_bytes(model, ids):
