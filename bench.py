@@ -21,6 +21,7 @@
     python bench.py gpu                       # on one GPU: Qwen3-1.7B shape, 4 responses of 8192 tokens
 """
 import argparse
+import functools
 import json
 import math
 import os
@@ -87,7 +88,7 @@ def bench_tracker_sampler(sizes=(14_000, 10**6, 10**7), batch_size=1024, repeats
             sampler.set_weights(priority_weights(tracker.value, tracker.n_eff))
             row["full_weights_ms"] = 1e3 * (time.perf_counter() - start)
             _spo_step(tracker, sampler, rng, batch_size)  # warm-up
-            row[name] = _median_ms(lambda: _spo_step(tracker, sampler, rng, batch_size), reps)
+            row[name] = _median_ms(functools.partial(_spo_step, tracker, sampler, rng, batch_size), reps)
             del tracker, sampler
         if n <= dict_max_size:
             n0 = 8.0
@@ -328,7 +329,6 @@ def bench_gpu(shape="1.7b", response_len=8192, prompt_len=512, n_sequences=4, ma
     in token-budget micro-batches. Prints tokens/s, model FLOPs utilisation against `peak_tflops` (the H200's
     dense bf16 figure; 0 on a CPU: not printed), peak memory, and the gap between the bf16 log-probs and those
     of the same weights in fp32."""
-    import functools
     import torch
     import torch.distributed as dist
     from transformers import Qwen3Config, Qwen3ForCausalLM

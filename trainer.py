@@ -18,7 +18,6 @@ Not run on its own; the tests drive it through spo.py and tests/test_trainer.py.
 import datetime
 import functools
 import os
-import shutil
 
 import numpy as np
 import torch
