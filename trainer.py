@@ -287,23 +287,34 @@ IDLE = ([0], [0], [0])  # a one-token dummy sequence with mask 0, for a rank wit
 def old_logprobs(model, rollouts, revisited, temperature, micro_batch_size, max_tokens=None):
     """The trainer's log-probs, before this step's update, of this batch's responses (PPO's old log-probs) and of
     `revisited` responses (spo.py: previous responses, for D(x)), in one pass. revisited: (prompt token ids,
-    response token ids, response mask) triples. Also the policy's entropy on this batch and the gap between
-    the trainer's and vLLM's log-probs of the sampled tokens (a weight push that did not land shows here).
-    Tool-output tokens (mask 0) were never sampled: their log-prob is not computed and reads 0."""
-    device = next(model.parameters()).device
+    response token ids, response mask) triples. Also the policy's entropy on this batch and the gap between the
+    trainer's and vLLM's log-probs of the sampled tokens (a weight push that did not land shows here).
+    Tool-output tokens (mask 0) were never sampled: their log-prob is not computed and reads 0.
+    With a token budget (max_tokens) all ranks' sequences are dealt to the ranks by tokens (assign_by_tokens)
+    and each result goes back to the rank that owns the sequence."""
+    device, rank = next(model.parameters()).device, dist.get_rank()
     sequences = [(r.prompt_ids, r.response_ids, r.response_mask) for r in rollouts] + list(revisited)
-    out, entropy_sum, token_count = [None] * len(sequences), 0.0, 0.0
-    for rows in _micro_batches([len(p) + len(r) for p, r, _ in sequences], micro_batch_size, max_tokens):
-        chunk = [sequences[i] for i in rows] or [IDLE]  # an idle rank still joins the collective forward
+    work = [(rank, i, seq) for i, seq in enumerate(sequences)]  # (the rank that owns it, its index there, sequence)
+    if max_tokens is not None:  # token budgets: score a token-balanced share of all ranks' sequences
+        everything = all_gather_objects(work)
+        owner = assign_by_tokens([len(p) + len(r) for _, _, (p, r, _) in everything], dist.get_world_size())
+        work = [item for item, o in zip(everything, owner) if o == rank]
+    scored = []  # (owner rank, index there, (T_i,) log-probs, entropy sum, policy tokens)
+    for group in _micro_batches([len(p) + len(r) for _, _, (p, r, _) in work], micro_batch_size, max_tokens):
+        chunk = [work[j][2] for j in group] or [IDLE]  # an idle rank still joins the collective forward
         ids, mask = pack(chunk, device)
         token_logp, entropy = token_logprobs(model, ids, mask, temperature, with_entropy=True)
-        if not rows:
-            continue
-        current = mask * (torch.tensor(rows, device=device) < len(rollouts))[:, None]  # this batch, not revisits
-        entropy_sum += float((entropy * current).sum())
-        token_count += float(current.sum())
-        for i, (p, r, _), row in zip(rows, chunk, token_logp):
-            out[i] = row[len(p) - 1: len(p) - 1 + len(r)].float().cpu().numpy()
+        for j, (p, r, _), row, row_entropy, row_mask in zip(group, chunk, token_logp, entropy, mask):
+            owner_rank, i, _ = work[j]
+            scored.append((owner_rank, i, row[len(p) - 1: len(p) - 1 + len(r)].float().cpu().numpy(),
+                           float((row_entropy * row_mask).sum()), float(row_mask.sum())))
+    if max_tokens is not None:  # every result back to the rank that owns the sequence
+        scored = [item for item in all_gather_objects(scored) if item[0] == rank]
+    out, entropy_sum, token_count = [None] * len(sequences), 0.0, 0.0
+    for _, i, logp, row_entropy, tokens in scored:
+        out[i] = logp
+        if i < len(rollouts):  # the entropy of this batch's responses, not of the revisited ones
+            entropy_sum, token_count = entropy_sum + row_entropy, token_count + tokens
     batch = out[: len(rollouts)]
     # Policy tokens only: tool-output tokens were never sampled, their vLLM log-prob is a placeholder 0.
     gap = np.concatenate([np.abs(lp - np.asarray(r.logprobs))[np.asarray(r.response_mask) > 0]

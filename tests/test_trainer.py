@@ -36,6 +36,12 @@ def test_two_rank_fsdp2_gradients_and_normalisation_equal_one_process(small_toy,
     np.testing.assert_allclose(out["w2"]["normalised"], expected, rtol=1e-6, atol=1e-7)
     np.testing.assert_allclose(out["w1"]["normalised"], expected, rtol=1e-6, atol=1e-7)
     assert out["w2_tokens"]["micro_batches"] > out["w2"]["micro_batches"]  # the budget really split the batch
+    # The old-log-prob pass: dealt to the ranks by tokens, each result back to its owner, the same numbers.
+    for run in ("w2", "w2_tokens"):
+        for got, expected in zip(out[run]["old"], out["w1"]["old"], strict=True):
+            np.testing.assert_allclose(got, expected, atol=2e-5, rtol=0)  # float32 batch-shape effects only
+    # entropy: each rank's token mean over its own responses (metrics average the ranks), wherever they were scored
+    assert abs(out["w2_tokens"]["entropy"] - out["w2"]["entropy"]) < 1e-6 and out["w2"]["entropy"] > 0.1
 
 
 @pytest.mark.slow
@@ -221,8 +227,9 @@ def grad_worker(out, model_path, max_tokens):
     rollouts, advantage = _fixed_batch(90)
     local = len(rollouts) // world
     mine = slice(rank * local, (rank + 1) * local)
-    old = trainer.old_logprobs(policy, rollouts[mine], [], 1.0, 2, max_tokens)["batch"]
-    old = [lp - 0.05 for lp in old]  # ratios away from 1, inside the clip range on both sides
+    scored = trainer.old_logprobs(policy, rollouts[mine], [], 1.0, 2, max_tokens)
+    old_all, entropy = trainer.all_gather_objects(scored["batch"]), trainer.all_reduce_np([scored["entropy"]])[0]
+    old = [lp - 0.05 for lp in scored["batch"]]  # ratios away from 1, inside the clip range on both sides
     _update(policy, optimizer, rollouts[mine], old, advantage[mine], micro_batch_size=2, grad_clip=1e9,
             max_tokens=max_tokens)
     params = {k: v.clone() for k, v in trainer.full_parameters(policy)}
@@ -231,7 +238,7 @@ def grad_worker(out, model_path, max_tokens):
                                                2, max_tokens))
     if rank == 0:
         torch.save({"params": params, "before": before, "raw_advantage": advantage, "normalised": normalised,
-                    "micro_batches": micro_batches}, out)
+                    "micro_batches": micro_batches, "old": old_all, "entropy": entropy / world}, out)
     dist.destroy_process_group()
 
 
