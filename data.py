@@ -14,6 +14,7 @@ ANSWER_COLUMNS. Bad files stop with an error that names the file, the row and wh
 import hashlib
 import json
 import math
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,9 +23,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 
-def fail(message):
-    """A clear one-line error instead of a traceback, for bad input."""
-    print(f"error: {message}", file=sys.stderr, flush=True)
+def fail(message, once=False):
+    """A clear one-line error instead of a traceback, for bad input. once: every rank reaches this error the same
+    way (flags, shared files), so only rank 0 prints it; otherwise each failing rank prints its own."""
+    if not once or os.environ.get("RANK", "0") == "0":
+        print(f"error: {message}", file=sys.stderr, flush=True)
     raise SystemExit(2)
 
 
@@ -64,7 +67,11 @@ def _read_rows(path: Path) -> tuple[list[dict], list[str]]:
     if path.suffix not in (".jsonl", ".ndjson", ".json"):
         raise ValueError(f"{path}: unsupported file type '{path.suffix}' (use .parquet, .jsonl or .json)")
     rows, columns = [], []
-    for line_no, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason}); JSON lines must be UTF-8") from None
+    for line_no, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         try:
@@ -96,9 +103,10 @@ def _answer(value, where: str) -> str:
         value = value.get("ground_truth")
     if isinstance(value, float) and value.is_integer():               # parquet float64 answers: 17.0 -> "17"
         value = int(value)
-    if not isinstance(value, (str, int, float)) or (isinstance(value, float) and math.isnan(value)):
-        value = None
-    if value is None or not str(value).strip():
+    if value is not None and not isinstance(value, (str, int, float)):
+        raise ValueError(f"{where}: the answer must be a string or a number, got a {type(value).__name__} "
+                         f"({str(value)[:40]})")
+    if value is None or (isinstance(value, float) and math.isnan(value)) or not str(value).strip():
         raise ValueError(f"{where}: missing or empty answer")
     return str(value).strip()
 

@@ -211,7 +211,14 @@ def init_tracker_from_file(tracker, path, data, smoothing, verbose):
         fail(f"--offline_values {path}: {len(unknown)} of its {len(entries)} prompt keys are not in the training "
              f"set (e.g. {unknown[0]}): was it made for another dataset?")
     index = np.array([position[key] for key in entries], dtype=np.int64)
-    scores = [np.asarray(e["scores"], dtype=np.float64) for e in entries.values()]
+    try:
+        scores = [np.asarray(e["scores"], dtype=np.float64).reshape(-1) for e in entries.values()]
+    except (KeyError, TypeError, ValueError) as e:
+        fail(f"--offline_values {path}: a prompt's \"scores\" is not a list of numbers ({e.__class__.__name__}: {e})")
+    bad = next((key for key, s in zip(entries, scores) if not s.size or ((s != 0) & (s != 1)).any()), None)
+    if bad is not None:
+        fail(f"--offline_values {path}: prompt {bad} has scores {entries[bad]['scores']!r}; each must be a non-empty "
+             f"list of 0/1 rewards")
     tracker.init_from_scores(index, np.array([s.sum() for s in scores]), np.array([s.size for s in scores]),
                              smoothing=smoothing)
     if verbose and len(index) < len(data.keys):

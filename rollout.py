@@ -112,7 +112,8 @@ def apply_tool_defaults(args, budget_flag):
     """Defaults that depend on --tools, for flags left unset: the toy directory (toy_tools / toy) and the
     response budget `budget_flag` (160 / 32 tokens: room for a code call, its output and the answer)."""
     args.toy_dir = args.toy_dir or ("toy_tools" if args.tools else "toy")
-    setattr(args, budget_flag, getattr(args, budget_flag) or (160 if args.tools else 32))
+    if getattr(args, budget_flag) is None:  # `is None`: a 0 given on purpose must reach the range check
+        setattr(args, budget_flag, 160 if args.tools else 32)
 
 
 def tools_from_flags(args):

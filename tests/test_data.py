@@ -93,12 +93,22 @@ def test_missing_path_errors(tmp_path):
         load_prompts(tmp_path / "nope.parquet")
 
 
-@pytest.mark.parametrize("row", [{"problem": "", "answer": "1"}, {"problem": "q", "answer": "  "},
-                                 {"problem": "q", "answer": None}, {"problem": "q"}, {"problem": None, "answer": "1"},
-                                 {"problem": "q", "answer": ["1"]}])
-def test_bad_row_error_names_file_and_row(tmp_path, row):
+@pytest.mark.parametrize("row, says", [({"problem": "", "answer": "1"}, "missing or empty"),
+                                       ({"problem": "q", "answer": "  "}, "missing or empty"),
+                                       ({"problem": "q", "answer": None}, "missing or empty"),
+                                       ({"problem": "q"}, "missing or empty"),
+                                       ({"problem": None, "answer": "1"}, "missing or empty"),
+                                       ({"problem": "q", "answer": ["1"]}, "the answer must be a string or a number, got a list")])
+def test_bad_row_error_names_file_and_row(tmp_path, row, says):
     path = _write_jsonl(tmp_path / "bad.jsonl", [{"problem": "ok", "answer": "1"}, row])
-    with pytest.raises(ValueError, match=r"bad\.jsonl row 1: missing or empty"):
+    with pytest.raises(ValueError, match=r"bad\.jsonl row 1: " + says):
+        load_prompts(path)
+
+
+def test_a_file_that_is_not_utf8_is_named(tmp_path):
+    path = tmp_path / "latin.jsonl"
+    path.write_bytes('{"problem": "caf\u00e9", "answer": "1"}\n'.encode("latin-1"))
+    with pytest.raises(ValueError, match=r"latin\.jsonl: not UTF-8 text"):
         load_prompts(path)
 
 

@@ -143,3 +143,18 @@ def test_spo_refuses_offline_values_made_with_other_settings(small_toy, offline_
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert "temperature: 1.0 there, 0.7 here" in proc.stderr and "--accept_offline_mismatch" in proc.stderr
     assert not (tmp_path / "run").exists()  # refused before anything started
+
+
+@pytest.mark.parametrize("scores", [[0.5, 1], ["x"], [], 3, [[1, 0], [2, 0]]])
+def test_bad_scores_in_a_values_file_are_one_line(tmp_path, capsys, scores):
+    """A hand-edited or foreign values file: each prompt's scores must be a non-empty list of 0/1 rewards."""
+    import offline_values
+    from data import Dataset
+    from tracker import ValueTracker
+    path = tmp_path / "values.json"
+    path.write_text(json.dumps({"header": {}, "prompts": {"k0": {"scores": [1, 0]}, "k1": {"scores": scores}}}))
+    with pytest.raises(SystemExit):
+        offline_values.init_tracker_from_file(ValueTracker(2), str(path), Dataset(["k0", "k1"], [[1], [2]],
+                                                                                 ["1", "2"]), "kt", False)
+    err = capsys.readouterr().err
+    assert "values.json" in err and "scores" in err and len(err.strip().splitlines()) == 1
