@@ -1,4 +1,10 @@
-"""Checkpoints: nothing lost, resume exact.
+"""Run directories and checkpoints: nothing lost, nothing silent, resume exact.
+
+A run directory belongs to one run (`claim_run_dir`): a fresh run refuses a directory that already holds one,
+default names are unique, and a lock file (host and pid of rank 0) keeps a second job out while the first lives; a
+lock whose process is gone on this host is stale and taken over. `--resume` restores the run's own settings from
+its config.json (`resumed_settings`): only flags in RESUME_MAY_CHANGE may differ, any other flag given with
+another value is an error naming both values.
 
 A checkpoint is a directory written atomically (into step_N.tmp, renamed when complete, then `latest` replaced):
 - shards/: the fp32 weights and the optimiser state as torch.distributed.checkpoint shards, every rank writing
@@ -8,16 +14,136 @@ A checkpoint is a directory written atomically (into step_N.tmp, renamed when co
   is, gathered to rank 0;
 - state.pt: the run's own state: step, world size, the training set's prompt keys, the tracker, the sampler's
   RNG, SPO's previous responses and the run's flags.
-Resume checks the world size and the training set, builds the policy from model/ and loads shards/ over it.
+Every file is fsynced before the rename; a failed write (no space, read-only) removes the partial directory and says
+why. Resume checks the world size and the training set, builds the policy from model/ and loads shards/ over it.
 Not run on its own: spo.py calls it; tests/test_end_to_end.py resumes runs and compares them with straight ones.
 """
+import atexit
+import json
 import os
 import shutil
+import socket
+import time
 
 import torch
 import torch.distributed as dist
 
 from data import fail
+
+
+# ------------------------------------------------------------------------------------------------ run directories
+# Flags that may differ on --resume: how long to run, what to log and how often, and memory knobs that change how
+# work is split but not what is computed (micro-batches only regroup a sum: the same result up to float rounding).
+RESUME_MAY_CHANGE = {"steps", "resume", "run_dir", "log_every", "eval_every", "save_every", "max_nonfinite", "wandb",
+                     "tensorboard", "micro_batch_size", "max_tokens_per_micro_batch", "cpu_kv_cache_gib",
+                     "gpu_memory_utilization", "sandbox_workers", "given"}
+
+
+def resumed_settings(saved, given):
+    """The run's own settings (saved: its config.json) with the flags given now (given: {flag: value}, only those
+    on the command line) that may change on resume. Returns (settings, errors): one error line per flag given with
+    another value than the run's that may not change."""
+    settings, errors = dict(saved), []
+    for flag, value in sorted(given.items()):
+        if flag in RESUME_MAY_CHANGE or flag not in saved:
+            settings[flag] = value
+        elif value != saved[flag]:
+            errors.append(f"--{flag} {value}: the run being resumed has {saved[flag]}, and --resume continues a run "
+                          f"with its own settings (exactness); start a new run to change it")
+    return settings, errors
+
+
+def _run_holds(run_dir):
+    return [name for name in ("config.json", "metrics.jsonl", "checkpoints")
+            if os.path.exists(os.path.join(run_dir, name))]
+
+
+def _lock_owner(lock):
+    """(host, pid) written in a lock file, or None if unreadable."""
+    try:
+        host, pid = open(lock).read().split()
+        return host, int(pid)
+    except (OSError, ValueError):
+        return None
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's live process
+    return True
+
+
+def claim_run_dir(run_dir, resume, name):
+    """Rank 0's check that this run may write run_dir, then its lock (removed at exit). Returns an error line or
+    None. A fresh run needs a directory that holds no run; --resume needs one that does. The lock is a file
+    created exclusively; a lock left by a process that is gone (same host) is stale and replaced."""
+    holds = _run_holds(run_dir) if os.path.isdir(run_dir) else []
+    if not resume and holds:
+        return (f"--run_dir {run_dir} already holds a run ({', '.join(holds)}): continue it with --resume {run_dir}, "
+                f"or choose another --run_dir")
+    if resume and "checkpoints" not in holds:
+        return f"--resume {run_dir}: no run with checkpoints there"
+    lock = os.path.join(run_dir, ".lock")
+    try:
+        os.makedirs(run_dir, exist_ok=True)
+        for _ in range(2):
+            try:
+                fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+                break
+            except FileExistsError:
+                owner = _lock_owner(lock)
+                if owner and (owner[0] != socket.gethostname() or _alive(owner[1])):
+                    return (f"--run_dir {run_dir} is in use by another job (pid {owner[1]} on {owner[0]}, "
+                            f"{lock}); if that job is gone, delete the lock file")
+                print(f"{name}: removing a stale lock {lock} (its process {owner} is gone)", flush=True)
+                os.remove(lock)
+        with os.fdopen(fd, "w") as f:
+            f.write(f"{socket.gethostname()} {os.getpid()}\n")
+        probe = os.path.join(run_dir, ".write_test")
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        return f"--run_dir {run_dir}: cannot write there ({e.strerror or e})"
+    atexit.register(lambda: _lock_owner(lock) == (socket.gethostname(), os.getpid()) and os.remove(lock))
+    return None
+
+
+def default_run_dir(algo):
+    """runs/<algo>-<date>-<time>-<pid>: unique per job on a host (one-second names collided)."""
+    return os.path.join("runs", f"{algo}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
+
+
+def checkpoint_bytes(n_parameters, export_bytes_per_parameter):
+    """About what one checkpoint takes on disk: fp32 weights + Adam's two moments (shards) and the HF export."""
+    return n_parameters * (4 + 8 + export_bytes_per_parameter)
+
+
+def read_config(run_dir):
+    try:
+        with open(os.path.join(run_dir, "config.json")) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        fail(f"--resume {run_dir}: cannot read its config.json ({e})", once=True)
+
+
+def _fsync_tree(root):
+    """Flush every file under root, then the directories, to disk: a rename must never publish a checkpoint
+    whose bytes are still only in the page cache."""
+    for folder, _, files in os.walk(root):
+        for name in files:
+            with open(os.path.join(folder, name), "rb") as f:
+                os.fsync(f.fileno())
+        fd = os.open(folder, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+
+
+# ------------------------------------------------------------------------------------------------ checkpoints
 
 
 def save_checkpoint(run_dir, step, model, optimizer, tokenizer, world, prompt_keys, tracker_state,
@@ -34,28 +160,52 @@ def save_checkpoint(run_dir, step, model, optimizer, tokenizer, world, prompt_ke
     from safetensors.torch import save_file
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                          get_optimizer_state_dict)
+    from torch.distributed.checkpoint.api import CheckpointException
+    from trainer import all_gather_objects
     root = os.path.join(run_dir, "checkpoints")
     final, tmp = os.path.join(root, f"step_{step:06d}"), os.path.join(root, f"step_{step:06d}.tmp")
+    error = None
+
+    def agree(error):  # every rank learns of any rank's failure, so all stop together with one line
+        error = next((e for e in all_gather_objects([error]) if e), None)
+        if error is not None:
+            if dist.get_rank() == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            fail(f"checkpoint of step {step} not written to {tmp} ({error}); the partial directory was removed "
+                 f"and the previous checkpoint is intact", once=True)
     if dist.get_rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(os.path.join(tmp, "model"))
-    dist.barrier()
-    dcp.save({"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)},
-             checkpoint_id=os.path.join(tmp, "shards"))
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(os.path.join(tmp, "model"))
+        except OSError as e:
+            error = e.strerror or str(e)
+    agree(error)
+    try:
+        dcp.save({"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)},
+                 checkpoint_id=os.path.join(tmp, "shards"))
+    except (OSError, CheckpointException) as e:
+        error = getattr(e, "strerror", None) or str(e).splitlines()[0]
     model_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() == 0 and error is None:
+        try:
+            if model.config.tie_word_embeddings:
+                model_state.pop("lm_head.weight", None)  # shared with the embedding; safetensors refuses aliases
+            save_file({k: (v if export_dtype is None else v.to(export_dtype)).contiguous()
+                       for k, v in model_state.items()},
+                      os.path.join(tmp, "model", "model.safetensors"), metadata={"format": "pt"})
+            hf_config = copy.deepcopy(model.config)
+            if export_dtype is not None:
+                hf_config.dtype = export_dtype  # what vLLM's dtype="auto" reads
+            hf_config.save_pretrained(os.path.join(tmp, "model"))
+            tokenizer.save_pretrained(os.path.join(tmp, "model"))
+            torch.save({"step": step, "world_size": world, "prompt_keys": prompt_keys, "tracker": tracker_state,
+                        "sampler": sampler_state, "previous": previous, "config": config},
+                       os.path.join(tmp, "state.pt"))
+            _fsync_tree(tmp)
+        except OSError as e:
+            error = e.strerror or str(e)
+    agree(error)
     if dist.get_rank() == 0:
-        if model.config.tie_word_embeddings:
-            model_state.pop("lm_head.weight", None)  # shared with the embedding; safetensors refuses aliases
-        save_file({k: (v if export_dtype is None else v.to(export_dtype)).contiguous() for k, v in model_state.items()},
-                  os.path.join(tmp, "model", "model.safetensors"), metadata={"format": "pt"})
-        hf_config = copy.deepcopy(model.config)
-        if export_dtype is not None:
-            hf_config.dtype = export_dtype  # what vLLM's dtype="auto" reads
-        hf_config.save_pretrained(os.path.join(tmp, "model"))
-        tokenizer.save_pretrained(os.path.join(tmp, "model"))
-        torch.save({"step": step, "world_size": world, "prompt_keys": prompt_keys, "tracker": tracker_state,
-                    "sampler": sampler_state, "previous": previous, "config": config},
-                   os.path.join(tmp, "state.pt"))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         with open(os.path.join(root, "latest.tmp"), "w") as f:

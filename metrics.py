@@ -89,7 +89,9 @@ class Logger:
     """Rank 0 logs: a tqdm bar, a console line every few steps, metrics.jsonl per run, and TensorBoard or wandb
     when installed and asked for."""
 
-    def __init__(self, run_dir, config, is_main, wandb_project=None, tensorboard=False):
+    def __init__(self, run_dir, config, is_main, wandb_project=None, tensorboard=False, resume_step=None):
+        """resume_step: the checkpoint's step when resuming: rows after it (steps that will be replayed) are cut
+        from metrics.jsonl, so it keeps one row per step."""
         self.is_main, self.bar, self.tb, self.wandb = is_main, None, None, None
         if not is_main:
             return
@@ -97,7 +99,14 @@ class Logger:
         with open(os.path.join(run_dir, "config.json"), "w") as f:
             json.dump(config, f, indent=1)
         print("config: " + json.dumps(config), flush=True)
-        self.file = open(os.path.join(run_dir, "metrics.jsonl"), "a")
+        path = os.path.join(run_dir, "metrics.jsonl")
+        if resume_step is not None and os.path.exists(path):
+            with open(path) as f:
+                rows = [line for line in f if line.strip() and json.loads(line)["step"] <= resume_step]
+            with open(path + ".tmp", "w") as f:
+                f.writelines(rows)
+            os.replace(path + ".tmp", path)
+        self.file = open(path, "a")
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter

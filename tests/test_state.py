@@ -70,3 +70,49 @@ def test_a_checkpoint_from_an_older_spo_is_refused_in_one_line(tmp_path, capsys,
         checkpoint.load_checkpoint(str(tmp_path), 1, ["0123456789abcdef"])
     err = capsys.readouterr().err
     assert "older spo.py" in err and str(step / "model") in err and len(err.strip().splitlines()) == 1
+
+
+# ---- run directories (checkpoint.py): one run per directory, one job at a time
+def test_a_fresh_run_refuses_a_directory_that_holds_a_run(tmp_path):
+    import checkpoint
+    (tmp_path / "metrics.jsonl").write_text('{"step": 20}\n')
+    error = checkpoint.claim_run_dir(str(tmp_path), resume=False, name="spo.py")
+    assert "already holds a run (metrics.jsonl)" in error and f"--resume {tmp_path}" in error
+    assert not (tmp_path / ".lock").exists()  # refused before anything was written
+    assert "no run with checkpoints" in checkpoint.claim_run_dir(str(tmp_path / "new"), resume=True, name="spo.py")
+
+
+def test_a_live_lock_keeps_a_second_job_out_and_a_stale_one_is_taken_over(tmp_path):
+    import os
+    import socket
+    import subprocess
+    import checkpoint
+    run = tmp_path / "run"
+    assert checkpoint.claim_run_dir(str(run), resume=False, name="spo.py") is None
+    assert (run / ".lock").read_text().split() == [socket.gethostname(), str(os.getpid())]
+    error = checkpoint.claim_run_dir(str(run), resume=False, name="spo.py")  # still fresh: no run files yet
+    assert "in use by another job" in error  # this process holds it and lives
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # a pid that no longer runs
+    (run / ".lock").write_text(f"{socket.gethostname()} {dead.pid}\n")
+    assert checkpoint.claim_run_dir(str(run), resume=False, name="spo.py") is None
+    assert (run / ".lock").read_text().split()[1] == str(os.getpid())
+
+
+def test_resume_keeps_the_runs_settings_and_names_each_changed_one():
+    import checkpoint
+    saved = {"lr": 2e-4, "seed": 0, "steps": 20, "algo": "spo", "eval_every": 25}
+    settings, errors = checkpoint.resumed_settings(saved, {"steps": 40, "eval_every": 5})
+    assert not errors and settings == {**saved, "steps": 40, "eval_every": 5}
+    settings, errors = checkpoint.resumed_settings(saved, {"lr": 1e-3, "seed": 0, "algo": "grpo"})
+    assert len(errors) == 2 and settings["lr"] == 2e-4
+    assert errors[0].startswith("--algo grpo: the run being resumed has spo")
+    assert errors[1].startswith("--lr 0.001: the run being resumed has 0.0002")
+
+
+def test_metrics_are_cut_back_to_the_checkpoint_on_resume(tmp_path):
+    import json
+    from metrics import Logger
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(7)))
+    Logger(str(tmp_path), {}, True, resume_step=4).close()
+    assert [json.loads(line)["step"] for line in open(tmp_path / "metrics.jsonl")] == [0, 1, 2, 3, 4]
