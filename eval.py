@@ -224,7 +224,8 @@ def parse_args(argv=None):
     g = p.add_argument_group("output and engine")
     g.add_argument("--out_dir", default="eval_out", help="<benchmark>.samples.jsonl, summary.json, summary.md")
     g.add_argument("--n_boot", type=int, default=1000, help="bootstrap resamples for maj@n mean and std")
-    g.add_argument("--cpu_kv_cache_gib", type=int, default=1, help="vLLM KV cache per rank on CPU (GiB)")
+    g.add_argument("--cpu_kv_cache_gib", type=int, default=None,
+                   help="vLLM KV cache per rank on CPU (GiB; default: VLLM_CPU_KVCACHE_SPACE if set, else 1)")
     g.add_argument("--gpu_memory_utilization", type=float, default=0.9, help="vLLM share of each GPU")
     from rollout import add_tool_flags, apply_tool_defaults
     add_tool_flags(p)
@@ -240,7 +241,10 @@ def main(argv=None):
     from data import load_dataset, load_tokenizer
     args = parse_args(argv)
     rank, world, device = trainer.setup_distributed()
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.cpu_kv_cache_gib))
+    from rollout import set_cpu_kv_cache
+    error = set_cpu_kv_cache(args.cpu_kv_cache_gib)
+    if error:
+        trainer.fail(error, once=True)
     if args.model is None or args.data is None:
         import toy
         toy_model, _, toy_test = toy.toy_paths(args.toy_dir, tools=args.tools)

@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from eval import request_seeds
 from reward import rewards
-from rollout import TOOL_INSTRUCTION, add_tool_flags, apply_tool_defaults, tools_from_flags
+from rollout import TOOL_INSTRUCTION, add_tool_flags, apply_tool_defaults, set_cpu_kv_cache, tools_from_flags
 
 
 def run_header(header, *, n0, temperature, top_p, max_tokens, seed, truncated_reward, tools=None,
@@ -255,7 +255,8 @@ def parse_args(argv=None):
     g = p.add_argument_group("run and engine")
     g.add_argument("--chunk_prompts", type=int, default=64, help="prompts per generate call and partial flush")
     g.add_argument("--max_chunks", type=int, default=None, help="debugging: stop after N chunks per rank")
-    g.add_argument("--cpu_kv_cache_gib", type=int, default=1, help="vLLM KV cache per rank on CPU (GiB)")
+    g.add_argument("--cpu_kv_cache_gib", type=int, default=None,
+                   help="vLLM KV cache per rank on CPU (GiB; default: VLLM_CPU_KVCACHE_SPACE if set, else 1)")
     g.add_argument("--gpu_memory_utilization", type=float, default=0.9, help="vLLM share of each GPU")
     add_tool_flags(p)
     args = p.parse_args(argv)
@@ -270,7 +271,9 @@ def main(argv=None):
     from data import load_dataset, load_tokenizer
     args = parse_args(argv)
     rank, world, device = trainer.setup_distributed()
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.cpu_kv_cache_gib))
+    error = set_cpu_kv_cache(args.cpu_kv_cache_gib)
+    if error:
+        trainer.fail(error, once=True)
     if args.model is None or args.data is None:
         import toy
         toy_model, toy_train, _ = toy.toy_paths(args.toy_dir, tools=args.tools)

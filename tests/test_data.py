@@ -98,7 +98,7 @@ def test_missing_path_errors(tmp_path):
                                        ({"problem": "q", "answer": None}, "missing or empty"),
                                        ({"problem": "q"}, "missing or empty"),
                                        ({"problem": None, "answer": "1"}, "missing or empty"),
-                                       ({"problem": "q", "answer": ["1"]}, "the answer must be a string or a number, got a list")])
+                                       ({"problem": "q", "answer": ["1"]}, "the answer must be a string or a number")])
 def test_bad_row_error_names_file_and_row(tmp_path, row, says):
     path = _write_jsonl(tmp_path / "bad.jsonl", [{"problem": "ok", "answer": "1"}, row])
     with pytest.raises(ValueError, match=r"bad\.jsonl row 1: " + says):

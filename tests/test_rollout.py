@@ -3,6 +3,7 @@ and the real sandbox, driven by a scripted model whose tool calls are known (con
 
     .venv/bin/python -m pytest tests/test_rollout.py -q
 """
+import os
 import pickle
 import sys
 from concurrent.futures import Future
@@ -338,3 +339,19 @@ def loop_worker(out, model_path):
 
 if __name__ == "__main__":  # torchrun tests/test_rollout.py WORKER OUT [ARGS...]
     globals()[sys.argv[1]](*sys.argv[2:])
+
+
+@pytest.mark.parametrize("flag, env, expected, error", [
+    (None, None, "1", None), (None, "3", "3", None), (2, "3", "2", None),  # the flag wins when given
+    (0, None, None, "--cpu_kv_cache_gib 0"), (None, "", None, "VLLM_CPU_KVCACHE_SPACE=''"),
+    (None, "0", None, "VLLM_CPU_KVCACHE_SPACE='0'")])
+def test_cpu_kv_cache_space_from_flag_or_environment(monkeypatch, flag, env, expected, error):
+    from rollout import set_cpu_kv_cache
+    if env is None:
+        monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", env)
+    message = set_cpu_kv_cache(flag)
+    assert (message is None) if error is None else message.startswith(error)
+    if expected is not None:
+        assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == expected
