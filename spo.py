@@ -11,9 +11,9 @@ One training step (Algorithm 1) reads top to bottom in `main`:
      the whole global batch (Eq. 9); then D(x) sets the forgetting factor rho(x) (Eq. 5), the tracker absorbs r
      (tracker.py) and the sampler's weights follow. GRPO: the z-score within each group;
   6. PPO-clip with clip-higher and dual-clip (Eq. 10), token mean over the global batch, k optimiser steps;
-The estimators, losses and sampling SPO is compared against (RLOO, Dr. GRPO, REINFORCE++, GSPO, CISPO, DAPO's
-dynamic sampling, ...) are one flag away in variants.py: one branch in step 5, one loss function in step 6.
   7. the new weights are pushed into vLLM.
+The estimators, losses and sampling SPO is compared against (RLOO, Dr. GRPO, REINFORCE++, GSPO, CISPO, DAPO's
+dynamic sampling, Batch SPO, ...) are one flag away (variants.py): one branch in step 5, one loss in step 6.
 
 The algorithm's own math sits here as small pure functions, each named for what it computes: `spo_advantage`
 (Eq. 8), `global_normalise` (Eq. 9), `divergence` (D(x) of Eq. 5), `ppo_clip_loss` (Eq. 10),

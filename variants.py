@@ -12,7 +12,10 @@ part and trust the others did not move:
 - loss aggregations that stay a sum over micro-batch pieces divided by a GLOBAL constant (trainer.ppo_update sums
   micro-batches and ranks): token mean, sequence mean of token means, token sum over a constant;
 - DAPO's dynamic sampling: drop groups whose rewards are all equal, refill from more rounds, and count both the
-  samples generated and those used, so that equal-budget comparisons stay honest.
+  samples generated and those used, so that equal-budget comparisons stay honest;
+- `check_args`: one `error:` line for a combination without meaning, before anything heavy starts.
+Batch SPO (`--group_size` with spo), the fixed offline baseline and rho = 1 are SPO's own tracker with another
+setting: they stay in spo.py's step 5.
 
 Why here and not in spo.py: the default run reads SPO's step without these detours, and each variant is one
 `if/elif` branch in spo.py's step 5 (advantages) or one entry in `make_loss` (losses). The README's variants table
