@@ -12,7 +12,7 @@ import torch
 
 import spo
 import variants
-from common import ok, toy_args, torchrun
+from common import ok, python, toy_args, torchrun
 from metrics import signal_metrics
 from tracker import ValueTracker
 from variants import (cispo_token_loss, dr_grpo_advantage, dynamic_sampling, grpo_advantage, gspo_token_loss,
@@ -215,6 +215,12 @@ def test_signal_metrics_by_hand():
 def test_bad_combinations_get_one_clear_line(argv, match):
     with pytest.raises(SystemExit, match=match):
         variants.check_args(spo.parse_args(argv), world=2)
+
+
+def test_spo_py_stops_on_a_bad_combination_before_the_engine_starts():
+    proc = python("spo.py", "--algo", "rloo", "--group_size", "4", "--baseline", "none")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines() == ["error: --baseline none is an SPO option; rloo has its own baseline"]
 
 
 # ---- every flag in a short two-rank run on the toy ----------------------------------------------------------
