@@ -87,7 +87,7 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=150, help="training steps (rollout batches)")
     p.add_argument("--baseline", choices=["tracker", "none", "fixed"], default="tracker", help="spo's v(x)")
     p.add_argument("--sampler", choices=["auto", "prioritized", "uniform"], default="auto",
-                   help="prompt sampling; auto = prioritized for spo, uniform for grpo")
+                   help="prompt sampling; auto = prioritized for spo, uniform for the others")
     p.add_argument("--sampling_eps", type=float, default=0.05, help="Eq. 11 exploration bonus")
     p.add_argument("--sampling_gamma", type=float, default=0.0, help="Eq. 11 N_eff^gamma (ICLR form)")
     p.add_argument("--rho", choices=["kl", "constant", "none"], default="kl", help="forgetting (none: rho = 1)")

@@ -249,16 +249,18 @@ def _run(small_toy, run_dir, *flags):
 
 
 @pytest.mark.slow
-def test_batch_spo_with_gspo_and_sequence_mean(small_toy, values, tmp_path):
-    """--group_size 4 with spo: each drawn prompt's 4 responses share v(x), and the tracker decays once per prompt
-    per step: with rho = 0.75 from N0 = 8, a prompt's N_eff is 8 (never drawn), 0.75 * 8 + 4 = 10 (once) or
-    0.75 * 10 + 4 = 11.5 (twice); decaying per response would give other values."""
-    rows, state = _run(small_toy, tmp_path, "--offline_values", values, "--group_size", "4", "--rho", "constant",
-                       "--rho_constant", "0.75", "--loss", "gspo", "--loss_agg", "seq_mean_token_mean",
-                       "--clip_low", "3e-4", "--clip_high", "4e-4")
+def test_batch_spo_no_baseline_with_gspo_and_sequence_mean(small_toy, values, tmp_path):
+    """--group_size 4 with spo: the tracker decays once per drawn prompt per step: with rho = 0.75 from N0 = 8, a
+    prompt's N_eff is 8 (never drawn), 0.75 * 8 + 4 = 10 (once) or 0.75 * 10 + 4 = 11.5 (twice); decaying per
+    response would give other values. --baseline none: v = 0, so the raw advantage is r (the tracker still learns,
+    for the sampler)."""
+    rows, state = _run(small_toy, tmp_path, "--offline_values", values, "--group_size", "4", "--baseline", "none",
+                       "--rho", "constant", "--rho_constant", "0.75", "--loss", "gspo",
+                       "--loss_agg", "seq_mean_token_mean", "--clip_low", "3e-4", "--clip_high", "4e-4")
     n_eff = state["tracker"]["alpha"] + state["tracker"]["beta"]
     assert set(np.round(n_eff, 9)) <= {8.0, 10.0, 11.5} and (np.round(n_eff, 9) != 8.0).sum() >= 4
     assert state["config"]["group_size"] == 4 and all(r["tracker/rho_mean"] == 0.75 for r in rows)
+    assert all(r["advantage/mean"] == pytest.approx(r["reward/mean"]) for r in rows)
 
 
 @pytest.mark.slow
