@@ -118,6 +118,7 @@ def cispo_token_loss(logprobs, old_logprobs, advantage, mask, clip_low, clip_hig
     ratio = torch.exp((logprobs - old_logprobs) * mask)  # (B, T); masked tokens: ratio 1
     weight = torch.clamp(ratio, 1 - clip_low, 1 + clip_high).detach()
     clipped = (ratio < 1 - clip_low) | (ratio > 1 + clip_high)
+    logprobs = torch.where(mask > 0, logprobs, torch.zeros_like(logprobs))  # masked positions may hold anything
     return -weight * advantage[:, None] * logprobs, clipped
 
 

@@ -108,6 +108,10 @@ def test_cispo_keeps_the_gradient_of_a_clipped_token_with_its_weight_capped():
     assert logprobs.grad[0, 0].item() == pytest.approx(-1.28) and logprobs.grad[0, 1].item() == 0.0
     neg, _ = cispo_token_loss(logprobs.detach(), old, torch.tensor([-2.0], dtype=torch.float64), mask, 0.2, 0.28)
     assert neg[0, 1].item() == pytest.approx(0.8 * 2 * lp[1].item())
+    garbage = torch.tensor([[-1.0, -1e30]], dtype=torch.float64)  # a masked position holding garbage
+    out, _ = cispo_token_loss(garbage, old, torch.tensor([1.0], dtype=torch.float64), torch.tensor([[1.0, 0.0]]),
+                              0.2, 0.28)
+    assert out.tolist() == [[1.0, 0.0]]
 
 
 TOKEN_LOSS = torch.tensor([[1.0, 2.0, 3.0, 99.0], [4.0, 99.0, 99.0, 99.0], [0.5, 0.5, 99.0, 99.0]])
