@@ -1,6 +1,7 @@
-"""What a training run records: the step metrics every algorithm reports, each algorithm's own (SPO's tracker,
-rho and D(x); GRPO's all-equal groups), the tool-use metrics, and the logger that writes them (a tqdm bar and a
-console line on rank 0, metrics.jsonl in the run directory, TensorBoard or wandb when installed and asked for).
+"""What a training run records: the step metrics every algorithm reports, with the signal metrics of every
+estimator (zero advantages, advantage variance, all-equal groups), SPO's own (tracker, rho and D(x)), the tool-use
+metrics, and the logger that writes them (a tqdm bar and a console line on rank 0, metrics.jsonl in the run
+directory, TensorBoard or wandb when installed and asked for).
 The README lists every metric. Called by spo.py on every rank (the metrics gather over all ranks).
 """
 import json
@@ -27,9 +28,9 @@ def tool_metrics(all_reward, rollouts):
             "tools/timeout_rate": timeouts.sum() / max(calls.sum(), 1)}
 
 
-def step_metrics(reward, raw_advantage, advantage, rollouts, old, stats, times, tools=False):
-    """What every algorithm reports, in one flat dict over the global batch (all ranks); spo_metrics and
-    grpo_metrics add each algorithm's own."""
+def step_metrics(reward, raw_advantage, advantage, rollouts, old, stats, times, group=1, tools=False):
+    """What every algorithm reports, in one flat dict over the global batch (all ranks), the signal metrics
+    included; spo_metrics adds SPO's own. group: responses per prompt (consecutive)."""
     reward, raw, adv = all_gather_np(reward), all_gather_np(raw_advantage), all_gather_np(np.asarray(advantage))
     lengths = all_gather_np(np.array([len(r.response_ids) for r in rollouts]))
     policy_tokens = all_gather_np(np.array([sum(r.response_mask) for r in rollouts]))  # tool output left out
@@ -47,6 +48,7 @@ def step_metrics(reward, raw_advantage, advantage, rollouts, old, stats, times, 
          "policy/logprob_gap_max": gap_max,
          "policy/clip_fraction": stats["clip_fraction"], "policy/approx_kl": stats["approx_kl"],
          "policy/grad_norm": stats["grad_norm"], "policy/loss": stats["loss"]}
+    m.update(signal_metrics(raw, adv, reward, group))
     m.update({f"time/{k}": v for k, v in times.items()})
     m["time/step"] = sum(times.values())
     m["throughput/tokens_per_second"] = policy_tokens.sum() / max(times["generate"], 1e-9) / world
@@ -79,10 +81,20 @@ def spo_metrics(all_raw_advantage, tracker, divergence, rho, revisit):
     return {k: float(v) for k, v in m.items()}
 
 
-def grpo_metrics(all_reward, group):
-    """GRPO's own: the share of samples in groups whose rewards are all equal (zero advantage: no signal)."""
-    r = np.asarray(all_reward).reshape(-1, group)
-    return {"zero_signal/degenerate_groups": float(np.mean(r.min(1) == r.max(1)))}
+def signal_metrics(all_raw_advantage, all_advantage, all_reward, group, tol=1e-6):
+    """How much of the batch carries a learning signal, for every estimator (the paper's Fig. 3): the share of
+    samples whose advantage in the loss is zero (no gradient at all), the variance of the raw advantage (before
+    any normalisation: SPO's r - v, GRPO's z-score, RLOO's and Dr. GRPO's differences, REINFORCE++'s r) over all
+    samples and over those that carry signal (|raw| > tol: Fig. 3b's "GRPO effective"), and with groups (G > 1)
+    the share of samples in groups whose rewards are all equal."""
+    raw, adv = np.asarray(all_raw_advantage, np.float64), np.asarray(all_advantage, np.float64)
+    carries = np.abs(raw) > tol
+    m = {"signal/zero_advantage": np.mean(np.abs(adv) <= tol), "signal/adv_var_raw": raw.var(),
+         "signal/adv_var_effective": raw[carries].var() if carries.any() else 0.0}
+    if group > 1:
+        r = np.asarray(all_reward).reshape(-1, group)
+        m["zero_signal/degenerate_groups"] = np.mean(r.min(1) == r.max(1))
+    return m
 
 
 class Logger:

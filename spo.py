@@ -12,9 +12,11 @@ One training step (Algorithm 1) reads top to bottom in `main`:
      (tracker.py) and the sampler's weights follow. GRPO: the z-score within each group;
   6. PPO-clip with clip-higher and dual-clip (Eq. 10), token mean over the global batch, k optimiser steps;
   7. the new weights are pushed into vLLM.
+The estimators, losses and sampling SPO is compared against (RLOO, Dr. GRPO, REINFORCE++, GSPO, CISPO, DAPO's
+dynamic sampling, Batch SPO, ...) are one flag away (variants.py): one branch in step 5, one loss in step 6.
 
 The algorithm's own math sits here as small pure functions, each named for what it computes: `spo_advantage`
-(Eq. 8), `grpo_advantage`, `global_normalise` (Eq. 9), `divergence` (D(x) of Eq. 5), `ppo_clip_loss` (Eq. 10),
+(Eq. 8), `global_normalise` (Eq. 9), `divergence` (D(x) of Eq. 5), `ppo_clip_loss` (Eq. 10),
 and SPO's memory of each prompt's last response (`PreviousResponse`, `remember`). The tracker and the sampler own
 the per-prompt state (tracker.py, sampler.py); trainer.py holds the FSDP2 machinery.
 
@@ -37,7 +39,6 @@ fp32 / bf16, vLLM's KV cache space / GPU memory fraction and sleep mode):
     torchrun --nproc_per_node=8 spo.py --model Qwen/Qwen3-8B --train dapo.parquet ...   (README)
 """
 import argparse
-import functools
 import hashlib
 import json
 import os
@@ -50,8 +51,9 @@ import torch.distributed as dist
 
 import checkpoint
 import trainer
+import variants
 from trainer import all_gather_np, all_reduce_np
-from metrics import Logger, grpo_metrics, spo_metrics, step_metrics
+from metrics import Logger, spo_metrics, step_metrics
 from data import load_dataset, load_tokenizer
 from eval import sample_and_score
 from offline_values import check_values_header, estimate_offline_values, init_tracker_from_file, tool_settings
@@ -79,17 +81,17 @@ def parse_args(argv=None):
     p.add_argument("--max_response_len", type=int, default=None,
                    help="response token budget, tool output included (default: 32, or 160 with --tools)")
     # ---- algorithm
-    p.add_argument("--algo", choices=["spo", "grpo"], default="spo", help="advantage estimator")
+    p.add_argument("--algo", choices=["spo", "grpo", "rloo", "dr_grpo", "reinforce_pp"], default="spo",
+                   help="advantage estimator (README: the variants table)")
     p.add_argument("--batch_size", type=int, default=64, help="responses per step, over all ranks")
-    p.add_argument("--group_size", type=int, default=8, help="GRPO responses per prompt")
+    p.add_argument("--group_size", type=int, default=None, help="responses per prompt (spo: 1, others: 8)")
     p.add_argument("--steps", type=int, default=150, help="training steps (rollout batches)")
-    p.add_argument("--baseline", choices=["tracker", "none"], default="tracker",
-                   help="SPO baseline: the value tracker, or none (v = 0, the paper's ablation)")
+    p.add_argument("--baseline", choices=["tracker", "none", "fixed"], default="tracker", help="spo's v(x)")
     p.add_argument("--sampler", choices=["auto", "prioritized", "uniform"], default="auto",
-                   help="prompt sampling; auto = prioritized for spo, uniform for grpo")
+                   help="prompt sampling; auto = prioritized for spo, uniform for the others")
     p.add_argument("--sampling_eps", type=float, default=0.05, help="Eq. 11 exploration bonus")
     p.add_argument("--sampling_gamma", type=float, default=0.0, help="Eq. 11 N_eff^gamma (ICLR form)")
-    p.add_argument("--rho", choices=["kl", "constant"], default="kl", help="tracker forgetting factor")
+    p.add_argument("--rho", choices=["kl", "constant", "none"], default="kl", help="forgetting (none: rho = 1)")
     p.add_argument("--rho_min", type=float, default=0.875, help="lower clip of rho; N0 = 1/(1-rho_min)")
     p.add_argument("--rho_max", type=float, default=0.96, help="upper clip of rho (used on a first visit)")
     p.add_argument("--divergence", choices=["abs", "k3"], default="abs",
@@ -118,6 +120,8 @@ def parse_args(argv=None):
                    help="reward 0 unless one </think> with no tool call after it (the authors' gate, eval.py)")
     # ---- tools: --tools, --max_turns, --sandbox_workers, ... (one group, shared with eval.py / offline_values.py)
     add_tool_flags(p)
+    # ---- the family: --loss, --loss_agg, --dynamic_sampling, --max_sampling_rounds (variants.py)
+    variants.add_variant_flags(p)
     # ---- evaluation
     p.add_argument("--eval_every", type=int, default=25, help="held-out evaluation every N steps (0: off)")
     p.add_argument("--eval_samples", type=int, default=2, help="samples per held-out prompt")
@@ -140,35 +144,18 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.sampler == "auto":
         args.sampler = "prioritized" if args.algo == "spo" else "uniform"
-    if args.algo == "spo":
-        args.group_size = 1  # single stream: one response per prompt (GRPO: --group_size per prompt)
+    if args.group_size is None:  # single stream: one response per prompt; the group estimators: 8
+        args.group_size = 1 if args.algo == "spo" else 8
     if args.d_half is None:
         args.d_half = D_HALF[args.divergence]
     apply_tool_defaults(args, "max_response_len")
     return args
 
 
-def check_args(args, world):
-    if args.batch_size % (world * args.group_size):
-        raise SystemExit(f"error: --batch_size {args.batch_size} must be a multiple of world size x group size "
-                         f"({world} x {args.group_size}) so that every rank gets whole groups")
-    if args.algo == "grpo" and args.group_size < 2:
-        raise SystemExit("error: --group_size must be at least 2 for grpo")
-    if args.ppo_steps < 1 or (args.batch_size // world) % args.ppo_steps:
-        raise SystemExit(f"error: --ppo_steps {args.ppo_steps} must divide the per-rank batch "
-                         f"{args.batch_size // world}")
-
-
 # ------------------------------------------------------------------------------------------------ advantages
 def spo_advantage(reward, value):
     """Eq. 8: A = r - v_{-1}(x). The value is read before this reward is absorbed: keeps the gradient unbiased."""
     return reward - value
-
-
-def grpo_advantage(reward, group_size, eps=1e-6):
-    """GRPO: z-score within each group of G consecutive responses to one prompt (unbiased std, as verl)."""
-    r = reward.reshape(-1, group_size)  # (B/G, G)
-    return ((r - r.mean(1, keepdims=True)) / (r.std(1, ddof=1, keepdims=True) + eps)).reshape(-1)
 
 
 def global_normalise(advantage, eps=1e-8, all_reduce=all_reduce_np):
@@ -236,13 +223,20 @@ def ppo_clip_loss(logprobs, old_logprobs, advantage, mask, clip_low, clip_high, 
         and for A < 0 also at most -A * dual_clip: a huge ratio cannot blow up the loss (dual-clip).
     logprobs, old_logprobs, mask: (B, T); advantage: (B,). Returns (loss, clipped): clipped (B, T) is True where
     the clip range decided (the token's gradient is zero there; the dual-clip bound is not counted)."""
+    loss, clipped = ppo_clip_token_loss(logprobs, old_logprobs, advantage, mask, clip_low, clip_high, dual_clip)
+    return (loss * mask).sum() / n_tokens, clipped
+
+
+def ppo_clip_token_loss(logprobs, old_logprobs, advantage, mask, clip_low, clip_high, dual_clip):
+    """Eq. 10 per token, before aggregation: the (B, T) loss and clipped mask of ppo_clip_loss (variants.py
+    aggregates it otherwise with --loss_agg)."""
     adv = advantage[:, None]  # (B, 1)
     ratio = torch.exp((logprobs - old_logprobs) * mask)  # (B, T); masked tokens: ratio 1
     loss_unclipped = -adv * ratio
     loss_clipped = -adv * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
     loss = torch.maximum(loss_unclipped, loss_clipped)
     loss = torch.where(adv < 0, torch.minimum(loss, -adv * dual_clip), loss)
-    return (loss * mask).sum() / n_tokens, loss_clipped > loss_unclipped
+    return loss, loss_clipped > loss_unclipped
 
 
 # ------------------------------------------------------------------------------------------------ evaluation
@@ -272,7 +266,7 @@ def toy_values_path(toy_dir, n0, seed, v0_settings):
 def main(argv=None):
     args = parse_args(argv)
     rank, world, device = trainer.setup_distributed()
-    check_args(args, world)
+    variants.check_args(args, world)  # one clear line for a bad combination, before anything heavy
     tools = tools_from_flags(args)  # None without --tools; else the tool loop and this rank's sandbox pool
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.cpu_kv_cache_gib))
     # vLLM logs a few INFO lines per rank at every weight push, burying the progress bar; set
@@ -317,7 +311,7 @@ def main(argv=None):
 
     # ---- the per-prompt state SPO carries across steps: tracker, sampler, previous responses (for D)
     tracker = ValueTracker(n_prompts, args.rho_min, args.rho_max, args.d_half,
-                           args.rho_constant if args.rho == "constant" else None)
+                           {"constant": args.rho_constant, "none": 1.0}.get(args.rho))
     sampler = PromptSampler(n_prompts, seed=args.seed, mode=args.sampler)
     previous = {}  # prompt index -> PreviousResponse (SPO only; stays empty for GRPO)
     start_step = 0
@@ -352,64 +346,79 @@ def main(argv=None):
         logger.console(f"{n_prompts} training prompts, {len(test.keys) if test else 0} held-out, world size {world}, "
                        f"device {device.type}")
 
-    group = args.group_size  # responses per prompt: 1 for SPO
+    group = args.group_size  # responses per prompt: 1 for SPO (more: Batch SPO), G for the group estimators
     local = args.batch_size // world  # responses per rank per step
-    loss_fn = functools.partial(ppo_clip_loss, clip_low=args.clip_low, clip_high=args.clip_high,
-                                dual_clip=args.dual_clip)
-    nonfinite = 0
-    if start_step == 0 and test is not None and args.eval_every:
-        logger.log(0, evaluate(engine, test, args, tools))
-    for step in logger.progress(range(start_step + 1, args.steps + 1), total=args.steps, initial=start_step):
-        t = {}
+    # Eq. 10 (PPO-clip, token mean over the global mini-batch) unless --loss / --loss_agg pick a variant
+    loss_fn = variants.make_loss(args.loss, args.loss_agg, ppo_clip_token_loss, clip_low=args.clip_low,
+                                 clip_high=args.clip_high, dual_clip=args.dual_clip,
+                                 n_sequences=args.batch_size // args.ppo_steps, max_len=args.max_response_len)
+
+    def sample(step, t, round_=0):
+        """Steps 1-3 for one batch of B/G prompts (dynamic sampling calls it again for more groups)."""
         # 1. prompts (Eq. 11): every rank draws the same global batch (same seed, same weights), then its slice.
         t0 = time.time()
         index = np.repeat(sampler.draw(args.batch_size // group), group)  # (B,) prompt indices
         mine = index[rank * local: (rank + 1) * local]  # (B_local,)
         # 2. one response per slot (with --tools a multi-turn trajectory whose interpreter tokens have mask 0);
-        #    per-request seeds so ranks and steps sample differently.
-        seeds = np.random.SeedSequence([args.seed, 0, step, rank]).generate_state(local)
+        #    per-request seeds so ranks, steps and rounds sample differently.
+        seeds = np.random.SeedSequence([args.seed, 0, step, rank] + [round_] * (round_ > 0)).generate_state(local)
         rollouts = engine.generate([data.prompt_ids[i] for i in mine], seeds, max_tokens=args.max_response_len,
                                    tools=tools)
-        engine.sleep()
-        t["generate"] = time.time() - t0
+        t["generate"] = t.get("generate", 0.0) + time.time() - t0
         # 3. rewards r(x, y) in {0, 1}; a response cut off by the budget scores 0 by default (reward.py).
         t0 = time.time()
-        reward = rewards(rollouts, [data.answers[i] for i in mine], args.think_format,
-                         args.truncated_reward)  # (B_local,)
-        t["score"] = time.time() - t0
+        reward = rewards(rollouts, [data.answers[i] for i in mine], args.think_format, args.truncated_reward)
+        t["score"] = t.get("score", 0.0) + time.time() - t0
+        return mine, rollouts, reward  # (B_local,), B_local rollouts, (B_local,)
+
+    nonfinite = 0
+    if start_step == 0 and test is not None and args.eval_every:
+        logger.log(0, evaluate(engine, test, args, tools))
+    for step in logger.progress(range(start_step + 1, args.steps + 1), total=args.steps, initial=start_step):
+        t = {}
+        mine, rollouts, reward = sample(step, t)  # steps 1-3
+        sampling = {"sampling/generated": args.batch_size, "sampling/used": args.batch_size}
+        if args.dynamic_sampling:  # DAPO: drop the groups whose rewards are all equal, refill (variants.py)
+            mine, rollouts, reward, sampling = variants.dynamic_sampling(
+                (mine, rollouts, reward), lambda k: sample(step, t, k), group, args.max_sampling_rounds, rank,
+                world, trainer.all_gather_objects)
+        engine.sleep()
         # 4. the trainer's log-probs before the update: PPO's old log-probs of this batch, and (SPO) those of the
-        #    previous response of every prompt this batch revisits, in one forward pass.
+        #    previous response of every prompt this batch revisits, in one forward pass (Batch SPO: one per prompt).
         t0 = time.time()
-        revisited = [(slot, previous[i]) for slot, i in enumerate(mine) if i in previous]
+        revisited = [(slot, previous[i]) for slot, i in enumerate(mine) if i in previous and slot % group == 0]
         old = trainer.old_logprobs(policy, rollouts, [(data.prompt_ids[mine[slot]], p.response_ids, p.mask)
                                                       for slot, p in revisited],
                                    args.temperature, args.micro_batch_size, args.max_tokens_per_micro_batch)
         t["old_logprobs"] = time.time() - t0
         # 5. advantages, and the state each algorithm carries to the next step.
         if args.algo == "spo":
-            value = tracker.value_at(mine) if args.baseline == "tracker" else np.zeros(local)  # v_{-1}(x)
+            value = tracker.value_at(mine) if args.baseline != "none" else np.zeros(local)  # v_{-1}(x)
             raw_advantage = spo_advantage(reward, value)  # Eq. 8, before the tracker absorbs r
             advantage = global_normalise(raw_advantage)  # Eq. 9
             divergences, revisit = np.zeros(local), np.zeros(local)  # D(x) per slot; 0 on a first visit
-            for (slot, prev), now in zip(revisited, old["revisited"]):
-                divergences[slot] = divergence(now[prev.mask > 0], prev.logprobs[prev.mask > 0], args.divergence)
-                revisit[slot] = 1.0
+            for (slot, prev), now in zip(revisited, old["revisited"]):  # a prompt's G slots share D(x), one rho
+                divergences[slot: slot + group] = divergence(now[prev.mask > 0], prev.logprobs[prev.mask > 0],
+                                                             args.divergence)
+                revisit[slot: slot + group] = 1.0
             all_index, all_reward, all_divergences, all_revisit = (all_gather_np(x) for x in
                                                                    (mine, reward, divergences, revisit))
             rho = tracker.rho(all_divergences)  # Eq. 5: 2^(-D / D_half), clipped
-            tracker.update(all_index, all_reward, rho)  # Eq. 5: every rank applies the same global update
+            if args.baseline != "fixed":  # the fixed baseline keeps v0 forever (the A*-PO-like ablation)
+                tracker.update(all_index, all_reward, rho)  # Eq. 5: every rank applies the same update, once
             if args.sampler == "prioritized":  # Eq. 11 for the prompts whose value just changed
                 uniq = np.unique(all_index)
                 sampler.set_weights(priority_weights(tracker.value_at(uniq), tracker.n_eff_at(uniq),
                                                      args.sampling_eps, args.sampling_gamma), uniq)
             remember(previous, all_index, trainer.all_gather_objects(
                 [PreviousResponse.of(r, logprobs) for r, logprobs in zip(rollouts, old["batch"])]))
-            algo_metrics = spo_metrics(all_gather_np(raw_advantage), tracker, all_divergences, rho,
-                                               all_revisit > 0)
-        else:  # grpo
-            raw_advantage = advantage = grpo_advantage(reward, group)
-            algo_metrics = grpo_metrics(all_gather_np(reward), group)
-        # 6. PPO-clip (Eq. 10), `ppo_steps` optimiser steps over the global batch.
+            algo_metrics = spo_metrics(all_gather_np(raw_advantage), tracker, all_divergences, rho, all_revisit > 0)
+        elif args.algo == "reinforce_pp":  # REINFORCE++: no per-prompt baseline, r whitened over the global batch
+            raw_advantage, advantage, algo_metrics = reward, global_normalise(reward), {}
+        else:  # the group baselines (variants.py): GRPO's z-score, RLOO's leave-one-out mean, Dr. GRPO's mean
+            raw_advantage = advantage = variants.GROUP_BASELINES[args.algo](reward, group)
+            algo_metrics = {}  # (all-equal groups: in step_metrics, for every estimator with groups)
+        # 6. PPO-clip (Eq. 10; or --loss, --loss_agg), `ppo_steps` optimiser steps over the global batch.
         t0 = time.time()
         stats = trainer.ppo_update(policy, optimizer, rollouts, old["batch"], advantage, loss_fn,
                                    ppo_steps=args.ppo_steps, micro_batch_size=args.micro_batch_size,
@@ -425,9 +434,10 @@ def main(argv=None):
         engine.push_weights(trainer.full_parameters(policy, torch.bfloat16 if device.type == "cuda" else None))
         t["weight_push"] = time.time() - t0
 
-        metrics = step_metrics(reward, raw_advantage, advantage, rollouts, old, stats, t,
-                                       tools=tools is not None)
+        metrics = step_metrics(reward, raw_advantage, advantage, rollouts, old, stats, t, group=group,
+                               tools=tools is not None)
         metrics.update(algo_metrics)
+        metrics.update(sampling)
         if test is not None and args.eval_every and (step % args.eval_every == 0 or step == args.steps):
             metrics.update(evaluate(engine, test, args, tools))
         logger.log(step, metrics, console=(step % args.log_every == 0 or step == args.steps))

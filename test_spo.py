@@ -16,9 +16,9 @@ import torch
 
 from reward import boxed_reward, extract_boxed, reward_and_answer
 from sampler import PromptSampler, priority_weights
-from spo import (D_HALF, PreviousResponse, divergence, global_normalise, grpo_advantage, ppo_clip_loss,
-                 remember, spo_advantage)
+from spo import D_HALF, PreviousResponse, divergence, global_normalise, ppo_clip_loss, remember, spo_advantage
 from tracker import ValueTracker
+from variants import grpo_advantage
 
 
 # ---- tracker -------------------------------------------------------------------------------------------

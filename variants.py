@@ -1,0 +1,206 @@
+"""The estimators and policy losses SPO is compared against, one flag away.
+
+An ablation changes one thing: the baseline, the policy loss, how the loss is aggregated, or which samples are
+kept. spo.py tells SPO's story and holds SPO's own math (Eq. 8-10); the rest of the family lives here, each member
+a small pure function of explicit arguments that cites where its formula comes from, so that a fork can swap one
+part and trust the others did not move:
+
+- group baselines (G responses per prompt, consecutive): GRPO's z-score, RLOO's leave-one-out mean, Dr. GRPO's
+  group mean without the std; REINFORCE++'s global whitening is spo.global_normalise applied to r itself;
+- per-token policy losses with the PPO-clip signature: GSPO's sequence-level ratio, CISPO's clipped,
+  stop-gradient importance weight (PPO-clip itself, Eq. 10, is spo.ppo_clip_token_loss);
+- loss aggregations that stay a sum over micro-batch pieces divided by a GLOBAL constant (trainer.ppo_update sums
+  micro-batches and ranks): token mean, sequence mean of token means, token sum over a constant;
+- DAPO's dynamic sampling: drop groups whose rewards are all equal, refill from more rounds, and count both the
+  samples generated and those used, so that equal-budget comparisons stay honest;
+- `check_args`: one `error:` line for a combination without meaning, before anything heavy starts.
+Batch SPO (`--group_size` with spo), the fixed offline baseline and rho = 1 are SPO's own tracker with another
+setting: they stay in spo.py's step 5.
+
+Why here and not in spo.py: the default run reads SPO's step without these detours, and each variant is one
+`if/elif` branch in spo.py's step 5 (advantages) or one entry in `make_loss` (losses). The README's variants table
+gives each flag's formula and source, and which combination reproduces the paper's SPO and GRPO runs:
+
+    torchrun --nproc_per_node=2 spo.py --algo rloo --group_size 8 --dynamic_sampling --loss cispo
+    torchrun --nproc_per_node=2 spo.py --algo spo --group_size 4            # Batch SPO (Appendix B)
+"""
+import functools
+
+import numpy as np
+import torch
+
+LOSSES = ("ppo_clip", "gspo", "cispo")
+AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "token_sum")
+GROUP_ALGOS = ("grpo", "rloo", "dr_grpo")  # need G >= 2 responses per prompt
+
+
+def add_variant_flags(p):
+    """The policy-loss and sampling flags of the family (the estimator is spo.py's --algo and --baseline)."""
+    p.add_argument("--loss", choices=LOSSES, default="ppo_clip",
+                   help="policy loss: PPO-clip (Eq. 10), GSPO's sequence ratio, CISPO's clipped IS weight")
+    p.add_argument("--loss_agg", choices=AGGREGATIONS, default="token_mean",
+                   help="token mean over the global mini-batch, mean over sequences of their token mean, or "
+                        "token sum / (sequences x --max_response_len)")
+    p.add_argument("--dynamic_sampling", action="store_true",
+                   help="DAPO: drop groups whose rewards are all equal and refill (group estimators only)")
+    p.add_argument("--max_sampling_rounds", type=int, default=4,
+                   help="dynamic sampling: extra generation rounds at most; then all-equal groups fill the batch")
+
+
+def check_args(args, world):
+    """One clear line for a combination that has no meaning, before anything heavy starts: the batch must split
+    into whole groups per rank and whole mini-batches, and each variant's flags must fit its estimator."""
+    if args.batch_size % (world * args.group_size):
+        raise SystemExit(f"error: --batch_size {args.batch_size} must be a multiple of world size x group size "
+                         f"({world} x {args.group_size}) so that every rank gets whole groups")
+    if args.ppo_steps < 1 or (args.batch_size // world) % args.ppo_steps:
+        raise SystemExit(f"error: --ppo_steps {args.ppo_steps} must divide the per-rank batch "
+                         f"{args.batch_size // world}")
+    if args.algo in GROUP_ALGOS and args.group_size < 2:
+        raise SystemExit(f"error: --group_size must be at least 2 for {args.algo}")
+    if args.algo != "spo" and args.baseline != "tracker":
+        raise SystemExit(f"error: --baseline {args.baseline} is an SPO option; {args.algo} has its own baseline")
+    if args.baseline == "fixed" and (args.offline_values == "none" or (args.offline_values == "auto" and args.train)):
+        raise SystemExit("error: --baseline fixed keeps the offline values v0 forever; it needs --offline_values")
+    if args.dynamic_sampling and (args.algo == "spo" or args.group_size < 2):
+        raise SystemExit(f"error: --dynamic_sampling drops groups whose rewards are all equal; it needs a group "
+                         f"estimator with --group_size >= 2 (got --algo {args.algo}, --group_size {args.group_size})")
+    if args.max_sampling_rounds < 0:
+        raise SystemExit(f"error: --max_sampling_rounds must be >= 0, got {args.max_sampling_rounds}")
+
+
+# ------------------------------------------------------------------------------------------------ group baselines
+def grpo_advantage(reward, group_size, eps=1e-6):
+    """GRPO (Shao et al. 2024, DeepSeekMath): z-score within each group of G consecutive responses to one
+    prompt, (r - mean) / (std + eps), with the unbiased std (as verl)."""
+    r = reward.reshape(-1, group_size)  # (B/G, G)
+    return ((r - r.mean(1, keepdims=True)) / (r.std(1, ddof=1, keepdims=True) + eps)).reshape(-1)
+
+
+def rloo_advantage(reward, group_size):
+    """RLOO (Kool et al. 2019; Ahmadian et al. 2024): r_i minus the mean of the OTHER G - 1 rewards of its
+    group. The baseline does not contain r_i, so it is unbiased; the advantages of a group sum to zero."""
+    r = reward.reshape(-1, group_size)  # (B/G, G)
+    others = (r.sum(1, keepdims=True) - r) / (group_size - 1)
+    return (r - others).reshape(-1)
+
+
+def dr_grpo_advantage(reward, group_size):
+    """Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training"): r - group mean, NOT divided by the
+    group's std (which up-weights prompts that are almost always or almost never solved)."""
+    r = reward.reshape(-1, group_size)  # (B/G, G)
+    return (r - r.mean(1, keepdims=True)).reshape(-1)
+
+
+GROUP_BASELINES = {"grpo": grpo_advantage, "rloo": rloo_advantage, "dr_grpo": dr_grpo_advantage}
+
+
+# ------------------------------------------------------------------------------------------------ policy losses
+# Each returns the (B, T) per-token loss and the (B, T) tokens where a clip bound decided; logprobs, old_logprobs,
+# mask: (B, T); advantage: (B,). Masked positions may hold anything: the aggregation multiplies by the mask.
+def gspo_token_loss(logprobs, old_logprobs, advantage, mask, clip_low, clip_high):
+    """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization"): one importance ratio per SEQUENCE, the
+    geometric mean of its token ratios, s = exp(mean over the response's tokens of (log pi - log pi_old)), clipped
+    at the sequence level: loss = max(-A s, -A clip(s, 1 - clip_low, 1 + clip_high)). The sequence's loss is given
+    to each of its tokens, so --loss_agg seq_mean_token_mean gives GSPO's own mean over sequences."""
+    n = mask.sum(1).clamp(min=1)  # (B,) policy tokens per sequence; an idle dummy row has none
+    seq_ratio = torch.exp(((logprobs - old_logprobs) * mask).sum(1) / n)  # (B,)
+    unclipped = -advantage * seq_ratio
+    clipped = -advantage * torch.clamp(seq_ratio, 1 - clip_low, 1 + clip_high)
+    loss = torch.maximum(unclipped, clipped)  # (B,)
+    return loss[:, None].expand_as(mask), (clipped > unclipped)[:, None].expand_as(mask)
+
+
+def cispo_token_loss(logprobs, old_logprobs, advantage, mask, clip_low, clip_high):
+    """CISPO (MiniMax 2025, the MiniMax-M1 report): REINFORCE with a clipped importance weight under stop-gradient,
+    loss = -sg(clip(ratio, 1 - clip_low, 1 + clip_high)) * A * log pi. Unlike PPO-clip no token loses its
+    gradient: the weight is capped, not the update (MiniMax-M1 sets no lower bound: --clip_low 1)."""
+    ratio = torch.exp((logprobs - old_logprobs) * mask)  # (B, T); masked tokens: ratio 1
+    weight = torch.clamp(ratio, 1 - clip_low, 1 + clip_high).detach()
+    clipped = (ratio < 1 - clip_low) | (ratio > 1 + clip_high)
+    logprobs = torch.where(mask > 0, logprobs, torch.zeros_like(logprobs))  # masked positions may hold anything
+    return -weight * advantage[:, None] * logprobs, clipped
+
+
+# ------------------------------------------------------------------------------------------------ aggregations
+# A loss is computed per micro-batch and summed over micro-batches and ranks (trainer.ppo_update), so each
+# aggregation is a sum over this piece's sequences divided by a constant of the GLOBAL mini-batch.
+def token_mean(token_loss, mask, n_tokens):
+    """Every policy token of the global mini-batch weighs the same (DAPO; SPO's authors): sum / n_tokens."""
+    return (token_loss * mask).sum() / n_tokens
+
+
+def seq_mean_token_mean(token_loss, mask, n_sequences):
+    """Each sequence's token mean, averaged over the n_sequences of the global mini-batch (GRPO's original
+    1/G sum_i 1/|y_i| sum_t): a short response's tokens weigh more than a long one's."""
+    return ((token_loss * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / n_sequences
+
+
+def token_sum(token_loss, mask, constant):
+    """Dr. GRPO: the token sum divided by a constant that depends on no response's length (here the global
+    mini-batch's sequences x the response budget), so length does not rescale a sequence's gradient."""
+    return (token_loss * mask).sum() / constant
+
+
+def policy_loss(logprobs, old_logprobs, advantage, mask, n_tokens, *, token_loss, aggregation, n_sequences,
+                max_len):
+    """The loss_fn trainer.ppo_update calls, per micro-batch: a per-token loss, then the aggregation.
+    Returns (loss, clipped) like spo.ppo_clip_loss (with ppo_clip and token_mean it computes exactly that)."""
+    loss, clipped = token_loss(logprobs, old_logprobs, advantage, mask)
+    if aggregation == "token_mean":
+        return token_mean(loss, mask, n_tokens), clipped
+    if aggregation == "seq_mean_token_mean":
+        return seq_mean_token_mean(loss, mask, n_sequences), clipped
+    return token_sum(loss, mask, n_sequences * max_len), clipped
+
+
+def make_loss(loss, aggregation, ppo_clip_token_loss, *, clip_low, clip_high, dual_clip, n_sequences, max_len):
+    """loss_fn(logprobs, old_logprobs, advantage, mask, n_tokens) for --loss and --loss_agg. n_sequences: the
+    global mini-batch (batch_size // ppo_steps); max_len: the response budget (token_sum's constant)."""
+    token_loss = {"ppo_clip": functools.partial(ppo_clip_token_loss, dual_clip=dual_clip),
+                  "gspo": gspo_token_loss, "cispo": cispo_token_loss}[loss]
+    return functools.partial(policy_loss, token_loss=functools.partial(token_loss, clip_low=clip_low,
+                                                                       clip_high=clip_high),
+                             aggregation=aggregation, n_sequences=n_sequences, max_len=max_len)
+
+
+# ------------------------------------------------------------------------------------------------ dynamic sampling
+def select_groups(group_rewards, n_groups):
+    """DAPO's filter (Yu et al. 2025, section 3.2, "dynamic sampling"): the first n_groups groups, in generation order,
+    whose rewards are not all equal; if too few, the earliest all-equal groups fill the rest (they carry no
+    signal but keep every step's batch the same size). group_rewards: (N, G). Returns (indices (n_groups,),
+    how many of them are all-equal)."""
+    r = np.asarray(group_rewards)
+    informative = r.min(1) != r.max(1)  # (N,)
+    order = np.concatenate([np.flatnonzero(informative), np.flatnonzero(~informative)])
+    chosen = order[:n_groups]
+    return chosen, int((~informative[chosen]).sum())
+
+
+def dynamic_sampling(first, more, group, max_rounds, rank, world, gather):
+    """Keep B/G groups that carry signal. first: this rank's (prompt indices, rollouts, rewards) of the step's
+    batch; more(k): the same for generation round k >= 1 (every rank calls it the same number of times, since the
+    decision is taken on gathered rewards). gather: all_gather_objects (identity for a world of one).
+    Every rank gathers every group (rollouts included: a kept group may move to another rank, so that each rank
+    still gets batch_size / world rows of whole groups) and takes its slice of the same selection.
+    Returns this rank's (indices, rollouts, rewards) and the sampling metrics (generated vs used samples)."""
+    n_local = len(first[0]) // group  # groups per rank
+    n_groups = n_local * world
+    pool, batch, rounds = [], first, 1  # pool: (indices, rollouts, rewards) per group, all ranks, in order
+    while True:
+        index, rollouts, reward = batch
+        pool += gather([(index[k * group:(k + 1) * group], rollouts[k * group:(k + 1) * group],
+                         reward[k * group:(k + 1) * group]) for k in range(n_local)])
+        group_rewards = np.array([np.asarray(g[2], dtype=np.float64) for g in pool])  # (N, G)
+        chosen, degenerate = select_groups(group_rewards, n_groups)
+        if degenerate == 0 or rounds > max_rounds:
+            break
+        batch = more(rounds)
+        rounds += 1
+    mine = [pool[i] for i in chosen[rank * n_local:(rank + 1) * n_local]]
+    all_equal = group_rewards.min(1) == group_rewards.max(1)
+    metrics = {"sampling/generated": len(pool) * group, "sampling/used": n_groups * group,
+               "sampling/rounds": rounds, "sampling/degenerate_generated": float(all_equal.mean()),
+               "sampling/degenerate_used": degenerate / n_groups}
+    return (np.concatenate([g[0] for g in mine]), [r for g in mine for r in g[1]],
+            np.concatenate([np.asarray(g[2]) for g in mine]), metrics)
