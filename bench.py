@@ -139,8 +139,9 @@ def bench_steps(steps=40, warmup=5, nproc=2, batch_size=64, group_size=8):
         for algo in ("spo", "grpo"):
             run = os.path.join(tmp, algo)
             cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "spo.py",
-                   "--algo", algo, "--steps", str(steps), "--batch_size", str(batch_size), "--group_size",
-                   str(group_size), "--eval_every", "0", "--save_every", "0", "--run_dir", run]
+                   "--algo", algo, "--steps", str(steps), "--batch_size", str(batch_size), "--eval_every", "0",
+                   "--save_every", "0", "--run_dir", run]
+            cmd += ["--group_size", str(group_size)] if algo == "grpo" else []  # spo with G > 1 is Batch SPO
             env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
             subprocess.run(cmd, check=True, capture_output=True, env=env, cwd=os.path.dirname(__file__) or ".")
             metrics = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))][warmup:]

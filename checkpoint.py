@@ -53,6 +53,57 @@ def resumed_settings(saved, given):
     return settings, errors
 
 
+def resume_args(args):
+    """--resume: the run's own settings (its config.json) with the flags given now that may change; one line
+    naming each flag that may not, and a --steps that would not go past the checkpoint, are errors."""
+    import argparse
+    saved = read_config(args.resume)
+    settings, errors = resumed_settings(saved, {flag: getattr(args, flag) for flag in args.given})
+    step = latest_step(args.resume)
+    if step is not None and settings["steps"] <= step:
+        errors.append(f"--steps {settings['steps']}: the run's latest checkpoint is at step {step}; pass a larger "
+                      f"--steps to continue it")
+    if errors:
+        fail(errors[0] + (f" (and {len(errors) - 1} more: {'; '.join(e.split(':')[0] for e in errors[1:])})"
+                          if len(errors) > 1 else ""), once=True)
+    return argparse.Namespace(**{**vars(args), **settings, "resume": args.resume, "run_dir": args.resume})
+
+
+def latest_step(run_dir):
+    """The step of run_dir's latest complete checkpoint (from `latest`'s name), or None."""
+    try:
+        with open(os.path.join(run_dir, "checkpoints", "latest")) as f:
+            return int(f.read().strip().removeprefix("step_"))
+    except (OSError, ValueError):
+        return None
+
+
+def open_run_dir(args, name):
+    """The run directory every rank agrees on (rank 0 names a default one), claimed by rank 0 for this run;
+    any error stops every rank with one line."""
+    from trainer import all_gather_objects
+    run_dir, error = None, None
+    if dist.get_rank() == 0:
+        run_dir = args.resume or args.run_dir or default_run_dir(args.algo)
+        error = claim_run_dir(run_dir, bool(args.resume), name)
+    run_dir, error = all_gather_objects([(run_dir, error)])[0]
+    if error:
+        fail(error, once=True)
+    return run_dir
+
+
+def check_disk(run_dir, model, export_bytes_per_parameter):
+    """Before the engine starts: room in run_dir for one more checkpoint (the previous one stays until the new
+    one is complete), else one line saying how much is free and needed."""
+    from trainer import all_gather_objects
+    need = checkpoint_bytes(sum(p.numel() for p in model.parameters()), export_bytes_per_parameter)
+    free = shutil.disk_usage(run_dir).free if dist.get_rank() == 0 else None
+    free = all_gather_objects([free])[0]
+    if free < need:
+        fail(f"--run_dir {run_dir}: {free / 2**30:.1f} GiB free, a checkpoint needs about {need / 2**30:.1f} GiB "
+             f"(weights, optimiser state, HF export)", once=True)
+
+
 def _run_holds(run_dir):
     return [name for name in ("config.json", "metrics.jsonl", "checkpoints")
             if os.path.exists(os.path.join(run_dir, name))]

@@ -29,6 +29,7 @@ Use the same --max_prompt_len as training: spo.py refuses a file with prompts it
 """
 import argparse
 import glob
+import hashlib
 import json
 import os
 import time
@@ -194,6 +195,12 @@ def estimate_offline_values(engine, data, out_path, *, n0=8, temperature=1.0, to
             with open(out_path) as f:
                 result = json.load(f)
     return result
+
+
+def toy_values_path(toy_dir, n0, seed, v0_settings):
+    """Where the toy's offline values for these settings are cached: one file per setting that changes v0."""
+    digest = hashlib.sha1(json.dumps(v0_settings, sort_keys=True).encode()).hexdigest()[:8]
+    return os.path.join(toy_dir, f"offline_values_n{n0}_seed{seed}_len{v0_settings['max_tokens']}_{digest}.json")
 
 
 def init_tracker_from_file(tracker, path, data, smoothing, verbose):

@@ -39,8 +39,6 @@ fp32 / bf16, vLLM's KV cache space / GPU memory fraction and sleep mode):
     torchrun --nproc_per_node=8 spo.py --model Qwen/Qwen3-8B --train dapo.parquet ...   (README)
 """
 import argparse
-import hashlib
-import json
 import os
 import time
 from dataclasses import dataclass
@@ -54,11 +52,12 @@ import trainer
 import variants
 from trainer import all_gather_np, all_reduce_np
 from metrics import Logger, spo_metrics, step_metrics
-from data import load_dataset, load_tokenizer
+from data import fail, load_dataset, load_tokenizer
 from eval import sample_and_score
-from offline_values import check_values_header, estimate_offline_values, init_tracker_from_file, tool_settings
+from offline_values import (check_values_header, estimate_offline_values, init_tracker_from_file, tool_settings,
+                            toy_values_path)
 from reward import rewards
-from rollout import TOOL_INSTRUCTION, add_tool_flags, apply_tool_defaults, tools_from_flags
+from rollout import TOOL_INSTRUCTION, add_tool_flags, apply_tool_defaults, set_cpu_kv_cache, tools_from_flags
 from sampler import PromptSampler, priority_weights
 from tracker import ValueTracker
 
@@ -142,6 +141,9 @@ def parse_args(argv=None):
     p.add_argument("--cpu_kv_cache_gib", type=int, default=1, help="vLLM KV cache per rank on CPU (GiB)")
     p.add_argument("--gpu_memory_utilization", type=float, default=0.5, help="vLLM share of each GPU")
     args = p.parse_args(argv)
+    for action in p._actions:  # which flags the command line gave: --resume accepts changes to some only
+        action.default = argparse.SUPPRESS
+    args.given = sorted(vars(p.parse_args(argv)))
     if args.sampler == "auto":
         args.sampler = "prioritized" if args.algo == "spo" else "uniform"
     if args.group_size is None:  # single stream: one response per prompt; the group estimators: 8
@@ -256,19 +258,17 @@ def evaluate(engine, test, args, tools):
     return metrics
 
 
-def toy_values_path(toy_dir, n0, seed, v0_settings):
-    """Where the toy's offline values for these settings are cached: one file per setting that changes v0."""
-    digest = hashlib.sha1(json.dumps(v0_settings, sort_keys=True).encode()).hexdigest()[:8]
-    return os.path.join(toy_dir, f"offline_values_n{n0}_seed{seed}_len{v0_settings['max_tokens']}_{digest}.json")
-
-
 # ------------------------------------------------------------------------------------------------ main
 def main(argv=None):
     args = parse_args(argv)
     rank, world, device = trainer.setup_distributed()
-    variants.check_args(args, world)  # one clear line for a bad combination, before anything heavy
+    if args.resume:  # the run's own settings; only some flags may change (checkpoint.RESUME_MAY_CHANGE)
+        args = checkpoint.resume_args(args)
+    variants.check_args(args, world)  # one clear line for a bad flag or combination, before anything heavy
+    if error := set_cpu_kv_cache(args.cpu_kv_cache_gib):
+        fail(error, once=True)
+    run_dir = args.run_dir = checkpoint.open_run_dir(args, "spo.py")  # one run per directory, locked
     tools = tools_from_flags(args)  # None without --tools; else the tool loop and this rank's sandbox pool
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.cpu_kv_cache_gib))
     # vLLM logs a few INFO lines per rank at every weight push, burying the progress bar; set
     # VLLM_LOGGING_LEVEL=INFO to see them (and the engine's start-up report) again.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -281,10 +281,6 @@ def main(argv=None):
         toy_model, toy_train, toy_test = toy.toy_paths(args.toy_dir, tools=args.tools)
         args.model, args.train = args.model or toy_model, args.train or toy_train
         args.test = args.test or toy_test
-    run_dir = args.run_dir or os.path.join("runs", f"{args.algo}-{time.strftime('%Y%m%d-%H%M%S')}")
-    if args.resume:
-        run_dir = args.resume
-    args.run_dir = run_dir
     tokenizer = load_tokenizer(args.model)
     system_prompt = TOOL_INSTRUCTION if args.tool_instruction else None
     data = load_dataset(args.train, tokenizer, args.max_prompt_len, is_main, system_prompt)
@@ -292,6 +288,9 @@ def main(argv=None):
     if test is not None and args.eval_max_prompts:
         test = test[: args.eval_max_prompts]
     n_prompts = len(data.keys)
+    if n_prompts < args.batch_size // args.group_size:
+        fail(f"--train {args.train}: {n_prompts} prompts, fewer than the {args.batch_size // args.group_size} distinct "
+             f"prompts each step draws (--batch_size / --group_size)", once=True)
     # What changes the offline values v0 (Algorithm 2): a values file made otherwise would start the tracker from
     # another distribution than training samples from. Checked before anything heavy starts.
     v0_settings = {"temperature": float(args.temperature), "top_p": 1.0, "max_tokens": args.max_response_len,
@@ -304,6 +303,7 @@ def main(argv=None):
     state = checkpoint.load_checkpoint(args.resume, world, data.keys) if args.resume else None
     model_path = state["model_dir"] if state else args.model
     policy, optimizer = trainer.build_policy(model_path, device, args.lr, args.weight_decay)
+    checkpoint.check_disk(run_dir, policy, export_bytes_per_parameter=2 if device.type == "cuda" else 4)
     from rollout import Engine
     engine = Engine(model_path, seed=args.seed, max_model_len=args.max_prompt_len + args.max_response_len,
                     device=device, gpu_memory_utilization=args.gpu_memory_utilization,
@@ -341,7 +341,7 @@ def main(argv=None):
     if args.sampler == "prioritized":
         sampler.set_weights(priority_weights(tracker.value, tracker.n_eff, args.sampling_eps, args.sampling_gamma))
 
-    logger = Logger(run_dir, vars(args), is_main, args.wandb, args.tensorboard)
+    logger = Logger(run_dir, vars(args), is_main, args.wandb, args.tensorboard, start_step if state else None)
     if is_main:
         logger.console(f"{n_prompts} training prompts, {len(test.keys) if test else 0} held-out, world size {world}, "
                        f"device {device.type}")

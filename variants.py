@@ -29,6 +29,8 @@ import functools
 import numpy as np
 import torch
 
+from data import fail
+
 LOSSES = ("ppo_clip", "gspo", "cispo")
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "token_sum")
 GROUP_ALGOS = ("grpo", "rloo", "dr_grpo")  # need G >= 2 responses per prompt
@@ -47,26 +49,44 @@ def add_variant_flags(p):
                    help="dynamic sampling: extra generation rounds at most; then all-equal groups fill the batch")
 
 
+# Flags that must be at least this (a 0 or a negative value used to become a default or a traceback later).
+AT_LEAST = {"batch_size": 1, "group_size": 1, "steps": 1, "max_prompt_len": 1, "max_response_len": 1,
+            "micro_batch_size": 1, "ppo_steps": 1, "n0": 1, "eval_samples": 1, "eval_every": 0, "save_every": 0,
+            "log_every": 1, "max_nonfinite": 1, "max_sampling_rounds": 0, "eval_max_prompts": 0}
+POSITIVE = ("lr", "temperature", "eval_temperature", "d_half", "grad_clip", "dual_clip", "gpu_memory_utilization")
+NON_NEGATIVE = ("weight_decay", "clip_low", "clip_high", "sampling_eps", "sampling_gamma")
+
+
 def check_args(args, world):
-    """One clear line for a combination that has no meaning, before anything heavy starts: the batch must split
-    into whole groups per rank and whole mini-batches, and each variant's flags must fit its estimator."""
+    """One clear line, printed once, for a flag out of range or a combination that has no meaning, before anything
+    heavy starts: the batch must split into whole groups per rank and whole mini-batches, and each variant's
+    flags must fit its estimator."""
+    for flag, low in AT_LEAST.items():
+        if getattr(args, flag) < low:
+            fail(f"--{flag} must be at least {low}, got {getattr(args, flag)}", once=True)
+    for flag in POSITIVE + NON_NEGATIVE:
+        if not getattr(args, flag) >= 0 or (flag in POSITIVE and getattr(args, flag) == 0):  # also NaN
+            fail(f"--{flag} must be {'positive' if flag in POSITIVE else 'at least 0'}, got {getattr(args, flag)}",
+                 once=True)
+    if args.max_tokens_per_micro_batch is not None and args.max_tokens_per_micro_batch < 1:
+        fail(f"--max_tokens_per_micro_batch must be at least 1, got {args.max_tokens_per_micro_batch}", once=True)
+    if not 0 < args.rho_min <= args.rho_max <= 1 or not 0 < args.rho_constant <= 1:
+        fail(f"--rho_min, --rho_max, --rho_constant must satisfy 0 < rho_min <= rho_max <= 1 and 0 < rho_constant "
+             f"<= 1, got {args.rho_min}, {args.rho_max}, {args.rho_constant}", once=True)
     if args.batch_size % (world * args.group_size):
-        raise SystemExit(f"error: --batch_size {args.batch_size} must be a multiple of world size x group size "
-                         f"({world} x {args.group_size}) so that every rank gets whole groups")
-    if args.ppo_steps < 1 or (args.batch_size // world) % args.ppo_steps:
-        raise SystemExit(f"error: --ppo_steps {args.ppo_steps} must divide the per-rank batch "
-                         f"{args.batch_size // world}")
+        fail(f"--batch_size {args.batch_size} must be a multiple of world size x group size ({world} x "
+             f"{args.group_size}) so that every rank gets whole groups", once=True)
+    if (args.batch_size // world) % args.ppo_steps:
+        fail(f"--ppo_steps {args.ppo_steps} must divide the per-rank batch {args.batch_size // world}", once=True)
     if args.algo in GROUP_ALGOS and args.group_size < 2:
-        raise SystemExit(f"error: --group_size must be at least 2 for {args.algo}")
+        fail(f"--group_size must be at least 2 for {args.algo}", once=True)
     if args.algo != "spo" and args.baseline != "tracker":
-        raise SystemExit(f"error: --baseline {args.baseline} is an SPO option; {args.algo} has its own baseline")
+        fail(f"--baseline {args.baseline} is an SPO option; {args.algo} has its own baseline", once=True)
     if args.baseline == "fixed" and (args.offline_values == "none" or (args.offline_values == "auto" and args.train)):
-        raise SystemExit("error: --baseline fixed keeps the offline values v0 forever; it needs --offline_values")
+        fail("--baseline fixed keeps the offline values v0 forever; it needs --offline_values", once=True)
     if args.dynamic_sampling and (args.algo == "spo" or args.group_size < 2):
-        raise SystemExit(f"error: --dynamic_sampling drops groups whose rewards are all equal; it needs a group "
-                         f"estimator with --group_size >= 2 (got --algo {args.algo}, --group_size {args.group_size})")
-    if args.max_sampling_rounds < 0:
-        raise SystemExit(f"error: --max_sampling_rounds must be >= 0, got {args.max_sampling_rounds}")
+        fail(f"--dynamic_sampling drops groups whose rewards are all equal; it needs a group estimator with "
+             f"--group_size >= 2 (got --algo {args.algo}, --group_size {args.group_size})", once=True)
 
 
 # ------------------------------------------------------------------------------------------------ group baselines

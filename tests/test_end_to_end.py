@@ -4,6 +4,8 @@ offline values and evaluation with tools.
     .venv/bin/python -m pytest tests/test_end_to_end.py -q
 """
 import json
+import os
+import sys
 
 import numpy as np
 import pyarrow as pa
@@ -139,12 +141,84 @@ def test_offline_values_for_another_dataset(small_toy, tmp_path):
 @pytest.mark.slow
 def test_resume_with_another_world_size_or_dataset(small_toy, spo_run, tmp_path):
     run, _ = spo_run
-    err = _run_fail("--model", small_toy["model"], "--train", small_toy["train"], "--resume", str(run))
+    err = _run_fail("--model", small_toy["model"], "--train", small_toy["train"], "--resume", str(run), "--steps", "6")
     assert "world size 2" in err
     other = tmp_path / "other.jsonl"
     other.write_text(json.dumps({"problem": "1+1=", "answer": "2"}) + "\n")
     err = _run_fail("--model", small_toy["model"], "--train", str(other), "--resume", str(run))
-    assert "another training set" in err
+    assert f"--train {other}: the run being resumed has {small_toy['train']}" in err
+
+
+@pytest.mark.slow
+def test_run_directories_belong_to_one_run(small_toy, spo_run):
+    """A fresh run into a directory that holds a run is refused (it used to append to its metrics and delete its
+    new checkpoints); --resume with a flag that may not change, or a --steps that is already done, is refused;
+    each with one line, before any model is loaded (nothing else on stderr)."""
+    run, _ = spo_run
+    for args, says in [((), f"--run_dir {run} already holds a run"),
+                       (("--resume", str(run), "--lr", "1e-3"), "--lr 0.001: the run being resumed has 0.0002"),
+                       (("--resume", str(run), "--algo", "grpo"), "--algo grpo: the run being resumed has spo"),
+                       (("--resume", str(run), "--steps", "3"), "--steps 3: the run's latest checkpoint is at step 4")]:
+        proc = python(*toy_args(small_toy, run, *args))
+        assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [proc.stderr.strip()], proc.stderr[-3000:]
+        assert says in proc.stderr, proc.stderr
+    assert [r["step"] for r in _metrics(run)] == [0, 1, 2, 3, 4]  # the refused runs wrote nothing
+
+
+def crash_before_rename(*argv):
+    """spo.py, except that rank 0 dies (as under kill -9) after writing the step-4 checkpoint, before renaming it
+    into place."""
+    import os
+    import spo
+    replace = os.replace
+
+    def dying_replace(src, dst):
+        if str(dst).endswith("step_000004"):
+            os._exit(9)
+        return replace(src, dst)
+    os.replace = dying_replace
+    spo.main(list(argv))
+
+
+def disk_full_at_step_2(*argv):
+    """spo.py, except that writing the HF export of step 2 fails as on a full disk."""
+    import errno
+    import safetensors.torch
+    import spo
+    save_file = safetensors.torch.save_file
+
+    def full_disk(tensors, path, metadata=None):
+        if "step_000002" in str(path):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return save_file(tensors, path, metadata=metadata)
+    safetensors.torch.save_file = full_disk
+    spo.main(list(argv))
+
+
+@pytest.mark.slow
+def test_killed_during_a_checkpoint_write_resumes_from_the_previous_one_exactly(small_toy, spo_run, tmp_path):
+    """Killed between writing step 4 and renaming it: `latest` still names step 2, the resume replays steps 3-4,
+    metrics.jsonl keeps one row per step, and the result equals the run that was never killed."""
+    straight, _ = spo_run
+    run = tmp_path / "run"
+    proc = torchrun(2, "tests/test_end_to_end.py", "crash_before_rename", *toy_args(small_toy, run, "--steps", "4",
+                                                                                     "--save_every", "2")[1:])
+    assert proc.returncode != 0 and (run / "checkpoints" / "latest").read_text() == "step_000002"
+    assert (run / "checkpoints" / "step_000004.tmp").is_dir()  # the partial write is left behind, never read
+    ok(torchrun(2, *toy_args(small_toy, run, "--steps", "4", "--save_every", "2", "--resume", str(run))))
+    assert [r["step"] for r in _metrics(run)] == [0, 1, 2, 3, 4]
+    _assert_same_checkpoint(straight, run, tmp_path)
+
+
+@pytest.mark.slow
+def test_a_full_disk_stops_the_run_with_one_line_and_no_partial_checkpoint(small_toy, tmp_path):
+    run = tmp_path / "run"
+    proc = torchrun(2, "tests/test_end_to_end.py", "disk_full_at_step_2", *toy_args(small_toy, run, "--steps", "2",
+                                                                                     "--eval_every", "0")[1:])
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "No space left on device" in errors[0] and "previous checkpoint" in errors[0]
+    assert os.listdir(run / "checkpoints") == []  # the partial step_000002.tmp was removed
 
 
 # ---- training and evaluation with tools, on the scripted model (conftest.py)
@@ -216,3 +290,7 @@ def test_eval_cli_with_tools(tool_run):
     assert all(r["correct"] and "<interpreter>\n42\n</interpreter>" in r["response"] for r in answer)
     assert not any(r["correct"] for r in unclosed)
     assert json.loads((tmp / "eval" / "summary.json").read_text())["config"]["tools"]
+
+
+if __name__ == "__main__":  # torchrun tests/test_end_to_end.py WORKER [spo.py ARGS...]
+    globals()[sys.argv[1]](*sys.argv[2:])

@@ -208,22 +208,34 @@ def test_signal_metrics_by_hand():
 
 @pytest.mark.parametrize("argv, match", [
     (["--dynamic_sampling"], "needs a group estimator"),
-    (["--algo", "grpo", "--group_size", "4", "--dynamic_sampling", "--max_sampling_rounds", "-1"], ">= 0"),
+    (["--algo", "grpo", "--group_size", "4", "--dynamic_sampling", "--max_sampling_rounds", "-1"], "at least 0"),
     (["--algo", "rloo", "--group_size", "1"], "at least 2 for rloo"),
     (["--algo", "dr_grpo", "--baseline", "none"], "SPO option"),
     (["--baseline", "fixed", "--offline_values", "none"], "needs --offline_values"),
     (["--baseline", "fixed", "--train", "mine.parquet"], "needs --offline_values"),  # auto: values on the toy only
     (["--group_size", "3"], "multiple of world size x group size"),
     (["--ppo_steps", "5"], "must divide the per-rank batch"),
+    # out of range: each used to be a traceback, or a 0 that silently became the default
+    (["--group_size", "0"], "--group_size must be at least 1, got 0"),
+    (["--lr=-1e-3"], "--lr must be positive, got -0.001"),
+    (["--max_response_len", "-1"], "--max_response_len must be at least 1, got -1"),
+    (["--max_response_len", "0"], "--max_response_len must be at least 1, got 0"),
+    (["--batch_size", "0"], "--batch_size must be at least 1, got 0"),
+    (["--micro_batch_size", "0"], "--micro_batch_size must be at least 1, got 0"),
+    (["--steps", "0"], "--steps must be at least 1, got 0"),
+    (["--temperature", "nan"], "--temperature must be positive, got nan"),
+    (["--rho_min", "0.99"], "rho_min <= rho_max"),
 ])
-def test_bad_combinations_get_one_clear_line(argv, match):
-    with pytest.raises(SystemExit, match=match):
+def test_bad_flags_get_one_clear_line(argv, match, capsys):
+    with pytest.raises(SystemExit):
         variants.check_args(spo.parse_args(argv), world=2)
+    err = capsys.readouterr().err
+    assert match in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_spo_py_stops_on_a_bad_combination_before_the_engine_starts():
     proc = python("spo.py", "--algo", "rloo", "--group_size", "4", "--baseline", "none")
-    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines() == ["error: --baseline none is an SPO option; rloo has its own baseline"]
 
 
