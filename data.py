@@ -27,7 +27,9 @@ def fail(message, once=False):
     """A clear one-line error instead of a traceback, for bad input. once: every rank reaches this error the same
     way (flags, shared files), so only rank 0 prints it; otherwise each failing rank prints its own."""
     if not once or os.environ.get("RANK", "0") == "0":
-        print(f"error: {message}", file=sys.stderr, flush=True)
+        from tqdm import tqdm
+        tqdm.write(f"error: {message}", file=sys.stderr)  # on a line of its own, also below a progress bar
+        sys.stderr.flush()
     raise SystemExit(2)
 
 
