@@ -138,7 +138,8 @@ def parse_args(argv=None):
     p.add_argument("--wandb", default=None, help="wandb project name (only if wandb is installed)")
     p.add_argument("--tensorboard", action="store_true", help="also log to TensorBoard (if installed)")
     # ---- engine
-    p.add_argument("--cpu_kv_cache_gib", type=int, default=1, help="vLLM KV cache per rank on CPU (GiB)")
+    p.add_argument("--cpu_kv_cache_gib", type=int, default=None,
+                   help="vLLM KV cache per rank on CPU (GiB; default: VLLM_CPU_KVCACHE_SPACE if set, else 1)")
     p.add_argument("--gpu_memory_utilization", type=float, default=0.5, help="vLLM share of each GPU")
     args = p.parse_args(argv)
     for action in p._actions:  # which flags the command line gave: --resume accepts changes to some only
