@@ -165,6 +165,18 @@ def test_run_directories_belong_to_one_run(small_toy, spo_run):
     assert [r["step"] for r in _metrics(run)] == [0, 1, 2, 3, 4]  # the refused runs wrote nothing
 
 
+@pytest.mark.slow
+def test_an_unwritable_run_dir_or_a_too_small_training_set_is_one_line(small_toy, tmp_path):
+    """Found before any model is loaded (they used to surface after the engine had started, or as tracebacks)."""
+    proc = python(*toy_args(small_toy, "/dev/null/run"))
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        "error: --run_dir /dev/null/run: cannot write there (Not a directory)"], proc.stderr[-3000:]
+    small = write_parquet(tmp_path / "small.parquet", {"problem": ["1+1=", "2+2="], "answer": ["2", "4"]})
+    proc = python(*toy_args(small_toy, tmp_path / "run", "--train", str(small)))
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr[-3000:]
+    assert "2 prompts, fewer than the 16 distinct prompts each step draws" in proc.stderr
+
+
 def crash_before_rename(*argv):
     """spo.py, except that rank 0 dies (as under kill -9) after writing the step-4 checkpoint, before renaming it
     into place."""

@@ -220,3 +220,13 @@ def test_eval_samples_do_not_depend_on_the_file_or_rank(eval_run):
     assert subset == full[:40]
 
 
+
+
+@pytest.mark.parametrize("program", ["eval", "offline_values"])
+def test_a_zero_token_budget_is_an_error_not_the_default(program, capsys):
+    """--max_tokens 0 used to become the default 32 (a falsy value took the default's place)."""
+    module = __import__(program)
+    with pytest.raises(SystemExit):
+        module.parse_args(["--max_tokens", "0"])
+    assert "--max_tokens" in capsys.readouterr().err
+    assert module.parse_args([]).max_tokens == 32  # unset still means the default
