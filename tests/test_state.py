@@ -116,3 +116,19 @@ def test_metrics_are_cut_back_to_the_checkpoint_on_resume(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(7)))
     Logger(str(tmp_path), {}, True, resume_step=4).close()
     assert [json.loads(line)["step"] for line in open(tmp_path / "metrics.jsonl")] == [0, 1, 2, 3, 4]
+
+
+def test_no_room_for_a_checkpoint_is_found_before_the_engine_starts(tmp_path):
+    """check_disk estimates a checkpoint from the parameter count (fp32 weights, Adam moments, the export): a
+    model of 10^12 parameters (on the meta device: no memory) needs 14.5 TiB, which this disk does not have."""
+    import subprocess
+    import sys
+    from common import ENV, ROOT
+    code = ("import torch, torch.distributed as dist, checkpoint\n"
+            "dist.init_process_group('gloo', init_method='tcp://127.0.0.1:0', rank=0, world_size=1)\n"
+            "model = torch.nn.Linear(10**6, 10**6, bias=False, device='meta')\n"
+            f"checkpoint.check_disk({str(tmp_path)!r}, model, export_bytes_per_parameter=4)\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().startswith(f"error: --run_dir {tmp_path}:")
+    assert "a checkpoint needs about 14901.2 GiB" in proc.stderr
