@@ -444,9 +444,9 @@ def main(argv=None):
         logger.log(step, metrics, console=(step % args.log_every == 0 or step == args.steps))
         if (args.save_every and step % args.save_every == 0) or step == args.steps:
             checkpoint.save_checkpoint(run_dir, step, policy, optimizer, tokenizer, world, data.keys,
-                                    tracker.state_dict(), sampler.state_dict(),
-                                    {i: vars(p) for i, p in previous.items()}, vars(args),
-                                    export_dtype=torch.bfloat16 if device.type == "cuda" else None)
+                                       tracker.state_dict(), sampler.state_dict(),
+                                       {i: vars(p) for i, p in previous.items()}, vars(args),
+                                       export_dtype=torch.bfloat16 if device.type == "cuda" else None)
     logger.close()
     if tools:
         tools.pool.close()
