@@ -66,7 +66,8 @@ def resume_args(args):
     if errors:
         fail(errors[0] + (f" (and {len(errors) - 1} more: {'; '.join(e.split(':')[0] for e in errors[1:])})"
                           if len(errors) > 1 else ""), once=True)
-    return argparse.Namespace(**{**vars(args), **settings, "resume": args.resume, "run_dir": args.resume})
+    return argparse.Namespace(**{**vars(args), **settings, "resume": args.resume, "run_dir": args.resume,
+                                 "given": args.given})
 
 
 def latest_step(run_dir):

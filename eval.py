@@ -242,6 +242,7 @@ def main(argv=None):
     args = parse_args(argv)
     rank, world, device = trainer.setup_distributed()
     from rollout import set_cpu_kv_cache
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # as spo.py; VLLM_LOGGING_LEVEL=INFO shows its report
     error = set_cpu_kv_cache(args.cpu_kv_cache_gib)
     if error:
         trainer.fail(error, once=True)

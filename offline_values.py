@@ -278,6 +278,7 @@ def main(argv=None):
     from data import load_dataset, load_tokenizer
     args = parse_args(argv)
     rank, world, device = trainer.setup_distributed()
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # as spo.py; VLLM_LOGGING_LEVEL=INFO shows its report
     error = set_cpu_kv_cache(args.cpu_kv_cache_gib)
     if error:
         trainer.fail(error, once=True)

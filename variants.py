@@ -82,6 +82,8 @@ def check_args(args, world):
         fail(f"--group_size must be at least 2 for {args.algo}", once=True)
     if args.algo != "spo" and args.baseline != "tracker":
         fail(f"--baseline {args.baseline} is an SPO option; {args.algo} has its own baseline", once=True)
+    if args.algo != "spo" and args.offline_values not in ("auto", "none"):
+        fail(f"--offline_values initialises SPO's value tracker; {args.algo} has none (it would be ignored)", once=True)
     if args.baseline == "fixed" and (args.offline_values == "none" or (args.offline_values == "auto" and args.train)):
         fail("--baseline fixed keeps the offline values v0 forever; it needs --offline_values", once=True)
     if args.dynamic_sampling and (args.algo == "spo" or args.group_size < 2):

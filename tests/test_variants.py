@@ -215,6 +215,7 @@ def test_signal_metrics_by_hand():
     (["--baseline", "fixed", "--train", "mine.parquet"], "needs --offline_values"),  # auto: values on the toy only
     (["--group_size", "3"], "multiple of world size x group size"),
     (["--ppo_steps", "5"], "must divide the per-rank batch"),
+    (["--algo", "grpo", "--offline_values", "values.json"], "grpo has none (it would be ignored)"),
     # out of range: each used to be a traceback, or a 0 that silently became the default
     (["--group_size", "0"], "--group_size must be at least 1, got 0"),
     (["--lr=-1e-3"], "--lr must be positive, got -0.001"),
