@@ -4,9 +4,9 @@
    (ties go to the answer whose first sample comes earliest; an empty or unparsed answer never wins) and as a
    bootstrap expectation over resamples (the paper's maj@32 values on 30-problem sets are not multiples of 1/30,
    so they look like one), a per-benchmark summary and a markdown table.
-2. Sampling: `sample_and_score`, which spo.py's held-out evaluation calls too; every request's seed derives from
-   (seed, prompt key, sample index), so a sample does not depend on the world size, batch or order. Responses are
-   scored by reward.py, the same verifier as training.
+2. Sampling: `sample_and_score`, which spo.py's held-out evaluation (`heldout_metrics`) calls too; every
+   request's seed derives from (seed, prompt key, sample index), so a sample does not depend on the world size,
+   batch or order. Responses are scored by reward.py, the same verifier as training.
 3. The command line (paper defaults: n 32, temperature 0.6, top_p 0.95, top_k 20); --model also takes an spo.py
    run or checkpoint directory; --tools samples through the multi-turn tool loop (rollout.py), as training does.
 
@@ -166,6 +166,24 @@ def sample_and_score(engine, data, n, seeds_base, *, temperature, top_p, top_k, 
         dist.all_gather_object(parts, local)  # answers and flags only: responses stay on their rank
     merged = {p: s for part in parts for p, s in part.items()}
     return [merged[p] for p in range(len(data.keys))], rollouts
+
+
+def heldout_metrics(engine, test, args, tools):
+    """spo.py's held-out evaluation: accuracy (avg@n at the evaluation temperature) over all ranks, by
+    sample_and_score, and with tools the share of samples that called the tool. The seeds do not depend on the
+    step: every evaluation scores the same draws, so differences are the model's."""
+    import torch.distributed as dist
+    from trainer import all_reduce_np
+    samples, rollouts = sample_and_score(engine, test, args.eval_samples, [args.seed, 1],
+                                         temperature=args.eval_temperature, top_p=args.eval_top_p,
+                                         top_k=args.eval_top_k, max_tokens=args.max_response_len,
+                                         rank=dist.get_rank(), world=dist.get_world_size(),
+                                         think_format=args.think_format, tools=tools)
+    metrics = {"eval/accuracy": float(np.mean([correct for problem in samples for _, correct in problem]))}
+    if tools:
+        used = all_reduce_np([sum(r.tool_calls > 0 for rs in rollouts.values() for r in rs)])[0]
+        metrics["eval/tool_use"] = used / (len(test.keys) * args.eval_samples)
+    return metrics
 
 
 def resolve_model(path: str) -> str:

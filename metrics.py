@@ -170,3 +170,20 @@ class Logger:
             self.file.close()
             if self.tb:
                 self.tb.close()
+
+
+def oversample_metrics(rollouts, reward, kept):
+    """--oversample, over all ranks: the share of started trajectories kept, and the kept ones' mean length and
+    reward against the aborted ones' (only those that finished are scored: all of them with
+    --oversample_measure). Keeping the first to finish keeps the short ones: this is that bias, measured."""
+    finished = np.array([r is not None for r in rollouts], dtype=np.float64)
+    lengths = np.array([len(r.response_ids) if r is not None else np.nan for r in rollouts])
+    kept, finished, lengths, reward = (all_gather_np(np.asarray(x, dtype=np.float64))
+                                       for x in (kept, finished, lengths, reward))
+    k, aborted = kept > 0, (kept == 0) & (finished > 0)
+    m = {"oversample/kept_share": k.mean(), "oversample/kept_length_mean": lengths[k].mean(),
+         "oversample/kept_reward_mean": reward[k].mean(), "oversample/aborted_finished": aborted.sum()}
+    if aborted.any():
+        m.update({"oversample/aborted_length_mean": lengths[aborted].mean(),
+                  "oversample/aborted_reward_mean": reward[aborted].mean()})
+    return {key: float(v) for key, v in m.items()}

@@ -78,6 +78,7 @@ class Rollout:
     tool_calls: int = 0
     tool_errors: int = 0  # tool runs with a non-zero exit (a timeout counts here too), or no code to run
     tool_timeouts: int = 0
+    finish_order: int = -1  # 0 for the first trajectory of its generate call to finish, 1 for the next; -1: aborted
 
     def __post_init__(self):
         if not self.response_mask:
@@ -114,6 +115,19 @@ def apply_tool_defaults(args, budget_flag):
     args.toy_dir = args.toy_dir or ("toy_tools" if args.tools else "toy")
     if getattr(args, budget_flag) is None:  # `is None`: a 0 given on purpose must reach the range check
         setattr(args, budget_flag, 160 if args.tools else 32)
+
+
+def first_finished(rollouts, keep, group_size=1):
+    """(N,) bool: the trajectories of the first keep / G groups of G consecutive rollouts to finish completely, by
+    their finish_order (a group finishes with its last member); what generate(keep_first=keep) keeps, computed
+    after the fact from a generate that let every trajectory finish (over-sampling's measurement mode). None or
+    finish_order -1: aborted, never finished."""
+    order = np.array([r.finish_order if r is not None and r.finish_order >= 0 else np.inf for r in rollouts])
+    order = order.reshape(-1, group_size).max(1)  # (N / G,): a group finishes with its last member
+    kept = np.zeros(len(order), dtype=bool)
+    first = np.argsort(order, kind="stable")[: keep // group_size]
+    kept[first] = np.isfinite(order[first])
+    return np.repeat(kept, group_size)
 
 
 def set_cpu_kv_cache(gib):
@@ -242,14 +256,16 @@ class Engine:
         self._empty_cache = torch.cuda.empty_cache if self.on_gpu else (lambda: None)
 
     def generate(self, prompt_ids, seeds, *, max_tokens, temperature=None, top_p=1.0, top_k=-1, stop=None,
-                 tools=None, keep_first=None):
+                 tools=None, keep_first=None, group_size=1):
         """One response per prompt; `max_tokens` is the response budget (tool tokens included).
 
         seeds: one per prompt. The engine seed is the same on every rank, so without per-request seeds all
         ranks would sample the same responses. tools: a Tools to run the tool loop; None: single turn.
         keep_first: return once this many trajectories have finished and abort the others; their slots in the
-        returned list are None (which ones finish first depends on timing, so this is not reproducible).
-        Returns a list of Rollout aligned with prompt_ids."""
+        returned list are None (which ones finish first depends on timing, so this is not reproducible). With
+        group_size G, consecutive G trajectories form a group that counts only once all of it has finished: the
+        first keep_first / G complete groups are kept (GRPO's counterpart of group-free over-sampling).
+        Returns a list of Rollout aligned with prompt_ids, each with its finish_order."""
         from vllm import SamplingParams
         from vllm.inputs import tokens_input  # an engine input: token ids, no rendering
         from vllm.sampling_params import RequestOutputKind
@@ -257,6 +273,9 @@ class Engine:
             raise ValueError(f"Engine.generate: {len(prompt_ids)} prompts but {len(seeds)} seeds")
         if keep_first is not None and not 0 < keep_first <= len(prompt_ids):
             raise ValueError(f"Engine.generate: keep_first must be in [1, {len(prompt_ids)}], got {keep_first}")
+        if len(prompt_ids) % group_size or (keep_first or 0) % group_size:
+            raise ValueError(f"Engine.generate: {len(prompt_ids)} prompts and keep_first {keep_first} must be "
+                             f"multiples of group_size {group_size}")
         self.wake_up()
         temperature = self.temperature if temperature is None else temperature
         stop = list([stop] if isinstance(stop, str) else stop or []) + ([CODE_STOP] if tools else [])
@@ -266,10 +285,14 @@ class Engine:
         running: dict[str, int] = {}  # vLLM request id -> trajectory
         tool_runs: list[tuple[Future | str, int]] = []  # (pending tool run or an error message, trajectory)
         finished: list[int] = []  # trajectories in the order they finished
+        complete: list[int] = []  # groups (of group_size trajectories) in the order they finished
 
         def finish(i, reason):
-            rollouts[i].finish_reason = reason
+            rollouts[i].finish_reason, rollouts[i].finish_order = reason, len(finished)
             finished.append(i)
+            first = i - i % group_size
+            if all(r.finish_order >= 0 for r in rollouts[first: first + group_size]):
+                complete.append(i // group_size)
 
         def submit(i):
             """The next model segment of trajectory i: prompt + everything so far, its own seed."""
@@ -333,7 +356,7 @@ class Engine:
         try:
             for i in range(len(rollouts)):
                 submit(i)
-            while len(finished) < wanted and (running or tool_runs):
+            while len(complete) * group_size < wanted and (running or tool_runs):
                 if not running and not any(isinstance(t, str) or t.done() for t, _ in tool_runs):
                     wait([t for t, _ in tool_runs], return_when=FIRST_COMPLETED)  # nothing to decode meanwhile
                 done = [isinstance(t, str) or t.done() for t, _ in tool_runs]  # one look: no run lost between
@@ -352,8 +375,8 @@ class Engine:
             for t, _ in tool_runs:
                 if isinstance(t, Future):
                     t.cancel()  # a run already started finishes in its thread; its result is ignored
-        kept = set(finished[:wanted])
-        return [r if i in kept else None for i, r in enumerate(rollouts)]
+        kept = set(complete[: wanted // group_size])  # a step can finish several: the first in finish order
+        return [r if i // group_size in kept else None for i, r in enumerate(rollouts)]
 
     # ---- sleep mode (GPU). The engine is in one of three states, kept here and nowhere else:
     #   "awake"   weights and KV cache on the GPU: generate may run;

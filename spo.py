@@ -39,25 +39,26 @@ fp32 / bf16, vLLM's KV cache space / GPU memory fraction and sleep mode):
     torchrun --nproc_per_node=8 spo.py --model Qwen/Qwen3-8B --train dapo.parquet ...   (README)
 """
 import argparse
+import math
 import os
 import time
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 import checkpoint
 import trainer
 import variants
 from trainer import all_gather_np, all_reduce_np
-from metrics import Logger, spo_metrics, step_metrics
+from metrics import Logger, oversample_metrics, spo_metrics, step_metrics
 from data import fail, load_dataset, load_tokenizer
-from eval import sample_and_score
+from eval import heldout_metrics
 from offline_values import (check_values_header, estimate_offline_values, init_tracker_from_file, tool_settings,
                             toy_values_path)
 from reward import rewards
-from rollout import TOOL_INSTRUCTION, add_tool_flags, apply_tool_defaults, set_cpu_kv_cache, tools_from_flags
+from rollout import (TOOL_INSTRUCTION, add_tool_flags, apply_tool_defaults, first_finished, set_cpu_kv_cache,
+                     tools_from_flags)
 from sampler import PromptSampler, priority_weights
 from tracker import ValueTracker
 
@@ -242,23 +243,6 @@ def ppo_clip_token_loss(logprobs, old_logprobs, advantage, mask, clip_low, clip_
     return loss, loss_clipped > loss_unclipped
 
 
-# ------------------------------------------------------------------------------------------------ evaluation
-def evaluate(engine, test, args, tools):
-    """Held-out accuracy (avg@n at the evaluation temperature) over all ranks, by the same code as eval.py, and
-    with tools the share of samples that called the tool. The seeds do not depend on the step: every evaluation
-    scores the same draws, so differences are the model's."""
-    samples, rollouts = sample_and_score(engine, test, args.eval_samples, [args.seed, 1],
-                                         temperature=args.eval_temperature, top_p=args.eval_top_p,
-                                         top_k=args.eval_top_k, max_tokens=args.max_response_len,
-                                         rank=dist.get_rank(), world=dist.get_world_size(),
-                                         think_format=args.think_format, tools=tools)
-    metrics = {"eval/accuracy": float(np.mean([correct for problem in samples for _, correct in problem]))}
-    if tools:
-        used = all_reduce_np([sum(r.tool_calls > 0 for rs in rollouts.values() for r in rs)])[0]
-        metrics["eval/tool_use"] = used / (len(test.keys) * args.eval_samples)
-    return metrics
-
-
 # ------------------------------------------------------------------------------------------------ main
 def main(argv=None):
     args = parse_args(argv)
@@ -289,9 +273,12 @@ def main(argv=None):
     if test is not None and args.eval_max_prompts:
         test = test[: args.eval_max_prompts]
     n_prompts = len(data.keys)
-    if n_prompts < args.batch_size // args.group_size:
-        fail(f"--train {args.train}: {n_prompts} prompts, fewer than the {args.batch_size // args.group_size} distinct "
-             f"prompts each step draws (--batch_size / --group_size)", once=True)
+    group = args.group_size  # responses per prompt: 1 for SPO (more: Batch SPO), G for the group estimators
+    local = args.batch_size // world  # responses per rank per step
+    started = math.ceil(args.oversample * local / group) * group  # trajectories started per rank (--oversample)
+    if n_prompts < started * world // group:
+        fail(f"--train {args.train}: {n_prompts} prompts, fewer than the {started * world // group} distinct prompts "
+             f"each step draws (--batch_size / --group_size, x --oversample)", once=True)
     # What changes the offline values v0 (Algorithm 2): a values file made otherwise would start the tracker from
     # another distribution than training samples from. Checked before anything heavy starts.
     v0_settings = {"temperature": float(args.temperature), "top_p": 1.0, "max_tokens": args.max_response_len,
@@ -347,8 +334,6 @@ def main(argv=None):
         logger.console(f"{n_prompts} training prompts, {len(test.keys) if test else 0} held-out, world size {world}, "
                        f"device {device.type}")
 
-    group = args.group_size  # responses per prompt: 1 for SPO (more: Batch SPO), G for the group estimators
-    local = args.batch_size // world  # responses per rank per step
     # Eq. 10 (PPO-clip, token mean over the global mini-batch) unless --loss / --loss_agg pick a variant
     loss_fn = variants.make_loss(args.loss, args.loss_agg, ppo_clip_token_loss, clip_low=args.clip_low,
                                  clip_high=args.clip_high, dual_clip=args.dual_clip,
@@ -358,27 +343,34 @@ def main(argv=None):
         """Steps 1-3 for one batch of B/G prompts (dynamic sampling calls it again for more groups)."""
         # 1. prompts (Eq. 11): every rank draws the same global batch (same seed, same weights), then its slice.
         t0 = time.time()
-        index = np.repeat(sampler.draw(args.batch_size // group), group)  # (B,) prompt indices
-        mine = index[rank * local: (rank + 1) * local]  # (B_local,)
+        index = np.repeat(sampler.draw(started * world // group), group)  # (B,) prompt indices (more: over-sampled)
+        mine = index[rank * started: (rank + 1) * started]  # (B_local,)
         # 2. one response per slot (with --tools a multi-turn trajectory whose interpreter tokens have mask 0);
-        #    per-request seeds so ranks, steps and rounds sample differently.
-        seeds = np.random.SeedSequence([args.seed, 0, step, rank] + [round_] * (round_ > 0)).generate_state(local)
+        #    per-request seeds so ranks, steps and rounds sample differently. Over-sampled: the first B_local to
+        #    finish are kept (whole groups), the others aborted (or, to measure them, left to finish).
+        seeds = np.random.SeedSequence([args.seed, 0, step, rank] + [round_] * (round_ > 0)).generate_state(started)
         rollouts = engine.generate([data.prompt_ids[i] for i in mine], seeds, max_tokens=args.max_response_len,
-                                   tools=tools)
+                                   tools=tools, group_size=group,
+                                   keep_first=local if started > local and not args.oversample_measure else None)
         t["generate"] = t.get("generate", 0.0) + time.time() - t0
         # 3. rewards r(x, y) in {0, 1}; a response cut off by the budget scores 0 by default (reward.py).
         t0 = time.time()
-        reward = rewards(rollouts, [data.answers[i] for i in mine], args.think_format, args.truncated_reward)
+        done = np.array([r is not None for r in rollouts])
+        reward = np.full(started, np.nan)
+        reward[done] = rewards([r for r in rollouts if r], [data.answers[i] for i in mine[done]], args.think_format,
+                               args.truncated_reward)
+        kept = first_finished(rollouts, local, group) if started > local else done
+        oversampled.update(oversample_metrics(rollouts, reward, kept) if started > local else {})
         t["score"] = t.get("score", 0.0) + time.time() - t0
-        return mine, rollouts, reward  # (B_local,), B_local rollouts, (B_local,)
+        return mine[kept], [r for r, k in zip(rollouts, kept) if k], reward[kept]  # (B_local,), rollouts, (B_local,)
 
     nonfinite = 0
     if start_step == 0 and test is not None and args.eval_every:
-        logger.log(0, evaluate(engine, test, args, tools))
+        logger.log(0, heldout_metrics(engine, test, args, tools))
     for step in logger.progress(range(start_step + 1, args.steps + 1), total=args.steps, initial=start_step):
-        t = {}
+        t, oversampled = {}, {}
         mine, rollouts, reward = sample(step, t)  # steps 1-3
-        sampling = {"sampling/generated": args.batch_size, "sampling/used": args.batch_size}
+        sampling = {"sampling/generated": started * world, "sampling/used": args.batch_size, **oversampled}
         if args.dynamic_sampling:  # DAPO: drop the groups whose rewards are all equal, refill (variants.py)
             mine, rollouts, reward, sampling = variants.dynamic_sampling(
                 (mine, rollouts, reward), lambda k: sample(step, t, k), group, args.max_sampling_rounds, rank,
@@ -440,7 +432,7 @@ def main(argv=None):
         metrics.update(algo_metrics)
         metrics.update(sampling)
         if test is not None and args.eval_every and (step % args.eval_every == 0 or step == args.steps):
-            metrics.update(evaluate(engine, test, args, tools))
+            metrics.update(heldout_metrics(engine, test, args, tools))
         logger.log(step, metrics, console=(step % args.log_every == 0 or step == args.steps))
         if (args.save_every and step % args.save_every == 0) or step == args.steps:
             checkpoint.save_checkpoint(run_dir, step, policy, optimizer, tokenizer, world, data.keys,

@@ -47,6 +47,11 @@ def add_variant_flags(p):
                    help="DAPO: drop groups whose rewards are all equal and refill (group estimators only)")
     p.add_argument("--max_sampling_rounds", type=int, default=4,
                    help="dynamic sampling: extra generation rounds at most; then all-equal groups fill the batch")
+    p.add_argument("--oversample", type=float, default=1.0,
+                   help="start f x B trajectories, train on the first B to finish, abort the rest (Appendix B; "
+                        "group estimators: whole groups); 1: off")
+    p.add_argument("--oversample_measure", action="store_true",
+                   help="with --oversample: let the others finish too, to log the kept vs aborted lengths and rewards")
 
 
 # Flags that must be at least this (a 0 or a negative value used to become a default or a traceback later).
@@ -86,6 +91,9 @@ def check_args(args, world):
         fail(f"--offline_values initialises SPO's value tracker; {args.algo} has none (it would be ignored)", once=True)
     if args.baseline == "fixed" and (args.offline_values == "none" or (args.offline_values == "auto" and args.train)):
         fail("--baseline fixed keeps the offline values v0 forever; it needs --offline_values", once=True)
+    if not args.oversample >= 1 or (args.oversample > 1 and args.dynamic_sampling):
+        fail(f"--oversample must be at least 1 (1: off) and cannot be combined with --dynamic_sampling, got "
+             f"{args.oversample}", once=True)
     if args.dynamic_sampling and (args.algo == "spo" or args.group_size < 2):
         fail(f"--dynamic_sampling drops groups whose rewards are all equal; it needs a group estimator with "
              f"--group_size >= 2 (got --algo {args.algo}, --group_size {args.group_size})", once=True)

@@ -79,6 +79,23 @@ def _assert_same_checkpoint(a, b, scratch):
 
 
 @pytest.mark.slow
+def test_oversampling_trains_on_the_first_to_finish(small_toy, tmp_path):
+    """--oversample (Appendix B): SPO starts 1.5 x B single trajectories and trains on the first B (the rest
+    aborted); GRPO with --oversample_measure keeps the first complete groups and lets the others finish, so the
+    kept and aborted ones can be compared."""
+    ok(torchrun(2, *toy_args(small_toy, tmp_path / "spo", "--steps", "2", "--eval_every", "0", "--oversample", "1.5")))
+    for r in _metrics(tmp_path / "spo")[1:]:
+        assert all(np.isfinite(v) for v in r.values())
+        assert (r["sampling/generated"], r["sampling/used"], r["oversample/kept_share"]) == (24, 16, 16 / 24)
+    ok(torchrun(2, *toy_args(small_toy, tmp_path / "grpo", "--algo", "grpo", "--group_size", "4", "--steps", "2",
+                             "--eval_every", "0", "--oversample", "2", "--oversample_measure")))
+    for r in _metrics(tmp_path / "grpo")[1:]:
+        assert all(np.isfinite(v) for v in r.values())
+        assert (r["sampling/generated"], r["oversample/kept_share"], r["oversample/aborted_finished"]) == (32, 0.5, 16)
+        assert "oversample/aborted_reward_mean" in r and "zero_signal/degenerate_groups" in r
+
+
+@pytest.mark.slow
 def test_resume_is_exact(small_toy, spo_run, tmp_path):
     """4 steps straight == 2 steps, stop, --resume, 2 more."""
     straight, _ = spo_run
@@ -290,6 +307,20 @@ def test_end_to_end_spo_with_tools_two_ranks(tool_run):
     assert config["tools"] and config["max_response_len"] == 160 and config["d_half"] == 3e-4  # k3's own D_half
     revisits = [r for r in steps if "tracker/rho_p50" in r]  # 4 of 5 prompts per step: revisits from step 2 on
     assert revisits and all(0.875 <= r["tracker/rho_p10"] <= r["tracker/rho_p90"] <= 0.96 for r in revisits)
+
+
+@pytest.mark.slow
+def test_oversampling_with_tools_aborts_trajectories_mid_loop(scripted_model, tool_run, tmp_path):
+    """--oversample with --tools: trajectories finish at their own pace (tool runs included); the first B are
+    trained on, the others aborted, pending tool runs with them, and training goes on."""
+    tmp, _ = tool_run
+    ok(torchrun(2, "spo.py", "--model", scripted_model, "--train", str(tmp / "tools.parquet"), "--run_dir",
+                str(tmp_path / "run"), "--offline_values", "none", "--batch_size", "2", "--steps", "2",
+                "--eval_every", "0", "--lr", "1e-5", "--oversample", "2", "--tools", "--sandbox_timeout",
+                str(SNIPPET_TIMEOUT_S), "--max_turns", "3", "--max_prompt_len", "64"))
+    for r in _metrics(tmp_path / "run")[1:]:
+        assert all(np.isfinite(v) for v in r.values())
+        assert (r["sampling/generated"], r["sampling/used"], r["oversample/kept_share"]) == (4, 2, 0.5)
 
 
 @pytest.mark.slow

