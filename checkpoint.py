@@ -139,7 +139,7 @@ def claim_run_dir(run_dir, resume, name):
                 f"or choose another --run_dir")
     if resume and "checkpoints" not in holds:
         return f"--resume {run_dir}: no run with checkpoints there"
-    lock = os.path.join(run_dir, ".lock")
+    lock, existed = os.path.join(run_dir, ".lock"), os.path.isdir(run_dir)
     try:
         os.makedirs(run_dir, exist_ok=True)
         for _ in range(2):
@@ -161,8 +161,16 @@ def claim_run_dir(run_dir, resume, name):
         os.remove(probe)
     except OSError as e:
         return f"--run_dir {run_dir}: cannot write there ({e.strerror or e})"
-    atexit.register(lambda: _lock_owner(lock) == (socket.gethostname(), os.getpid()) and os.remove(lock))
+    atexit.register(_release, lock, run_dir, existed)
     return None
+
+
+def _release(lock, run_dir, existed):
+    """At exit: our lock goes; a directory this run created and never wrote to (a run refused early) goes too."""
+    if _lock_owner(lock) == (socket.gethostname(), os.getpid()):
+        os.remove(lock)
+        if not existed and not os.listdir(run_dir):
+            os.rmdir(run_dir)
 
 
 def default_run_dir(algo):
