@@ -13,7 +13,10 @@ part and trust the others did not move:
   micro-batches and ranks): token mean, sequence mean of token means, token sum over a constant;
 - DAPO's dynamic sampling: drop groups whose rewards are all equal, refill from more rounds, and count both the
   samples generated and those used, so that equal-budget comparisons stay honest;
-- `check_args`: one `error:` line for a combination without meaning, before anything heavy starts.
+- group-free over-sampling (`--oversample`, Appendix B): only its flags and checks live here; the engine keeps
+  the first trajectories (or whole groups) to finish (rollout.Engine.generate, rollout.first_finished);
+- `check_args`: one `error:` line for a flag out of range or a combination without meaning, before anything heavy
+  starts.
 Batch SPO (`--group_size` with spo), the fixed offline baseline and rho = 1 are SPO's own tracker with another
 setting: they stay in spo.py's step 5.
 
