@@ -67,11 +67,11 @@ def test_token_budget_micro_batches_cover_every_sequence_once_within_the_budget(
 
 
 @pytest.mark.slow
-def test_bench_gpu_runs_the_trainer_path_on_a_tiny_qwen3_shape():
-    """`bench.py gpu` is the device check (README); here on a CPU with a tiny Qwen3 shape (the real vocabulary).
+def test_the_device_check_runs_the_trainer_path_on_a_tiny_qwen3_shape():
+    """`bench_gpu.py` is the device check (README); here on a CPU with a tiny Qwen3 shape (the real vocabulary).
     Its fp32 "reference" is the same weights unsharded, so on a CPU the FSDP2 log-probs must equal it."""
     import re
-    proc = ok(python("bench.py", "gpu", "--shape", "tiny", "--response_len", "96", "--sequences", "3",
+    proc = ok(python("bench_gpu.py", "--shape", "tiny", "--response_len", "96", "--sequences", "3",
                      "--max_tokens_per_micro_batch", "700"))
     assert re.search(r"old log-probs +[\d.]+ s +\d+ tokens/s +peak memory [\d.]+ GiB", proc.stdout), proc.stdout
     assert re.search(r"PPO step +[\d.]+ s +\d+ tokens/s +peak memory [\d.]+ GiB", proc.stdout), proc.stdout
