@@ -10,8 +10,8 @@
   requests and sampling (the overhead ratio).
 - tools: rollout tokens per second on the tool toy with the tool loop (sandboxed runs, interpreter tokens
   appended) against the same requests without tools (the model then writes its own "interpreter" text).
-- throughput: the paper's Fig. 5 (group-free vs group time to a batch) as a simulation over 10,000 draws, by
-  straggler share and over-sampling factor, for a trajectory-time mixture fitted to the one published group.
+- throughput: the paper's Fig. 5 (group-free vs group time to a batch): simulated over 10,000 draws, then for
+  real on the tool toy with injected tool latency, and the accuracy cost of over-sampling (bench_throughput.py).
 - logprobs: peak memory of the log-prob pass at Qwen3's vocabulary, chunked over response positions
   (trainer.token_logprobs) against the full-vocabulary log-softmax, with and without gradients.
 (The GPU device check, the trainer path without vLLM, is bench_gpu.py.)
@@ -31,6 +31,7 @@ import time
 
 import numpy as np
 
+import bench_throughput
 from sampler import PromptSampler, priority_weights
 from sandbox import SandboxPool, isolation, run_code
 from data import load_dataset, load_tokenizer
@@ -296,63 +297,14 @@ def bench_logprob_memory(vocab=151_936, seq_len=4096, prompt_len=512):
     return ratios
 
 
-# ------------------------------------------------------------------------------------------------ group-free throughput
-PAPER_GROUP_S = (74, 87, 90, 114, 117, 409, 444, 508)  # the one group of 8 the paper's Fig. 5 shows (s)
-
-
-def _trajectory_times(rng, shape, straggler_share, fast=(95.0, 0.19), slow=(451.0, 0.11)):
-    """Seconds per trajectory: a two-part lognormal mixture fitted to PAPER_GROUP_S (the five fast ones: median
-    95 s, sd of log 0.19; the three stragglers: median 451 s, sd of log 0.11; stragglers 3/8 of that group).
-    The paper publishes no distribution; this is the stated assumption, and the straggler share is varied."""
-    straggler = rng.random(shape) < straggler_share
-    return np.where(straggler, rng.lognormal(np.log(slow[0]), slow[1], shape),
-                    rng.lognormal(np.log(fast[0]), fast[1], shape))
-
-
-def time_to_batch(times, keep, group_size):
-    """(S,) seconds until `keep` usable trajectories exist, for times (S, N) of N trajectories started at once.
-    group_size 1 (SPO): the keep-th fastest trajectory. G > 1: trajectories n*G..n*G+G-1 form a group, usable
-    when its slowest member is done; the (keep / G)-th fastest group."""
-    done = times if group_size == 1 else times.reshape(len(times), -1, group_size).max(-1)  # (S, N / G)
-    return np.sort(done, axis=1)[:, keep // group_size - 1]
-
-
-def bench_throughput_simulation(seeds=10_000, keep=24, group_size=8):
-    """The paper's Fig. 5 (group-free SPO keeps the first `keep` of f x keep single trajectories; GRPO keeps the
-    first keep/G complete groups of f x keep/G), over `seeds` draws: the time ratio's mean and 95% interval, by
-    straggler share and over-sampling factor f. The paper's single draw: f = 2, 486 s vs 112 s (4.35x)."""
-    rng = np.random.default_rng(0)
-    print(f"Fig. 5 as a simulation: {keep} trajectories kept, G = {group_size}; the ratio GRPO time / SPO time over "
-          f"{seeds} draws (mean [2.5%, 97.5%]); trajectory times: the mixture fitted to the published group")
-    shares, sizes = (0.05, 0.125, 0.25, 0.375, 0.5), [keep * f for f in (1, 4 / 3, 5 / 3, 2, 3)]
-    sizes = [int(n) // group_size * group_size for n in sizes]  # whole groups for GRPO, the same count for SPO
-    print(f"{'straggler share':>16} " + " ".join(f"{f'f = {n}/{keep}':>22}" for n in sizes))
-    results = {}
-    for share in shares:
-        cells = []
-        for n in sizes:
-            f = n / keep
-            times = _trajectory_times(rng, (seeds, n), share)
-            ratio = time_to_batch(times, keep, group_size) / time_to_batch(times, keep, 1)
-            results[share, f] = ratio
-            cells.append(f"{ratio.mean():5.2f} [{np.percentile(ratio, 2.5):4.2f}, {np.percentile(ratio, 97.5):5.2f}]")
-        print(f"{share:>16.3f} " + " ".join(f"{c:>22}" for c in cells))
-    paper = results[3 / 8, 2.0]
-    times = _trajectory_times(rng, (seeds, 2 * keep), 3 / 8)
-    grpo, spo = (np.median(time_to_batch(times, keep, g)) for g in (group_size, 1))
-    print(f"at the published group's share (3/8) and f = 2: GRPO {grpo:.0f} s vs SPO {spo:.0f} s (medians), ratio "
-          f"{paper.mean():.2f} "
-          f"[{np.percentile(paper, 2.5):.2f}, {np.percentile(paper, 97.5):.2f}]; paper, one draw: 486 s vs 112 s, "
-          f"4.35x", flush=True)
-    return results
-
-
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="spo benchmarks")
     parser.add_argument("which", nargs="*",
                         default=["tracker", "throughput", "logprobs", "steps", "sandbox", "eval", "tools"],
                         help="which benchmarks: tracker, throughput, logprobs, steps, sandbox, eval, tools")
     parser.add_argument("--sizes", type=int, nargs="+", default=[14_000, 10**6, 10**7], help="tracker: prompts")
+    parser.add_argument("--throughput_steps", type=int, default=40,
+                        help="throughput: steps of each tool-toy training run (0: time to a batch only)")
     if sys.argv[1:2] == ["_logprob_memory"]:  # bench_logprob_memory's worker process
         _logprob_memory_worker(sys.argv[2], bool(int(sys.argv[3])), *map(int, sys.argv[4:7]))
         sys.exit()
@@ -364,4 +316,4 @@ if __name__ == "__main__":
             continue
         {"tracker": lambda: bench_tracker_sampler(args.sizes), "steps": bench_steps, "sandbox": bench_sandbox,
          "eval": bench_eval, "tools": bench_tools, "logprobs": bench_logprob_memory,
-         "throughput": bench_throughput_simulation}[name]()
+         "throughput": lambda: bench_throughput.main(args.throughput_steps)}[name]()

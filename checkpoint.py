@@ -207,7 +207,7 @@ def _fsync_tree(root):
 
 
 def save_checkpoint(run_dir, step, model, optimizer, tokenizer, world, prompt_keys, tracker_state,
-                    sampler_state, previous, config, keep=2, export_dtype=None):
+                    sampler_state, previous, config, keep=2, export_dtype=None, reach=None):
     """Write checkpoints/step_N atomically: everything goes into step_N.tmp, which is renamed only when
     complete, then `latest` is replaced atomically. A crash mid-write leaves the previous checkpoint intact.
 
@@ -259,7 +259,7 @@ def save_checkpoint(run_dir, step, model, optimizer, tokenizer, world, prompt_ke
             hf_config.save_pretrained(os.path.join(tmp, "model"))
             tokenizer.save_pretrained(os.path.join(tmp, "model"))
             torch.save({"step": step, "world_size": world, "prompt_keys": prompt_keys, "tracker": tracker_state,
-                        "sampler": sampler_state, "previous": previous, "config": config},
+                        "sampler": sampler_state, "previous": previous, "config": config, "reach": reach},
                        os.path.join(tmp, "state.pt"))
             _fsync_tree(tmp)
         except OSError as e:

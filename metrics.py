@@ -172,17 +172,46 @@ class Logger:
                 self.tb.close()
 
 
-def oversample_metrics(rollouts, reward, kept):
+class PromptReach:
+    """--oversample, over the run: how many times each prompt was drawn and how many times it was trained on.
+    A prompt whose responses are slow (long, or waiting on slow tools) is aborted more often than others; one
+    drawn but never kept is one the policy never learns from. Saved in checkpoints, so a resumed run counts on."""
+
+    def __init__(self, n_prompts):
+        self.drawn, self.kept = np.zeros(n_prompts, np.int64), np.zeros(n_prompts, np.int64)
+
+    def update(self, drawn, kept):
+        """drawn, kept: prompt indices over all ranks (a prompt of a group appears once per response)."""
+        np.add.at(self.drawn, drawn, 1)
+        np.add.at(self.kept, kept, 1)
+
+    def metrics(self):
+        seen = self.drawn > 0
+        return {"oversample/prompts_drawn": seen.sum(),
+                "oversample/never_trained_share": (seen & (self.kept == 0)).sum() / max(seen.sum(), 1)}
+
+    def state_dict(self):
+        return {"drawn": self.drawn.copy(), "kept": self.kept.copy()}
+
+    def load_state_dict(self, state):
+        if state is not None:  # None: a checkpoint made without --oversample
+            self.drawn, self.kept = np.array(state["drawn"], np.int64), np.array(state["kept"], np.int64)
+
+
+def oversample_metrics(rollouts, reward, kept, index, reach):
     """--oversample, over all ranks: the share of started trajectories kept, and the kept ones' mean length and
     reward against the aborted ones' (only those that finished are scored: all of them with
-    --oversample_measure). Keeping the first to finish keeps the short ones: this is that bias, measured."""
+    --oversample_measure). Keeping the first to finish keeps the short ones: this is that bias, measured. index:
+    this rank's prompt indices of the started trajectories; reach (PromptReach) counts them for the run."""
     finished = np.array([r is not None for r in rollouts], dtype=np.float64)
     lengths = np.array([len(r.response_ids) if r is not None else np.nan for r in rollouts])
-    kept, finished, lengths, reward = (all_gather_np(np.asarray(x, dtype=np.float64))
-                                       for x in (kept, finished, lengths, reward))
+    kept, finished, lengths, reward, index = (all_gather_np(np.asarray(x, dtype=np.float64))
+                                              for x in (kept, finished, lengths, reward, index))
     k, aborted = kept > 0, (kept == 0) & (finished > 0)
+    reach.update(index.astype(np.int64), index[k].astype(np.int64))
     m = {"oversample/kept_share": k.mean(), "oversample/kept_length_mean": lengths[k].mean(),
-         "oversample/kept_reward_mean": reward[k].mean(), "oversample/aborted_finished": aborted.sum()}
+         "oversample/kept_reward_mean": reward[k].mean(), "oversample/aborted_finished": aborted.sum(),
+         **reach.metrics()}
     if aborted.any():
         m.update({"oversample/aborted_length_mean": lengths[aborted].mean(),
                   "oversample/aborted_reward_mean": reward[aborted].mean()})

@@ -51,7 +51,7 @@ import checkpoint
 import trainer
 import variants
 from trainer import all_gather_np, all_reduce_np
-from metrics import Logger, oversample_metrics, spo_metrics, step_metrics
+from metrics import Logger, PromptReach, oversample_metrics, spo_metrics, step_metrics
 from data import fail, load_dataset, load_tokenizer
 from eval import heldout_metrics
 from offline_values import (check_values_header, estimate_offline_values, init_tracker_from_file, tool_settings,
@@ -302,11 +302,13 @@ def main(argv=None):
                            {"constant": args.rho_constant, "none": 1.0}.get(args.rho))
     sampler = PromptSampler(n_prompts, seed=args.seed, mode=args.sampler)
     previous = {}  # prompt index -> PreviousResponse (SPO only; stays empty for GRPO)
+    reach = PromptReach(n_prompts)  # --oversample: prompts drawn and trained on, over the run
     start_step = 0
     if state:
         checkpoint.restore_training_state(policy, optimizer, state["shards"])
         tracker.load_state_dict(state["tracker"])
         sampler.load_state_dict(state["sampler"])
+        reach.load_state_dict(state.get("reach"))
         previous = {i: PreviousResponse(**fields) for i, fields in state["previous"].items()}
         start_step = state["step"]
     elif args.algo == "spo" and args.offline_values != "none":
@@ -360,7 +362,7 @@ def main(argv=None):
         reward[done] = rewards([r for r in rollouts if r], [data.answers[i] for i in mine[done]], args.think_format,
                                args.truncated_reward)
         kept = first_finished(rollouts, local, group) if started > local else done
-        oversampled.update(oversample_metrics(rollouts, reward, kept) if started > local else {})
+        oversampled.update(oversample_metrics(rollouts, reward, kept, mine, reach) if started > local else {})
         t["score"] = t.get("score", 0.0) + time.time() - t0
         return mine[kept], [r for r, k in zip(rollouts, kept) if k], reward[kept]  # (B_local,), rollouts, (B_local,)
 
@@ -437,7 +439,7 @@ def main(argv=None):
         if (args.save_every and step % args.save_every == 0) or step == args.steps:
             checkpoint.save_checkpoint(run_dir, step, policy, optimizer, tokenizer, world, data.keys,
                                        tracker.state_dict(), sampler.state_dict(),
-                                       {i: vars(p) for i, p in previous.items()}, vars(args),
+                                       {i: vars(p) for i, p in previous.items()}, vars(args), reach=reach.state_dict(),
                                        export_dtype=torch.bfloat16 if device.type == "cuda" else None)
     logger.close()
     if tools:

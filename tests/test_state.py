@@ -6,6 +6,7 @@ is wrong, and a saved state restores exactly (and refuses another training set's
 import numpy as np
 import pytest
 
+from metrics import PromptReach
 from sampler import PromptSampler
 from tracker import ValueTracker
 
@@ -132,3 +133,15 @@ def test_no_room_for_a_checkpoint_is_found_before_the_engine_starts(tmp_path):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip().startswith(f"error: --run_dir {tmp_path}:")
     assert "a checkpoint needs about 14901.2 GiB" in proc.stderr
+
+
+def test_prompt_reach_counts_prompts_never_trained_on_and_restores():
+    """--oversample's run-long count: a prompt drawn twice and kept once is reached; one only ever aborted is not."""
+    reach = PromptReach(5)
+    reach.update(np.array([0, 1, 2]), np.array([0, 2]))
+    reach.update(np.array([1, 3]), np.array([3]))
+    assert reach.metrics() == {"oversample/prompts_drawn": 4, "oversample/never_trained_share": 1 / 4}
+    restored = PromptReach(5)
+    restored.load_state_dict(reach.state_dict())
+    restored.update(np.array([1]), np.array([1]))  # counting goes on after a resume
+    assert restored.metrics()["oversample/never_trained_share"] == 0.0
