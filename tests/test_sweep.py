@@ -169,9 +169,10 @@ def test_sweep_resumes_reports_failures_and_leaves_training_alone(small_toy, spo
     second = subprocess.run(sweep_cmd(out, small_toy, "--variants", "spo", "grpo", "bad", "--define", "bad=--lr -1"),
                             cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=1200)
     assert second.returncode == 1, second.stdout[-3000:] + second.stderr[-3000:]
-    assert "spo-s0: finished, skipped" in second.stdout
+    console = second.stdout + second.stderr
+    assert "spo-s0: finished, skipped" in console
     assert (out / "runs" / "spo-s0" / "metrics.jsonl").stat().st_mtime == spo_metrics
-    assert "bad-s0: FAILED (exit" in second.stderr and "--lr must be positive" in second.stderr
+    assert "bad-s0: FAILED (exit" in console and "--lr must be positive" in console
     state = json.loads((out / "sweep.json").read_text())
     assert state["runs"]["grpo-s0"]["resumed"] and state["runs"]["grpo-s0"]["status"] == "finished"
     assert state["runs"]["bad-s0"]["status"] == "failed"
