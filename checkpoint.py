@@ -36,7 +36,8 @@ from data import fail
 # work is split but not what is computed (micro-batches only regroup a sum: the same result up to float rounding).
 RESUME_MAY_CHANGE = {"steps", "resume", "run_dir", "log_every", "eval_every", "save_every", "max_nonfinite", "wandb",
                      "tensorboard", "micro_batch_size", "max_tokens_per_micro_batch", "cpu_kv_cache_gib",
-                     "gpu_memory_utilization", "sandbox_workers", "given"}
+                     "gpu_memory_utilization", "sandbox_workers", "given", "probe_every", "probe_prompts",
+                     "probe_samples"}
 
 
 def resumed_settings(saved, given):

@@ -7,7 +7,9 @@
 2. Sampling: `sample_and_score`, which spo.py's held-out evaluation (`heldout_metrics`) calls too; every
    request's seed derives from (seed, prompt key, sample index), so a sample does not depend on the world size,
    batch or order. Responses are scored by reward.py, the same verifier as training.
-3. The command line (paper defaults: n 32, temperature 0.6, top_p 0.95, top_k 20); --model also takes an spo.py
+3. The tracker probe spo.py runs with --probe_every (`tracker_probe`): the value tracker's v(x) against the current
+   policy's success rate, measured with fresh samples on a fixed subset of training prompts (does it track?).
+4. The command line (paper defaults: n 32, temperature 0.6, top_p 0.95, top_k 20); --model also takes an spo.py
    run or checkpoint directory; --tools samples through the multi-turn tool loop (rollout.py), as training does.
 
     torchrun --nproc_per_node=2 eval.py --model runs/<run> --data aime24.parquet aime25.parquet
@@ -168,6 +170,19 @@ def sample_and_score(engine, data, n, seeds_base, *, temperature, top_p, top_k, 
     return [merged[p] for p in range(len(data.keys))], rollouts
 
 
+def evaluations(engine, test, data, tracker, args, tools, step):
+    """What spo.py measures between steps (step 0: before training; then after each step's weight push), each
+    when due: the held-out accuracy (every --eval_every steps and at the end) and the tracker probe (every
+    --probe_every steps and at the end). Neither touches training's random state: both sample with their own
+    per-request seeds, and the sampler's generator is not read."""
+    metrics = {}
+    if test is not None and args.eval_every and (step % args.eval_every == 0 or step == args.steps):
+        metrics.update(heldout_metrics(engine, test, args, tools))
+    if args.probe_every and (step % args.probe_every == 0 or step == args.steps):
+        metrics.update(tracker_probe(engine, data, tracker, args, step, tools))
+    return metrics
+
+
 def heldout_metrics(engine, test, args, tools):
     """spo.py's held-out evaluation: accuracy (avg@n at the evaluation temperature) over all ranks, by
     sample_and_score, and with tools the share of samples that called the tool. The seeds do not depend on the
@@ -184,6 +199,69 @@ def heldout_metrics(engine, test, args, tools):
         used = all_reduce_np([sum(r.tool_calls > 0 for rs in rollouts.values() for r in rs)])[0]
         metrics["eval/tool_use"] = used / (len(test.keys) * args.eval_samples)
     return metrics
+
+
+# ---------------------------------------------------------------------------------------------- tracker probe
+# Does the tracker track? Its v(x) is meant to be the current policy's success rate on x (Eq. 5 with rho
+# forgetting what older policies did). The probe measures that rate directly on a fixed random subset of training
+# prompts with fresh samples, so the gap between the two (and its noise floor) is visible over training.
+def add_probe_flags(p):
+    """spo.py's probe flags (eval.py's own command does not use them)."""
+    p.add_argument("--probe_every", type=int, default=0,
+                   help="tracker probe every N steps and at the end (0: off; spo only): v(x) of a fixed subset of "
+                        "training prompts against the policy's success rate from fresh samples (probe.jsonl)")
+    p.add_argument("--probe_prompts", type=int, default=64, help="training prompts the probe follows")
+    p.add_argument("--probe_samples", type=int, default=16, help="fresh samples per probed prompt")
+
+
+def probe_subset(n_prompts, k, seed):
+    """(min(k, n),) sorted prompt indices the probe follows for the whole run: drawn from a generator of their
+    own (seed, 3), so they depend only on the seed and the training set, and training's draws are untouched."""
+    return np.sort(np.random.default_rng([seed, 3]).choice(n_prompts, size=min(k, n_prompts), replace=False))
+
+
+def probe_stats(value, success, n_samples):
+    """The probe's summary: mean absolute error and mean signed error (bias) of v(x) against the measured success
+    rate, and the error a PERFECT tracker would still show because the rate is measured from n samples: the mean
+    of sqrt(2/pi) sqrt(p(1-p)/n) (normal approximation of E|p_hat - p|, with p(1-p) estimated without bias from
+    the same samples). A tracker error near this floor cannot be told apart from measurement noise."""
+    value, success = np.asarray(value, np.float64), np.asarray(success, np.float64)
+    spread = success * (1 - success) * n_samples / max(n_samples - 1, 1)  # unbiased p(1-p) from n Bernoulli draws
+    return {"probe/mae": float(np.mean(np.abs(value - success))), "probe/bias": float(np.mean(value - success)),
+            "probe/mae_floor": float(np.mean(np.sqrt(2 / np.pi * spread / n_samples)))}
+
+
+def tracker_probe(engine, data, tracker, args, step, tools):
+    """--probe_every: for the fixed subset of training prompts, the tracker's v(x) as it stands now (after this
+    step's tracker update: the baseline that x's next visit would use) against the success rate of the current
+    policy (after this step's update: the one that would act at that visit), from --probe_samples fresh samples
+    per prompt at the training temperature, scored with training's reward. Sampled on every rank (prompts
+    rank, rank + world, ...), with request seeds from (seed, 2, step, prompt key): never training's or the held-out
+    evaluation's. Rank 0 appends one line per probe to <run_dir>/probe.jsonl (a resumed run may repeat a step: the
+    last line of a step wins). Returns probe_stats (the same on every rank)."""
+    import torch.distributed as dist
+    from reward import rewards
+    from trainer import all_gather_objects
+    rank, world, n = dist.get_rank(), dist.get_world_size(), args.probe_samples
+    index = probe_subset(len(data.keys), args.probe_prompts, args.seed)  # (K,)
+    value = tracker.value_at(index)  # (K,) read before any further update
+    mine = index[rank::world]
+    success = {}
+    if len(mine):  # a rank with no probed prompt still joins the gather
+        seeds = np.concatenate([request_seeds([args.seed, 2, step], data.keys[i], n) for i in mine])
+        rollouts = engine.generate([data.prompt_ids[i] for i in mine for _ in range(n)], seeds,
+                                   max_tokens=args.max_response_len, temperature=args.temperature, tools=tools)
+        reward = rewards(rollouts, [data.answers[i] for i in mine for _ in range(n)], args.think_format,
+                         args.truncated_reward).reshape(len(mine), n)
+        success = {int(i): float(r.mean()) for i, r in zip(mine, reward)}
+    merged = {i: s for part in all_gather_objects([success]) for i, s in part.items()}
+    measured = np.array([merged[int(i)] for i in index])  # (K,)
+    stats = probe_stats(value, measured, n)
+    if rank == 0:
+        with open(os.path.join(args.run_dir, "probe.jsonl"), "a") as f:
+            f.write(json.dumps({"step": step, "prompt": index.tolist(), "value": value.tolist(),
+                                "success": measured.tolist(), "n_samples": n, **stats}) + "\n")
+    return stats
 
 
 def resolve_model(path: str) -> str:

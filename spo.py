@@ -53,7 +53,7 @@ import variants
 from trainer import all_gather_np, all_reduce_np
 from metrics import Logger, PromptReach, oversample_metrics, spo_metrics, step_metrics
 from data import fail, load_dataset, load_tokenizer
-from eval import heldout_metrics
+from eval import add_probe_flags, evaluations
 from offline_values import (check_values_header, estimate_offline_values, init_tracker_from_file, tool_settings,
                             toy_values_path)
 from reward import rewards
@@ -129,6 +129,7 @@ def parse_args(argv=None):
     p.add_argument("--eval_top_p", type=float, default=1.0, help="evaluation top-p (paper: 0.95)")
     p.add_argument("--eval_top_k", type=int, default=-1, help="evaluation top-k (paper: 20)")
     p.add_argument("--eval_max_prompts", type=int, default=500, help="held-out prompts used (0: all)")
+    add_probe_flags(p)  # --probe_every, --probe_prompts, --probe_samples: does the tracker track? (eval.py)
     # ---- run, checkpoints, logging
     p.add_argument("--run_dir", default=None, help="outputs go here (default: runs/<algo>-<time>)")
     p.add_argument("--save_every", type=int, default=50, help="checkpoint every N steps (0: only at the end)")
@@ -367,8 +368,8 @@ def main(argv=None):
         return mine[kept], [r for r, k in zip(rollouts, kept) if k], reward[kept]  # (B_local,), rollouts, (B_local,)
 
     nonfinite = 0
-    if start_step == 0 and test is not None and args.eval_every:
-        logger.log(0, heldout_metrics(engine, test, args, tools))
+    if start_step == 0 and (before := evaluations(engine, test, data, tracker, args, tools, 0)):
+        logger.log(0, before)  # held-out accuracy and the tracker probe before training, when asked for
     for step in logger.progress(range(start_step + 1, args.steps + 1), total=args.steps, initial=start_step):
         t, oversampled = {}, {}
         mine, rollouts, reward = sample(step, t)  # steps 1-3
@@ -433,8 +434,7 @@ def main(argv=None):
                                tools=tools is not None)
         metrics.update(algo_metrics)
         metrics.update(sampling)
-        if test is not None and args.eval_every and (step % args.eval_every == 0 or step == args.steps):
-            metrics.update(heldout_metrics(engine, test, args, tools))
+        metrics.update(evaluations(engine, test, data, tracker, args, tools, step))  # when due (eval.py)
         logger.log(step, metrics, console=(step % args.log_every == 0 or step == args.steps))
         if (args.save_every and step % args.save_every == 0) or step == args.steps:
             checkpoint.save_checkpoint(run_dir, step, policy, optimizer, tokenizer, world, data.keys,

@@ -1,0 +1,267 @@
+"""The plots of a sweep or of any spo.py run directories, as PNG files (matplotlib, Agg backend: no display).
+
+Each plot groups runs (a variant's seeds in a sweep; one run per group otherwise) and draws the group's mean over
+runs with a 95% t-interval band over runs (no band for a single run):
+  1. accuracy.png: held-out accuracy against generated samples (`sampling/generated` summed up to each
+     evaluation step), so variants are compared at equal budgets, not equal steps;
+  2. zero_signal.png: the paper's Fig. 3a: the share of samples that carry no signal over training: group
+     estimators: samples in all-equal groups (`zero_signal/degenerate_groups`); SPO: |A| <= 0.02 (solid) and
+     <= 1e-4 (dashed) of the raw advantage r - v (`zero_signal/abs_adv_le_*`; left out for `--baseline none`, whose
+     raw A is r itself);
+  3. adv_variance.png: Fig. 3b: the variance of the raw advantage over training (`signal/adv_var_raw`, solid) and,
+     for group estimators, over the samples that carry signal (`signal/adv_var_effective`, dashed: "GRPO
+     effective");
+  4. tracker_probe.png: does the tracker track? (runs with `--probe_every`): the mean absolute error of v(x) against
+     the success rate measured with fresh samples over training, with the error a perfect tracker would still show
+     from the measurement's own noise (dotted), and a calibration scatter of the last probe (all runs of a group);
+  5. rho.png: rho's distribution over training over revisited prompts: the median with the p10-p90 band
+     (`tracker/rho_p*`, means over runs; the quantiles are what spo.py logs per step, which is enough to show where
+     rho sits in its clip window), and the shares pinned at rho_min (solid) and rho_max (dashed).
+Per-step curves (2, 3, 5) are trailing means over SMOOTH steps; a plot without data in any run is skipped (named).
+
+    python sweep.py plot runs/spo-20261130-184232 runs/grpo --out plots     # your runs, one group each
+    python sweep.py plot sweeps/toy --out plots                             # a sweep's runs, grouped by variant
+"""
+import json
+import os
+
+import numpy as np
+
+SMOOTH = 10  # steps in the trailing mean of per-step curves (one step is 64 samples: noisy)
+
+# Two-sided 95% quantiles t_{0.975, df} of Student's t, df = 1..30 (standard tables; scipy is not a dependency).
+T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
+
+
+def t975(df):
+    """t_{0.975, df}: the table up to 30, then the Cornish-Fisher expansion around z = 1.96 (Abramowitz & Stegun
+    26.7.5, three terms), which agrees with the tables to 1e-3 from df = 30 on."""
+    if df < 1:
+        return float("nan")
+    if df <= 30:
+        return T975[int(df) - 1]
+    z = 1.959964
+    g1, g2 = (z ** 3 + z) / 4, (5 * z ** 5 + 16 * z ** 3 + 3 * z) / 96
+    g3 = (3 * z ** 7 + 19 * z ** 5 + 17 * z ** 3 - 15 * z) / 384
+    return z + g1 / df + g2 / df ** 2 + g3 / df ** 3
+
+
+def mean_ci(values):
+    """(mean, low, high, n) of the finite values: a 95% t-interval mean +- t_{0.975, n-1} sd / sqrt(n), sd with
+    n - 1. With fewer than two values there is no interval (low = high = NaN), never a fake zero width."""
+    x = np.asarray([v for v in values if v is not None and np.isfinite(v)], np.float64)
+    n = x.size
+    if n == 0:
+        return float("nan"), float("nan"), float("nan"), 0
+    mean = float(x.mean())
+    if n < 2:
+        return mean, float("nan"), float("nan"), 1
+    half = t975(n - 1) * float(x.std(ddof=1)) / np.sqrt(n)
+    return mean, mean - half, mean + half, n
+
+
+def paired_difference(values, reference):
+    """values, reference: {seed: number}. The mean_ci of values[s] - reference[s] over the seeds both have
+    (finite): a paired comparison, since runs with one seed share the held-out samples' seeds and the start."""
+    common = sorted(s for s in set(values) & set(reference)
+                    if np.isfinite(values[s]) and np.isfinite(reference[s]))
+    return mean_ci([values[s] - reference[s] for s in common])
+
+
+# ------------------------------------------------------------------------------------------------ reading runs
+def _jsonl_by_step(path):
+    """{step: row}; a resumed run may repeat steps (probe.jsonl keeps old lines): the last line of a step wins."""
+    rows = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                if line.strip():
+                    row = json.loads(line)
+                    rows[row["step"]] = row
+    return rows
+
+
+def read_run(run_dir):
+    """An spo.py run directory: its config, metrics rows and probe rows (each {step: row})."""
+    config = {}
+    if os.path.exists(os.path.join(run_dir, "config.json")):
+        with open(os.path.join(run_dir, "config.json")) as f:
+            config = json.load(f)
+    return {"dir": run_dir, "config": config, "rows": _jsonl_by_step(os.path.join(run_dir, "metrics.jsonl")),
+            "probe": _jsonl_by_step(os.path.join(run_dir, "probe.jsonl"))}
+
+
+def eval_curve(run):
+    """{step: (generated samples so far, held-out accuracy)} at the run's evaluation steps (step 0: 0 samples)."""
+    out, generated = {}, 0.0
+    per_step = run["config"].get("batch_size", float("nan"))  # runs from before sampling/generated was logged
+    for step in sorted(run["rows"]):
+        row = run["rows"][step]
+        generated += row.get("sampling/generated", per_step) if step > 0 else 0.0
+        if "eval/accuracy" in row:
+            out[step] = (generated, row["eval/accuracy"])
+    return out
+
+
+def _smooth(y, window):
+    """Trailing mean over `window` steps, NaN-aware (a step without the metric does not count)."""
+    out = np.full(len(y), np.nan)
+    for i in range(len(y)):
+        chunk = y[max(0, i - window + 1): i + 1]
+        if np.isfinite(chunk).any():
+            out[i] = np.nanmean(chunk)
+    return out
+
+
+def step_matrix(runs, key, window=SMOOTH):
+    """(steps, (runs, steps) matrix) of a per-step metric over training (step 0 left out), smoothed per run."""
+    steps = sorted({s for run in runs for s, row in run["rows"].items() if s > 0 and key in row})
+    matrix = np.array([_smooth(np.array([run["rows"].get(s, {}).get(key, np.nan) for s in steps], np.float64),
+                               window) for run in runs]) if steps else np.zeros((len(runs), 0))
+    return np.array(steps), matrix
+
+
+def band(matrix):
+    """Per column of (runs, points): mean, low, high of mean_ci (low/high NaN where fewer than 2 runs)."""
+    stats = np.array([mean_ci(col)[:3] for col in matrix.T]).reshape(-1, 3)
+    return stats[:, 0], stats[:, 1], stats[:, 2]
+
+
+# ------------------------------------------------------------------------------------------------ the plots
+def _line(ax, x, matrix, color, label, style="-"):
+    mean, low, high = band(matrix)
+    ax.plot(x, mean, style, color=color, label=label, lw=1.5)
+    if np.isfinite(low).any():
+        ax.fill_between(x, low, high, color=color, alpha=0.15, lw=0)
+
+
+def _finish(fig, axes, path):
+    for ax in axes:
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def plot_accuracy(groups, colors, ax):
+    for name, runs in groups.items():
+        curves = [eval_curve(run) for run in runs]
+        steps = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
+        if steps:
+            x = np.mean([[c[s][0] for s in steps] for c in curves], axis=0)
+            _line(ax, x, np.array([[100 * c[s][1] for s in steps] for c in curves]), colors[name],
+                  f"{name} (n={len(runs)})")
+    ax.set(xlabel="generated samples", ylabel="held-out accuracy (%)", title="held-out accuracy at equal budget")
+
+
+def plot_zero_signal(groups, colors, ax):
+    for name, runs in groups.items():
+        for key, style, what in (("zero_signal/degenerate_groups", "-", "all-equal groups"),
+                                 ("zero_signal/abs_adv_le_0.02", "-", "|A| <= 0.02"),
+                                 ("zero_signal/abs_adv_le_1e-4", "--", "|A| <= 1e-4")):
+            if key.startswith("zero_signal/abs") and any(r["config"].get("baseline") == "none" for r in runs):
+                continue  # v = 0: the raw A is r itself, |A| small means r = 0, not "no signal"
+            steps, m = step_matrix(runs, key)
+            if len(steps):
+                _line(ax, steps, 100 * m, colors[name], f"{name}: {what}", style)
+    ax.set(xlabel="step", ylabel="samples without signal (%)", title="Fig. 3a: zero-signal samples")
+
+
+def plot_adv_variance(groups, colors, ax):
+    for name, runs in groups.items():
+        steps, m = step_matrix(runs, "signal/adv_var_raw")
+        if len(steps):
+            _line(ax, steps, m, colors[name], f"{name}: raw")
+        if any("zero_signal/degenerate_groups" in row for r in runs for row in r["rows"].values()):
+            steps, m = step_matrix(runs, "signal/adv_var_effective")
+            if len(steps):
+                _line(ax, steps, m, colors[name], f"{name}: effective", "--")
+    ax.set(xlabel="step", ylabel="variance of the raw advantage", title="Fig. 3b: advantage variance", yscale="log")
+
+
+def plot_probe(groups, colors, ax_mae, ax_scatter):
+    for name, runs in groups.items():
+        probed = [r for r in runs if r["probe"]]
+        if not probed:
+            continue
+        steps = sorted(set.intersection(*(set(r["probe"]) for r in probed)))
+        for key, style, what in (("probe/mae", "-", "MAE"), ("probe/mae_floor", ":", "noise floor")):
+            _line(ax_mae, steps, np.array([[r["probe"][s][key] for s in steps] for r in probed]), colors[name],
+                  f"{name}: {what}", style)
+        last = [r["probe"][max(r["probe"])] for r in probed]
+        ax_scatter.scatter(np.concatenate([p["value"] for p in last]), np.concatenate([p["success"] for p in last]),
+                           s=8, alpha=0.5, color=colors[name], label=f"{name} (step {max(probed[0]['probe'])})")
+    ax_mae.set(xlabel="step", ylabel="|v(x) - measured success rate|", title="tracker probe: mean absolute error")
+    ax_scatter.plot([0, 1], [0, 1], color="grey", lw=0.8)
+    ax_scatter.set(xlabel="tracker v(x)", ylabel="measured success rate", title="calibration at the last probe",
+                   xlim=(-0.02, 1.02), ylim=(-0.02, 1.02))
+
+
+def plot_rho(groups, colors, ax_q, ax_clip):
+    for name, runs in groups.items():
+        steps, p50 = step_matrix(runs, "tracker/rho_p50")
+        if not len(steps):
+            continue
+        (_, p10), (_, p90) = step_matrix(runs, "tracker/rho_p10"), step_matrix(runs, "tracker/rho_p90")
+        ax_q.plot(steps, np.nanmean(p50, 0), color=colors[name], label=f"{name}: median", lw=1.5)
+        ax_q.fill_between(steps, np.nanmean(p10, 0), np.nanmean(p90, 0), color=colors[name], alpha=0.15, lw=0)
+        for key, style in (("tracker/rho_at_min", "-"), ("tracker/rho_at_max", "--")):
+            s, m = step_matrix(runs, key)
+            _line(ax_clip, s, 100 * m, colors[name], f"{name}: at rho_{key[-3:]}", style)
+    ax_q.set(xlabel="step", ylabel="rho (revisited prompts)", title="rho: median and p10-p90")
+    ax_clip.set(xlabel="step", ylabel="revisits at the clip bound (%)", title="rho pinned at rho_min / rho_max")
+
+
+def _has(groups, test):
+    return any(test(run) for runs in groups.values() for run in runs)
+
+
+def make_plots(groups, out_dir):
+    """groups: {name: [read_run(...), ...]}. Writes the PNGs that have data into out_dir; returns
+    ({plot: path}, [names of the plots skipped for lack of data])."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    os.makedirs(out_dir, exist_ok=True)
+    palette = plt.get_cmap("tab10" if len(groups) <= 10 else "tab20")
+    colors = {name: palette(i % palette.N) for i, name in enumerate(groups)}
+
+    def any_row(key):
+        return _has(groups, lambda r: any(key in row for row in r["rows"].values()))
+    plots = {"accuracy": (any_row("eval/accuracy"), 1, plot_accuracy),
+             "zero_signal": (any_row("zero_signal/degenerate_groups") or any_row("zero_signal/abs_adv_le_0.02"), 1,
+                             plot_zero_signal),
+             "adv_variance": (any_row("signal/adv_var_raw"), 1, plot_adv_variance),
+             "tracker_probe": (_has(groups, lambda r: bool(r["probe"])), 2, plot_probe),
+             "rho": (any_row("tracker/rho_p50"), 2, plot_rho)}
+    written, skipped = {}, []
+    for name, (has_data, panels, draw) in plots.items():
+        if not has_data:
+            skipped.append(name)
+            continue
+        fig, axes = plt.subplots(1, panels, figsize=(6.5 * panels, 4.5), squeeze=False)
+        draw(groups, colors, *axes[0])
+        path = os.path.join(out_dir, f"{name}.png")
+        _finish(fig, axes[0], path)
+        plt.close(fig)
+        written[name] = path
+    return written, skipped
+
+
+def groups_from_paths(paths):
+    """Command-line paths to groups: a sweep directory (it holds sweep.json) gives one group per variant (its
+    finished runs, as its summary counts them); any other directory is one run, its own group."""
+    groups = {}
+    for path in paths:
+        path = path.rstrip("/")
+        if os.path.exists(os.path.join(path, "sweep.json")):
+            with open(os.path.join(path, "sweep.json")) as f:
+                sweep = json.load(f)
+            for run in sweep["runs"].values():
+                if run["status"] == "finished":
+                    groups.setdefault(run["variant"], []).append(read_run(os.path.join(path, "runs", run["name"])))
+        else:
+            groups[os.path.basename(path)] = [read_run(path)]
+    return groups

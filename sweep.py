@@ -1,0 +1,347 @@
+"""Sweeps: spo.py for a list of variants x seeds at an equal budget, resumable, with one summary and the plots.
+
+Why: one seed of an RL run on the toy moves the held-out accuracy by a few points, so comparing variants needs
+several seeds, an interval over them, and paired differences (runs with the same seed share the held-out samples'
+seeds and, for SPO, the offline values). This runs the grid, one torchrun at a time, and writes:
+
+  OUT/runs/<variant>-s<seed>/   spo.py run directories
+  OUT/logs/<variant>-s<seed>.log   everything the run printed (its latest attempt)
+  OUT/sweep.json   per run: variant, seed, command, status (finished / failed), exit code, seconds, error lines
+  OUT/summary.json, OUT/summary.md   per variant and evaluation step the held-out accuracy, mean and 95%
+                   t-interval over the seeds that finished, and the paired difference to --reference
+  OUT/plots/*.png  the five plots of plots.py (accuracy at equal budget, Fig. 3a, Fig. 3b, tracker probe, rho)
+
+Equal budget: every variant generates --batch_size responses per step (SPO 64 prompts x 1, the group estimators
+8 x 8) for the same --steps; no variant here over-samples or resamples (`--dynamic_sampling`), and the summary
+checks it from each run's `sampling/generated` and says so if the budgets differ. The probe's and the held-out
+evaluation's samples are measurements, not training samples, and are not counted.
+Resume: rerun the same command. A run whose latest checkpoint is at its last step (the --steps asked for) is
+finished and skipped; one with an earlier checkpoint continues from it (spo.py --resume, which is exact); one that
+never reached a checkpoint is deleted and started again. A failed run (non-zero exit) is reported on the console,
+in sweep.json and in summary.md, left out of every mean (each variant shows the seeds it used), and tried again by
+the next invocation. The tracker probe (--probe_every) runs on the SPO variants only (the others have no tracker).
+
+    python sweep.py --variants spo:0-4 grpo:0-4 rloo dr_grpo --seeds 0-2 --out sweeps/toy -- --toy_dir toy
+    python sweep.py --summary_only --out sweeps/toy           # summary and plots again from the runs there
+    python sweep.py plot RUN_DIR [RUN_DIR ...] --out plots    # the plots for any spo.py run directories
+"""
+import argparse
+import functools
+import json
+import os
+import re
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from plots import eval_curve, groups_from_paths, make_plots, mean_ci, paired_difference, read_run
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+# The ablations: each changes one thing of the default SPO run (README: the variants table). Dr. GRPO here is its
+# advantage only (the loss aggregation stays the token mean: one change per ablation; add --loss_agg token_sum
+# with --define for the paper's full recipe).
+VARIANTS = {
+    "spo": [],
+    "grpo": ["--algo", "grpo"],
+    "rloo": ["--algo", "rloo"],
+    "dr_grpo": ["--algo", "dr_grpo"],
+    "no_baseline": ["--baseline", "none"],
+    "no_offline": ["--offline_values", "none"],
+    "uniform": ["--sampler", "uniform"],
+    "rho_constant": ["--rho", "constant"],
+    "k3": ["--divergence", "k3"],  # D_half 3e-4, calibrated to abs (README: how D(x) is measured)
+    "k3_dhalf0.06": ["--divergence", "k3", "--d_half", "0.06"],  # the default before 2026-11-30
+}
+OWNED = {"--seed", "--run_dir", "--resume"}  # the sweep sets these per run
+
+
+def parse_seeds(text):
+    """'0-4' -> [0, 1, 2, 3, 4]; '0,2,5' -> [0, 2, 5]; '3' -> [3]."""
+    seeds = []
+    for part in text.split(","):
+        low, _, high = part.partition("-")
+        seeds += list(range(int(low), int(high) + 1)) if high else [int(low)]
+    return seeds
+
+
+def flag_value(flags, name, default=None):
+    """The value of the last `name VALUE` in a flag list (argparse's rule: the last one wins)."""
+    values = [flags[i + 1] for i in range(len(flags) - 1) if flags[i] == name]
+    return values[-1] if values else default
+
+
+def plan(args, extra):
+    """[(run name, variant, seed, spo.py flags without --seed / --run_dir)], or SystemExit with one line."""
+    variants = dict(VARIANTS)
+    for definition in args.define:
+        name, _, flags = definition.partition("=")
+        variants[name] = shlex.split(flags)
+    runs = []
+    for spec in args.variants:
+        name, _, seeds = spec.partition(":")
+        if name not in variants:
+            raise SystemExit(f"error: unknown variant {name!r}; known: {', '.join(variants)} (or --define NAME=FLAGS)")
+        flags = variants[name] + extra
+        if OWNED & set(flags):
+            raise SystemExit(f"error: {name}: {', '.join(sorted(OWNED & set(flags)))} is set by the sweep per run")
+        if flag_value(flags, "--algo", "spo") == "spo" and args.probe_every:
+            flags += ["--probe_every", str(args.probe_every), "--probe_prompts", str(args.probe_prompts),
+                      "--probe_samples", str(args.probe_samples)]
+        runs += [(f"{name}-s{seed}", name, seed, flags) for seed in parse_seeds(seeds or args.seeds)]
+    return runs
+
+
+def run_state(run_dir, steps_wanted):
+    """'new', 'finished' (latest checkpoint at the run's last step, which is the --steps asked for), 'resume'
+    (an earlier checkpoint) or 'restart' (a directory without a checkpoint: the run died before its first)."""
+    from checkpoint import latest_step
+    if not os.path.isdir(run_dir):
+        return "new"
+    latest = latest_step(run_dir)
+    if latest is None:
+        return "restart"
+    steps = read_run(run_dir)["config"].get("steps")
+    return "finished" if latest == steps == steps_wanted else "resume"
+
+
+@functools.cache
+def default_steps():
+    """spo.py's own --steps default, for runs that do not pass --steps (read from its parser, not copied)."""
+    import spo
+    return spo.parse_args([]).steps
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def error_lines(log_path, tail=30):
+    """What a failed run said: its `error:` lines (spo.py's one-line refusals), else the exception lines of a
+    traceback (torchrun's own ChildFailedError report left out), else the last lines of its log."""
+    with open(log_path, errors="replace") as f:
+        lines = [line.rstrip() for line in f if line.strip()]
+    refusals = [line for line in lines if line.lstrip().startswith("error:")]
+    raised = [line for line in lines if re.match(r"^\s*[\w.]*(Error|Exception|Exit)\b", line)
+              and "ChildFailedError" not in line]
+    return (refusals or raised or lines)[-tail:]
+
+
+def acquire_lock(out):
+    """One sweep per --out at a time (two would run the same runs); a lock whose process is gone is taken over."""
+    lock = os.path.join(out, ".sweep.lock")
+    if os.path.exists(lock):
+        try:
+            os.kill(int(open(lock).read().split()[1]), 0)
+            raise SystemExit(f"error: {out} is in use by another sweep ({lock}); if it is gone, delete the lock")
+        except (ProcessLookupError, ValueError, IndexError):
+            pass
+    with open(lock, "w") as f:
+        f.write(f"{socket.gethostname()} {os.getpid()}\n")
+    return lock
+
+
+def save_json(path, obj):
+    with open(path + ".tmp", "w") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
+def run_sweep(args, extra):
+    from tqdm import tqdm
+    runs = plan(args, extra)
+    os.makedirs(os.path.join(args.out, "logs"), exist_ok=True)
+    lock = acquire_lock(args.out)
+    sweep_path = os.path.join(args.out, "sweep.json")
+    sweep = json.load(open(sweep_path)) if os.path.exists(sweep_path) else {"runs": {}}
+    sweep["reference"] = args.reference
+    todo = []
+    for name, variant, seed, flags in runs:
+        run_dir = os.path.join(args.out, "runs", name)
+        wanted = int(flag_value(flags, "--steps") or default_steps())
+        state = run_state(run_dir, wanted)
+        entry = sweep["runs"].setdefault(name, {})
+        entry.update(name=name, variant=variant, seed=seed, flags=flags)
+        if state == "finished":
+            entry["status"] = "finished"
+            print(f"{name}: finished, skipped", flush=True)
+        else:
+            todo.append((name, flags, run_dir, state))
+    save_json(sweep_path, sweep)
+    failed = []
+    try:
+        bar = tqdm(todo, desc="runs", unit="run", dynamic_ncols=True)
+        for name, flags, run_dir, state in bar:
+            bar.set_postfix_str(name)
+            if state == "restart":  # died before its first checkpoint: nothing to continue from
+                shutil.rmtree(run_dir)
+            where = ["--resume", run_dir] if state == "resume" else ["--run_dir", run_dir]
+            seed = sweep["runs"][name]["seed"]
+            cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}",
+                   f"--master_port={free_port()}", "spo.py", *flags, "--seed", str(seed), *where]
+            log_path = os.path.join(args.out, "logs", f"{name}.log")
+            t0 = time.time()
+            with open(log_path, "w") as log:
+                log.write("$ " + shlex.join(cmd) + "\n")
+                log.flush()
+                code = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
+            entry = sweep["runs"][name]
+            entry.update(command=cmd, returncode=code, seconds=round(time.time() - t0, 1),
+                         log=os.path.relpath(log_path, args.out), resumed=state == "resume")
+            if code == 0 and run_state(run_dir, int(flag_value(flags, "--steps") or default_steps())) == "finished":
+                entry.update(status="finished", error=None)
+                bar.write(f"{name}: finished in {entry['seconds']:.0f} s")
+            else:
+                entry.update(status="failed", error=error_lines(log_path))
+                failed.append(name)
+                bar.write(f"{name}: FAILED (exit {code}), left out of the summary: {entry['error'][-1]} "
+                          f"(log: {log_path})")
+            save_json(sweep_path, sweep)
+        bar.close()
+    finally:
+        os.remove(lock)
+    write_summary(args.out, sweep, only={name for name, *_ in runs})
+    if failed:
+        print(f"{len(failed)} run(s) failed: {', '.join(failed)} (see {args.out}/summary.md)", flush=True)
+    return 1 if failed else 0
+
+
+def summarize(out, sweep, only=None):
+    """The summary dict from the finished runs in sweep.json (only: run names to include; None: all)."""
+    entries = [e for e in sweep["runs"].values() if only is None or e["name"] in only]
+    curves = {}  # variant -> {seed: {step: (generated, accuracy)}}
+    for e in entries:
+        if e.get("status") == "finished":
+            curves.setdefault(e["variant"], {})[e["seed"]] = eval_curve(read_run(os.path.join(out, "runs", e["name"])))
+    variants = list(dict.fromkeys(e["variant"] for e in entries))
+    reference = sweep.get("reference", "spo")
+    ref = curves.get(reference, {})
+    summary = {"reference": reference, "variants": {}, "failed": [
+        {"run": e["name"], "variant": e["variant"], "seed": e["seed"], "returncode": e.get("returncode"),
+         "error": e.get("error"), "log": e.get("log")} for e in entries if e.get("status") != "finished"]}
+    budgets = set()
+    for variant in variants:
+        runs = curves.get(variant, {})
+        steps = sorted({s for c in runs.values() for s in c})
+        row = {"seeds_used": sorted(runs), "seeds_failed": sorted(e["seed"] for e in entries if e["variant"] ==
+                                                                   variant and e.get("status") != "finished"),
+               "steps": {}}
+        for step in steps:
+            acc = {seed: c[step][1] for seed, c in runs.items() if step in c}
+            mean, low, high, n = mean_ci(acc.values())
+            cell = {"generated": float(np.mean([c[step][0] for c in runs.values() if step in c])), "n": n,
+                    "accuracy_mean": mean, "accuracy_ci95": [low, high], "per_seed": acc}
+            if variant != reference and ref:
+                ref_acc = {seed: c[step][1] for seed, c in ref.items() if step in c}
+                d_mean, d_low, d_high, d_n = paired_difference(acc, ref_acc)
+                cell["paired_diff"] = {"mean": d_mean, "ci95": [d_low, d_high], "n": d_n}
+            row["steps"][str(step)] = cell
+        budgets |= {(max(c), c[max(c)][0]) for c in runs.values() if c}
+        summary["variants"][variant] = row
+    summary["budgets"] = sorted([int(s), g] for s, g in budgets)  # (last step, generated samples) over the runs
+    return summary
+
+
+def _pct(mean, low, high):
+    if not np.isfinite(mean):
+        return ""
+    return f"{100 * mean:.1f}" + (f" [{100 * low:.1f}, {100 * high:.1f}]" if np.isfinite(low) else "")
+
+
+def markdown(summary):
+    """summary.md: held-out accuracy per variant and evaluation step, paired differences, budgets, failed runs."""
+    ref, variants = summary["reference"], summary["variants"]
+    steps = sorted({int(s) for v in variants.values() for s in v["steps"]})
+    lines = [f"# Sweep summary\n\nHeld-out accuracy (%) at each evaluation step: mean [95% t-interval over seeds] "
+             f"of the seeds that finished (n: seeds used). Paired difference: variant minus `{ref}` on the seeds "
+             f"both finished, in points, with its own 95% t-interval. No interval with fewer than 2 seeds.\n"]
+    if len(summary["budgets"]) == 1:
+        lines.append(f"Budget: every run generated {summary['budgets'][0][1]:.0f} samples in "
+                     f"{summary['budgets'][0][0]} steps (equal budget).\n")
+    elif summary["budgets"]:
+        lines.append("**Budgets differ** (last step, generated samples): " +
+                     ", ".join(f"({s}, {g:.0f})" for s, g in summary["budgets"]) + "\n")
+    header = "| variant | n | " + " | ".join(f"step {s}" for s in steps) + " |"
+    lines += ["## Held-out accuracy\n", header, "|---" * (len(steps) + 2) + "|"]
+    for name, v in variants.items():
+        cells = [_pct(c["accuracy_mean"], *c["accuracy_ci95"]) if (c := v["steps"].get(str(s))) else ""
+                 for s in steps]
+        used = f"{len(v['seeds_used'])}" + (f" ({len(v['seeds_failed'])} failed)" if v["seeds_failed"] else "")
+        lines.append(f"| {name} | {used} | " + " | ".join(cells) + " |")
+    if ref in variants and len(variants) > 1:
+        lines += [f"\n## Paired difference to {ref} (points)\n", header, "|---" * (len(steps) + 2) + "|"]
+        for name, v in variants.items():
+            if name == ref:
+                continue
+            diffs = [v["steps"].get(str(s), {}).get("paired_diff") for s in steps]
+            n = max((d["n"] for d in diffs if d), default=0)
+            lines.append(f"| {name} | {n} | " + " | ".join(_pct(d["mean"], *d["ci95"]) if d else "" for d in diffs)
+                         + " |")
+    if summary["failed"]:
+        lines += ["\n## Failed runs (left out of every mean)\n", "| run | exit | error | log |", "|---|---|---|---|"]
+        for f in summary["failed"]:
+            error = (f["error"] or ["not run yet"])[-1].replace("|", "\\|")
+            lines.append(f"| {f['run']} | {f['returncode']} | {error} | {f['log']} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_summary(out, sweep, only=None):
+    summary = summarize(out, sweep, only)
+    save_json(os.path.join(out, "summary.json"), summary)
+    text = markdown(summary)
+    with open(os.path.join(out, "summary.md"), "w") as f:
+        f.write(text)
+    print(text, flush=True)
+    groups = {}
+    for e in sweep["runs"].values():
+        if e.get("status") == "finished" and (only is None or e["name"] in only):
+            groups.setdefault(e["variant"], []).append(read_run(os.path.join(out, "runs", e["name"])))
+    written, skipped = make_plots(groups, os.path.join(out, "plots"))
+    print(f"plots: {', '.join(written.values()) or 'none'}" + (f" (no data for: {', '.join(skipped)})"
+                                                                 if skipped else ""), flush=True)
+    return summary
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["plot"]:
+        p = argparse.ArgumentParser(prog="sweep.py plot", description="the plots of spo.py run directories "
+                                    "(a sweep directory: one group per variant)")
+        p.add_argument("paths", nargs="+", help="spo.py run directories, or a sweep's --out")
+        p.add_argument("--out", default="plots", help="where the PNG files go")
+        a = p.parse_args(argv[1:])
+        written, skipped = make_plots(groups_from_paths(a.paths), a.out)
+        print("\n".join(written.values()) + (f"\nno data for: {', '.join(skipped)}" if skipped else ""))
+        return 0
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[:argv.index("--")] if "--" in argv else argv
+    p = argparse.ArgumentParser(description="spo.py over variants x seeds; flags after -- go to every run")
+    p.add_argument("--variants", nargs="+", default=["spo", "grpo"],
+                   help=f"NAME or NAME:SEEDS (e.g. spo:0-4); known: {', '.join(VARIANTS)}")
+    p.add_argument("--seeds", default="0-2", help="seeds of variants given without their own: 0-2, or 0,3,4")
+    p.add_argument("--define", action="append", default=[], help="NAME='spo.py flags': a variant of your own")
+    p.add_argument("--out", required=True, help="the sweep's directory (runs, logs, summary, plots)")
+    p.add_argument("--reference", default="spo", help="variant the paired differences are taken against")
+    p.add_argument("--nproc", type=int, default=2, help="torchrun --nproc_per_node of every run")
+    p.add_argument("--probe_every", type=int, default=10, help="SPO variants: tracker probe period (0: off)")
+    p.add_argument("--probe_prompts", type=int, default=64, help="SPO variants: prompts the probe follows")
+    p.add_argument("--probe_samples", type=int, default=16, help="SPO variants: fresh samples per probed prompt")
+    p.add_argument("--summary_only", action="store_true", help="run nothing: summary and plots of what is there")
+    args = p.parse_args(argv)
+    if args.summary_only:
+        with open(os.path.join(args.out, "sweep.json")) as f:
+            sweep = json.load(f)
+        write_summary(args.out, {**sweep, "reference": args.reference})
+        return 0
+    return run_sweep(args, extra)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

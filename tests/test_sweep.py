@@ -1,0 +1,197 @@
+"""sweep.py and plots.py: the statistics on hand-made numbers, the summary and plots on hand-written run
+directories (fast), and one real sweep of two tiny runs on the small toy (slow): a half-finished sweep resumed
+(the finished run skipped, the interrupted one continued from its checkpoint), a failed run reported and left out,
+the plots written, and the tracker probe leaving training's metrics exactly as they are without it.
+
+    python -m pytest tests/test_sweep.py -q              # everything here
+    python -m pytest tests/test_sweep.py -q -m "not slow"
+"""
+import json
+import math
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+import plots
+import sweep
+from common import ENV, PYTHON, ROOT, toy_args
+
+
+# ------------------------------------------------------------------------------------------------ statistics
+def test_t_quantiles_match_the_tables():
+    assert plots.t975(1) == 12.706 and plots.t975(4) == 2.776 and plots.t975(30) == 2.042
+    # past the table: the expansion, against the printed tables' 2.021 (40), 2.000 (60), 1.980 (120)
+    for df, table in ((31, 2.040), (40, 2.021), (60, 2.000), (120, 1.980), (10 ** 6, 1.960)):
+        assert abs(plots.t975(df) - table) < 1.5e-3, (df, plots.t975(df))
+    assert math.isnan(plots.t975(0))
+
+
+def test_mean_ci_by_hand():
+    mean, low, high, n = plots.mean_ci([1.0, 2.0, 3.0])  # sd 1, half-width 4.303 / sqrt(3)
+    assert (mean, n) == (2.0, 3) and low == pytest.approx(2 - 4.303 / 3 ** 0.5) and high == pytest.approx(
+        2 + 4.303 / 3 ** 0.5)
+    mean, low, high, n = plots.mean_ci([0.5, float("nan"), None])  # one finite value: no interval, not a zero one
+    assert (mean, n) == (0.5, 1) and math.isnan(low) and math.isnan(high)
+    assert plots.mean_ci([])[3] == 0
+
+
+def test_paired_difference_uses_common_seeds_only():
+    values, reference = {0: 0.5, 1: 0.6, 2: 0.7}, {0: 0.4, 1: 0.4, 3: 0.9}  # seeds 0 and 1 in both: diffs .1, .2
+    mean, low, high, n = plots.paired_difference(values, reference)
+    half = 12.706 * np.std([0.1, 0.2], ddof=1) / 2 ** 0.5
+    assert n == 2 and mean == pytest.approx(0.15) and (low, high) == pytest.approx((0.15 - half, 0.15 + half))
+    # pairing removes what the seeds share: a constant offset has a zero-width interval
+    assert plots.paired_difference({0: 0.3, 1: 0.8}, {0: 0.2, 1: 0.7})[1:3] == pytest.approx((0.1, 0.1))
+
+
+# ------------------------------------------------------------------------------------------------ planning
+def args_for(*argv):
+    """sweep.py's parsed flags and pass-through args, as main() would see them (without running)."""
+    extra = list(argv[argv.index("--") + 1:]) if "--" in argv else []
+    argv = argv[:argv.index("--")] if "--" in argv else argv
+    captured = {}
+    original = sweep.run_sweep
+    sweep.run_sweep = lambda args, extra_: captured.update(args=args, extra=extra_) or 0
+    try:
+        sweep.main(list(argv) + (["--", *extra] if extra else []))
+    finally:
+        sweep.run_sweep = original
+    return captured["args"], captured["extra"]
+
+
+def test_plan_seeds_probe_and_owned_flags():
+    args, extra = args_for("--variants", "spo:0-1", "grpo", "k3", "--seeds", "3,5", "--out", "x", "--", "--steps", "4")
+    runs = {name: flags for name, _, _, flags in sweep.plan(args, extra)}
+    assert list(runs) == ["spo-s0", "spo-s1", "grpo-s3", "grpo-s5", "k3-s3", "k3-s5"]
+    assert runs["grpo-s3"] == ["--algo", "grpo", "--steps", "4"]  # no probe: GRPO has no tracker
+    assert runs["k3-s5"][:4] == ["--divergence", "k3", "--steps", "4"] and "--probe_every" in runs["k3-s5"]
+    assert sweep.parse_seeds("0-2,7") == [0, 1, 2, 7] and sweep.flag_value(["--a", "1", "--a", "2"], "--a") == "2"
+    for bad in (("--variants", "nope"), ("--variants", "spo", "--", "--seed", "1")):
+        args, extra = args_for(*bad[:2], "--out", "x", *bad[2:])
+        with pytest.raises(SystemExit, match="unknown variant|set by the sweep"):
+            sweep.plan(args, extra)
+    args, extra = args_for("--variants", "mine:0", "--define", "mine=--lr 1e-3 --algo rloo", "--out", "x")
+    assert sweep.plan(args, extra) == [("mine-s0", "mine", 0, ["--lr", "1e-3", "--algo", "rloo"])]
+
+
+# ------------------------------------------------------------------------------------------------ hand-written runs
+def fake_run(run_dir, accuracy, steps=4, generated=16, checkpoint=None, metrics=None):
+    """A run directory as spo.py leaves it: config.json, metrics.jsonl (accuracy: {step: value} at evaluation
+    steps), checkpoints/latest at `checkpoint` (default: the last step), and per-step `metrics` {key: value}."""
+    os.makedirs(os.path.join(run_dir, "checkpoints"), exist_ok=True)
+    with open(os.path.join(run_dir, "config.json"), "w") as f:
+        json.dump({"steps": steps, "batch_size": generated, "baseline": "tracker"}, f)
+    with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
+        for step in range(steps + 1):
+            row = {"step": step, **({"eval/accuracy": accuracy[step]} if step in accuracy else {})}
+            if step > 0:
+                row.update({"sampling/generated": generated, **(metrics or {})})
+            f.write(json.dumps(row) + "\n")
+    with open(os.path.join(run_dir, "checkpoints", "latest"), "w") as f:
+        f.write(f"step_{checkpoint or steps:06d}")
+
+
+def test_run_state(tmp_path):
+    assert sweep.run_state(str(tmp_path / "none"), 4) == "new"
+    os.makedirs(tmp_path / "died")  # died before its first checkpoint
+    assert sweep.run_state(str(tmp_path / "died"), 4) == "restart"
+    fake_run(str(tmp_path / "half"), {0: 0.1}, checkpoint=2)
+    assert sweep.run_state(str(tmp_path / "half"), 4) == "resume"
+    fake_run(str(tmp_path / "done"), {0: 0.1})
+    assert sweep.run_state(str(tmp_path / "done"), 4) == "finished"
+    assert sweep.run_state(str(tmp_path / "done"), 8) == "resume"  # the sweep now asks for more steps
+
+
+def test_summary_and_plots_on_hand_written_runs(tmp_path):
+    out = str(tmp_path)
+    signal = {"signal/adv_var_raw": 0.2, "signal/adv_var_effective": 0.3, "zero_signal/abs_adv_le_0.02": 0.1,
+              "zero_signal/abs_adv_le_1e-4": 0.0, "tracker/rho_p10": 0.88, "tracker/rho_p50": 0.9,
+              "tracker/rho_p90": 0.95, "tracker/rho_at_min": 0.5, "tracker/rho_at_max": 0.1}
+    runs = {"spo-s0": ("spo", 0, {0: 0.1, 2: 0.3, 4: 0.5}), "spo-s1": ("spo", 1, {0: 0.1, 2: 0.4, 4: 0.6}),
+            "grpo-s0": ("grpo", 0, {0: 0.1, 2: 0.2, 4: 0.4}), "grpo-s1": ("grpo", 1, {0: 0.1, 2: 0.2, 4: 0.4})}
+    for name, (variant, seed, acc) in runs.items():
+        fake_run(os.path.join(out, "runs", name), acc, metrics=signal if variant == "spo" else
+                 {"signal/adv_var_raw": 1.0, "signal/adv_var_effective": 1.2, "zero_signal/degenerate_groups": 0.4})
+    with open(os.path.join(out, "runs", "spo-s0", "probe.jsonl"), "w") as f:
+        for step in (0, 2, 4, 4):  # a resumed run repeats step 4: the last line wins
+            f.write(json.dumps({"step": step, "value": [0.2, 0.5], "success": [0.25, 0.5 + step / 100],
+                                "probe/mae": step / 200, "probe/mae_floor": 0.05}) + "\n")
+    state = {"reference": "spo", "runs": {name: {"name": name, "variant": v, "seed": s, "status": "finished"}
+                                          for name, (v, s, _) in runs.items()}}
+    state["runs"]["grpo-s2"] = {"name": "grpo-s2", "variant": "grpo", "seed": 2, "status": "failed",
+                                "returncode": 2, "error": ["error: --lr must be positive, got -1.0"],
+                                "log": "logs/grpo-s2.log"}
+    summary = sweep.write_summary(out, state)
+    spo_4, grpo_4 = summary["variants"]["spo"]["steps"]["4"], summary["variants"]["grpo"]["steps"]["4"]
+    assert spo_4["accuracy_mean"] == pytest.approx(0.55) and spo_4["n"] == 2 and spo_4["generated"] == 64
+    assert spo_4["accuracy_ci95"] == pytest.approx([0.55 - 12.706 * 0.05, 0.55 + 12.706 * 0.05])
+    assert grpo_4["paired_diff"]["mean"] == pytest.approx(-0.15) and grpo_4["paired_diff"]["n"] == 2
+    assert summary["variants"]["grpo"]["seeds_used"] == [0, 1] and summary["variants"]["grpo"]["seeds_failed"] == [2]
+    assert summary["budgets"] == [[4, 64]] and summary["failed"][0]["run"] == "grpo-s2"
+    text = open(os.path.join(out, "summary.md")).read()
+    assert "| grpo | 2 (1 failed) |" in text and "--lr must be positive" in text and "equal budget" in text
+    for name in ("accuracy", "zero_signal", "adv_variance", "tracker_probe", "rho"):
+        assert os.path.getsize(os.path.join(out, "plots", f"{name}.png")) > 10_000, name
+    assert plots.read_run(os.path.join(out, "runs", "spo-s0"))["probe"][4]["success"][1] == pytest.approx(0.54)
+
+
+# ------------------------------------------------------------------------------------------------ a real sweep
+def sweep_cmd(out, small_toy, *argv):
+    """sweep.py on the small toy: the flags of conftest's spo_run (4 steps, checkpoints every 2), so the SPO run
+    here, probed, can be compared with it."""
+    flags = toy_args(small_toy, "unused", "--steps", "4", "--save_every", "2")[1:]
+    at = flags.index("--run_dir")
+    flags = flags[:at] + flags[at + 2:]
+    return [PYTHON, "sweep.py", "--out", str(out), "--seeds", "0", "--probe_every", "2", "--probe_prompts", "8",
+            "--probe_samples", "4", *argv, "--", *flags]
+
+
+def comparable(rows):
+    """Training's metrics of each step: what the probe must not change (times and the probe's own left out)."""
+    return {row["step"]: {k: v for k, v in row.items() if not k.startswith(("time", "throughput", "probe/"))}
+            for row in rows}
+
+
+@pytest.mark.slow
+def test_sweep_resumes_reports_failures_and_leaves_training_alone(small_toy, spo_run, tmp_path):
+    import subprocess
+    out = tmp_path / "sweep"
+    first = subprocess.run(sweep_cmd(out, small_toy, "--variants", "spo", "grpo"), cwd=ROOT, env=ENV,
+                           capture_output=True, text=True, timeout=1200)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    # Make GRPO's run look interrupted after its step-2 checkpoint (as a killed sweep leaves it).
+    grpo = out / "runs" / "grpo-s0"
+    shutil.rmtree(grpo / "checkpoints" / "step_000004")
+    (grpo / "checkpoints" / "latest").write_text("step_000002")
+    spo_metrics = (out / "runs" / "spo-s0" / "metrics.jsonl").stat().st_mtime
+    second = subprocess.run(sweep_cmd(out, small_toy, "--variants", "spo", "grpo", "bad", "--define", "bad=--lr -1"),
+                            cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=1200)
+    assert second.returncode == 1, second.stdout[-3000:] + second.stderr[-3000:]
+    console = second.stdout + second.stderr
+    assert "spo-s0: finished, skipped" in console
+    assert (out / "runs" / "spo-s0" / "metrics.jsonl").stat().st_mtime == spo_metrics
+    assert "bad-s0: FAILED (exit" in console and "--lr must be positive" in console
+    state = json.loads((out / "sweep.json").read_text())
+    assert state["runs"]["grpo-s0"]["resumed"] and state["runs"]["grpo-s0"]["status"] == "finished"
+    assert state["runs"]["bad-s0"]["status"] == "failed"
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["variants"]["spo"]["seeds_used"] == [0] and summary["variants"]["bad"]["seeds_used"] == []
+    assert summary["failed"][0]["run"] == "bad-s0" and summary["budgets"] == [[4, 64]]
+    assert set(summary["variants"]["grpo"]["steps"]) == {"0", "2", "4"}
+    assert "bad-s0" in (out / "summary.md").read_text()
+    assert sorted(os.listdir(out / "plots")) == sorted(f"{name}.png" for name in
+                                                       ("accuracy", "zero_signal", "adv_variance", "tracker_probe",
+                                                        "rho"))
+    # The probe samples with its own seeds: training's metrics equal conftest's run without it, step by step.
+    probed = [json.loads(line) for line in open(out / "runs" / "spo-s0" / "metrics.jsonl")]
+    plain = [json.loads(line) for line in open(spo_run[0] / "metrics.jsonl")]
+    assert comparable(probed) == comparable(plain)
+    assert [row["step"] for row in probed if "probe/mae" in row] == [0, 2, 4]
+    probe = [json.loads(line) for line in open(out / "runs" / "spo-s0" / "probe.jsonl")]
+    assert len(probe[-1]["value"]) == 8 and all(0 <= s <= 1 for s in probe[-1]["success"])
+    # The plots of single runs, as users make them.
+    plotted = subprocess.run([PYTHON, "sweep.py", "plot", str(grpo), str(out / "runs" / "spo-s0"), "--out",
+                              str(tmp_path / "plots")], cwd=ROOT, env=ENV, capture_output=True, text=True)
+    assert plotted.returncode == 0 and len(os.listdir(tmp_path / "plots")) == 5, plotted.stderr[-2000:]
