@@ -94,7 +94,7 @@ def plan(args, extra):
             flags += ["--probe_every", str(args.probe_every), "--probe_prompts", str(args.probe_prompts),
                       "--probe_samples", str(args.probe_samples)]
         runs += [(f"{name}-s{seed}", name, seed, flags) for seed in parse_seeds(seeds or args.seeds)]
-    return runs
+    return sorted(runs, key=lambda run: run[2])  # seed by seed: a sweep cut short still has whole, paired seeds
 
 
 def run_state(run_dir, steps_wanted):
