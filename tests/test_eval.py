@@ -195,8 +195,10 @@ def test_eval_cli_writes_samples_and_summaries(eval_run):
         assert all(0.0 <= v <= 1.0 for v in metrics.values())
         assert summary["pass@1"] == pytest.approx(summary["avg@4"], abs=1e-12)
         assert summary["avg@4"] <= summary["pass@2"] <= summary["pass@4"]
+        assert 0.0 <= summary["unparsed"] <= 1.0 and 0.0 <= summary["truncated"] <= 1.0
     table = (eval_run / "summary.md").read_text()
     assert "| test |" in table and "| first10 |" in table and "| average |" in table
+    assert "| unparsed | truncated |" in table.splitlines()[2]  # after the header line, the table's columns
 
 
 @pytest.mark.slow
