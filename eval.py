@@ -6,7 +6,8 @@
    so they look like one), a per-benchmark summary and a markdown table.
 2. Sampling: `sample_and_score`, which spo.py's held-out evaluation (`heldout_metrics`) calls too; every
    request's seed derives from (seed, prompt key, sample index), so a sample does not depend on the world size,
-   batch or order. Responses are scored by reward.py, the same verifier as training.
+   batch or order. Responses are scored by reward.py, the same verifier as training (--reward); the summary
+   also counts the samples with no parsed answer and those cut by the budget (--max_response_len).
 3. The command line (paper defaults: n 32, temperature 0.6, top_p 0.95, top_k 20); --model also takes an spo.py
    run or checkpoint directory; --tools samples through the multi-turn tool loop (rollout.py), as training does.
 

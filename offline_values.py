@@ -9,7 +9,8 @@ also applies the smoothing). Without this pass the tracker starts uninformed (al
   and reward, where a response cut off by the budget scores 0). The authors measured v0 at their evaluation
   temperature 0.6 while training at 1.0: a prior for another distribution. Any override is recorded in the header.
 - Tools: with --tools the samples go through the tool loop (rollout.py), as training with --tools samples; the
-  tool settings join the header, as do --think_format and --tool_instruction's system prompt. spo.py compares the
+  tool settings join the header, as do --think_format, --tool_instruction's system prompt and a --reward other
+  than the default (the verifier that scored the samples). spo.py compares the
   settings that change v0 with its own and refuses a mismatch (check_values_header).
 - Reproducible: every request has its own seed derived from (seed, prompt key, sample index), so the scores do not
   depend on the world size, the chunking or an interruption.
