@@ -6,7 +6,8 @@
    so they look like one), a per-benchmark summary and a markdown table.
 2. Sampling: `sample_and_score`, which spo.py's held-out evaluation (`heldout_metrics`) calls too; every
    request's seed derives from (seed, prompt key, sample index), so a sample does not depend on the world size,
-   batch or order. Responses are scored by reward.py, the same verifier as training.
+   batch or order. Responses are scored by reward.py, the same verifier as training (--reward); the summary
+   also counts the samples with no parsed answer and those cut by the budget (--max_response_len).
 3. The tracker probe spo.py runs with --probe_every (`tracker_probe`): the value tracker's v(x) against the current
    policy's success rate, measured with fresh samples on a fixed subset of training prompts (does it track?).
 4. The command line (paper defaults: n 32, temperature 0.6, top_p 0.95, top_k 20); --model also takes an spo.py
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from reward import reward_and_answer
+from reward import DEFAULT_REWARD, reward_and_answer
 
 # ---------------------------------------------------------------------------------------------- metrics
 def pass_at_k(n, c, k: int):
@@ -91,20 +92,28 @@ def bootstrap_maj_at_k(answers_per_problem, correct_per_problem, k: int, n_boot:
 
 
 def summarize(samples, ks=(1, 2, 4, 8, 16, 32), n_boot: int = 1000, seed: int = 0) -> dict:
-    """One benchmark; samples[p] lists the n (answer or None, correct) of problem p. Returns fractions in [0, 1]:
-    avg@n, pass@k for each k <= n, maj@n (one vote) and maj@n_boot_mean / _std."""
+    """One benchmark; samples[p] lists the n (answer or None, correct[, truncated]) of problem p. Returns fractions
+    in [0, 1]: avg@n, pass@k for each k <= n, maj@n (one vote) and maj@n_boot_mean / _std; then why samples fail
+    without being wrong: the share with no parsed answer (`unparsed`: no final box) and, when the samples say,
+    the share cut by the token budget (`truncated`: a budget too small for the model shows here first)."""
     n = len(samples[0]) if samples else 0
     if n == 0 or any(len(s) != n for s in samples):
         raise ValueError(f"summarize needs n > 0 samples for every problem, got {sorted({len(s) for s in samples})}")
-    answers = [[a for a, _ in s] for s in samples]
-    correct = np.array([[bool(ok) for _, ok in s] for s in samples])         # (P, n)
+    answers = [[sample[0] for sample in s] for s in samples]
+    correct = np.array([[bool(sample[1]) for sample in s] for s in samples])  # (P, n)
     out = {"problems": len(samples), "samples": n, f"avg@{n}": float(correct.mean())}
     for k in ks:
         if k <= n:
             out[f"pass@{k}"] = float(pass_at_k(n, correct.sum(axis=1), k).mean())
     out[f"maj@{n}"] = float(np.mean([majority_vote(a, c) for a, c in zip(answers, correct)]))
     out[f"maj@{n}_boot_mean"], out[f"maj@{n}_boot_std"] = bootstrap_maj_at_k(answers, correct, n, n_boot, seed)
+    out["unparsed"] = float(np.mean([a is None for s in answers for a in s]))
+    if all(len(sample) > 2 for s in samples for sample in s):
+        out["truncated"] = float(np.mean([bool(sample[2]) for s in samples for sample in s]))
     return out
+
+
+SHARES = ("unparsed", "truncated")  # summary entries without "@" that are fractions too (shown in percent)
 
 
 def markdown_table(summaries: dict[str, dict]) -> str:
@@ -120,7 +129,7 @@ def markdown_table(summaries: dict[str, dict]) -> str:
     def cell(summary, column):
         if column not in summary:
             return ""
-        if "@" not in column:
+        if "@" not in column and column not in SHARES:
             return str(summary[column])
         std = summary.get(column.replace("_boot_mean", "_boot_std")) if column.endswith("_boot_mean") else None
         return f"{100 * summary[column]:.1f}" + (f" ± {100 * std:.1f}" if std is not None else "")
@@ -145,12 +154,14 @@ def request_seeds(base, prompt_key: str, n: int) -> np.ndarray:
 
 
 def sample_and_score(engine, data, n, seeds_base, *, temperature, top_p, top_k, max_tokens, rank, world,
-                     think_format=False, tools=None):
+                     think_format=False, tools=None, reward=DEFAULT_REWARD):
     """n samples of every problem of `data` (data.Dataset: keys, prompt_ids, answers), sharded over ranks.
 
-    Returns (samples, rollouts). samples[p] lists the n (answer or None, correct) of problem p, for EVERY problem
-    in data order and on every rank (gathered: call it on all ranks), ready for summarize(). rollouts maps this
-    rank's problems p to their n Rollouts (responses to write out). tools: a rollout.Tools for the tool loop."""
+    Returns (samples, rollouts). samples[p] lists the n (answer or None, correct, truncated) of problem p, for
+    EVERY problem in data order and on every rank (gathered: call it on all ranks), ready for summarize().
+    rollouts maps this rank's problems p to their n Rollouts (responses to write out). tools: a rollout.Tools for
+    the tool loop; reward: the --reward verifier (correct: it returned 1). A truncated sample is scored as it is
+    (the verifier reads what is there): evaluation does not apply training's --truncated_reward."""
     mine = list(range(rank, len(data.keys), world))
     outputs = []
     if mine:  # a rank with no problem (more ranks than problems) still joins the gather below
@@ -159,8 +170,9 @@ def sample_and_score(engine, data, n, seeds_base, *, temperature, top_p, top_k, 
                                   max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                   **({"tools": tools} if tools is not None else {}))
     rollouts = {p: outputs[j * n:(j + 1) * n] for j, p in enumerate(mine)}
-    local = {p: [(answer, bool(reward)) for reward, answer in
-                 (reward_and_answer(r.text, data.answers[p], think_format) for r in rs)] for p, rs in rollouts.items()}
+    local = {p: [(answer, bool(score), r.finish_reason == "length") for r, (score, answer) in
+                 ((r, reward_and_answer(r.text, data.answers[p], think_format, reward)) for r in rs)]
+             for p, rs in rollouts.items()}
     parts = [local]
     if world > 1:
         import torch.distributed as dist
@@ -185,16 +197,20 @@ def evaluations(engine, test, data, tracker, args, tools, step):
 
 def heldout_metrics(engine, test, args, tools):
     """spo.py's held-out evaluation: accuracy (avg@n at the evaluation temperature) over all ranks, by
-    sample_and_score, and with tools the share of samples that called the tool. The seeds do not depend on the
-    step: every evaluation scores the same draws, so differences are the model's."""
+    sample_and_score, the shares of samples with no parsed answer and cut by the budget, and with tools the share
+    of samples that called the tool. The seeds do not depend on the step: every evaluation scores the same
+    draws, so differences are the model's."""
     import torch.distributed as dist
     from trainer import all_reduce_np
     samples, rollouts = sample_and_score(engine, test, args.eval_samples, [args.seed, 1],
                                          temperature=args.eval_temperature, top_p=args.eval_top_p,
                                          top_k=args.eval_top_k, max_tokens=args.max_response_len,
                                          rank=dist.get_rank(), world=dist.get_world_size(),
-                                         think_format=args.think_format, tools=tools)
-    metrics = {"eval/accuracy": float(np.mean([correct for problem in samples for _, correct in problem]))}
+                                         think_format=args.think_format, tools=tools, reward=args.reward)
+    flat = [sample for problem in samples for sample in problem]  # (answer, correct, truncated)
+    metrics = {"eval/accuracy": float(np.mean([correct for _, correct, _ in flat])),
+               "eval/unparsed": float(np.mean([answer is None for answer, _, _ in flat])),
+               "eval/truncated": float(np.mean([truncated for _, _, truncated in flat]))}
     if tools:
         used = all_reduce_np([sum(r.tool_calls > 0 for rs in rollouts.values() for r in rs)])[0]
         metrics["eval/tool_use"] = used / (len(test.keys) * args.eval_samples)
@@ -252,7 +268,7 @@ def tracker_probe(engine, data, tracker, args, step, tools):
         rollouts = engine.generate([data.prompt_ids[i] for i in mine for _ in range(n)], seeds,
                                    max_tokens=args.max_response_len, temperature=args.temperature, tools=tools)
         reward = rewards(rollouts, [data.answers[i] for i in mine for _ in range(n)], args.think_format,
-                         args.truncated_reward).reshape(len(mine), n)
+                         args.truncated_reward, args.reward).reshape(len(mine), n)
         success = {int(i): float(r.mean()) for i, r in zip(mine, reward)}
     merged = {i: s for part in all_gather_objects([success]) for i, s in part.items()}
     measured = np.array([merged[int(i)] for i in index])  # (K,)
@@ -284,7 +300,7 @@ def write_samples(path, data, samples, rollouts, n, rank, world):
     with open(f"{path}.rank{rank}", "w") as f:
         for p, rs in rollouts.items():
             for i, r in enumerate(rs):
-                answer, correct = samples[p][i]
+                answer, correct, _ = samples[p][i]
                 f.write(json.dumps({"prompt_key": data.keys[p], "sample": i, "answer": answer, "correct": correct,
                                     "ground_truth": data.answers[p], "finish_reason": r.finish_reason,
                                     "response_tokens": len(r.response_ids), "response": r.text}) + "\n")
@@ -314,21 +330,23 @@ def parse_args(argv=None):
     g.add_argument("--temperature", type=float, default=EVAL_DEFAULTS["temperature"], help="sampling temperature")
     g.add_argument("--top_p", type=float, default=EVAL_DEFAULTS["top_p"], help="nucleus sampling")
     g.add_argument("--top_k", type=int, default=EVAL_DEFAULTS["top_k"], help="top-k sampling (-1: off)")
-    g.add_argument("--max_tokens", type=int, default=None, help="response token budget (32, tools: 160; paper: 32768)")
+    from reward import add_reward_flags, check_reward_flag
+    from rollout import add_budget_flag, add_tool_flags, apply_tool_defaults
+    add_budget_flag(g)  # --max_response_len (alias --max_tokens), as spo.py's; the paper evaluates with 32768
     g.add_argument("--seed", type=int, default=0, help="per-request seeds derive from (seed, prompt id, sample)")
-    g.add_argument("--think_format", action="store_true", help="score with the authors' </think> / tool-tag gate")
+    add_reward_flags(g, truncation=False)  # --reward, --think_format: score as training does
     g = p.add_argument_group("output and engine")
     g.add_argument("--out_dir", default="eval_out", help="<benchmark>.samples.jsonl, summary.json, summary.md")
     g.add_argument("--n_boot", type=int, default=1000, help="bootstrap resamples for maj@n mean and std")
     g.add_argument("--cpu_kv_cache_gib", type=int, default=None,
                    help="vLLM KV cache per rank on CPU (GiB; default: VLLM_CPU_KVCACHE_SPACE if set, else 1)")
     g.add_argument("--gpu_memory_utilization", type=float, default=0.9, help="vLLM share of each GPU")
-    from rollout import add_tool_flags, apply_tool_defaults
     add_tool_flags(p)
     args = p.parse_args(argv)
-    apply_tool_defaults(args, "max_tokens")
-    if args.n_samples < 1 or args.max_tokens < 1:
-        p.error("--n_samples and --max_tokens must be at least 1")
+    apply_tool_defaults(args)
+    if args.n_samples < 1 or args.max_response_len < 1:
+        p.error("--n_samples and --max_response_len (--max_tokens) must be at least 1")
+    check_reward_flag(args.reward)
     return args
 
 
@@ -337,8 +355,8 @@ def main(argv=None):
     from data import load_dataset, load_tokenizer
     args = parse_args(argv)
     rank, world, device = trainer.setup_distributed()
-    from rollout import set_cpu_kv_cache
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # as spo.py; VLLM_LOGGING_LEVEL=INFO shows its report
+    from rollout import quiet_vllm, set_cpu_kv_cache
+    quiet_vllm()  # as spo.py
     error = set_cpu_kv_cache(args.cpu_kv_cache_gib)
     if error:
         trainer.fail(error, once=True)
@@ -359,10 +377,11 @@ def main(argv=None):
         benchmarks[name] = load_dataset(path, tokenizer, args.max_prompt_len, rank == 0,
                                         TOOL_INSTRUCTION if args.tool_instruction else None)
     from transformers import AutoConfig
-    longest = max(len(p) for data in benchmarks.values() for p in data.prompt_ids) + args.max_tokens
+    longest = max(len(p) for data in benchmarks.values() for p in data.prompt_ids) + args.max_response_len
     limit = getattr(AutoConfig.from_pretrained(args.model), "max_position_embeddings", None) or longest
     if longest > limit:  # vLLM's own error is a long traceback
-        trainer.fail(f"--max_tokens + the longest prompt = {longest} tokens, more than --model's {limit} positions")
+        trainer.fail(f"--max_response_len + the longest prompt = {longest} tokens, more than --model's {limit} "
+                     f"positions")
     engine = Engine(args.model, seed=args.seed, max_model_len=longest, device=device,
                     gpu_memory_utilization=args.gpu_memory_utilization)
     tools = tools_from_flags(args)
@@ -372,8 +391,9 @@ def main(argv=None):
     summaries = {}
     for name, data in benchmarks.items():
         samples, rollouts = sample_and_score(engine, data, n, args.seed, temperature=args.temperature,
-                                             top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens,
-                                             rank=rank, world=world, think_format=args.think_format, tools=tools)
+                                             top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_response_len,
+                                             rank=rank, world=world, think_format=args.think_format, tools=tools,
+                                             reward=args.reward)
         write_samples(os.path.join(args.out_dir, f"{name}.samples.jsonl"), data, samples, rollouts, n, rank, world)
         if rank == 0:
             summaries[name] = summarize(samples, ks=ks, n_boot=args.n_boot, seed=args.seed)
@@ -383,7 +403,7 @@ def main(argv=None):
             json.dump({"config": vars(args), "results": summaries}, f, indent=1)
         with open(os.path.join(args.out_dir, "summary.md"), "w") as f:
             f.write(f"model `{args.model}`, n = {n}, temperature {args.temperature}, top_p {args.top_p}, "
-                    f"top_k {args.top_k}, max_tokens {args.max_tokens}\n\n{table}\n")
+                    f"top_k {args.top_k}, max_response_len {args.max_response_len}, reward {args.reward}\n\n{table}\n")
         print(table, flush=True)
     if tools:
         tools.pool.close()

@@ -38,7 +38,7 @@ def step_metrics(reward, raw_advantage, advantage, rollouts, old, stats, times, 
     scalars = all_reduce_np([old["entropy"], old["logprob_gap_mean"]])
     gap_max = all_reduce_np([old["logprob_gap_max"]], op="max")[0]
     world = dist.get_world_size()
-    m = {"reward/mean": reward.mean(),
+    m = {"reward/mean": reward.mean(), "reward/all_equal": float(reward.min() == reward.max()),  # Logger counts it
          "advantage/mean": raw.mean(), "advantage/std": raw.std(),
          "advantage/p05": np.quantile(raw, 0.05), "advantage/p50": np.quantile(raw, 0.5),
          "advantage/p95": np.quantile(raw, 0.95), "advantage/normalised_std": adv.std(),
@@ -77,7 +77,8 @@ def spo_metrics(all_raw_advantage, tracker, divergence, rho, revisit):
                   "tracker/rho_p90": np.quantile(again, 0.9),
                   "tracker/rho_at_min": np.mean(again <= tracker.rho_min + 1e-12),
                   "tracker/rho_at_max": np.mean(again >= tracker.rho_max - 1e-12),
-                  "tracker/divergence_p50": np.quantile(np.asarray(divergence)[revisit], 0.5)})
+                  "tracker/divergence_p50": np.quantile(np.asarray(divergence)[revisit], 0.5),
+                  "tracker/divergence_revisit_mean": np.mean(np.asarray(divergence)[revisit])})
     return {k: float(v) for k, v in m.items()}
 
 
@@ -105,6 +106,7 @@ class Logger:
         """resume_step: the checkpoint's step when resuming: rows after it (steps that will be replayed) are cut
         from metrics.jsonl, so it keeps one row per step."""
         self.is_main, self.bar, self.tb, self.wandb = is_main, None, None, None
+        self.config, self.all_equal_steps = config, 0  # steps whose rewards were all equal, so far
         if not is_main:
             return
         os.makedirs(run_dir, exist_ok=True)
@@ -118,6 +120,7 @@ class Logger:
             with open(path + ".tmp", "w") as f:
                 f.writelines(rows)
             os.replace(path + ".tmp", path)
+            self.all_equal_steps = int(sum(json.loads(line).get("reward/all_equal", 0) for line in rows))
         self.file = open(path, "a")
         if tensorboard:
             try:
@@ -146,6 +149,11 @@ class Logger:
     def log(self, step, metrics, console=False):
         if not self.is_main:
             return
+        if "reward/all_equal" in metrics:
+            metrics = {**metrics, "reward/all_equal_steps": self.all_equal_steps + metrics["reward/all_equal"]}
+            if metrics["reward/all_equal_steps"] == 1 and not self.all_equal_steps:
+                self.console(all_equal_note(step, metrics["reward/mean"]))
+            self.all_equal_steps = metrics["reward/all_equal_steps"]
         self.file.write(json.dumps({"step": step, "time": time.time(), **metrics}) + "\n")
         self.file.flush()
         if self.tb:
@@ -156,12 +164,21 @@ class Logger:
         if self.bar is not None and "reward/mean" in metrics:
             self.bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}")
         if console or (self.bar is None) or "eval/accuracy" in metrics:
-            keys = {"reward/mean": "reward", "eval/accuracy": "test_acc", "advantage/std": "adv_std",
-                    "tracker/value_mean": "value", "tracker/rho_mean": "rho", "policy/entropy": "entropy",
-                    "policy/approx_kl": "kl", "policy/logprob_gap_max": "gap", "response/length_mean": "len",
-                    "tools/use_rate": "tool_use", "eval/tool_use": "test_tool_use", "time/step": "sec"}
-            shown = " ".join(f"{short}={metrics[k]:.4g}" for k, short in keys.items() if k in metrics)
+            shown = " ".join(f"{short}={metrics[k]:.4g}" for k, short in self.console_keys().items() if k in metrics)
             self.console(f"step {step}: {shown}")
+
+    def console_keys(self):
+        """The console line's columns. D: SPO's mean D(x) over revisited prompts (how far the policy moved since it
+        last saw them; it sets rho). kl (policy/approx_kl) only with --ppo_steps > 1: with one optimiser step per
+        batch the update starts on-policy (ratio 1) and it is 0."""
+        keys = {"reward/mean": "reward", "eval/accuracy": "test_acc", "advantage/std": "adv_std",
+                "tracker/value_mean": "value", "tracker/rho_mean": "rho", "tracker/divergence_revisit_mean": "D",
+                "policy/entropy": "entropy", "policy/approx_kl": "kl", "policy/logprob_gap_max": "gap",
+                "response/length_mean": "len", "response/truncated": "cut", "tools/use_rate": "tool_use",
+                "eval/tool_use": "test_tool_use", "time/step": "sec"}
+        if self.config.get("ppo_steps", 1) <= 1:
+            del keys["policy/approx_kl"]
+        return keys
 
     def close(self):
         if self.is_main:
@@ -170,6 +187,14 @@ class Logger:
             self.file.close()
             if self.tb:
                 self.tb.close()
+
+
+def all_equal_note(step, reward):
+    """Said once per run, the first time every reward of a step's batch is the same (counted in
+    reward/all_equal_steps). The step still trains: SPO's advantages r - v(x) differ between prompts, and Eq. 9
+    scales them to unit spread; estimators that compare rewards with each other get no signal from it."""
+    return (f"step {step}: every reward of the batch is {reward:g} (counted in reward/all_equal_steps; said once). "
+            f"SPO still moves the policy (Eq. 9 scales r - v(x) to unit spread); GRPO-like estimators get no signal")
 
 
 class PromptReach:

@@ -9,7 +9,8 @@ also applies the smoothing). Without this pass the tracker starts uninformed (al
   and reward, where a response cut off by the budget scores 0). The authors measured v0 at their evaluation
   temperature 0.6 while training at 1.0: a prior for another distribution. Any override is recorded in the header.
 - Tools: with --tools the samples go through the tool loop (rollout.py), as training with --tools samples; the
-  tool settings join the header, as do --think_format and --tool_instruction's system prompt. spo.py compares the
+  tool settings join the header, as do --think_format, --tool_instruction's system prompt and a --reward other
+  than the default (the verifier that scored the samples). spo.py compares the
   settings that change v0 with its own and refuses a mismatch (check_values_header).
 - Reproducible: every request has its own seed derived from (seed, prompt key, sample index), so the scores do not
   depend on the world size, the chunking or an interruption.
@@ -38,21 +39,28 @@ import numpy as np
 import torch.distributed as dist
 
 from eval import request_seeds
-from reward import rewards
-from rollout import TOOL_INSTRUCTION, add_tool_flags, apply_tool_defaults, set_cpu_kv_cache, tools_from_flags
+from reward import DEFAULT_REWARD, add_reward_flags, check_reward_flag, rewards
+from rollout import (TOOL_INSTRUCTION, add_budget_flag, add_tool_flags, apply_tool_defaults, quiet_vllm,
+                     set_cpu_kv_cache, tools_from_flags)
 
 
 def run_header(header, *, n0, temperature, top_p, max_tokens, seed, truncated_reward, tools=None,
-               think_format=False):
+               think_format=False, reward=DEFAULT_REWARD):
     """The settings that make scores comparable; a partial file made with other settings cannot be resumed."""
     header = {**header, "n0": n0, "temperature": float(temperature), "top_p": float(top_p),
               "max_tokens": max_tokens, "seed": seed, "truncated_reward": truncated_reward}
-    # Absent when off, so that files made before these options existed still match.
+    # Absent when off (or the default verifier), so that files made before these options existed still match.
     if tools is not None:
         header["tools"] = tool_settings(tools)
     if think_format:
         header["think_format"] = True
-    return header
+    return {**header, **reward_setting(reward)}
+
+
+def reward_setting(reward):
+    """{"reward": spec} for a --reward other than the default, else {}: the default is what every file made
+    before --reward existed used, and the toy's cached values keep their name (toy_values_path hashes these)."""
+    return {} if reward == DEFAULT_REWARD else {"reward": reward}
 
 
 def tool_settings(tools):
@@ -63,14 +71,22 @@ def tool_settings(tools):
             "show_last_expression": tools.show_last_expression}
 
 
-# The header entries that change v0, and their values when absent from a file.
+# The header entries that change v0, and their values when absent from a file (or from the run's settings).
 V0_SETTINGS = {"temperature": None, "top_p": None, "max_tokens": None, "truncated_reward": "zero",
-               "think_format": False, "tools": None, "system_prompt": None}
+               "think_format": False, "tools": None, "system_prompt": None, "reward": DEFAULT_REWARD}
+
+
+def training_v0_settings(args, tools, system_prompt):
+    """The settings of spo.py's run that change v0 (Algorithm 2), as check_values_header and toy_values_path read
+    them: training samples at top_p 1 within --max_response_len and scores with its verifier."""
+    return {"temperature": float(args.temperature), "top_p": 1.0, "max_tokens": args.max_response_len,
+            "truncated_reward": args.truncated_reward, "think_format": args.think_format,
+            "tools": tool_settings(tools), "system_prompt": system_prompt, **reward_setting(args.reward)}
 
 
 def check_values_header(path, wanted, accept_mismatch=False):
     """Compare the v0-changing settings an offline-values file was made with (temperature, top_p, budget,
-    truncated reward, think gate, tools, system prompt) with `wanted` (the training run's). A mismatch is an
+    truncated reward, think gate, tools, system prompt, verifier) with `wanted` (the training run's). A mismatch is an
     error naming each setting and both values, unless accept_mismatch (then a warning): the tracker would start
     from values measured under another distribution than training samples from."""
     from data import fail
@@ -79,8 +95,8 @@ def check_values_header(path, wanted, accept_mismatch=False):
             header = json.load(f)["header"]
     except (OSError, ValueError, KeyError, TypeError) as e:
         fail(f"--offline_values {path}: not an offline-values file ({e.__class__.__name__}: {e})")
-    diff = [f"{k}: {header.get(k, absent)!r} there, {wanted[k]!r} here" for k, absent in V0_SETTINGS.items()
-            if header.get(k, absent) != wanted[k]]
+    diff = [f"{k}: {header.get(k, absent)!r} there, {wanted.get(k, absent)!r} here"
+            for k, absent in V0_SETTINGS.items() if header.get(k, absent) != wanted.get(k, absent)]
     if not diff:
         return
     message = f"--offline_values {path} was made with other sampling settings than this run ({'; '.join(diff)})"
@@ -130,15 +146,16 @@ def read_finished(out_path, header):
 
 def estimate_offline_values(engine, data, out_path, *, n0=8, temperature=1.0, top_p=1.0, max_tokens, seed=0,
                             header, truncated_reward="zero", chunk_prompts=64, progress=True, max_chunks=None,
-                            tools=None, think_format=False):
+                            tools=None, think_format=False, reward=DEFAULT_REWARD):
     """n0 scored samples of every prompt of `data` (data.Dataset), sharded over ranks (rank r takes prompts
     r, r + W, ...), resumable. Call on every rank. Returns the output dict on every rank once all prompts are
     done, or None if max_chunks stopped this run early (a debugging aid: rerun to resume).
-    tools: a rollout.Tools to sample with the tool loop, as training does; its settings join the header."""
+    tools: a rollout.Tools to sample with the tool loop, as training does; its settings join the header.
+    reward: the --reward spec that scores the samples (recorded in the header unless the default)."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     barrier = dist.barrier if world > 1 else (lambda: None)
     header = run_header(header, n0=n0, temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed,
-                        truncated_reward=truncated_reward, tools=tools, think_format=think_format)
+                        truncated_reward=truncated_reward, tools=tools, think_format=think_format, reward=reward)
     done = read_finished(out_path, header)
     barrier()  # every rank has read the files before any rank appends to them
     todo = [p for p in range(rank, len(data.keys), world) if data.keys[p] not in done]
@@ -161,7 +178,7 @@ def estimate_offline_values(engine, data, out_path, *, n0=8, temperature=1.0, to
             rollouts = engine.generate([data.prompt_ids[p] for p in chunk for _ in range(n0)], seeds,
                                        max_tokens=max_tokens, temperature=temperature, top_p=top_p, tools=tools)
             scores = rewards(rollouts, [data.answers[p] for p in chunk for _ in range(n0)], think_format,
-                             truncated_reward).reshape(len(chunk), n0)
+                             truncated_reward, reward).reshape(len(chunk), n0)
             f.writelines(json.dumps({"key": data.keys[p], "scores": s.tolist()}) + "\n" for p, s in zip(chunk, scores))
             f.flush()
             os.fsync(f.fileno())
@@ -255,9 +272,8 @@ def parse_args(argv=None):
     g.add_argument("--n0", type=int, default=8, help="samples per prompt (paper: 8)")
     g.add_argument("--temperature", type=float, default=1.0, help="as training samples (the authors used 0.6)")
     g.add_argument("--top_p", type=float, default=1.0, help="as training samples")
-    g.add_argument("--max_tokens", type=int, default=None, help="training's --max_response_len (32; tools: 160)")
-    g.add_argument("--truncated_reward", choices=["zero", "score"], default="zero", help="as spo.py")
-    g.add_argument("--think_format", action="store_true", help="as spo.py: the authors' </think> / tool-tag gate")
+    add_budget_flag(g)  # --max_response_len (alias --max_tokens): as training's
+    add_reward_flags(g)  # --reward, --truncated_reward, --think_format: as training's
     g.add_argument("--seed", type=int, default=0, help="per-request seeds derive from (seed, prompt key, sample)")
     g = p.add_argument_group("run and engine")
     g.add_argument("--chunk_prompts", type=int, default=64, help="prompts per generate call and partial flush")
@@ -267,9 +283,10 @@ def parse_args(argv=None):
     g.add_argument("--gpu_memory_utilization", type=float, default=0.9, help="vLLM share of each GPU")
     add_tool_flags(p)
     args = p.parse_args(argv)
-    apply_tool_defaults(args, "max_tokens")
-    if args.n0 < 1 or args.max_tokens < 1 or args.chunk_prompts < 1:
-        p.error("--n0, --max_tokens and --chunk_prompts must be at least 1")
+    apply_tool_defaults(args)
+    if args.n0 < 1 or args.max_response_len < 1 or args.chunk_prompts < 1:
+        p.error("--n0, --max_response_len (--max_tokens) and --chunk_prompts must be at least 1")
+    check_reward_flag(args.reward)
     return args
 
 
@@ -278,7 +295,7 @@ def main(argv=None):
     from data import load_dataset, load_tokenizer
     args = parse_args(argv)
     rank, world, device = trainer.setup_distributed()
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # as spo.py; VLLM_LOGGING_LEVEL=INFO shows its report
+    quiet_vllm()  # as spo.py
     error = set_cpu_kv_cache(args.cpu_kv_cache_gib)
     if error:
         trainer.fail(error, once=True)
@@ -288,8 +305,9 @@ def main(argv=None):
         args.model, args.data = args.model or toy_model, args.data or toy_train
     if rank == 0:
         print("config: " + json.dumps(vars(args)), flush=True)
-    sampling = {k: getattr(args, k) for k in ("n0", "temperature", "top_p", "max_tokens", "seed", "truncated_reward",
-                                              "think_format")}
+    sampling = {k: getattr(args, k) for k in ("n0", "temperature", "top_p", "seed", "truncated_reward", "think_format",
+                                              "reward")}
+    sampling["max_tokens"] = args.max_response_len  # the header's name for the budget
     # Paths as absolute so that a rerun from another directory still matches the partial files' header.
     header = {k: os.path.abspath(v) if os.path.exists(v) else v for k, v in (("model", args.model),
                                                                              ("dataset", args.data))}
@@ -306,8 +324,8 @@ def main(argv=None):
     if args.max_prompts:
         data = data[: args.max_prompts]
     from rollout import Engine
-    engine = Engine(args.model, seed=args.seed, max_model_len=args.max_prompt_len + args.max_tokens, device=device,
-                    gpu_memory_utilization=args.gpu_memory_utilization, temperature=args.temperature)
+    engine = Engine(args.model, seed=args.seed, max_model_len=args.max_prompt_len + args.max_response_len,
+                    device=device, gpu_memory_utilization=args.gpu_memory_utilization, temperature=args.temperature)
     estimate_offline_values(engine, data, args.out, header=header, chunk_prompts=args.chunk_prompts,
                             max_chunks=args.max_chunks, tools=tools, **sampling)
     if tools:

@@ -1,9 +1,10 @@
 """The verifier: the binary reward r(x, y) in {0, 1} that SPO's tracker absorbs (Eq. 5) and its advantage
 subtracts from (Eq. 8). Training, the offline values pass (Algorithm 2) and evaluation all score with it.
 
-The rule is the authors' strict one: the answer is the last `\\boxed{...}` (braces matched), which must start
-within the last 100 characters of the response and must equal the ground truth exactly after stripping
-whitespace (`\\boxed{1/2}` is wrong for "0.5"). Two additions of ours:
+The default rule (`--reward reward:exact_match`) is the authors' strict one: the answer is the last `\\boxed{...}`
+(braces matched), which must start within the last 100 characters of the response and must equal the ground truth
+exactly after stripping whitespace (`\\boxed{1/2}` is wrong for "0.5"). Two additions of ours, applied before any
+verifier reads the response:
 - Tool calls are not the model's answer: `<code>...</code>` and `<interpreter>...</interpreter>` blocks are
   removed before the box is looked for. Scored as the authors do (whole text), a snippet that prints
   `\\boxed{N}` would answer for the model (in its code and again in the tool output): a reward hack.
@@ -12,11 +13,24 @@ whitespace (`\\boxed{1/2}` is wrong for "0.5"). Two additions of ours:
   the last box, and a policy can learn never to end its answer (README, "Choices").
 `think_format=True` adds the authors' gate for thinking models: exactly one `</think>` and no tool tag after it.
 
+Your own verifier (`--reward module:function` or `--reward path/to/file.py:function`) is a function
+`fn(response_text: str, ground_truth: str) -> 0 or 1`: it reads the response with the tool blocks removed (after
+the think gate, which scores 0 without calling it) and the data's answer as a stripped string, and returns 0 or 1
+(bool, int or float). Binary, because SPO's tracker is a Beta posterior over successes (Eq. 5) and pass@k, maj@k
+and the offline-values check count successes; any other value stops the run with one line naming --reward.
+`numeric_match` is a second verifier, as an example: numbers compare by value.
+
     from reward import boxed_reward, rewards
     boxed_reward("so the sum is \\\\boxed{17}", "17")                       # 1.0
+    numeric_match("so the sum is \\\\boxed{17.0}", "17")                    # 1.0 (exact_match: 0.0)
     rewards(rollouts, ground_truths, think_format=False, truncated_reward="zero")   # (B,) for rollout.Rollout
 """
+import functools
+import importlib
+import importlib.util
 import re
+from fractions import Fraction
+from pathlib import Path
 
 import numpy as np
 
@@ -24,6 +38,21 @@ TAIL_CHARS = 100  # the authors' window: a box that starts earlier than this is 
 BOX = "\\boxed{"  # `\boxed {x}` (with a space) is valid LaTeX but is NOT an answer here, as in the authors' rule
 # Tool calls and their output (rollout.py's loop; unclosed when cut by the budget) are not the model's answer.
 TOOL_BLOCKS = re.compile(r"<(code|interpreter)>.*?(?:</\1>|$)", re.DOTALL)
+DEFAULT_REWARD = "reward:exact_match"  # the authors' strict rule (and the paper's)
+
+
+def add_reward_flags(parser, truncation=True):
+    """The verifier's flags, shared by spo.py, offline_values.py and eval.py (eval scores truncated responses as
+    they are: truncation=False leaves --truncated_reward out)."""
+    parser.add_argument("--reward", default=DEFAULT_REWARD,
+                        help="the verifier, module:function or file.py:function, fn(response_text, ground_truth) "
+                             "-> 0 or 1 (README; example: reward:numeric_match); default: the authors' strict "
+                             "boxed rule")
+    if truncation:
+        parser.add_argument("--truncated_reward", choices=["zero", "score"], default="zero",
+                            help="a response cut off by the token budget gets 0 (zero) or is scored like any other")
+    parser.add_argument("--think_format", action="store_true",
+                        help="reward 0 unless one </think> with no tool call after it (the authors' gate)")
 
 
 def extract_boxed(text: str, tail_chars: int | None = None) -> str | None:
@@ -48,35 +77,115 @@ def extract_boxed(text: str, tail_chars: int | None = None) -> str | None:
     return None
 
 
-def reward_and_answer(response_text: str, ground_truth: str, think_format: bool = False,
-                      tail_chars: int = TAIL_CHARS) -> tuple[float, str | None]:
-    """(reward in {0.0, 1.0}, extracted answer or None). The answer feeds maj@k; None never wins a vote.
+def final_answer(text: str, tail_chars: int = TAIL_CHARS) -> str | None:
+    """The model's final answer: the last box in the tail, stripped; None if there is none or it is empty
+    (`\\boxed{}` or `\\boxed{  }` is no answer)."""
+    boxed = extract_boxed(text, tail_chars)
+    return (boxed.strip() or None) if boxed is not None else None
 
-    think_format: the authors' gate: exactly one `</think>` and no `<code>` / `<interpreter>` after it, else
-    (0.0, None). Then tool blocks are removed and the last box of the remaining text is the answer.
-    """
+
+# ------------------------------------------------------------------------------------------------ verifiers
+# fn(response_text, ground_truth) -> 0 or 1; the text comes without tool blocks (visible_text).
+def exact_match(text: str, ground_truth: str, tail_chars: int = TAIL_CHARS) -> float:
+    """The default --reward, the authors' rule: 1.0 if the final answer equals the ground truth exactly (both
+    stripped), else 0.0."""
+    return float(final_answer(text, tail_chars) == str(ground_truth).strip())
+
+
+# A plain decimal (exponent of at most 3 digits: `1e999999999` would make Fraction build a huge integer) or a/b.
+NUMBER = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d{1,3})?|[+-]?\d+/\d+")
+
+
+def numeric_match(text: str, ground_truth: str) -> float:
+    """An example of a second verifier (`--reward reward:numeric_match`): the same final box as exact_match, but
+    when both sides are numbers (decimals with an optional exponent, or a/b) they compare by value, in exact
+    rational arithmetic: `3.0` = `3` = `6/2`, `0.5` = `1/2`, `1e3` = `1000`. Anything else (`\\frac{1}{2}`,
+    `1,000`, `x+1`) falls back to exact_match's string equality."""
+    answer, truth = final_answer(text), str(ground_truth).strip()
+    if answer is None:
+        return 0.0
+    if NUMBER.fullmatch(answer) and NUMBER.fullmatch(truth):
+        try:
+            return float(Fraction(answer) == Fraction(truth))
+        except (ValueError, ZeroDivisionError):  # 1/0; or more digits than int() converts
+            pass
+    return float(answer == truth)
+
+
+@functools.lru_cache(maxsize=None)
+def load_verifier(spec: str):
+    """The function a --reward spec names: `module:function` (imported as Python imports it: the repository,
+    PYTHONPATH, installed packages) or `path/to/file.py:function`. Raises ValueError with one line naming the
+    flag for a malformed spec, a module that does not import or a missing function. Cached: one import per
+    process."""
+    module_name, sep, name = spec.rpartition(":")
+    if not sep or not module_name or not name:
+        raise ValueError(f"--reward {spec}: expected module:function or file.py:function (e.g. reward:numeric_match)")
+    try:
+        if module_name.endswith(".py"):
+            source = importlib.util.spec_from_file_location(Path(module_name).stem, module_name)
+            module = importlib.util.module_from_spec(source)
+            source.loader.exec_module(module)
+        else:
+            module = importlib.import_module(module_name)
+    except Exception as e:  # not found, or it fails on import: either way the run cannot score
+        raise ValueError(f"--reward {spec}: cannot import {module_name} ({e.__class__.__name__}: {e})") from None
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise ValueError(f"--reward {spec}: {module_name} has no function {name}")
+    return fn
+
+
+def check_reward_flag(spec: str):
+    """Resolve --reward once, before anything heavy starts: a bad spec is one `error:` line (exit code 2)."""
+    try:
+        load_verifier(spec)
+    except ValueError as e:
+        from data import fail
+        fail(str(e), once=True)
+
+
+def checked_reward(value, spec: str) -> float:
+    """A verifier's return value as 0.0 or 1.0; anything else stops with one line naming --reward."""
+    if isinstance(value, (bool, int, float, np.number, np.bool_)) and value in (0, 1):
+        return float(value)
+    from data import fail
+    fail(f"--reward {spec} returned {value!r} (a {type(value).__name__}); a verifier must return 0 or 1 "
+         f"(SPO's tracker is a Beta posterior over binary rewards)")
+
+
+# ------------------------------------------------------------------------------------------------ scoring
+def visible_text(response_text: str, think_format: bool = False) -> str | None:
+    """What a verifier reads: the response without tool calls and their output; None (reward 0, no answer) when
+    think_format is on and the authors' gate fails (not exactly one `</think>`, or a tool tag after it)."""
     if think_format:
         after_think = response_text.partition("</think>")[2]
         if response_text.count("</think>") != 1 or "<code>" in after_think or "<interpreter>" in after_think:
-            return 0.0, None
-    response_text = TOOL_BLOCKS.sub("", response_text)
-    boxed = extract_boxed(response_text, tail_chars)
-    answer = boxed.strip() if boxed is not None else ""
-    if not answer:  # `\boxed{}` or `\boxed{  }` is no answer
+            return None
+    return TOOL_BLOCKS.sub("", response_text)
+
+
+def reward_and_answer(response_text: str, ground_truth: str, think_format: bool = False,
+                      reward: str = DEFAULT_REWARD) -> tuple[float, str | None]:
+    """(reward in {0.0, 1.0} by the --reward verifier, the final boxed answer or None). The answer feeds maj@k
+    (whatever the verifier; None never wins a vote). The think gate and the tool-block removal come first."""
+    text = visible_text(response_text, think_format)
+    if text is None:
         return 0.0, None
-    return float(answer == str(ground_truth).strip()), answer
+    return checked_reward(load_verifier(reward)(text, ground_truth), reward), final_answer(text)
 
 
 def boxed_reward(response_text: str, ground_truth: str, think_format: bool = False) -> float:
-    """The binary reward r(x, y): 1.0 if the final boxed answer equals the ground truth, else 0.0."""
+    """The binary reward r(x, y) by the default rule: 1.0 if the final boxed answer equals the ground truth."""
     return reward_and_answer(response_text, ground_truth, think_format)[0]
 
 
-def rewards(rollouts, ground_truths, think_format=False, truncated_reward="zero"):
+def rewards(rollouts, ground_truths, think_format=False, truncated_reward="zero", reward=DEFAULT_REWARD):
     """(B,) rewards of a batch of rollout.Rollout, as training and the offline values pass score them.
     truncated_reward "zero": a rollout that hit the token budget or the turn limit (finish reason "length")
-    scores 0; "score": it is scored like any other."""
-    reward = np.array([boxed_reward(r.text, answer, think_format) for r, answer in zip(rollouts, ground_truths)])
+    scores 0; "score": it is scored like any other. reward: the --reward spec."""
+    scores = np.array([reward_and_answer(r.text, answer, think_format, reward)[0]
+                       for r, answer in zip(rollouts, ground_truths)])
     if truncated_reward == "zero":
-        reward *= np.array([r.finish_reason != "length" for r in rollouts])
-    return reward
+        scores *= np.array([r.finish_reason != "length" for r in rollouts])
+    return scores

@@ -109,12 +109,28 @@ def add_tool_flags(parser):
     g.add_argument("--sandbox_memory_mb", type=int, default=1024, help="address-space limit per snippet process")
 
 
-def apply_tool_defaults(args, budget_flag):
+def add_budget_flag(parser):
+    """The response token budget: one name and one default in spo.py, offline_values.py and eval.py (eval.py and
+    offline_values.py called it --max_tokens, which stays as a second name)."""
+    parser.add_argument("--max_response_len", "--max_tokens", dest="max_response_len", type=int, default=None,
+                        help="response token budget, tool output included (default: 32, or 160 with --tools: the "
+                             "toys' budgets; a real model needs far more, the paper: 8192); --max_tokens is the "
+                             "same flag")
+
+
+def apply_tool_defaults(args):
     """Defaults that depend on --tools, for flags left unset: the toy directory (toy_tools / toy) and the
-    response budget `budget_flag` (160 / 32 tokens: room for a code call, its output and the answer)."""
+    response budget --max_response_len (160 / 32 tokens: room for a code call, its output and the answer)."""
     args.toy_dir = args.toy_dir or ("toy_tools" if args.tools else "toy")
-    if getattr(args, budget_flag) is None:  # `is None`: a 0 given on purpose must reach the range check
-        setattr(args, budget_flag, 160 if args.tools else 32)
+    if args.max_response_len is None:  # `is None`: a 0 given on purpose must reach the range check
+        args.max_response_len = 160 if args.tools else 32
+
+
+def quiet_vllm():
+    """vLLM logs its start-up report and a few INFO lines per rank at every weight push, burying the progress
+    bar: WARNING and above only, unless VLLM_LOGGING_LEVEL is set (INFO shows them again). Call it before vllm
+    is imported (Engine imports it). The per-push rotary warning is filtered in Engine."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 
 def first_finished(rollouts, keep, group_size=1):

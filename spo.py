@@ -54,11 +54,11 @@ from trainer import all_gather_np, all_reduce_np
 from metrics import Logger, PromptReach, oversample_metrics, spo_metrics, step_metrics
 from data import fail, load_dataset, load_tokenizer
 from eval import add_probe_flags, evaluations
-from offline_values import (check_values_header, estimate_offline_values, init_tracker_from_file, tool_settings,
-                            toy_values_path)
-from reward import rewards
-from rollout import (TOOL_INSTRUCTION, add_tool_flags, apply_tool_defaults, first_finished, set_cpu_kv_cache,
-                     tools_from_flags)
+from offline_values import (check_values_header, estimate_offline_values, init_tracker_from_file,
+                            training_v0_settings, toy_values_path)
+from reward import add_reward_flags, rewards
+from rollout import (TOOL_INSTRUCTION, add_budget_flag, add_tool_flags, apply_tool_defaults, first_finished,
+                     quiet_vllm, set_cpu_kv_cache, tools_from_flags)
 from sampler import PromptSampler, priority_weights
 from tracker import ValueTracker
 
@@ -78,8 +78,7 @@ def parse_args(argv=None):
     p.add_argument("--accept_offline_mismatch", action="store_true",
                    help="use --offline_values made with other sampling settings than this run (refused otherwise)")
     p.add_argument("--max_prompt_len", type=int, default=256, help="longer prompts are left out (counted)")
-    p.add_argument("--max_response_len", type=int, default=None,
-                   help="response token budget, tool output included (default: 32, or 160 with --tools)")
+    add_budget_flag(p)  # --max_response_len (alias --max_tokens), shared with eval.py and offline_values.py
     # ---- algorithm
     p.add_argument("--algo", choices=["spo", "grpo", "rloo", "dr_grpo", "reinforce_pp"], default="spo",
                    help="advantage estimator (README: the variants table)")
@@ -114,10 +113,7 @@ def parse_args(argv=None):
     p.add_argument("--max_tokens_per_micro_batch", type=int, default=None,
                    help="token budget per forward pass, padding included (sequences packed longest first)")
     p.add_argument("--temperature", type=float, default=1.0, help="training sampling temperature")
-    p.add_argument("--truncated_reward", choices=["zero", "score"], default="zero",
-                   help="a response cut off by the token budget gets 0 (zero) or is scored like any other")
-    p.add_argument("--think_format", action="store_true",
-                   help="reward 0 unless one </think> with no tool call after it (the authors' gate, eval.py)")
+    add_reward_flags(p)  # --reward (the verifier), --truncated_reward, --think_format (reward.py)
     # ---- tools: --tools, --max_turns, --sandbox_workers, ... (one group, shared with eval.py / offline_values.py)
     add_tool_flags(p)
     # ---- the family: --loss, --loss_agg, --dynamic_sampling, --max_sampling_rounds (variants.py)
@@ -153,7 +149,7 @@ def parse_args(argv=None):
         args.group_size = 1 if args.algo == "spo" else 8
     if args.d_half is None:
         args.d_half = D_HALF[args.divergence]
-    apply_tool_defaults(args, "max_response_len")
+    apply_tool_defaults(args)
     return args
 
 
@@ -255,9 +251,7 @@ def main(argv=None):
         fail(error, once=True)
     run_dir = args.run_dir = checkpoint.open_run_dir(args, "spo.py")  # one run per directory, locked
     tools = tools_from_flags(args)  # None without --tools; else the tool loop and this rank's sandbox pool
-    # vLLM logs a few INFO lines per rank at every weight push, burying the progress bar; set
-    # VLLM_LOGGING_LEVEL=INFO to see them (and the engine's start-up report) again.
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    quiet_vllm()  # vLLM's INFO lines at every weight push would bury the progress bar
     is_main = rank == 0
 
     # ---- model and data: the toy unless the user names their own
@@ -282,9 +276,7 @@ def main(argv=None):
              f"each step draws (--batch_size / --group_size, x --oversample)", once=True)
     # What changes the offline values v0 (Algorithm 2): a values file made otherwise would start the tracker from
     # another distribution than training samples from. Checked before anything heavy starts.
-    v0_settings = {"temperature": float(args.temperature), "top_p": 1.0, "max_tokens": args.max_response_len,
-                   "truncated_reward": args.truncated_reward, "think_format": args.think_format,
-                   "tools": tool_settings(tools), "system_prompt": system_prompt}
+    v0_settings = training_v0_settings(args, tools, system_prompt)
     if args.algo == "spo" and not args.resume and args.offline_values not in ("auto", "none"):
         check_values_header(args.offline_values, v0_settings, args.accept_offline_mismatch)
 
@@ -322,7 +314,7 @@ def main(argv=None):
                                         header={"model": args.model, "dataset": args.train,
                                                 **({"system_prompt": system_prompt} if system_prompt else {})},
                                         truncated_reward=args.truncated_reward, progress=is_main, tools=tools,
-                                        think_format=args.think_format)
+                                        think_format=args.think_format, reward=args.reward)
         if values_path == "auto":
             if is_main:
                 print("no --offline_values: the tracker starts from the uninformed prior (make them with "
@@ -361,7 +353,7 @@ def main(argv=None):
         done = np.array([r is not None for r in rollouts])
         reward = np.full(started, np.nan)
         reward[done] = rewards([r for r in rollouts if r], [data.answers[i] for i in mine[done]], args.think_format,
-                               args.truncated_reward)
+                               args.truncated_reward, args.reward)
         kept = first_finished(rollouts, local, group) if started > local else done
         oversampled.update(oversample_metrics(rollouts, reward, kept, mine, reach) if started > local else {})
         t["score"] = t.get("score", 0.0) + time.time() - t0

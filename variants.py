@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from data import fail
+from reward import check_reward_flag
 
 LOSSES = ("ppo_clip", "gspo", "cispo")
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "token_sum")
@@ -91,7 +92,9 @@ def check_args(args, world):
         fail(f"--group_size must be at least 2 for {args.algo}", once=True)
     if args.algo != "spo" and args.baseline != "tracker":
         fail(f"--baseline {args.baseline} is an SPO option; {args.algo} has its own baseline", once=True)
-    if args.algo != "spo" and args.offline_values not in ("auto", "none"):
+    # --offline_values auto is silently unused by the estimators without a tracker; asked for by name, it is an error
+    offline_given = "offline_values" in getattr(args, "given", ()) or args.offline_values != "auto"
+    if args.algo != "spo" and offline_given and args.offline_values != "none":
         fail(f"--offline_values initialises SPO's value tracker; {args.algo} has none (it would be ignored)", once=True)
     if args.baseline == "fixed" and (args.offline_values == "none" or (args.offline_values == "auto" and args.train)):
         fail("--baseline fixed keeps the offline values v0 forever; it needs --offline_values", once=True)
@@ -103,6 +106,7 @@ def check_args(args, world):
     if args.dynamic_sampling and (args.algo == "spo" or args.group_size < 2):
         fail(f"--dynamic_sampling drops groups whose rewards are all equal; it needs a group estimator with "
              f"--group_size >= 2 (got --algo {args.algo}, --group_size {args.group_size})", once=True)
+    check_reward_flag(args.reward)  # --reward names a function that imports: resolved now, not at the first reward
 
 
 # ------------------------------------------------------------------------------------------------ group baselines

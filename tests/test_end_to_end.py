@@ -37,10 +37,30 @@ def test_end_to_end_spo_two_ranks(spo_run):
         assert 0.0 <= r["tracker/revisit_share"] <= 1.0
     config = json.loads((run / "config.json").read_text())
     assert (config["divergence"], config["d_half"]) == ("abs", 0.06)  # the measure D_half = 0.06 was tuned for
+    assert (config["reward"], config["max_response_len"]) == ("reward:exact_match", 32)
     assert "eval/accuracy" in rows[2] and "eval/accuracy" in rows[4]
+    assert all(0.0 <= rows[i][k] <= 1.0 for i in (0, 2, 4) for k in ("eval/unparsed", "eval/truncated"))
+    assert [r["reward/all_equal_steps"] for r in rows[1:]] == list(np.cumsum([r["reward/all_equal"] for r in rows[1:]]))
+    assert "step 4: reward=" in proc.stdout and "cut=" in proc.stdout and "kl=" not in proc.stdout  # --ppo_steps 1
     # The checkpoint is a plain Hugging Face model.
     from transformers import AutoModelForCausalLM
     AutoModelForCausalLM.from_pretrained(run / "checkpoints" / "step_000004" / "model")
+
+
+@pytest.mark.slow
+def test_your_own_verifier_scores_training_and_an_all_equal_batch_is_said_once(small_toy, tmp_path):
+    """--reward from a file that accepts everything (truncated responses scored too): every batch is all ones,
+    which is counted each step and said once; the verifier is recorded in the run's config."""
+    verifier = tmp_path / "lenient.py"
+    verifier.write_text("def accept(text, ground_truth):\n    return True\n")
+    run = tmp_path / "run"
+    proc = ok(torchrun(2, *toy_args(small_toy, run, "--steps", "2", "--eval_every", "0", "--log_every", "1",
+                                    "--reward", f"{verifier}:accept", "--truncated_reward", "score")))
+    rows = _metrics(run)
+    assert [(r["reward/mean"], r["reward/all_equal"], r["reward/all_equal_steps"]) for r in rows] == [(1, 1, 1),
+                                                                                                     (1, 1, 2)]
+    assert json.loads((run / "config.json").read_text())["reward"] == f"{verifier}:accept"
+    assert proc.stdout.count("every reward of the batch is 1") == 1
 
 
 @pytest.mark.slow
@@ -177,6 +197,8 @@ def test_run_directories_belong_to_one_run(small_toy, spo_run):
     for args, says in [((), f"--run_dir {run} already holds a run"),
                        (("--resume", str(run), "--lr", "1e-3"), "--lr 0.001: the run being resumed has 0.0002"),
                        (("--resume", str(run), "--algo", "grpo"), "--algo grpo: the run being resumed has spo"),
+                       (("--resume", str(run), "--steps", "6", "--reward", "reward:numeric_match"),
+                        "--reward reward:numeric_match: the run being resumed has reward:exact_match"),
                        (("--resume", str(run), "--steps", "3"), "--steps 3: the run's latest checkpoint is at step 4")]:
         proc = python(*toy_args(small_toy, run, *args))
         assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [proc.stderr.strip()], proc.stderr[-3000:]

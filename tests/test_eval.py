@@ -195,8 +195,10 @@ def test_eval_cli_writes_samples_and_summaries(eval_run):
         assert all(0.0 <= v <= 1.0 for v in metrics.values())
         assert summary["pass@1"] == pytest.approx(summary["avg@4"], abs=1e-12)
         assert summary["avg@4"] <= summary["pass@2"] <= summary["pass@4"]
+        assert 0.0 <= summary["unparsed"] <= 1.0 and 0.0 <= summary["truncated"] <= 1.0
     table = (eval_run / "summary.md").read_text()
     assert "| test |" in table and "| first10 |" in table and "| average |" in table
+    assert "| unparsed | truncated |" in table.splitlines()[2]  # after the header line, the table's columns
 
 
 @pytest.mark.slow
@@ -223,10 +225,48 @@ def test_eval_samples_do_not_depend_on_the_file_or_rank(eval_run):
 
 
 @pytest.mark.parametrize("program", ["eval", "offline_values"])
-def test_a_zero_token_budget_is_an_error_not_the_default(program, capsys):
+@pytest.mark.parametrize("flag", ["--max_response_len", "--max_tokens"])
+def test_a_zero_token_budget_is_an_error_not_the_default(program, flag, capsys):
     """--max_tokens 0 used to become the default 32 (a falsy value took the default's place)."""
     module = __import__(program)
     with pytest.raises(SystemExit):
-        module.parse_args(["--max_tokens", "0"])
-    assert "--max_tokens" in capsys.readouterr().err
-    assert module.parse_args([]).max_tokens == 32  # unset still means the default
+        module.parse_args([flag, "0"])
+    assert "--max_response_len (--max_tokens)" in capsys.readouterr().err
+    assert module.parse_args([]).max_response_len == 32  # unset still means the default
+
+
+@pytest.mark.parametrize("program", ["spo", "eval", "offline_values"])
+def test_the_budget_has_one_name_one_alias_and_one_default_in_the_three_programs(program):
+    parse_args = __import__(program).parse_args
+    assert parse_args(["--max_response_len", "64"]).max_response_len == 64
+    assert parse_args(["--max_tokens", "64"]).max_response_len == 64            # the old name of eval.py
+    assert parse_args([]).max_response_len == 32 and parse_args(["--tools"]).max_response_len == 160
+
+
+def test_summary_counts_unparsed_and_truncated_samples():
+    samples = [[("1", True, False), (None, False, True), ("2", False, False), (None, False, False)],
+               [("5", True, True), ("5", True, False), ("6", False, False), ("7", False, False)]]
+    s = summarize(samples, ks=(1,), n_boot=10)
+    assert s["unparsed"] == 2 / 8 and s["truncated"] == 2 / 8 and s["avg@4"] == 3 / 8
+    assert "truncated" not in summarize([[("1", True)]], ks=(1,), n_boot=10)    # (answer, correct): no flag
+    header, _, row = markdown_table({"b": s}).splitlines()
+    assert header.endswith("| unparsed | truncated |") and row.endswith("| 25.0 | 25.0 |")
+
+
+def test_sample_and_score_flags_unparsed_and_truncated_responses():
+    """Hand-made responses through sample_and_score (a fake engine): no final box is unparsed, finish reason
+    "length" is truncated, and a truncated response with a right box still counts as correct in evaluation."""
+    from data import Dataset
+    from eval import sample_and_score
+    from rollout import Rollout
+    responses = [("\\boxed{4}", "stop"), ("I think 4", "stop"), ("\\boxed{4} and then", "length"),
+                 ("\\boxed{5", "length")]
+
+    class Engine:
+        def generate(self, prompt_ids, seeds, **sampling):
+            return [Rollout([1], [2], [0.0], text, reason) for text, reason in responses]
+    samples, _ = sample_and_score(Engine(), Dataset(["k"], [[1]], ["4"]), 4, 0, temperature=1.0, top_p=1.0,
+                                  top_k=-1, max_tokens=8, rank=0, world=1)
+    assert samples == [[("4", True, False), (None, False, False), ("4", True, True), (None, False, True)]]
+    s = summarize(samples, ks=(1,), n_boot=10)
+    assert (s["avg@4"], s["unparsed"], s["truncated"]) == (0.5, 0.5, 0.5)

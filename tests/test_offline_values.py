@@ -136,6 +136,35 @@ def test_values_header_check_names_each_differing_setting(tmp_path, capsys):
     assert "used anyway" in capsys.readouterr().out
 
 
+def test_values_made_with_another_verifier_are_refused_like_other_settings(tmp_path, capsys):
+    """The header records --reward when it is not the default; a file without it was scored by the default."""
+    from offline_values import check_values_header
+    made = {"temperature": 1.0, "top_p": 1.0, "max_tokens": 32, "truncated_reward": "zero"}
+    check_values_header(_values_file(tmp_path / "default.json", **made), {**WANTED, "reward": "reward:exact_match"})
+    numeric = _values_file(tmp_path / "numeric.json", **made, reward="reward:numeric_match")
+    check_values_header(numeric, {**WANTED, "reward": "reward:numeric_match"})
+    with pytest.raises(SystemExit):
+        check_values_header(numeric, WANTED)
+    err = capsys.readouterr().err
+    assert "reward: 'reward:numeric_match' there, 'reward:exact_match' here" in err and len(err.splitlines()) == 1
+
+
+def test_the_default_runs_cached_toy_values_keep_their_name():
+    """spo.py's default run finds the toy's offline values by a hash of the settings that change v0: --reward
+    and --max_response_len must leave the default's settings (and so the cached file) as they were."""
+    import spo
+    from offline_values import run_header, toy_values_path, training_v0_settings
+    args = spo.parse_args([])
+    assert toy_values_path("toy", 8, 0, training_v0_settings(args, None, None)) == \
+        "toy/offline_values_n8_seed0_len32_325e71ec.json"
+    other = training_v0_settings(spo.parse_args(["--reward", "reward:numeric_match"]), None, None)
+    assert toy_values_path("toy", 8, 0, other) != "toy/offline_values_n8_seed0_len32_325e71ec.json"
+    header = dict(n0=8, temperature=1.0, top_p=1.0, max_tokens=32, seed=0, truncated_reward="zero")
+    assert "reward" not in run_header({}, **header) and "reward" not in run_header({}, **header,
+                                                                                  reward="reward:exact_match")
+    assert run_header({}, **header, reward="reward:numeric_match")["reward"] == "reward:numeric_match"
+
+
 @pytest.mark.slow
 def test_spo_refuses_offline_values_made_with_other_settings(small_toy, offline_full, tmp_path):
     proc = python("spo.py", "--model", small_toy["model"], "--train", small_toy["train"], "--offline_values",

@@ -64,7 +64,7 @@ def args_for(*argv):
 def test_plan_seeds_probe_and_owned_flags():
     args, extra = args_for("--variants", "spo:0-1", "grpo", "k3", "--seeds", "3,5", "--out", "x", "--", "--steps", "4")
     runs = {name: flags for name, _, _, flags in sweep.plan(args, extra)}
-    assert list(runs) == ["spo-s0", "spo-s1", "grpo-s3", "grpo-s5", "k3-s3", "k3-s5"]
+    assert list(runs) == ["spo-s0", "spo-s1", "grpo-s3", "k3-s3", "grpo-s5", "k3-s5"]  # seed by seed
     assert runs["grpo-s3"] == ["--algo", "grpo", "--steps", "4"]  # no probe: GRPO has no tracker
     assert runs["k3-s5"][:4] == ["--divergence", "k3", "--steps", "4"] and "--probe_every" in runs["k3-s5"]
     assert sweep.parse_seeds("0-2,7") == [0, 1, 2, 7] and sweep.flag_value(["--a", "1", "--a", "2"], "--a") == "2"

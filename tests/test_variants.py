@@ -215,6 +215,9 @@ def test_signal_metrics_by_hand():
     (["--group_size", "3"], "multiple of world size x group size"),
     (["--ppo_steps", "5"], "must divide the per-rank batch"),
     (["--algo", "grpo", "--offline_values", "values.json"], "grpo has none (it would be ignored)"),
+    (["--algo", "rloo", "--offline_values", "auto"], "rloo has none (it would be ignored)"),  # asked for by name
+    (["--reward", "no_such_module_xyz:score"], "--reward no_such_module_xyz:score: cannot import"),
+    (["--reward", "reward:no_such_function"], "--reward reward:no_such_function: reward has no function"),
     # out of range: each used to be a traceback, or a 0 that silently became the default
     (["--group_size", "0"], "--group_size must be at least 1, got 0"),
     (["--lr=-1e-3"], "--lr must be positive, got -0.001"),
@@ -231,6 +234,18 @@ def test_bad_flags_get_one_clear_line(argv, match, capsys):
         variants.check_args(spo.parse_args(argv), world=2)
     err = capsys.readouterr().err
     assert match in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("argv", [["--algo", "grpo"], ["--algo", "grpo", "--offline_values", "none"],
+                                  ["--algo", "reinforce_pp"], ["--reward", "reward:numeric_match"]])
+def test_the_default_offline_values_are_silently_unused_without_a_tracker(argv):
+    variants.check_args(spo.parse_args(argv), world=2)  # no error: 'auto' is the default, 'none' says what happens
+
+
+def test_spo_py_stops_on_a_bad_reward_before_the_engine_starts():
+    proc = python("spo.py", "--reward", "reward:exact")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines() == ["error: --reward reward:exact: reward has no function exact"]
 
 
 def test_spo_py_stops_on_a_bad_combination_before_the_engine_starts():
