@@ -102,7 +102,8 @@ def bench_throughput_real(toy_dir="toy_tools", batch=64, group_size=8, f=2, repe
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     import toy
     import trainer
-    from rollout import Engine, Tools
+    from rollout import Engine, Tools, quiet_vllm
+    quiet_vllm()
     _, _, device = trainer.setup_distributed()
     model, train, _ = toy.ensure_toy(toy_dir, tools=True)
     data = load_dataset(train, load_tokenizer(model), 64, False)
@@ -125,6 +126,7 @@ def bench_throughput_real(toy_dir="toy_tools", batch=64, group_size=8, f=2, repe
                                            keep_first=batch if factor > 1 else None)
                 times[name].append(time.perf_counter() - t0)
             kept_calls[name] += [x.tool_calls for x in rollouts if x is not None]
+        print(f"  repeat {r + 1}: " + ", ".join(f"{name} {t[-1]:.2f} s" for name, t in times.items()), flush=True)
     med = {name: float(np.median(t)) for name, t in times.items()}
     for name, t in times.items():
         print(f"  {name:10s} median {med[name]:5.2f} s  [{min(t):.2f}, {max(t):.2f}]  tool calls per kept "
@@ -144,14 +146,15 @@ def bench_throughput_training(steps=40, nproc=2, f=2, workers=64):
     ways = {"SPO f=1": [], f"SPO f={f}": ["--oversample", str(f)],
             f"GRPO f={f}": ["--algo", "grpo", "--oversample", str(f)]}
     print(f"{steps}-step tool-toy runs with the injected latency ({nproc} ranks, {workers} sandbox workers per rank, "
-          f"seed 0, held-out accuracy at step {steps}):", flush=True)
+          f"seed 0, held-out accuracy on 200 prompts x 2 samples at step {steps}):", flush=True)
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, flags in ways.items():
             run = os.path.join(tmp, name.replace(" ", "").replace("=", ""))
             cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "bench_throughput.py",
                    "_slow_tools_training", "--tools", "--steps", str(steps), "--eval_every", str(steps),
-                   "--save_every", "0", "--sandbox_workers", str(workers), "--run_dir", run, *flags]
+                   "--save_every", "0", "--sandbox_workers", str(workers), "--eval_max_prompts", "200",
+                   "--run_dir", run, *flags]
             env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
             subprocess.run(cmd, check=True, capture_output=True, env=env, cwd=os.path.dirname(__file__) or ".")
             metrics = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
