@@ -364,4 +364,4 @@ if __name__ == "__main__":
             continue
         {"tracker": lambda: bench_tracker_sampler(args.sizes), "steps": bench_steps, "sandbox": bench_sandbox,
          "eval": bench_eval, "tools": bench_tools, "logprobs": bench_logprob_memory,
-         "throughput": bench_throughput_simulation}[name]()
+         "throughput": bench_throughput_simulation, "peer": lambda: __import__("bench_peer").bench_peer()}[name]()
