@@ -42,7 +42,8 @@ SETTINGS_THAT_DIFFER = [
     ("generation backend", "vLLM (CPU), one colocated engine per rank, weights pushed each step",
      "transformers generate() in the training process (use_vllm=False)"),
     ("processes / threads", "2 ranks (torchrun, FSDP2), 1 thread each", "1 process, --trl_threads threads "
-     "(default 1: 2 threads on 2 shared cores measured slower)"),
+     "(default 1, as TRL was first measured; "
+     "--trl_threads 2 gives it both cores)"),
     ("loss aggregation", "token mean over the global batch (Eq. 10)", "loss_type='dapo': token mean over the "
      "global batch (the same)"),
     ("dual clip", "10 (negative advantages: loss at most -10 A)", "none (inactive here: ratio = 1 with one "
@@ -183,8 +184,8 @@ def bench_peer(steps=150, trl_python=None, toy_dir=None, seed=0, warmup=5, max_t
                                k[5:]: statistics.median(m[k] for m in training[warmup:] or training)
                                for k in training[-1] if k.startswith("time/")}}
     trl_step = rows["TRL GRPOTrainer (GRPO)"]["step"]
-    print(f"\nthe toy, {steps} steps x 64 responses, seed {seed}; per-step time: median wall seconds of steps "
-          f"{warmup + 1}-{steps - 1} (start-up and evaluation excluded); held-out: eval.heldout_metrics at step "
+    print(f"\nthe toy, {steps} steps x 64 responses, seed {seed}; per-step time: median wall seconds per step, "
+          f"the first {warmup} (start-up) and the evaluated last left out; held-out: eval.heldout_metrics at step "
           f"{steps}\nTRL {trl['versions']['trl']} (transformers {trl['versions']['transformers']}, torch "
           f"{trl['threads']} threads)")
     print(f"{'':>26} {'s/step':>8} {'vs TRL':>8} {'held-out':>9} {'total wall s':>13}")
