@@ -154,14 +154,17 @@ def bench_peer(steps=150, trl_python=None, toy_dir=None, seed=0, warmup=5, max_t
         # TRL (GRPO), then the held-out evaluation of its final weights with spo's code
         trl_dir = os.path.join(tmp, "trl")
         t0 = time.time()
-        subprocess.run([python, os.path.abspath(__file__), "_trl", trl_dir, toy_dir, str(steps), str(seed),
-                        str(max_tokens), str(trl_threads)], check=True, cwd=HERE, env=env)
+        proc = subprocess.run([python, os.path.abspath(__file__), "_trl", trl_dir, toy_dir, str(steps), str(seed),
+                               str(max_tokens), str(trl_threads)], cwd=HERE, env=env, capture_output=True, text=True)
+        if proc.returncode:  # TRL logs every step: its output only when it failed
+            sys.exit(f"TRL failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
         trl_wall = time.time() - t0
         with open(os.path.join(trl_dir, "step_times.json")) as f:
             trl = json.load(f)
         heldout = os.path.join(tmp, "trl_heldout.json")
         subprocess.run([sys.executable, os.path.abspath(__file__), "_heldout", os.path.join(trl_dir, "model"),
-                        toy_dir, str(seed), str(max_tokens), heldout], check=True, cwd=HERE, env=env)
+                        toy_dir, str(seed), str(max_tokens), heldout], check=True, cwd=HERE, env=env,
+                       stdout=subprocess.DEVNULL)
         with open(heldout) as f:
             rows["TRL GRPOTrainer (GRPO)"] = {"step": _median_after(trl["step_times"], warmup),
                                               "accuracy": json.load(f)["eval/accuracy"], "wall": trl_wall}
