@@ -60,6 +60,15 @@ def test_vllm_logprobs_match_trainer_after_weight_push(small_toy, tmp_path):
     assert result["nonfinite_flagged"] and result["nonfinite_left_weights_alone"]
 
 
+@pytest.mark.slow
+def test_the_bucketed_weight_gather_equals_full_tensor_with_uneven_shards(tmp_path):
+    """full_parameters gathers many shards per collective: on 3 ranks (7, 3 and 11 rows: uneven shards, a rank
+    with fewer rows) and for buckets of one tensor, a few and all, the same names, order and bytes as
+    DTensor.full_tensor() and as the unsharded weights, also cast to bf16 before the gather."""
+    ok(torchrun(3, "tests/test_trainer.py", "gather_worker", str(tmp_path / "ok")))
+    assert (tmp_path / "ok").exists()
+
+
 def test_token_budget_micro_batches_cover_every_sequence_once_within_the_budget():
     import trainer
     lengths = [5, 17, 3, 9, 9, 30, 1, 12]
@@ -264,6 +273,30 @@ def grad_worker(out, model_path, max_tokens):
     if rank == 0:
         torch.save({"params": params, "before": before, "raw_advantage": advantage, "normalised": normalised,
                     "micro_batches": micro_batches, "old": old_all, "entropy": entropy / world, "reuse": reuse}, out)
+    dist.destroy_process_group()
+
+
+def gather_worker(out):
+    import trainer
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    rank, world, _ = trainer.setup_distributed()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Linear(7, 3, bias=False), torch.nn.Embedding(11, 5))
+    unsharded = {k: v.detach().clone() for k, v in model.named_parameters()}
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    for bucket_bytes in (1, 40, 2 ** 28):
+        got = list(trainer.full_parameters(model, bucket_bytes=bucket_bytes))
+        plain = [(n, p.detach().full_tensor()) for n, p in model.named_parameters(remove_duplicate=False)]
+        assert [n for n, _ in got] == [n for n, _ in plain] == list(unsharded)
+        assert all(torch.equal(a, b) and torch.equal(a, unsharded[n]) for (n, a), (_, b) in zip(got, plain))
+        for name, full in trainer.full_parameters(model, torch.bfloat16, bucket_bytes=bucket_bytes):
+            assert full.dtype == torch.bfloat16 and torch.equal(full, unsharded[name].to(torch.bfloat16))
+    if rank == 0:
+        open(out, "w").close()
     dist.destroy_process_group()
 
 
