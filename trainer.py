@@ -8,7 +8,8 @@ file holds the mechanics that any policy-gradient trainer on torch FSDP2 needs:
 - `token_logprobs` (via `response_logprobs`): the decoder once per micro-batch, the output projection only at
   response positions, in fp32 and in chunks, so no (B, T, V) logits tensor exists at any vocabulary size.
 - `old_logprobs` / `ppo_update`: per-token log-probs of prompt + response sequences in micro-batches, and the
-  optimiser steps around a loss function given by the caller, normalised by the GLOBAL token count. FSDP2
+  optimiser steps around a loss function given by the caller, normalised by the GLOBAL token count (with one
+  optimiser step per batch the update's own forward gives the old log-probs: no separate pass). FSDP2
   averages gradients over ranks; that loss is already a global mean, so each rank scales its loss by the world
   size to get the true gradient (set_gradient_divide_factor(1) would do the same but fails on gloo).
 - small collectives on numpy arrays. Checkpoints are in checkpoint.py, what a run records (metrics, logger) in
