@@ -316,4 +316,5 @@ if __name__ == "__main__":
             continue
         {"tracker": lambda: bench_tracker_sampler(args.sizes), "steps": bench_steps, "sandbox": bench_sandbox,
          "eval": bench_eval, "tools": bench_tools, "logprobs": bench_logprob_memory,
-         "throughput": lambda: bench_throughput.main(args.throughput_steps)}[name]()
+         "throughput": lambda: bench_throughput.main(args.throughput_steps),
+         "peer": lambda: __import__("bench_peer").bench_peer()}[name]()

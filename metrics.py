@@ -35,7 +35,7 @@ def step_metrics(reward, raw_advantage, advantage, rollouts, old, stats, times, 
     lengths = all_gather_np(np.array([len(r.response_ids) for r in rollouts]))
     policy_tokens = all_gather_np(np.array([sum(r.response_mask) for r in rollouts]))  # tool output left out
     truncated = all_gather_np(np.array([r.finish_reason == "length" for r in rollouts], dtype=np.float64))
-    scalars = all_reduce_np([old["entropy"], old["logprob_gap_mean"]])
+    scalars = all_reduce_np([old["entropy"], old["logprob_gap_mean"], old["sequences"]])
     gap_max = all_reduce_np([old["logprob_gap_max"]], op="max")[0]
     world = dist.get_world_size()
     m = {"reward/mean": reward.mean(), "reward/all_equal": float(reward.min() == reward.max()),  # Logger counts it
@@ -46,6 +46,9 @@ def step_metrics(reward, raw_advantage, advantage, rollouts, old, stats, times, 
          "response/truncated": truncated.mean(),
          "policy/entropy": scalars[0] / world, "policy/logprob_gap_mean": scalars[1] / world,
          "policy/logprob_gap_max": gap_max,
+         # sequences in the no-grad pass before the update (all ranks): SPO's revisited previous responses, plus
+         # the batch when ppo_steps > 1 (with one optimiser step the update's forward gives the old log-probs)
+         "policy/rescored_sequences": scalars[2],
          "policy/clip_fraction": stats["clip_fraction"], "policy/approx_kl": stats["approx_kl"],
          "policy/grad_norm": stats["grad_norm"], "policy/loss": stats["loss"]}
     m.update(signal_metrics(raw, adv, reward, group))

@@ -5,8 +5,8 @@ One training step (Algorithm 1) reads top to bottom in `main`:
   2. one response per prompt from the colocated vLLM engine (rollout.py); GRPO instead draws B/G prompts and
      G responses each, so both algorithms generate B responses per step;
   3. the binary reward r from the verifier (reward.py);
-  4. the trainer's log-probs before the update (PPO's old log-probs); in the same forward pass SPO re-scores the
-     previous response of every prompt it revisits, for D(x);
+  4. SPO re-scores the previous response of every prompt it revisits, for D(x) (with --ppo_steps > 1 the same
+     no-grad pass gives PPO's old log-probs; with one optimiser step per batch the update's forward gives them);
   5. the advantage: SPO's A = r - v(x) with the tracker's value from BEFORE this reward (Eq. 8), normalised over
      the whole global batch (Eq. 9); then D(x) sets the forgetting factor rho(x) (Eq. 5), the tracker absorbs r
      (tracker.py) and the sampler's weights follow. GRPO: the z-score within each group;
@@ -21,8 +21,8 @@ and SPO's memory of each prompt's last response (`PreviousResponse`, `remember`)
 the per-prompt state (tracker.py, sampler.py); trainer.py holds the FSDP2 machinery.
 
 D(x), exactly: at the previous visit t' of x we keep the response y' and the log-probs the acting policy pi_t'
-gave it (that step's PPO old log-probs, computed anyway). At this visit the old-log-prob pass of the current
-policy pi_t also scores y', and with l = log pi_t(y'_k) - log pi_t'(y'_k) over y''s policy tokens, D(x) is the
+gave it (that step's PPO old log-probs, computed anyway). At this visit a no-grad pass of the current
+policy pi_t scores y', and with l = log pi_t(y'_k) - log pi_t'(y'_k) over y''s policy tokens, D(x) is the
 mean |l| (--divergence abs, the authors' measure and the scale of their D_half) or the mean of e^l - 1 - l
 (k3: an unbiased, non-negative estimate of KL(pi_t' || pi_t) per token), with ONE extra forward pass over at most
 B previous responses. The authors compare two post-update actors, tool tokens included, with two extra passes
@@ -371,12 +371,12 @@ def main(argv=None):
                 (mine, rollouts, reward), lambda k: sample(step, t, k), group, args.max_sampling_rounds, rank,
                 world, trainer.all_gather_objects)
         engine.sleep()
-        # 4. the trainer's log-probs before the update: PPO's old log-probs of this batch, and (SPO) those of the
-        #    previous response of every prompt this batch revisits, in one forward pass (Batch SPO: one per prompt).
+        # 4. the trainer's log-probs before the update, in one no-grad pass: (SPO) of the previous response of every
+        #    prompt this batch revisits (Batch SPO: one per prompt), and with ppo_steps > 1 PPO's old log-probs.
         t0 = time.time()
         revisited = [(slot, previous[i]) for slot, i in enumerate(mine) if i in previous and slot % group == 0]
-        old = trainer.old_logprobs(policy, rollouts, [(data.prompt_ids[mine[slot]], p.response_ids, p.mask)
-                                                      for slot, p in revisited],
+        old = trainer.old_logprobs(policy, rollouts if args.ppo_steps > 1 else [],
+                                   [(data.prompt_ids[mine[slot]], p.response_ids, p.mask) for slot, p in revisited],
                                    args.temperature, args.micro_batch_size, args.max_tokens_per_micro_batch)
         t["old_logprobs"] = time.time() - t0
         # 5. advantages, and the state each algorithm carries to the next step.
@@ -398,8 +398,6 @@ def main(argv=None):
                 uniq = np.unique(all_index)
                 sampler.set_weights(priority_weights(tracker.value_at(uniq), tracker.n_eff_at(uniq),
                                                      args.sampling_eps, args.sampling_gamma), uniq)
-            remember(previous, all_index, trainer.all_gather_objects(
-                [PreviousResponse.of(r, logprobs) for r, logprobs in zip(rollouts, old["batch"])]))
             algo_metrics = spo_metrics(all_gather_np(raw_advantage), tracker, all_divergences, rho, all_revisit > 0)
         elif args.algo == "reinforce_pp":  # REINFORCE++: no per-prompt baseline, r whitened over the global batch
             raw_advantage, advantage, algo_metrics = reward, global_normalise(reward), {}
@@ -408,11 +406,15 @@ def main(argv=None):
             algo_metrics = {}  # (all-equal groups: in step_metrics, for every estimator with groups)
         # 6. PPO-clip (Eq. 10; or --loss, --loss_agg), `ppo_steps` optimiser steps over the global batch.
         t0 = time.time()
-        stats = trainer.ppo_update(policy, optimizer, rollouts, old["batch"], advantage, loss_fn,
-                                   ppo_steps=args.ppo_steps, micro_batch_size=args.micro_batch_size,
+        stats = trainer.ppo_update(policy, optimizer, rollouts, old["batch"] if args.ppo_steps > 1 else None,
+                                   advantage, loss_fn, ppo_steps=args.ppo_steps, micro_batch_size=args.micro_batch_size,
                                    temperature=args.temperature, grad_clip=args.grad_clip,
                                    max_tokens=args.max_tokens_per_micro_batch)
         t["update"] = time.time() - t0
+        old.update(stats.pop("old", {}))  # ppo_steps 1: this batch's old log-probs came out of the update's forward
+        if args.algo == "spo":  # SPO's memory for D(x) at the next visit: the acting policy's log-probs
+            remember(previous, all_index, trainer.all_gather_objects(
+                [PreviousResponse.of(r, logprobs) for r, logprobs in zip(rollouts, old["batch"])]))
         nonfinite = nonfinite + 1 if stats["nonfinite"] else 0
         if nonfinite >= args.max_nonfinite:
             raise SystemExit(f"error: {nonfinite} consecutive steps with a non-finite loss at step {step}; "

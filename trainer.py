@@ -8,7 +8,8 @@ file holds the mechanics that any policy-gradient trainer on torch FSDP2 needs:
 - `token_logprobs` (via `response_logprobs`): the decoder once per micro-batch, the output projection only at
   response positions, in fp32 and in chunks, so no (B, T, V) logits tensor exists at any vocabulary size.
 - `old_logprobs` / `ppo_update`: per-token log-probs of prompt + response sequences in micro-batches, and the
-  optimiser steps around a loss function given by the caller, normalised by the GLOBAL token count. FSDP2
+  optimiser steps around a loss function given by the caller, normalised by the GLOBAL token count (with one
+  optimiser step per batch the update's own forward gives the old log-probs: no separate pass). FSDP2
   averages gradients over ranks; that loss is already a global mean, so each rank scales its loss by the world
   size to get the true gradient (set_gradient_divide_factor(1) would do the same but fails on gloo).
 - small collectives on numpy arrays. Checkpoints are in checkpoint.py, what a run records (metrics, logger) in
@@ -17,6 +18,7 @@ Not run on its own; the tests drive it through spo.py and tests/test_trainer.py.
 """
 import datetime
 import functools
+import math
 import os
 
 import numpy as np
@@ -136,16 +138,68 @@ def prepare_for_training(model, gradient_checkpointing):
     return model
 
 
-def full_parameters(model, dtype=None):
-    """(name, full tensor) for every parameter, gathered one at a time: the weight push never holds a second
-    full copy of the model. Every rank must iterate (each gather is a collective). dtype: cast each rank's shard
-    BEFORE the gather (spo.py: bf16 on GPU, the engine's dtype), which halves the bytes gathered.
+# The weight push gathers the shards of many parameters with one all-gather: on gloo every collective costs
+# milliseconds whatever its size (the toy's 47 tensors: 88 ms one by one, 6.5 ms as one flat gather, 2 ranks,
+# measured under load), and the bound keeps a large model's push from holding a second full copy.
+PUSH_BUCKET_BYTES = 2 ** 28
+
+
+def full_parameters(model, dtype=None, bucket_bytes=PUSH_BUCKET_BYTES):
+    """(name, full tensor) for every parameter, gathered in buckets of at most `bucket_bytes` of full tensors (one
+    all-gather per bucket; a larger parameter is a bucket of its own): the weight push never holds a second full
+    copy of the model. Every rank must iterate (each gather is a collective). dtype: cast each rank's shard BEFORE
+    the gather (spo.py: bf16 on GPU, the engine's dtype), which halves the bytes gathered. The bytes are the
+    shards' own: the same tensors as DTensor.full_tensor(), fewer collectives.
 
     Tied weights are sent under both names (remove_duplicate=False): vLLM's CPU backend keeps a separately
     packed copy of a tied lm_head, which goes stale if only the embedding is pushed (a large log-prob gap)."""
+    from torch.distributed.tensor import Shard
+    bucket, size = [], 0
     for name, p in model.named_parameters(remove_duplicate=False):
         p = p.detach() if dtype is None else p.detach().to(dtype)
-        yield name, p.full_tensor() if isinstance(p, DTensor) else p
+        if not isinstance(p, DTensor) or tuple(p.placements) != (Shard(0),):  # unsharded, or not FSDP2's layout
+            yield from _gather_bucket(bucket)
+            bucket, size = [], 0
+            yield name, p.full_tensor() if isinstance(p, DTensor) else p
+            continue
+        nbytes = p.numel() * p.element_size()
+        if bucket and (size + nbytes > bucket_bytes or p.dtype != bucket[0][1].dtype):
+            yield from _gather_bucket(bucket)
+            bucket, size = [], 0
+        bucket.append((name, p))
+        size += nbytes
+    yield from _gather_bucket(bucket)
+
+
+def _shard_rows(rows, world):
+    """Rows of dim 0 on each rank under FSDP2's Shard(0) (torch.chunk: ceil(rows / world) each, the rest last)."""
+    per = -(-rows // world)
+    return [max(0, min(per, rows - r * per)) for r in range(world)]
+
+
+def _gather_bucket(bucket):
+    """One all-gather of the local shards of `bucket` ((name, DTensor sharded on dim 0) pairs, one dtype), then the
+    full tensors, in order."""
+    if not bucket:
+        return
+    world, rank = dist.get_world_size(), dist.get_rank()
+    rows = [_shard_rows(p.shape[0], world) for _, p in bucket]
+    for (name, p), r in zip(bucket, rows):
+        if p.to_local().shape[0] != r[rank]:
+            raise RuntimeError(f"full_parameters: {name} has {p.to_local().shape[0]} rows here, not {r[rank]}")
+    numel = [[n * math.prod(p.shape[1:]) for n in r] for (_, p), r in zip(bucket, rows)]  # elements per rank
+    per_rank = [sum(n[k] for n in numel) for k in range(world)]
+    flat = torch.cat([p.to_local().reshape(-1) for _, p in bucket])
+    flat = torch.nn.functional.pad(flat, (0, max(per_rank) - flat.numel()))  # all_gather needs equal sizes
+    parts = [torch.empty_like(flat) for _ in range(world)]
+    dist.all_gather(parts, flat)
+    offset = [0] * world
+    for (name, p), n in zip(bucket, numel):
+        pieces = []
+        for k in range(world):
+            pieces.append(parts[k][offset[k]: offset[k] + n[k]])
+            offset[k] += n[k]
+        yield name, torch.cat(pieces).view(p.shape)
 
 
 def pack(sequences, device):
@@ -177,8 +231,9 @@ def _chunk_logprobs(hidden, weight, bias, targets, temperature, with_entropy):
     logp = logits.gather(-1, targets[:, None]).squeeze(-1) - normaliser
     if not with_entropy:
         return logp, None
-    p_times_logits = (logits - normaliser[:, None]).exp_().mul_(logits)  # one more (n, V) tensor, not three
-    return logp, normaliser - p_times_logits.sum(-1)  # H = logsumexp - E_p[logit]
+    with torch.no_grad():  # a metric, never differentiated (the update pass asks for it when it is the old pass)
+        p_times_logits = (logits - normaliser[:, None]).exp_().mul_(logits)  # one more (n, V) tensor, not three
+        return logp, normaliser - p_times_logits.sum(-1)  # H = logsumexp - E_p[logit]
 
 
 def response_logprobs(model, ids, rows, cols, temperature, with_entropy=False, chunk=None):
@@ -315,13 +370,19 @@ def old_logprobs(model, rollouts, revisited, temperature, micro_batch_size, max_
         out[i] = logp
         if i < len(rollouts):  # the entropy of this batch's responses, not of the revisited ones
             entropy_sum, token_count = entropy_sum + row_entropy, token_count + tokens
-    batch = out[: len(rollouts)]
-    # Policy tokens only: tool-output tokens were never sampled, their vLLM log-prob is a placeholder 0.
+    return {"batch": out[: len(rollouts)], "revisited": out[len(rollouts):], "sequences": len(sequences),
+            "entropy": entropy_sum / max(token_count, 1.0), **vllm_gap(out[: len(rollouts)], rollouts)}
+
+
+def vllm_gap(batch, rollouts):
+    """Mean and max |trainer log-prob - vLLM log-prob| of the sampled tokens: a weight push that did not land
+    shows here. Policy tokens only: tool-output tokens were never sampled, their vLLM log-prob is a placeholder 0.
+    No rollouts (the update pass scores them instead: ppo_update with old=None): nothing to compare, 0."""
+    if not rollouts:
+        return {"logprob_gap_mean": 0.0, "logprob_gap_max": 0.0}
     gap = np.concatenate([np.abs(lp - np.asarray(r.logprobs))[np.asarray(r.response_mask) > 0]
                           for lp, r in zip(batch, rollouts)])
-    return {"batch": batch, "revisited": out[len(rollouts):],
-            "entropy": entropy_sum / max(token_count, 1.0), "logprob_gap_mean": float(gap.mean()),
-            "logprob_gap_max": float(gap.max())}
+    return {"logprob_gap_mean": float(gap.mean()), "logprob_gap_max": float(gap.max())}
 
 
 def ppo_update(model, optimizer, rollouts, old, advantage, loss_fn, *, ppo_steps, micro_batch_size, temperature,
@@ -333,30 +394,46 @@ def ppo_update(model, optimizer, rollouts, old, advantage, loss_fn, *, ppo_steps
     clipping, and skipping a step whose loss or gradient norm is not finite (on every rank alike).
     old: (T_i,) old log-probs per rollout; advantage: (B_local,) one scalar per trajectory. max_tokens: the
     micro-batches' token budget (plan_micro_batches), and each mini-batch's sequences are then dealt to the ranks
-    by tokens (assign_by_tokens); None: micro_batch_size sequences each, every rank its own rollouts."""
-    device = next(model.parameters()).device
+    by tokens (assign_by_tokens); None: micro_batch_size sequences each, every rank its own rollouts.
+
+    old=None (ppo_steps 1 only): one optimiser step per batch means the policy that sampled the batch is the
+    policy being trained, so its old log-probs ARE this forward's log-probs, detached: ratio exactly 1, the same
+    gradient as with a separate no-grad pass (which computes the same numbers), without that pass. The stats then
+    carry "old", what old_logprobs would have returned for the batch: per-rollout log-probs (SPO remembers them
+    for D(x)), the entropy and the trainer-vs-vLLM gap, all from the weights before the step."""
+    device, rank = next(model.parameters()).device, dist.get_rank()
     world = dist.get_world_size()
+    reuse = old is None
+    if reuse and ppo_steps != 1:
+        raise ValueError("ppo_update: old=None (the update's own log-probs as old) needs ppo_steps == 1")
+    scored = []  # with old=None: (owner rank, index there, (T_i,) log-probs, entropy sum, policy tokens)
     per = len(rollouts) // ppo_steps
     sums = {"loss": 0.0, "clip_fraction": 0.0, "approx_kl": 0.0, "tokens": 0.0, "grad_norm": 0.0}
     nonfinite = False
     for k in range(ppo_steps):
         # this rank's part of mini-batch k: (prompt ids, response ids, response mask, old log-probs, advantage)
-        mini = [(r.prompt_ids, r.response_ids, r.response_mask, old[i], float(advantage[i]))
-                for i, r in enumerate(rollouts[k * per: (k + 1) * per], start=k * per)]
+        mini = [(r.prompt_ids, r.response_ids, r.response_mask, None if reuse else old[i], float(advantage[i]),
+                 rank, i) for i, r in enumerate(rollouts[k * per: (k + 1) * per], start=k * per)]
         global_tokens = all_reduce_np([sum(float(np.sum(item[2])) for item in mini)])[0]
         if max_tokens is not None:  # token budgets: also even out the ranks' tokens (long responses vary a lot)
             everything = all_gather_objects(mini)
             owner = assign_by_tokens([len(p) + len(r) for p, r, *_ in everything], world)
-            mini = [item for item, rank in zip(everything, owner) if rank == dist.get_rank()]
+            mini = [item for item, o in zip(everything, owner) if o == rank]
         loss_total = 0.0
         for group in _micro_batches([len(p) + len(r) for p, r, *_ in mini], micro_batch_size, max_tokens):
             rows = [mini[j] for j in group]
             ids, mask = pack([row[:3] for row in rows] or [IDLE], device)  # (b, T); an idle rank: mask 0, loss 0
-            old_logp = torch.zeros_like(mask)  # (b, T), aligned with the packed sequences
-            for j, (p, _, _, old_row, _) in enumerate(rows):
-                old_logp[j, len(p) - 1: len(p) - 1 + len(old_row)] = torch.from_numpy(old_row)
             adv = torch.tensor([row[4] for row in rows] or [0.0], dtype=torch.float32, device=device)  # (b,)
-            logp, _ = token_logprobs(model, ids, mask, temperature)
+            logp, entropy = token_logprobs(model, ids, mask, temperature, with_entropy=reuse)
+            if reuse:
+                old_logp = logp.detach()
+                for (p, r, _, _, _, owner, i), row, row_entropy, row_mask in zip(rows, old_logp, entropy, mask):
+                    scored.append((owner, i, row[len(p) - 1: len(p) - 1 + len(r)].float().cpu().numpy(),
+                                   float((row_entropy * row_mask).sum()), float(row_mask.sum())))
+            else:
+                old_logp = torch.zeros_like(mask)  # (b, T), aligned with the packed sequences
+                for j, (p, _, _, old_row, *_) in enumerate(rows):
+                    old_logp[j, len(p) - 1: len(p) - 1 + len(old_row)] = torch.from_numpy(old_row)
             loss, clipped = loss_fn(logp, old_logp, adv, mask, n_tokens=global_tokens)
             (loss * world).backward()  # x world: FSDP2 averages gradients, our loss is already a global mean
             loss_total += loss.item()
@@ -377,6 +454,14 @@ def ppo_update(model, optimizer, rollouts, old, advantage, loss_fn, *, ppo_steps
         sums["loss"] += global_loss
         sums["grad_norm"] += grad_norm
     totals = all_reduce_np([sums["clip_fraction"], sums["approx_kl"], sums["tokens"]])
-    return {"loss": sums["loss"] / ppo_steps, "grad_norm": sums["grad_norm"] / ppo_steps,
-            "clip_fraction": totals[0] / totals[2], "approx_kl": totals[1] / totals[2],
-            "nonfinite": nonfinite}
+    stats = {"loss": sums["loss"] / ppo_steps, "grad_norm": sums["grad_norm"] / ppo_steps,
+             "clip_fraction": totals[0] / totals[2], "approx_kl": totals[1] / totals[2], "nonfinite": nonfinite}
+    if reuse:  # the batch's old log-probs, as old_logprobs returns them, each back to the rank that owns it
+        if max_tokens is not None:
+            scored = [item for item in all_gather_objects(scored) if item[0] == rank]
+        batch = [None] * len(rollouts)
+        for _, i, logp, _, _ in scored:
+            batch[i] = logp
+        entropy_sum, tokens = (sum(item[k] for item in scored) for k in (3, 4))
+        stats["old"] = {"batch": batch, "entropy": entropy_sum / max(tokens, 1.0), **vllm_gap(batch, rollouts)}
+    return stats

@@ -42,6 +42,13 @@ def test_two_rank_fsdp2_gradients_and_normalisation_equal_one_process(small_toy,
             np.testing.assert_allclose(got, expected, atol=2e-5, rtol=0)  # float32 batch-shape effects only
     # entropy: each rank's token mean over its own responses (metrics average the ranks), wherever they were scored
     assert abs(out["w2_tokens"]["entropy"] - out["w2"]["entropy"]) < 1e-6 and out["w2"]["entropy"] > 0.1
+    # One optimiser step per batch: the update's own log-probs as the old ones give the same step, bit for bit, as
+    # a separate no-grad pass, and the same old log-probs, entropy and vLLM gap (spo.py skips that pass).
+    for run in ("w1", "w2", "w2_tokens"):
+        for rank_result in out[run]["reuse"]:
+            assert rank_result["same_weights"] and rank_result["same_old"] and rank_result["old_count"], run
+            assert rank_result["entropy"][0] == pytest.approx(rank_result["entropy"][1], rel=1e-6, abs=0), run
+            assert rank_result["gap"][0] == rank_result["gap"][1], run
 
 
 @pytest.mark.slow
@@ -51,6 +58,15 @@ def test_vllm_logprobs_match_trainer_after_weight_push(small_toy, tmp_path):
     assert result["gap_before_push"] > 1e-2  # the update changed the policy: a missed push would show
     assert result["gap_after_push"] < 1e-4
     assert result["nonfinite_flagged"] and result["nonfinite_left_weights_alone"]
+
+
+@pytest.mark.slow
+def test_the_bucketed_weight_gather_equals_full_tensor_with_uneven_shards(tmp_path):
+    """full_parameters gathers many shards per collective: on 3 ranks (7, 3 and 11 rows: uneven shards, a rank
+    with fewer rows) and for buckets of one tensor, a few and all, the same names, order and bytes as
+    DTensor.full_tensor() and as the unsharded weights, also cast to bf16 before the gather."""
+    ok(torchrun(3, "tests/test_trainer.py", "gather_worker", str(tmp_path / "ok")))
+    assert (tmp_path / "ok").exists()
 
 
 def test_token_budget_micro_batches_cover_every_sequence_once_within_the_budget():
@@ -236,9 +252,51 @@ def grad_worker(out, model_path, max_tokens):
     normalised = all_gather_np(global_normalise(advantage[mine]))
     micro_batches = len(trainer._micro_batches([len(r.prompt_ids) + len(r.response_ids) for r in rollouts[mine]],
                                                2, max_tokens))
+    # ppo_steps 1 without the separate pass (old=None: the update's own log-probs, detached) against the same step
+    # with it, from the same weights: the same weights after the step, bit for bit, and the same old log-probs.
+    after, olds = {}, {}
+    for way in ("separate pass", "reused"):
+        policy, _ = trainer.build_policy(model_path, device, lr=1.0, weight_decay=0.0)
+        optimizer = torch.optim.SGD(policy.parameters(), lr=1.0)
+        scored = trainer.old_logprobs(policy, rollouts[mine], [], 1.0, 2, max_tokens)
+        stats = _update(policy, optimizer, rollouts[mine], None if way == "reused" else scored["batch"],
+                        advantage[mine], micro_batch_size=2, grad_clip=1e9, max_tokens=max_tokens)
+        after[way] = {k: v.clone() for k, v in trainer.full_parameters(policy)}
+        olds[way] = stats.get("old", scored)
+    reuse = {"same_weights": all(torch.equal(after["reused"][k], v) for k, v in after["separate pass"].items()),
+             "same_old": all(np.array_equal(a, b) for a, b in zip(olds["reused"]["batch"],
+                                                                   olds["separate pass"]["batch"], strict=True)),
+             "old_count": len(olds["reused"]["batch"]) == local,
+             "entropy": (olds["reused"]["entropy"], olds["separate pass"]["entropy"]),
+             "gap": (olds["reused"]["logprob_gap_max"], olds["separate pass"]["logprob_gap_max"])}
+    reuse = trainer.all_gather_objects([reuse])
     if rank == 0:
         torch.save({"params": params, "before": before, "raw_advantage": advantage, "normalised": normalised,
-                    "micro_batches": micro_batches, "old": old_all, "entropy": entropy / world}, out)
+                    "micro_batches": micro_batches, "old": old_all, "entropy": entropy / world, "reuse": reuse}, out)
+    dist.destroy_process_group()
+
+
+def gather_worker(out):
+    import trainer
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    rank, world, _ = trainer.setup_distributed()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Linear(7, 3, bias=False), torch.nn.Embedding(11, 5))
+    unsharded = {k: v.detach().clone() for k, v in model.named_parameters()}
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    for bucket_bytes in (1, 40, 2 ** 28):
+        got = list(trainer.full_parameters(model, bucket_bytes=bucket_bytes))
+        plain = [(n, p.detach().full_tensor()) for n, p in model.named_parameters(remove_duplicate=False)]
+        assert [n for n, _ in got] == [n for n, _ in plain] == list(unsharded)
+        assert all(torch.equal(a, b) and torch.equal(a, unsharded[n]) for (n, a), (_, b) in zip(got, plain))
+        for name, full in trainer.full_parameters(model, torch.bfloat16, bucket_bytes=bucket_bytes):
+            assert full.dtype == torch.bfloat16 and torch.equal(full, unsharded[name].to(torch.bfloat16))
+    if rank == 0:
+        open(out, "w").close()
     dist.destroy_process_group()
 
 

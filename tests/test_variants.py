@@ -304,6 +304,7 @@ def test_fixed_baseline_rho_none_with_cispo_and_token_sum(small_toy, values, tmp
     np.testing.assert_allclose(n_eff, 8.0, rtol=1e-12)
     assert rows[0]["tracker/value_mean"] == rows[1]["tracker/value_mean"]
     assert all(r["tracker/rho_mean"] == 1.0 for r in rows)
+    assert all(r["policy/rescored_sequences"] >= 16 for r in rows)  # ppo_steps 2: the batch's own no-grad pass
 
 
 @pytest.mark.slow
