@@ -194,12 +194,9 @@ def _gather_bucket(bucket):
     parts = [torch.empty_like(flat) for _ in range(world)]
     dist.all_gather(parts, flat)
     offset = [0] * world
-    for (name, p), n in zip(bucket, numel):
-        pieces = []
-        for k in range(world):
-            pieces.append(parts[k][offset[k]: offset[k] + n[k]])
-            offset[k] += n[k]
-        yield name, torch.cat(pieces).view(p.shape)
+    for (name, p), n in zip(bucket, numel):  # each rank's part holds its rows of every tensor, in bucket order
+        yield name, torch.cat([parts[k][offset[k]: offset[k] + n[k]] for k in range(world)]).view(p.shape)
+        offset = [o + m for o, m in zip(offset, n)]
 
 
 def pack(sequences, device):
@@ -338,6 +335,27 @@ def _micro_batches(lengths, max_sequences, max_tokens=None):
 IDLE = ([0], [0], [0])  # a one-token dummy sequence with mask 0, for a rank with no work in a micro-batch
 
 
+def _scored(items, token_logp, entropy, mask):
+    """Per packed sequence of items (owner rank, index there, prompt ids, response ids): (owner, index, (T_i,)
+    response log-probs, entropy summed over its policy tokens, policy tokens)."""
+    return [(owner, i, row[len(p) - 1: len(p) - 1 + len(r)].float().cpu().numpy(),
+             float((row_entropy * row_mask).sum()), float(row_mask.sum()))
+            for (owner, i, p, r), row, row_entropy, row_mask in zip(items, token_logp, entropy, mask)]
+
+
+def _to_owners(scored, n, max_tokens, counted):
+    """_scored results back to the rank that owns each sequence (with a token budget they were dealt to the ranks
+    by tokens): (n,) log-probs by index, and the entropy per policy token over the indices `counted` accepts."""
+    if max_tokens is not None:
+        scored = [item for item in all_gather_objects(scored) if item[0] == dist.get_rank()]
+    out, entropy_sum, token_count = [None] * n, 0.0, 0.0
+    for _, i, logp, row_entropy, tokens in scored:
+        out[i] = logp
+        if counted(i):
+            entropy_sum, token_count = entropy_sum + row_entropy, token_count + tokens
+    return out, entropy_sum / max(token_count, 1.0)
+
+
 @torch.no_grad()
 def old_logprobs(model, rollouts, revisited, temperature, micro_batch_size, max_tokens=None):
     """The trainer's log-probs, before this step's update, of this batch's responses (PPO's old log-probs) and of
@@ -354,24 +372,17 @@ def old_logprobs(model, rollouts, revisited, temperature, micro_batch_size, max_
         everything = all_gather_objects(work)
         owner = assign_by_tokens([len(p) + len(r) for _, _, (p, r, _) in everything], dist.get_world_size())
         work = [item for item, o in zip(everything, owner) if o == rank]
-    scored = []  # (owner rank, index there, (T_i,) log-probs, entropy sum, policy tokens)
+    scored = []
     for group in _micro_batches([len(p) + len(r) for _, _, (p, r, _) in work], micro_batch_size, max_tokens):
         chunk = [work[j][2] for j in group] or [IDLE]  # an idle rank still joins the collective forward
         ids, mask = pack(chunk, device)
         token_logp, entropy = token_logprobs(model, ids, mask, temperature, with_entropy=True)
-        for j, (p, r, _), row, row_entropy, row_mask in zip(group, chunk, token_logp, entropy, mask):
-            owner_rank, i, _ = work[j]
-            scored.append((owner_rank, i, row[len(p) - 1: len(p) - 1 + len(r)].float().cpu().numpy(),
-                           float((row_entropy * row_mask).sum()), float(row_mask.sum())))
-    if max_tokens is not None:  # every result back to the rank that owns the sequence
-        scored = [item for item in all_gather_objects(scored) if item[0] == rank]
-    out, entropy_sum, token_count = [None] * len(sequences), 0.0, 0.0
-    for _, i, logp, row_entropy, tokens in scored:
-        out[i] = logp
-        if i < len(rollouts):  # the entropy of this batch's responses, not of the revisited ones
-            entropy_sum, token_count = entropy_sum + row_entropy, token_count + tokens
+        scored += _scored([(work[j][0], work[j][1], p, r) for j, (p, r, _) in zip(group, chunk)], token_logp,
+                          entropy, mask)
+    # the entropy of this batch's responses, not of the revisited ones
+    out, entropy = _to_owners(scored, len(sequences), max_tokens, lambda i: i < len(rollouts))
     return {"batch": out[: len(rollouts)], "revisited": out[len(rollouts):], "sequences": len(sequences),
-            "entropy": entropy_sum / max(token_count, 1.0), **vllm_gap(out[: len(rollouts)], rollouts)}
+            "entropy": entropy, **vllm_gap(out[: len(rollouts)], rollouts)}
 
 
 def vllm_gap(batch, rollouts):
@@ -406,7 +417,7 @@ def ppo_update(model, optimizer, rollouts, old, advantage, loss_fn, *, ppo_steps
     reuse = old is None
     if reuse and ppo_steps != 1:
         raise ValueError("ppo_update: old=None (the update's own log-probs as old) needs ppo_steps == 1")
-    scored = []  # with old=None: (owner rank, index there, (T_i,) log-probs, entropy sum, policy tokens)
+    scored = []  # with old=None: _scored's rows of the batch
     per = len(rollouts) // ppo_steps
     sums = {"loss": 0.0, "clip_fraction": 0.0, "approx_kl": 0.0, "tokens": 0.0, "grad_norm": 0.0}
     nonfinite = False
@@ -427,9 +438,7 @@ def ppo_update(model, optimizer, rollouts, old, advantage, loss_fn, *, ppo_steps
             logp, entropy = token_logprobs(model, ids, mask, temperature, with_entropy=reuse)
             if reuse:
                 old_logp = logp.detach()
-                for (p, r, _, _, _, owner, i), row, row_entropy, row_mask in zip(rows, old_logp, entropy, mask):
-                    scored.append((owner, i, row[len(p) - 1: len(p) - 1 + len(r)].float().cpu().numpy(),
-                                   float((row_entropy * row_mask).sum()), float(row_mask.sum())))
+                scored += _scored([(owner, i, p, r) for p, r, _, _, _, owner, i in rows], old_logp, entropy, mask)
             else:
                 old_logp = torch.zeros_like(mask)  # (b, T), aligned with the packed sequences
                 for j, (p, _, _, old_row, *_) in enumerate(rows):
@@ -457,11 +466,6 @@ def ppo_update(model, optimizer, rollouts, old, advantage, loss_fn, *, ppo_steps
     stats = {"loss": sums["loss"] / ppo_steps, "grad_norm": sums["grad_norm"] / ppo_steps,
              "clip_fraction": totals[0] / totals[2], "approx_kl": totals[1] / totals[2], "nonfinite": nonfinite}
     if reuse:  # the batch's old log-probs, as old_logprobs returns them, each back to the rank that owns it
-        if max_tokens is not None:
-            scored = [item for item in all_gather_objects(scored) if item[0] == rank]
-        batch = [None] * len(rollouts)
-        for _, i, logp, _, _ in scored:
-            batch[i] = logp
-        entropy_sum, tokens = (sum(item[k] for item in scored) for k in (3, 4))
-        stats["old"] = {"batch": batch, "entropy": entropy_sum / max(tokens, 1.0), **vllm_gap(batch, rollouts)}
+        batch, entropy = _to_owners(scored, len(rollouts), max_tokens, lambda i: True)
+        stats["old"] = {"batch": batch, "entropy": entropy, **vllm_gap(batch, rollouts)}
     return stats
