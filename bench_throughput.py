@@ -95,7 +95,7 @@ class _SlowTools:
         return self.pool.submit(self.slowed(code))
 
 
-def bench_throughput_real(toy_dir="toy_tools", batch=64, group_size=8, f=2, repeats=5, max_tokens=160):
+def bench_throughput_real(toy_dir="toy_tools", batch=64, group_size=8, f=2, repeats=10, max_tokens=160):
     """Time to a batch of `batch` on the tool toy with _SlowTools, same engine, one after another per repeat:
     SPO over-sampled (f x batch single trajectories, keep the first batch), GRPO over-sampled (keep the first
     batch / G complete groups of f x batch / G), and both without over-sampling."""
@@ -113,6 +113,7 @@ def bench_throughput_real(toy_dir="toy_tools", batch=64, group_size=8, f=2, repe
     kept_calls = {name: [] for name in ways}
     print(f"time to a batch of {batch} on the tool toy, tool latency injected (fast 0.95 s, stragglers 4.5 s, 3/8 of "
           f"calls), {repeats} repeats:", flush=True)
+    engine.generate(data.prompt_ids[:16], np.arange(16), max_tokens=max_tokens)  # warm-up, not timed
     for r in range(repeats):
         for w, (name, (g, factor)) in enumerate(ways.items()):
             n = factor * batch
