@@ -12,6 +12,8 @@
   appended) against the same requests without tools (the model then writes its own "interpreter" text).
 - throughput: the paper's Fig. 5 (group-free vs group time to a batch): simulated over 10,000 draws, then for
   real on the tool toy with injected tool latency, and the accuracy cost of over-sampling (bench_throughput.py).
+- peer: the toy through TRL's GRPOTrainer and through spo.py (GRPO and SPO), per-step time and held-out accuracy
+  (bench_peer.py; TRL in its own venv).
 - logprobs: peak memory of the log-prob pass at Qwen3's vocabulary, chunked over response positions
   (trainer.token_logprobs) against the full-vocabulary log-softmax, with and without gradients.
 (The GPU device check, the trainer path without vLLM, is bench_gpu.py.)
@@ -301,7 +303,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="spo benchmarks")
     parser.add_argument("which", nargs="*",
                         default=["tracker", "throughput", "logprobs", "steps", "sandbox", "eval", "tools"],
-                        help="which benchmarks: tracker, throughput, logprobs, steps, sandbox, eval, tools")
+                        help="which benchmarks: tracker, throughput, logprobs, steps, sandbox, eval, tools, peer")
     parser.add_argument("--sizes", type=int, nargs="+", default=[14_000, 10**6, 10**7], help="tracker: prompts")
     parser.add_argument("--throughput_steps", type=int, default=40,
                         help="throughput: steps of each tool-toy training run (0: time to a batch only)")
