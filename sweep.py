@@ -225,13 +225,16 @@ def summarize(out, sweep, only=None):
     ref = curves.get(reference, {})
     summary = {"reference": reference, "variants": {}, "failed": [
         {"run": e["name"], "variant": e["variant"], "seed": e["seed"], "returncode": e.get("returncode"),
-         "error": e.get("error"), "log": e.get("log")} for e in entries if e.get("status") != "finished"]}
+         "error": e.get("error"), "log": e.get("log")} for e in entries if e.get("status") == "failed"],
+        "not_run": [e["name"] for e in entries if e.get("status") not in ("finished", "failed")]}
     budgets = set()
     for variant in variants:
         runs = curves.get(variant, {})
         steps = sorted({s for c in runs.values() for s in c})
-        row = {"seeds_used": sorted(runs), "seeds_failed": sorted(e["seed"] for e in entries if e["variant"] ==
-                                                                   variant and e.get("status") != "finished"),
+        mine = [e for e in entries if e["variant"] == variant]
+        row = {"seeds_used": sorted(runs),
+               "seeds_failed": sorted(e["seed"] for e in mine if e.get("status") == "failed"),
+               "seeds_not_run": sorted(e["seed"] for e in mine if e.get("status") not in ("finished", "failed")),
                "steps": {}}
         for step in steps:
             acc = {seed: c[step][1] for seed, c in runs.items() if step in c}
@@ -273,7 +276,8 @@ def markdown(summary):
     for name, v in variants.items():
         cells = [_pct(c["accuracy_mean"], *c["accuracy_ci95"]) if (c := v["steps"].get(str(s))) else ""
                  for s in steps]
-        used = f"{len(v['seeds_used'])}" + (f" ({len(v['seeds_failed'])} failed)" if v["seeds_failed"] else "")
+        used = (f"{len(v['seeds_used'])}" + (f" ({len(v['seeds_failed'])} failed)" if v["seeds_failed"] else "")
+                + (f" ({len(v['seeds_not_run'])} not run yet)" if v.get("seeds_not_run") else ""))
         lines.append(f"| {name} | {used} | " + " | ".join(cells) + " |")
     if ref in variants and len(variants) > 1:
         lines += [f"\n## Paired difference to {ref} (points)\n", header, "|---" * (len(steps) + 2) + "|"]
@@ -287,8 +291,10 @@ def markdown(summary):
     if summary["failed"]:
         lines += ["\n## Failed runs (left out of every mean)\n", "| run | exit | error | log |", "|---|---|---|---|"]
         for f in summary["failed"]:
-            error = (f["error"] or ["not run yet"])[-1].replace("|", "\\|")
+            error = (f["error"] or ["no error line"])[-1].replace("|", "\\|")
             lines.append(f"| {f['run']} | {f['returncode']} | {error} | {f['log']} |")
+    if summary.get("not_run"):
+        lines.append(f"\nNot run yet (rerun the sweep's command to go on): {', '.join(summary['not_run'])}")
     return "\n".join(lines) + "\n"
 
 

@@ -123,15 +123,18 @@ def test_summary_and_plots_on_hand_written_runs(tmp_path):
     state["runs"]["grpo-s2"] = {"name": "grpo-s2", "variant": "grpo", "seed": 2, "status": "failed",
                                 "returncode": 2, "error": ["error: --lr must be positive, got -1.0"],
                                 "log": "logs/grpo-s2.log"}
+    state["runs"]["spo-s2"] = {"name": "spo-s2", "variant": "spo", "seed": 2}  # planned, not started: not a failure
     summary = sweep.write_summary(out, state)
     spo_4, grpo_4 = summary["variants"]["spo"]["steps"]["4"], summary["variants"]["grpo"]["steps"]["4"]
     assert spo_4["accuracy_mean"] == pytest.approx(0.55) and spo_4["n"] == 2 and spo_4["generated"] == 64
     assert spo_4["accuracy_ci95"] == pytest.approx([0.55 - 12.706 * 0.05, 0.55 + 12.706 * 0.05])
     assert grpo_4["paired_diff"]["mean"] == pytest.approx(-0.15) and grpo_4["paired_diff"]["n"] == 2
     assert summary["variants"]["grpo"]["seeds_used"] == [0, 1] and summary["variants"]["grpo"]["seeds_failed"] == [2]
-    assert summary["budgets"] == [[4, 64]] and summary["failed"][0]["run"] == "grpo-s2"
+    assert summary["budgets"] == [[4, 64]] and [f["run"] for f in summary["failed"]] == ["grpo-s2"]
+    assert summary["variants"]["spo"]["seeds_not_run"] == [2] and summary["not_run"] == ["spo-s2"]
     text = open(os.path.join(out, "summary.md")).read()
     assert "| grpo | 2 (1 failed) |" in text and "--lr must be positive" in text and "equal budget" in text
+    assert "| spo | 2 (1 not run yet) |" in text
     for name in ("accuracy", "zero_signal", "adv_variance", "tracker_probe", "rho"):
         assert os.path.getsize(os.path.join(out, "plots", f"{name}.png")) > 10_000, name
     assert plots.read_run(os.path.join(out, "runs", "spo-s0"))["probe"][4]["success"][1] == pytest.approx(0.54)
