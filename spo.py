@@ -48,6 +48,7 @@ import numpy as np
 import torch
 
 import checkpoint
+import memory
 import trainer
 import variants
 from trainer import all_gather_np, all_reduce_np
@@ -109,9 +110,6 @@ def parse_args(argv=None):
     p.add_argument("--clip_low", type=float, default=0.2, help="PPO ratio clip below 1")
     p.add_argument("--clip_high", type=float, default=0.28, help="PPO ratio clip above 1 (clip-higher)")
     p.add_argument("--dual_clip", type=float, default=10.0, help="dual-clip bound for negative advantages")
-    p.add_argument("--micro_batch_size", type=int, default=64, help="sequences per forward pass")
-    p.add_argument("--max_tokens_per_micro_batch", type=int, default=None,
-                   help="token budget per forward pass, padding included (sequences packed longest first)")
     p.add_argument("--temperature", type=float, default=1.0, help="training sampling temperature")
     add_reward_flags(p)  # --reward (the verifier), --truncated_reward, --think_format (reward.py)
     # ---- tools: --tools, --max_turns, --sandbox_workers, ... (one group, shared with eval.py / offline_values.py)
@@ -135,10 +133,8 @@ def parse_args(argv=None):
     p.add_argument("--max_nonfinite", type=int, default=3, help="abort after N consecutive non-finite losses")
     p.add_argument("--wandb", default=None, help="wandb project name (only if wandb is installed)")
     p.add_argument("--tensorboard", action="store_true", help="also log to TensorBoard (if installed)")
-    # ---- engine
-    p.add_argument("--cpu_kv_cache_gib", type=int, default=None,
-                   help="vLLM KV cache per rank on CPU (GiB; default: VLLM_CPU_KVCACHE_SPACE if set, else 1)")
-    p.add_argument("--gpu_memory_utilization", type=float, default=0.5, help="vLLM share of each GPU")
+    # ---- memory: micro-batches, gradient checkpointing, the engine's share, the estimate at start (memory.py)
+    memory.add_memory_flags(p)
     args = p.parse_args(argv)
     for action in p._actions:  # which flags the command line gave: --resume accepts changes to some only
         action.default = argparse.SUPPRESS
@@ -280,10 +276,12 @@ def main(argv=None):
     if args.algo == "spo" and not args.resume and args.offline_values not in ("auto", "none"):
         check_values_header(args.offline_values, v0_settings, args.accept_offline_mismatch)
 
-    # ---- the policy (FSDP2) and its colocated engine
+    # ---- the policy (FSDP2) and its colocated engine, once the estimate says a rank's memory holds them
+    memory.check_rank_memory(args, world, device.type == "cuda", is_main, fail)
     state = checkpoint.load_checkpoint(args.resume, world, data.keys) if args.resume else None
     model_path = state["model_dir"] if state else args.model
-    policy, optimizer = trainer.build_policy(model_path, device, args.lr, args.weight_decay)
+    policy, optimizer = trainer.build_policy(model_path, device, args.lr, args.weight_decay,
+                                             {"auto": None, "on": True, "off": False}[args.gradient_checkpointing])
     checkpoint.check_disk(run_dir, policy, export_bytes_per_parameter=2 if device.type == "cuda" else 4)
     from rollout import Engine
     engine = Engine(model_path, seed=args.seed, max_model_len=args.max_prompt_len + args.max_response_len,
@@ -428,6 +426,7 @@ def main(argv=None):
                                tools=tools is not None)
         metrics.update(algo_metrics)
         metrics.update(sampling)
+        metrics.update(memory.peak_metrics(device.type == "cuda"))
         metrics.update(evaluations(engine, test, data, tracker, args, tools, step))  # when due (eval.py)
         logger.log(step, metrics, console=(step % args.log_every == 0 or step == args.steps))
         if (args.save_every and step % args.save_every == 0) or step == args.steps:

@@ -5,6 +5,7 @@ offline values and evaluation with tools.
 """
 import json
 import os
+import re
 import sys
 
 import numpy as np
@@ -46,6 +47,9 @@ def test_end_to_end_spo_two_ranks(spo_run):
     assert all(0.0 <= rows[i][k] <= 1.0 for i in (0, 2, 4) for k in ("eval/unparsed", "eval/truncated"))
     assert [r["reward/all_equal_steps"] for r in rows[1:]] == list(np.cumsum([r["reward/all_equal"] for r in rows[1:]]))
     assert "step 4: reward=" in proc.stdout and "cut=" in proc.stdout and "kl=" not in proc.stdout  # --ppo_steps 1
+    # the per-rank memory estimate printed at start (memory.py) is above what a rank really used at its peak
+    estimate = float(re.search(r"memory per rank \(estimate\): ([\d.]+) GiB", proc.stdout).group(1))
+    assert 0 < max(r["memory/peak_gib"] for r in rows[1:]) <= estimate
     # The checkpoint is a plain Hugging Face model.
     from transformers import AutoModelForCausalLM
     AutoModelForCausalLM.from_pretrained(run / "checkpoints" / "step_000004" / "model")

@@ -1,0 +1,225 @@
+"""How much memory one rank needs, estimated before anything heavy starts.
+
+Without it a run that does not fit ends as the kernel's SIGKILL (`exitcode -9` from torchrun and nothing else)
+minutes into the first step, after the engine and the policy were built. spo.py calls `check_rank_memory` after
+reading the flags and the data and before building the policy: it prints the estimate once and stops with one
+line naming the flag to change when the estimate exceeds what a rank can have.
+
+The estimate is arithmetic: the model's shapes come from its config (parameters counted on the meta device, so
+nothing is loaded), the rest from the flags. Per rank:
+- trainer state, sharded by FSDP2: fp32 weights, fp32 gradients, AdamW's two moments;
+- gathered weights: the root unit (embedding, output projection, final norm) and two decoder layers (one
+  prefetched), full size, and their gradients before the reduce-scatter;
+- activations: tokens per forward pass x bytes per token (every decoder layer's saved tensors, or with gradient
+  checkpointing each layer's input plus one layer recomputed), the largest item for a real model;
+- the log-prob chunks (trainer.LOGIT_CHUNK_BYTES of fp32 logits, their softmax and gradient);
+- the engine: on CPU fp32 weights, the KV cache (VLLM_CPU_KVCACHE_SPACE) and the process's libraries; on GPU
+  vLLM's share of the card while it generates (`--gpu_memory_utilization`), asleep while the trainer works.
+The per-token constant was measured on this project's CPU machine (README "Your own model and data"); it errs
+high. GPU numbers are the same arithmetic in bf16 and have never been checked on a GPU.
+
+    python memory.py --model smollm/model --max_tokens_per_micro_batch 2048     # the estimate, nothing started
+"""
+import argparse
+import os
+from dataclasses import dataclass
+
+GIB = 2 ** 30
+# Saved activations per decoder layer and token, in elements: ACT_HIDDEN x hidden + ACT_MLP x intermediate. Set
+# above what autograd saves (SmolLM2-135M in fp32: 1.70 MiB per token over 30 layers, i.e. 14.8k elements per
+# layer and token; the formula gives 16.5k) and above the growth of the process's peak memory with tokens (1.5-1.7
+# MiB per token). Attention by SDPA saves no (T, T) scores, so sequence length does not enter (measured: 2 x 1024
+# and 16 x 128 tokens peaked alike).
+ACT_HIDDEN, ACT_MLP = 18, 4
+# With gradient checkpointing autograd keeps each layer's input (1.1 x hidden elements per layer and token for
+# SmolLM2), but on CPU the process's peak grows by 0.43 MiB per token, 6 x hidden per layer: freed blocks stay
+# with the C allocator. PyTorch's GPU caching allocator reuses its blocks; 2 there is arithmetic, not measured.
+CKPT_HIDDEN = {"cpu": 6, "gpu": 2}
+# A CPU rank's process besides the model and the KV cache: python, torch, vLLM's libraries and runtime (a toy rank
+# peaks at 1.9 GiB with a 1 GiB KV cache and a model of 2 MiB).
+CPU_PROCESS_BYTES = 1.25 * GIB
+GPU_ENGINE_ASLEEP_BYTES = 3 * GIB  # vLLM asleep keeps its CUDA graphs and allocator pools (1-3 GB)
+
+
+@dataclass
+class ModelShape:
+    """What the estimate needs from a model's config."""
+    parameters: int  # all parameters, tied ones once
+    root_parameters: int  # outside the decoder layers: embedding, output projection (if untied), final norm
+    layer_parameters: int  # the largest decoder layer
+    layers: int
+    hidden: int
+    intermediate: int
+    vocab: int
+
+
+def model_shape(model_path):
+    """ModelShape of a Hugging Face causal LM, built on the meta device from its config (no weights read)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    config = AutoConfig.from_pretrained(model_path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    layers = model.model.layers
+    in_layers = sum(p.numel() for p in layers.parameters())
+    total = sum(p.numel() for p in model.parameters())  # parameters() yields a tied tensor once
+    return ModelShape(parameters=total, root_parameters=total - in_layers,
+                      layer_parameters=max(sum(p.numel() for p in layer.parameters()) for layer in layers),
+                      layers=len(layers), hidden=text.hidden_size,
+                      intermediate=getattr(text, "intermediate_size", 4 * text.hidden_size), vocab=text.vocab_size)
+
+
+def tokens_per_forward(micro_batch_size, max_tokens_per_micro_batch, sequences_per_rank, max_sequence_len):
+    """The most tokens (padding included) one forward pass of the trainer can hold, from the flags: a token budget
+    bounds it, but a sequence longer than the budget still gets a micro-batch of its own
+    (trainer.plan_micro_batches); without one it is micro_batch_size sequences of the longest possible length."""
+    if max_tokens_per_micro_batch is not None:
+        return max(min(max_tokens_per_micro_batch, micro_batch_size * max_sequence_len), max_sequence_len)
+    return min(micro_batch_size, sequences_per_rank) * max_sequence_len
+
+
+def rank_memory(shape, *, world, tokens, on_gpu, gradient_checkpointing, kv_cache_gib=1.0, gpu_bytes=0,
+                gpu_memory_utilization=0.5):
+    """Estimated peak bytes of one rank, as {item: bytes} (see the module docstring); "peak" is the total."""
+    from trainer import LOGIT_CHUNK_BYTES
+    compute = 2 if on_gpu else 4  # bytes per activation: bf16 compute on GPU, fp32 on CPU
+    per_layer_token = (ACT_HIDDEN * shape.hidden + ACT_MLP * shape.intermediate) * compute
+    if gradient_checkpointing:  # each layer's input kept, one layer's activations recomputed at a time
+        per_token = shape.layers * CKPT_HIDDEN["gpu" if on_gpu else "cpu"] * shape.hidden * compute + per_layer_token
+    else:
+        per_token = shape.layers * per_layer_token
+    gathered = (shape.root_parameters + 2 * shape.layer_parameters) * compute
+    items = {"trainer state (sharded)": shape.parameters * 16 / world,  # fp32 weights + gradients + 2 moments
+             "gathered weights and their gradients": 2 * gathered,
+             "activations": tokens * per_token,
+             "log-prob chunks": 3 * min(LOGIT_CHUNK_BYTES, tokens * shape.vocab * 4)}
+    if on_gpu:  # an fp32 copy of the output projection for the log-probs, and its gradient
+        items["fp32 output projection"] = 2 * shape.vocab * shape.hidden * 4
+        training = sum(items.values()) + GPU_ENGINE_ASLEEP_BYTES
+        generating = shape.parameters * 12 / world + gpu_memory_utilization * gpu_bytes  # weights + moments
+        items["engine asleep (while training)"] = GPU_ENGINE_ASLEEP_BYTES
+        items["peak"] = max(training, generating)
+        return items
+    items["engine weights (fp32)"] = shape.parameters * 4
+    items["engine KV cache"] = kv_cache_gib * GIB
+    items["process (python, torch, vLLM)"] = CPU_PROCESS_BYTES
+    items["peak"] = sum(items.values())
+    return items
+
+
+def available_per_rank(on_gpu, local_ranks):
+    """Bytes one rank can have: the GPU's total memory, or on CPU the host's available memory (MemAvailable:
+    free plus what the kernel can reclaim) shared by the node's ranks."""
+    if on_gpu:
+        import torch
+        return torch.cuda.mem_get_info()[1]
+    with open("/proc/meminfo") as f:
+        fields = dict(line.split(":", 1) for line in f)
+    return int(fields["MemAvailable"].split()[0]) * 1024 / local_ranks
+
+
+def fitting_tokens(shape, budget, **kwargs):
+    """The most tokens per forward pass that keep rank_memory's peak within `budget` bytes (0 if none do)."""
+    low, high = 0, 1 << 24
+    while low < high:
+        mid = (low + high + 1) // 2
+        if rank_memory(shape, tokens=mid, **kwargs)["peak"] <= budget:
+            low = mid
+        else:
+            high = mid - 1
+    return low
+
+
+def check_rank_memory(args, world, on_gpu, is_main, fail):
+    """spo.py's check: print the estimate (rank 0) and stop with one line naming the flag if it will not fit.
+    `--ignore_memory_estimate` turns the stop into a warning (the estimate errs high)."""
+    shape = model_shape(args.model)
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    kv = float(os.environ.get("VLLM_CPU_KVCACHE_SPACE", 1))
+    gpu_bytes = available_per_rank(True, local_ranks) if on_gpu else 0
+    checkpointing = on_gpu if args.gradient_checkpointing == "auto" else args.gradient_checkpointing == "on"
+    tokens = tokens_per_forward(args.micro_batch_size, args.max_tokens_per_micro_batch,
+                                2 * args.batch_size // world,  # the no-grad pass: batch and revisited responses
+                                args.max_prompt_len + args.max_response_len)
+    common = dict(world=world, on_gpu=on_gpu, gradient_checkpointing=checkpointing, kv_cache_gib=kv,
+                  gpu_bytes=gpu_bytes, gpu_memory_utilization=args.gpu_memory_utilization)
+    items = rank_memory(shape, tokens=tokens, **common)
+    budget = available_per_rank(on_gpu, local_ranks)
+    if is_main:
+        print(f"memory per rank (estimate): {items['peak'] / GIB:.1f} GiB of {budget / GIB:.1f} GiB available "
+              f"({shape.parameters / 1e6:.0f}M parameters, {tokens} tokens per forward pass: activations "
+              f"{items['activations'] / GIB:.1f} GiB, gradient checkpointing {'on' if checkpointing else 'off'})",
+              flush=True)
+    if items["peak"] <= budget:
+        return items
+    fit = fitting_tokens(shape, budget, **common)
+    flag = "--max_tokens_per_micro_batch" if args.max_tokens_per_micro_batch is not None else "--micro_batch_size"
+    value = args.max_tokens_per_micro_batch if args.max_tokens_per_micro_batch is not None else args.micro_batch_size
+    remedy = (f"pass --max_tokens_per_micro_batch {fit} or less" if fit >= args.max_prompt_len + args.max_response_len
+              else "shorten --max_response_len / --max_prompt_len, use fewer ranks per node, or "
+                   "--gradient_checkpointing on")
+    message = (f"{flag} {value}: a rank needs about {items['peak'] / GIB:.1f} GiB ({tokens} tokens per forward pass "
+               f"take {items['activations'] / GIB:.1f} GiB of activations) but has {budget / GIB:.1f} GiB; {remedy} "
+               f"(--ignore_memory_estimate to start anyway)")
+    if not args.ignore_memory_estimate:
+        fail(message, once=True)
+    if is_main:
+        print(f"warning: {message}", flush=True)
+    return items
+
+
+def _tokens_or_off(value):
+    """--max_tokens_per_micro_batch: a number of tokens, or 'off' (None)."""
+    return None if value == "off" else int(value)
+
+
+def add_memory_flags(p):
+    """spo.py's memory flags: how the trainer's forward passes are cut, and the engine's share."""
+    p.add_argument("--micro_batch_size", type=int, default=64, help="sequences per forward pass, at most")
+    p.add_argument("--max_tokens_per_micro_batch", type=_tokens_or_off, default=2048,
+                   help="token budget per forward pass, padding included (sequences packed longest first and dealt "
+                        "to the ranks by tokens; 'off': micro_batch_size sequences each)")
+    p.add_argument("--gradient_checkpointing", choices=["auto", "on", "off"], default="auto",
+                   help="recompute each decoder layer in the backward pass (auto: on GPU only)")
+    p.add_argument("--ignore_memory_estimate", action="store_true",
+                   help="start even when the per-rank memory estimate exceeds what a rank has (it errs high)")
+    p.add_argument("--cpu_kv_cache_gib", type=int, default=None,
+                   help="vLLM KV cache per rank on CPU (GiB; default: VLLM_CPU_KVCACHE_SPACE if set, else 1)")
+    p.add_argument("--gpu_memory_utilization", type=float, default=0.5, help="vLLM share of each GPU")
+
+
+def peak_metrics(on_gpu):
+    """memory/peak_gib: the largest peak over the ranks so far, to set against the estimate printed at start. CPU:
+    the process's peak resident memory (VmHWM: trainer, engine and libraries); GPU: what torch allocated at most
+    (trainer and vLLM share the process's allocator; the CUDA context is not counted)."""
+    from trainer import all_reduce_np
+    if on_gpu:
+        import torch
+        peak = torch.cuda.max_memory_allocated()
+    else:
+        with open("/proc/self/status") as f:
+            peak = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    return {"memory/peak_gib": float(all_reduce_np([peak], op="max")[0]) / GIB}
+
+
+def main():
+    p = argparse.ArgumentParser(description="Estimate one rank's peak memory for an spo.py run (nothing starts).")
+    p.add_argument("--model", required=True, help="Hugging Face model directory or hub name")
+    p.add_argument("--world", type=int, default=2, help="ranks")
+    p.add_argument("--gpu", action="store_true", help="estimate for GPUs (bf16 compute, vLLM asleep while training)")
+    p.add_argument("--gpu_gib", type=float, default=80.0, help="memory of one GPU (GiB)")
+    p.add_argument("--gpu_memory_utilization", type=float, default=0.5, help="vLLM share of each GPU")
+    p.add_argument("--tokens", type=int, default=2048, help="tokens per forward pass")
+    p.add_argument("--gradient_checkpointing", action="store_true", help="checkpoint each decoder layer")
+    p.add_argument("--kv_cache_gib", type=float, default=1.0, help="CPU engine's KV cache (GiB)")
+    args = p.parse_args()
+    items = rank_memory(model_shape(args.model), world=args.world, tokens=args.tokens, on_gpu=args.gpu,
+                        gradient_checkpointing=args.gradient_checkpointing, kv_cache_gib=args.kv_cache_gib,
+                        gpu_bytes=args.gpu_gib * GIB, gpu_memory_utilization=args.gpu_memory_utilization)
+    for name, value in items.items():
+        print(f"{name:40s} {value / GIB:8.2f} GiB")
+
+
+if __name__ == "__main__":
+    main()

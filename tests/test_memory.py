@@ -1,0 +1,99 @@
+"""The per-rank memory estimate (memory.py): it covers what autograd really saves, its arithmetic on hand-made
+numbers, and spo.py's refusal of a run that will not fit, before any model is loaded.
+
+    .venv/bin/python -m pytest tests/test_memory.py -q
+"""
+import pytest
+import torch
+
+import memory
+from common import python, toy_args
+
+
+def _llama_dir(tmp_path, **shape):
+    """A directory holding only a Llama config.json (model_shape reads nothing else)."""
+    from transformers import LlamaConfig
+    config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=176, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, **shape)
+    config.save_pretrained(tmp_path)
+    return str(tmp_path)
+
+
+def _saved_bytes_per_token(model_dir, checkpointing, lengths=(32, 96)):
+    """Bytes autograd saves per token for the log-prob forward, from the growth between two lengths (constant
+    items, such as weights saved by reference, cancel)."""
+    from test_trainer import _saved_activation_bytes
+    from transformers import AutoConfig, AutoModelForCausalLM
+    import trainer
+    saved = []
+    for T in lengths:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=torch.float32)
+        trainer.prepare_for_training(model, checkpointing)
+        saved.append(_saved_activation_bytes(model, torch.randint(0, 300, (2, T // 2)))[0])
+    return (saved[1] - saved[0]) / (lengths[1] - lengths[0])
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_the_activation_estimate_covers_what_autograd_saves(tmp_path, checkpointing):
+    model_dir = _llama_dir(tmp_path)
+    shape = memory.model_shape(model_dir)
+    estimate = memory.rank_memory(shape, world=1, tokens=1000, on_gpu=False,
+                                  gradient_checkpointing=checkpointing)["activations"] / 1000
+    measured = _saved_bytes_per_token(model_dir, checkpointing)
+    assert measured <= estimate, (measured, estimate)
+    if not checkpointing:  # (checkpointing: the estimate adds the layer recomputed in the backward, not saved)
+        assert estimate <= 2 * measured, (measured, estimate)
+
+
+def test_model_shape_counts_parameters_on_the_meta_device(tmp_path):
+    shape = memory.model_shape(_llama_dir(tmp_path))
+    H, I, V, L = 64, 176, 300, 3
+    layer = H * H * 2 + 2 * H * (H // 2) + 3 * H * I + 2 * H  # q, o; k, v (2 of 4 heads); gate, up, down; 2 norms
+    assert (shape.layers, shape.hidden, shape.intermediate, shape.vocab) == (L, H, I, V)
+    assert shape.layer_parameters == layer
+    assert shape.parameters == L * layer + V * H + H  # the tied output projection counted once
+    assert shape.root_parameters == V * H + H
+
+
+def test_tokens_per_forward_from_the_flags():
+    # a budget bounds a forward pass, but one sequence longer than the budget is a micro-batch of its own
+    assert memory.tokens_per_forward(64, 2048, 32, 300) == 2048
+    assert memory.tokens_per_forward(64, 200, 32, 300) == 300
+    assert memory.tokens_per_forward(4, 2048, 32, 300) == 1200  # 4 sequences of 300 tokens at most
+    # no budget: micro_batch_size sequences of the longest length, but never more than the rank has
+    assert memory.tokens_per_forward(64, None, 32, 300) == 32 * 300
+    assert memory.tokens_per_forward(8, None, 32, 300) == 8 * 300
+
+
+def test_the_suggested_budget_is_the_largest_that_fits(tmp_path):
+    shape = memory.model_shape(_llama_dir(tmp_path))
+    common = dict(world=2, on_gpu=False, gradient_checkpointing=False, kv_cache_gib=1.0)
+    budget = memory.rank_memory(shape, tokens=5000, **common)["peak"] - 1
+    fit = memory.fitting_tokens(shape, budget, **common)
+    assert memory.rank_memory(shape, tokens=fit, **common)["peak"] <= budget
+    assert memory.rank_memory(shape, tokens=fit + 1, **common)["peak"] > budget
+
+
+def test_gpu_peak_is_the_larger_of_training_and_generating(tmp_path):
+    shape = memory.model_shape(_llama_dir(tmp_path))
+    gpu = 80 * memory.GIB
+    items = memory.rank_memory(shape, world=8, tokens=4096, on_gpu=True, gradient_checkpointing=True,
+                               gpu_bytes=gpu, gpu_memory_utilization=0.6)
+    training = sum(v for k, v in items.items() if k != "peak")
+    assert items["peak"] == max(training, shape.parameters * 12 / 8 + 0.6 * gpu)
+
+
+@pytest.mark.slow
+def test_an_oversized_micro_batch_is_refused_before_the_model_loads(small_toy, tmp_path):
+    """One line naming the flag and a budget that fits; nothing loaded, nothing run (no metrics)."""
+    run = tmp_path / "run"
+    proc = python(*toy_args(small_toy, run, "--max_tokens_per_micro_batch", "100000000",
+                            "--micro_batch_size", "100000"))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = proc.stderr.strip().splitlines()
+    assert len(errors) == 1 and errors[0].startswith("error: --max_tokens_per_micro_batch 100000000: a rank needs"), \
+        proc.stderr[-3000:]
+    assert "pass --max_tokens_per_micro_batch" in errors[0] and "--ignore_memory_estimate" in errors[0]
+    assert "memory per rank (estimate)" in proc.stdout and "training prompts" not in proc.stdout
+    assert not (run / "metrics.jsonl").exists()
