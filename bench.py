@@ -149,7 +149,7 @@ def bench_steps(steps=40, warmup=5, nproc=2, batch_size=64, group_size=8):
             metrics = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))][warmup:]
             rows[algo] = {k: float(np.mean([m[k] for m in metrics])) for k in metrics[0] if k.startswith("time/")}
     phases = [k for k in rows["spo"] if k != "time/step"] + ["time/step"]
-    print(f"spo.py step time, {batch_size} responses per step, {nproc} ranks, mean of steps {warmup + 1}-{steps} (s)")
+    print(f"spo.py step time, {batch_size} responses per step, {nproc} rank(s), mean of steps {warmup + 1}-{steps} (s)")
     print(f"{'phase':>18} {'spo':>8} {'grpo':>8} {'spo/grpo':>9}")
     for k in phases:
         print(f"{k[5:]:>18} {rows['spo'][k]:>8.3f} {rows['grpo'][k]:>8.3f} {rows['spo'][k] / rows['grpo'][k]:>8.2f}x")
@@ -307,6 +307,8 @@ if __name__ == "__main__":
     parser.add_argument("--sizes", type=int, nargs="+", default=[14_000, 10**6, 10**7], help="tracker: prompts")
     parser.add_argument("--throughput_steps", type=int, default=40,
                         help="throughput: steps of each tool-toy training run (0: time to a batch only)")
+    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2],
+                        help="steps, peer: spo.py's ranks (torchrun --nproc_per_node), each measured")
     if sys.argv[1:2] == ["_logprob_memory"]:  # bench_logprob_memory's worker process
         _logprob_memory_worker(sys.argv[2], bool(int(sys.argv[3])), *map(int, sys.argv[4:7]))
         sys.exit()
@@ -316,7 +318,8 @@ if __name__ == "__main__":
         if name in ("eval", "tools") and len(args.which) > 1:  # one engine (and process group) per process
             subprocess.run([sys.executable, os.path.abspath(__file__), name], check=True)
             continue
-        {"tracker": lambda: bench_tracker_sampler(args.sizes), "steps": bench_steps, "sandbox": bench_sandbox,
+        {"tracker": lambda: bench_tracker_sampler(args.sizes),
+         "steps": lambda: [bench_steps(nproc=n) for n in args.ranks], "sandbox": bench_sandbox,
          "eval": bench_eval, "tools": bench_tools, "logprobs": bench_logprob_memory,
          "throughput": lambda: bench_throughput.main(args.throughput_steps),
-         "peer": lambda: __import__("bench_peer").bench_peer()}[name]()
+         "peer": lambda: __import__("bench_peer").bench_peer(spo_ranks=args.ranks)}[name]()

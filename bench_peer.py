@@ -2,9 +2,10 @@
 
 The same toy model, training prompts and held-out prompts, the same budget (steps x 64 responses per step) and
 seed, run one after another in one process tree: TRL's GRPOTrainer (plain Hugging Face generation, one
-process), then spo.py --algo grpo and spo.py (SPO) under torchrun on 2 ranks. Printed: the median wall time per
-training step (start-up excluded: the first `warmup` steps; evaluation excluded: spo.py evaluates only at step 0
-and at the end, TRL not at all during training), the held-out accuracy at the end, and the ratios to TRL.
+process), then spo.py --algo grpo and spo.py (SPO) under torchrun, on 1 rank and on 2 (--spo_ranks). Printed: the
+median wall time per training step (start-up excluded: the first `warmup` steps; evaluation excluded: spo.py
+evaluates only at step 0 and at the end, TRL not at all during training), the held-out accuracy at the end, and the
+ratios to TRL.
 
 Held-out accuracy is the same code for all three: eval.heldout_metrics (spo.py's own held-out evaluation: avg@2
 over the toy's test prompts at temperature 1.0, seeds that depend on the prompt, not the step, scored by
@@ -41,9 +42,9 @@ INSTALL_HINT = ("TRL is not installed for {python}: python3 -m venv /tmp/trlvenv
 SETTINGS_THAT_DIFFER = [
     ("generation backend", "vLLM (CPU), one colocated engine per rank, weights pushed each step",
      "transformers generate() in the training process (use_vllm=False)"),
-    ("processes / threads", "2 ranks (torchrun, FSDP2), 1 thread each", "1 process, --trl_threads threads "
-     "(default 1, as TRL was first measured; "
-     "--trl_threads 2 gives it both cores)"),
+    ("processes / threads", "--spo_ranks ranks (torchrun, FSDP2): 1 rank uses both cores (torch's default), 2 "
+     "ranks 1 thread each (torchrun's default)", "1 process, --trl_threads threads (default 1, as TRL was first "
+     "measured; --trl_threads 2 gives it both cores)"),
     ("loss aggregation", "token mean over the global batch (Eq. 10)", "loss_type='dapo': token mean over the "
      "global batch (the same)"),
     ("dual clip", "10 (negative advantages: loss at most -10 A)", "none (inactive here: ratio = 1 with one "
@@ -138,7 +139,8 @@ def _median_after(times, warmup):
     return statistics.median(rest)
 
 
-def bench_peer(steps=150, trl_python=None, toy_dir=None, seed=0, warmup=5, max_tokens=32, trl_threads=1):
+def bench_peer(steps=150, trl_python=None, toy_dir=None, seed=0, warmup=5, max_tokens=32, trl_threads=1,
+               spo_ranks=(1, 2)):
     """TRL GRPO, spo.py GRPO and spo.py SPO on the toy, one after another; prints the table; returns its rows."""
     python = trl_python or os.environ.get("SPO_TRL_PYTHON") or sys.executable
     toy_dir = os.path.abspath(toy_dir or os.path.join(HERE, "toy"))
@@ -169,9 +171,10 @@ def bench_peer(steps=150, trl_python=None, toy_dir=None, seed=0, warmup=5, max_t
             rows["TRL GRPOTrainer (GRPO)"] = {"step": _median_after(trl["step_times"], warmup),
                                               "accuracy": json.load(f)["eval/accuracy"], "wall": trl_wall}
         # spo.py, GRPO and SPO: evaluation only at step 0 and at the end; per-step wall time from metrics.jsonl
-        for algo, label in (("grpo", "spo.py --algo grpo"), ("spo", "spo.py (SPO)")):
-            run = os.path.join(tmp, algo)
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "spo.py", "--algo", algo,
+        for ranks, (algo, name) in [(n, a) for n in spo_ranks for a in (("grpo", "--algo grpo"), ("spo", "(SPO)"))]:
+            label = f"spo.py {name}, {ranks} rank{'s' * (ranks > 1)}"
+            run = os.path.join(tmp, f"{algo}-{ranks}")
+            cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}", "spo.py", "--algo", algo,
                    "--steps", str(steps), "--toy_dir", toy_dir, "--seed", str(seed), "--eval_every", str(steps),
                    "--save_every", "0", "--max_response_len", str(max_tokens), "--run_dir", run]
             t0 = time.time()
@@ -191,9 +194,9 @@ def bench_peer(steps=150, trl_python=None, toy_dir=None, seed=0, warmup=5, max_t
           f"the first {warmup} (start-up) and the evaluated last left out; held-out: eval.heldout_metrics at step "
           f"{steps}\nTRL {trl['versions']['trl']} (transformers {trl['versions']['transformers']}, torch "
           f"{trl['threads']} threads)")
-    print(f"{'':>26} {'s/step':>8} {'vs TRL':>8} {'held-out':>9} {'total wall s':>13}")
+    print(f"{'':>30} {'s/step':>8} {'vs TRL':>8} {'held-out':>9} {'total wall s':>13}")
     for label, row in rows.items():
-        print(f"{label:>26} {row['step']:>8.3f} {row['step'] / trl_step:>7.2f}x {row['accuracy']:>8.1%} "
+        print(f"{label:>30} {row['step']:>8.3f} {row['step'] / trl_step:>7.2f}x {row['accuracy']:>8.1%} "
               f"{row['wall']:>13.0f}")
     for label, row in rows.items():
         if "phases" in row:
@@ -218,5 +221,7 @@ if __name__ == "__main__":
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--warmup", type=int, default=5, help="first steps left out of the median (start-up)")
         p.add_argument("--trl_threads", type=int, default=1, help="torch threads of the TRL process")
+        p.add_argument("--spo_ranks", type=int, nargs="+", default=[1, 2], help="spo.py's ranks, each measured")
         a = p.parse_args()
-        bench_peer(a.steps, a.trl_python, a.toy_dir, a.seed, a.warmup, trl_threads=a.trl_threads)
+        bench_peer(a.steps, a.trl_python, a.toy_dir, a.seed, a.warmup, trl_threads=a.trl_threads,
+                   spo_ranks=a.spo_ranks)
