@@ -19,7 +19,7 @@ nothing is loaded), the rest from the flags. Per rank:
 The per-token constant was measured on this project's CPU machine (README "Your own model and data"); it errs
 high. GPU numbers are the same arithmetic in bf16 and have never been checked on a GPU.
 
-    python memory.py --model smollm/model --max_tokens_per_micro_batch 2048     # the estimate, nothing started
+    python memory.py --model smollm/model --tokens 2048      # the estimate for 2 ranks, nothing started
 """
 import argparse
 import os

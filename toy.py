@@ -156,14 +156,15 @@ def warm_start(model, steps, lr, next_batch, lr_factor=lambda s: min(1.0, (s + 1
     return loss.item()
 
 
-def build_atomically(toy_dir, build):
-    """Run build(tmp) -> info in a fresh sibling directory with an empty model/ inside, write info to toy.json,
-    then rename it over toy_dir: a half-built toy is never mistaken for a finished one."""
+def build_atomically(toy_dir, build, info_file="toy.json"):
+    """Run build(tmp) -> info in a fresh sibling directory with an empty model/ inside, write info to info_file,
+    then rename it over toy_dir: a half-built toy is never mistaken for a finished one (smollm.py builds its
+    folder the same way, with smollm.json)."""
     tmp = f"{toy_dir}.tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(f"{tmp}/model")
     info = build(tmp)
-    with open(f"{tmp}/toy.json", "w") as f:
+    with open(f"{tmp}/{info_file}", "w") as f:
         json.dump(info, f, indent=1)
     shutil.rmtree(toy_dir, ignore_errors=True)
     os.replace(tmp, toy_dir)

