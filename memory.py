@@ -3,7 +3,8 @@
 Without it a run that does not fit ends as the kernel's SIGKILL (`exitcode -9` from torchrun and nothing else)
 minutes into the first step, after the engine and the policy were built. spo.py calls `check_rank_memory` after
 reading the flags and the data and before building the policy: it prints the estimate once and stops with one
-line naming the flag to change when the estimate exceeds what a rank can have.
+line naming the flag to change when the estimate exceeds what a rank can have. The token budget that bounds
+each forward pass lives here too (plan_micro_batches, assign_by_tokens; trainer.py follows it).
 
 The estimate is arithmetic: the model's shapes come from its config (parameters counted on the meta device, so
 nothing is loaded), the rest from the flags. Per rank:
@@ -24,6 +25,8 @@ high. GPU numbers are the same arithmetic in bf16 and have never been checked on
 import argparse
 import os
 from dataclasses import dataclass
+
+import numpy as np
 
 GIB = 2 ** 30
 # Saved activations per decoder layer and token, in elements: ACT_HIDDEN x hidden + ACT_MLP x intermediate. Set
@@ -74,10 +77,44 @@ def model_shape(model_path):
 def tokens_per_forward(micro_batch_size, max_tokens_per_micro_batch, sequences_per_rank, max_sequence_len):
     """The most tokens (padding included) one forward pass of the trainer can hold, from the flags: a token budget
     bounds it, but a sequence longer than the budget still gets a micro-batch of its own
-    (trainer.plan_micro_batches); without one it is micro_batch_size sequences of the longest possible length."""
+    (plan_micro_batches); without one it is micro_batch_size sequences of the longest possible length."""
     if max_tokens_per_micro_batch is not None:
         return max(min(max_tokens_per_micro_batch, micro_batch_size * max_sequence_len), max_sequence_len)
     return min(micro_batch_size, sequences_per_rank) * max_sequence_len
+
+
+# ------------------------------------------------------------------------ the token budget of one forward pass
+def plan_micro_batches(lengths, max_sequences, max_tokens=None):
+    """Micro-batches as lists of positions into `lengths` (prompt + response tokens per sequence).
+
+    max_tokens None: consecutive groups of max_sequences. Otherwise a token budget: sequences sorted longest first
+    and packed while (sequences x the longest one) stays within max_tokens, padding included (sequences in a
+    micro-batch are padded to its longest); a sequence longer than the budget gets a micro-batch of its own.
+    The loss is a sum over tokens divided by a global count, so how sequences are grouped never changes the
+    gradient, only the memory each forward needs."""
+    n = len(lengths)
+    if max_tokens is None:
+        return [list(range(k, min(k + max_sequences, n))) for k in range(0, n, max_sequences)]
+    plan, current = [], []
+    for i in sorted(range(n), key=lambda i: -lengths[i]):  # stable: ties keep their order
+        if current and ((len(current) + 1) * lengths[current[0]] > max_tokens or len(current) >= max_sequences):
+            plan.append(current)
+            current = []
+        current.append(i)
+    return plan + ([current] if current else [])
+
+
+def assign_by_tokens(lengths, world):
+    """(n,) the rank that computes each sequence: longest first, each to the rank with the fewest tokens so far
+    (ties: the lowest rank). Every rank derives the same assignment from the same list. Which rank computes a
+    sequence never changes the gradient (the loss is a token sum over a global count), only how long the
+    slowest rank takes: with responses of 1k to 16k tokens, slicing by count can leave one rank several times
+    the tokens of another."""
+    load, owner = np.zeros(world), np.zeros(len(lengths), dtype=np.int64)
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):  # stable: ties keep their order
+        owner[i] = int(np.argmin(load))
+        load[owner[i]] += lengths[i]
+    return owner
 
 
 def rank_memory(shape, *, world, tokens, on_gpu, gradient_checkpointing, kv_cache_gib=1.0, gpu_bytes=0,

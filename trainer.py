@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from data import fail
+from memory import assign_by_tokens, plan_micro_batches
 
 
 # ------------------------------------------------------------------------------------------------ collectives
@@ -291,39 +292,6 @@ def token_logprobs(model, ids, mask, temperature, with_entropy=False):
     logp, entropy = model.response_logprobs(ids, rows, cols, temperature, with_entropy)
     scatter = functools.partial(torch.zeros(mask.shape, device=ids.device).index_put, (rows, cols))
     return scatter(logp), (scatter(entropy) if with_entropy else None)
-
-
-def plan_micro_batches(lengths, max_sequences, max_tokens=None):
-    """Micro-batches as lists of positions into `lengths` (prompt + response tokens per sequence).
-
-    max_tokens None: consecutive groups of max_sequences. Otherwise a token budget: sequences sorted longest first
-    and packed while (sequences x the longest one) stays within max_tokens, padding included (sequences in a
-    micro-batch are padded to its longest); a sequence longer than the budget gets a micro-batch of its own.
-    The loss is a sum over tokens divided by a global count, so how sequences are grouped never changes the
-    gradient, only the memory each forward needs."""
-    n = len(lengths)
-    if max_tokens is None:
-        return [list(range(k, min(k + max_sequences, n))) for k in range(0, n, max_sequences)]
-    plan, current = [], []
-    for i in sorted(range(n), key=lambda i: -lengths[i]):  # stable: ties keep their order
-        if current and ((len(current) + 1) * lengths[current[0]] > max_tokens or len(current) >= max_sequences):
-            plan.append(current)
-            current = []
-        current.append(i)
-    return plan + ([current] if current else [])
-
-
-def assign_by_tokens(lengths, world):
-    """(n,) the rank that computes each sequence: longest first, each to the rank with the fewest tokens so far
-    (ties: the lowest rank). Every rank derives the same assignment from the same list. Which rank computes a
-    sequence never changes the gradient (the loss is a token sum over a global count), only how long the
-    slowest rank takes: with responses of 1k to 16k tokens, slicing by count can leave one rank several times
-    the tokens of another."""
-    load, owner = np.zeros(world), np.zeros(len(lengths), dtype=np.int64)
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):  # stable: ties keep their order
-        owner[i] = int(np.argmin(load))
-        load[owner[i]] += lengths[i]
-    return owner
 
 
 def _micro_batches(lengths, max_sequences, max_tokens=None):

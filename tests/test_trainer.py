@@ -69,19 +69,6 @@ def test_the_bucketed_weight_gather_equals_full_tensor_with_uneven_shards(tmp_pa
     assert (tmp_path / "ok").exists()
 
 
-def test_token_budget_micro_batches_cover_every_sequence_once_within_the_budget():
-    import trainer
-    lengths = [5, 17, 3, 9, 9, 30, 1, 12]
-    plan = trainer.plan_micro_batches(lengths, max_sequences=3, max_tokens=20)
-    assert sorted(i for group in plan for i in group) == list(range(len(lengths)))
-    for group in plan:
-        longest = max(lengths[i] for i in group)  # sequences are padded to the micro-batch's longest
-        assert len(group) <= 3 and (len(group) * longest <= 20 or len(group) == 1)
-        assert [lengths[i] for i in group] == sorted((lengths[i] for i in group), reverse=True)
-    assert plan[0] == [5]  # 30 tokens: over the budget, alone
-    assert trainer.plan_micro_batches(lengths, max_sequences=3) == [[0, 1, 2], [3, 4, 5], [6, 7]]  # no budget
-
-
 @pytest.mark.slow
 def test_the_device_check_runs_the_trainer_path_on_a_tiny_qwen3_shape():
     """`bench_gpu.py` is the device check (README); here on a CPU with a tiny Qwen3 shape (the real vocabulary).
@@ -94,17 +81,6 @@ def test_the_device_check_runs_the_trainer_path_on_a_tiny_qwen3_shape():
     gap_mean, gap_max, grad_norm = map(float, re.search(r"mean \|gap\| (\S+), max (\S+); loss \S+, grad norm (\S+)",
                                                          proc.stdout).groups())
     assert gap_mean <= gap_max < 1e-5 and 0 < grad_norm < float("inf")
-
-
-def test_ranks_get_tokens_not_counts():
-    """Longest first to the least-loaded rank: no rank ends with more than the lightest one plus the longest
-    sequence, where slicing by count (first half / second half) gives one rank nearly all the tokens."""
-    import trainer
-    lengths = [16000, 15000, 14000, 900, 800, 700, 600, 500]
-    owner = trainer.assign_by_tokens(lengths, world=2)
-    load = np.bincount(owner, weights=lengths, minlength=2)
-    assert load.max() - load.min() <= max(lengths) and load.max() < 0.6 * sum(lengths)
-    assert list(trainer.assign_by_tokens([5, 5, 5, 5], world=2)) == [0, 1, 0, 1]  # ties: in order, lowest rank
 
 
 def _saved_activation_bytes(model, ids):
