@@ -152,8 +152,10 @@ def sweep_cmd(out, small_toy, *argv):
 
 
 def comparable(rows):
-    """Training's metrics of each step: what the probe must not change (times and the probe's own left out)."""
-    return {row["step"]: {k: v for k, v in row.items() if not k.startswith(("time", "throughput", "probe/"))}
+    """Training's metrics of each step: what the probe must not change (times, the process's peak memory and the
+    probe's own left out)."""
+    return {row["step"]: {k: v for k, v in row.items()
+                          if not k.startswith(("time", "throughput", "memory/", "probe/"))}
             for row in rows}
 
 
