@@ -171,6 +171,12 @@ def fitting_tokens(shape, budget, **kwargs):
     return low
 
 
+def use_gradient_checkpointing(choice, on_gpu):
+    """--gradient_checkpointing auto/on/off -> bool (auto: on GPU only, trainer.build_policy's default), resolved
+    once so that the estimate and the policy agree."""
+    return on_gpu if choice == "auto" else choice == "on"
+
+
 def check_rank_memory(args, world, on_gpu, is_main, fail):
     """spo.py's check: print the estimate (rank 0) and stop with one line naming the flag if it will not fit.
     `--ignore_memory_estimate` turns the stop into a warning (the estimate errs high)."""
@@ -178,7 +184,7 @@ def check_rank_memory(args, world, on_gpu, is_main, fail):
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     kv = float(os.environ.get("VLLM_CPU_KVCACHE_SPACE", 1))
     gpu_bytes = available_per_rank(True, local_ranks) if on_gpu else 0
-    checkpointing = on_gpu if args.gradient_checkpointing == "auto" else args.gradient_checkpointing == "on"
+    checkpointing = use_gradient_checkpointing(args.gradient_checkpointing, on_gpu)
     tokens = tokens_per_forward(args.micro_batch_size, args.max_tokens_per_micro_batch,
                                 2 * args.batch_size // world,  # the no-grad pass: batch and revisited responses
                                 args.max_prompt_len + args.max_response_len)

@@ -281,7 +281,8 @@ def main(argv=None):
     state = checkpoint.load_checkpoint(args.resume, world, data.keys) if args.resume else None
     model_path = state["model_dir"] if state else args.model
     policy, optimizer = trainer.build_policy(model_path, device, args.lr, args.weight_decay,
-                                             {"auto": None, "on": True, "off": False}[args.gradient_checkpointing])
+                                             memory.use_gradient_checkpointing(args.gradient_checkpointing,
+                                                                               device.type == "cuda"))
     checkpoint.check_disk(run_dir, policy, export_bytes_per_parameter=2 if device.type == "cuda" else 4)
     from rollout import Engine
     engine = Engine(model_path, seed=args.seed, max_model_len=args.max_prompt_len + args.max_response_len,
