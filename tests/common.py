@@ -79,6 +79,20 @@ def ok(proc):
     return proc
 
 
+def end_worker():
+    """End a torchrun worker that only collects numbers: tear the process group down and leave without the
+    interpreter's finalisation. A gloo worker thread drops its reference to a finished collective's tensors (which
+    takes the GIL) a moment after the caller saw the collective finish; a rank that exits right after its last
+    collective can start finalising first, and that thread then aborts the process ("terminate called without an
+    active exception", exit -6: 2 of 12 runs of the two-rank gradient worker on a quiet machine). spo.py and the
+    other programs do not end right after a collective (the engine's teardown comes between)."""
+    import torch.distributed as dist
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def toy_args(small_toy, run_dir, *extra):
     """spo.py on the small toy: 16 responses per step, evaluation every 2 steps on 16 prompts."""
     return ["spo.py", "--model", small_toy["model"], "--train", small_toy["train"], "--test", small_toy["test"],

@@ -9,9 +9,8 @@ import sys
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 
-from common import ok, python, torchrun
+from common import end_worker, ok, python, torchrun
 
 
 @pytest.mark.slow
@@ -249,7 +248,7 @@ def grad_worker(out, model_path, max_tokens):
     if rank == 0:
         torch.save({"params": params, "before": before, "raw_advantage": advantage, "normalised": normalised,
                     "micro_batches": micro_batches, "old": old_all, "entropy": entropy / world, "reuse": reuse}, out)
-    dist.destroy_process_group()
+    end_worker()
 
 
 def gather_worker(out):
@@ -273,7 +272,7 @@ def gather_worker(out):
             assert full.dtype == torch.bfloat16 and torch.equal(full, unsharded[name].to(torch.bfloat16))
     if rank == 0:
         open(out, "w").close()
-    dist.destroy_process_group()
+    end_worker()
 
 
 def push_worker(out, model_path):
