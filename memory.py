@@ -9,8 +9,9 @@ each forward pass lives here too (plan_micro_batches, assign_by_tokens; trainer.
 The estimate is arithmetic: the model's shapes come from its config (parameters counted on the meta device, so
 nothing is loaded), the rest from the flags. Per rank:
 - trainer state, sharded by FSDP2: fp32 weights, fp32 gradients, AdamW's two moments;
-- gathered weights: the root unit (embedding, output projection, final norm) and two decoder layers (one
-  prefetched), full size, and their gradients before the reduce-scatter;
+- gathered weights: with per-layer FSDP units the root unit (embedding, output projection, final norm) and two
+  decoder layers (one prefetched), otherwise the whole model, full size, and their gradients before the
+  reduce-scatter;
 - activations: tokens per forward pass x bytes per token (every decoder layer's saved tensors, or with gradient
   checkpointing each layer's input plus one layer recomputed), the largest item for a real model;
 - the log-prob chunks (trainer.LOGIT_CHUNK_BYTES of fp32 logits, their softmax and gradient);
@@ -117,8 +118,8 @@ def assign_by_tokens(lengths, world):
     return owner
 
 
-def rank_memory(shape, *, world, tokens, on_gpu, gradient_checkpointing, kv_cache_gib=1.0, gpu_bytes=0,
-                gpu_memory_utilization=0.5):
+def rank_memory(shape, *, world, tokens, on_gpu, gradient_checkpointing, layer_units=True, kv_cache_gib=1.0,
+                gpu_bytes=0, gpu_memory_utilization=0.5):
     """Estimated peak bytes of one rank, as {item: bytes} (see the module docstring); "peak" is the total."""
     from trainer import LOGIT_CHUNK_BYTES
     compute = 2 if on_gpu else 4  # bytes per activation: bf16 compute on GPU, fp32 on CPU
@@ -127,7 +128,7 @@ def rank_memory(shape, *, world, tokens, on_gpu, gradient_checkpointing, kv_cach
         per_token = shape.layers * CKPT_HIDDEN["gpu" if on_gpu else "cpu"] * shape.hidden * compute + per_layer_token
     else:
         per_token = shape.layers * per_layer_token
-    gathered = (shape.root_parameters + 2 * shape.layer_parameters) * compute
+    gathered = (shape.root_parameters + 2 * shape.layer_parameters if layer_units else shape.parameters) * compute
     items = {"trainer state (sharded)": shape.parameters * 16 / world,  # fp32 weights + gradients + 2 moments
              "gathered weights and their gradients": 2 * gathered,
              "activations": tokens * per_token,
@@ -177,6 +178,12 @@ def use_gradient_checkpointing(choice, on_gpu):
     return on_gpu if choice == "auto" else choice == "on"
 
 
+def use_layer_units(choice, on_gpu):
+    """--fsdp_units auto/layers/model -> bool: each decoder layer its own FSDP2 unit (auto: on GPU only,
+    trainer.build_policy's default), resolved once so that the estimate and the policy agree."""
+    return on_gpu if choice == "auto" else choice == "layers"
+
+
 def check_rank_memory(args, world, on_gpu, is_main, fail):
     """spo.py's check: print the estimate (rank 0) and stop with one line naming the flag if it will not fit.
     `--ignore_memory_estimate` turns the stop into a warning (the estimate errs high)."""
@@ -188,14 +195,16 @@ def check_rank_memory(args, world, on_gpu, is_main, fail):
     tokens = tokens_per_forward(args.micro_batch_size, args.max_tokens_per_micro_batch,
                                 2 * args.batch_size // world,  # the no-grad pass: batch and revisited responses
                                 args.max_prompt_len + args.max_response_len)
-    common = dict(world=world, on_gpu=on_gpu, gradient_checkpointing=checkpointing, kv_cache_gib=kv,
-                  gpu_bytes=gpu_bytes, gpu_memory_utilization=args.gpu_memory_utilization)
+    common = dict(world=world, on_gpu=on_gpu, gradient_checkpointing=checkpointing,
+                  layer_units=use_layer_units(args.fsdp_units, on_gpu), kv_cache_gib=kv, gpu_bytes=gpu_bytes,
+                  gpu_memory_utilization=args.gpu_memory_utilization)
     items = rank_memory(shape, tokens=tokens, **common)
     budget = available_per_rank(on_gpu, local_ranks)
     if is_main:
         print(f"memory per rank (estimate): {items['peak'] / GIB:.1f} GiB of {budget / GIB:.1f} GiB available "
               f"({shape.parameters / 1e6:.0f}M parameters, {tokens} tokens per forward pass: activations "
-              f"{items['activations'] / GIB:.1f} GiB, gradient checkpointing {'on' if checkpointing else 'off'})",
+              f"{items['activations'] / GIB:.1f} GiB, gradient checkpointing {'on' if checkpointing else 'off'}, "
+              f"FSDP units: {'layers' if common['layer_units'] else 'the whole model'})",
               flush=True)
     if items["peak"] <= budget:
         return items
@@ -228,6 +237,9 @@ def add_memory_flags(p):
                         "to the ranks by tokens; 'off': micro_batch_size sequences each)")
     p.add_argument("--gradient_checkpointing", choices=["auto", "on", "off"], default="auto",
                    help="recompute each decoder layer in the backward pass (auto: on GPU only)")
+    p.add_argument("--fsdp_units", choices=["auto", "layers", "model"], default="auto",
+                   help="FSDP2 units: each decoder layer (one layer's full weights at a time) or the whole model "
+                        "(one gather per pass; auto: layers on GPU, model on CPU)")
     p.add_argument("--ignore_memory_estimate", action="store_true",
                    help="start even when the per-rank memory estimate exceeds what a rank has (it errs high)")
     p.add_argument("--cpu_kv_cache_gib", type=int, default=None,
@@ -258,10 +270,13 @@ def main():
     p.add_argument("--gpu_memory_utilization", type=float, default=0.5, help="vLLM share of each GPU")
     p.add_argument("--tokens", type=int, default=2048, help="tokens per forward pass")
     p.add_argument("--gradient_checkpointing", action="store_true", help="checkpoint each decoder layer")
+    p.add_argument("--fsdp_units", choices=["auto", "layers", "model"], default="auto",
+                   help="FSDP2 units (auto: layers on GPU, model on CPU)")
     p.add_argument("--kv_cache_gib", type=float, default=1.0, help="CPU engine's KV cache (GiB)")
     args = p.parse_args()
     items = rank_memory(model_shape(args.model), world=args.world, tokens=args.tokens, on_gpu=args.gpu,
-                        gradient_checkpointing=args.gradient_checkpointing, kv_cache_gib=args.kv_cache_gib,
+                        gradient_checkpointing=args.gradient_checkpointing,
+                        layer_units=use_layer_units(args.fsdp_units, args.gpu), kv_cache_gib=args.kv_cache_gib,
                         gpu_bytes=args.gpu_gib * GIB, gpu_memory_utilization=args.gpu_memory_utilization)
     for name, value in items.items():
         print(f"{name:40s} {value / GIB:8.2f} GiB")

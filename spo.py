@@ -280,9 +280,10 @@ def main(argv=None):
     memory.check_rank_memory(args, world, device.type == "cuda", is_main, fail)
     state = checkpoint.load_checkpoint(args.resume, world, data.keys) if args.resume else None
     model_path = state["model_dir"] if state else args.model
+    on_gpu = device.type == "cuda"
     policy, optimizer = trainer.build_policy(model_path, device, args.lr, args.weight_decay,
-                                             memory.use_gradient_checkpointing(args.gradient_checkpointing,
-                                                                               device.type == "cuda"))
+                                             memory.use_gradient_checkpointing(args.gradient_checkpointing, on_gpu),
+                                             memory.use_layer_units(args.fsdp_units, on_gpu))
     checkpoint.check_disk(run_dir, policy, export_bytes_per_parameter=2 if device.type == "cuda" else 4)
     from rollout import Engine
     engine = Engine(model_path, seed=args.seed, max_model_len=args.max_prompt_len + args.max_response_len,

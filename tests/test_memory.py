@@ -86,6 +86,17 @@ def test_gpu_peak_is_the_larger_of_training_and_generating(tmp_path):
     assert items["peak"] == max(training, shape.parameters * 12 / 8 + 0.6 * gpu)
 
 
+def test_whole_model_units_hold_every_weight_and_gradient_at_once(tmp_path):
+    shape = memory.model_shape(_llama_dir(tmp_path))
+    common = dict(world=2, tokens=1000, on_gpu=False, gradient_checkpointing=False)
+    by_layer = memory.rank_memory(shape, layer_units=True, **common)["gathered weights and their gradients"]
+    whole = memory.rank_memory(shape, layer_units=False, **common)["gathered weights and their gradients"]
+    assert by_layer == 2 * 4 * (shape.root_parameters + 2 * shape.layer_parameters)  # fp32 on CPU
+    assert whole == 2 * 4 * shape.parameters > by_layer
+    assert [memory.use_layer_units(c, gpu) for c in ("auto", "layers", "model") for gpu in (False, True)] == \
+        [False, True, True, True, False, False]
+
+
 @pytest.mark.slow
 def test_an_oversized_micro_batch_is_refused_before_the_model_loads(small_toy, tmp_path):
     """One line naming the flag and a budget that fits; nothing loaded, nothing run (no metrics)."""

@@ -16,15 +16,18 @@ from common import end_worker, ok, python, torchrun
 @pytest.mark.slow
 def test_two_rank_fsdp2_gradients_and_normalisation_equal_one_process(small_toy, tmp_path):
     """Same global batch, one SGD step (lr 1, no clipping): the weights after the step are the gradients.
-    World 2 must equal world 1, and Eq. 9's normalisation over two ranks must equal the single-process one."""
+    World 2 must equal world 1, and Eq. 9's normalisation over two ranks must equal the single-process one.
+    FSDP2's units (CPU's default: the whole model; GPU's: each decoder layer) change no number at all."""
     out = {}
-    for run, world, max_tokens in (("w1", 1, "none"), ("w2", 2, "none"), ("w2_tokens", 2, "20")):
+    for run, world, max_tokens, units in (("w1", 1, "none", "model"), ("w2", 2, "none", "model"),
+                                          ("w2_tokens", 2, "20", "model"), ("w2_layers", 2, "none", "layers")):
         ok(torchrun(world, "tests/test_trainer.py", "grad_worker", str(tmp_path / f"{run}.pt"), small_toy["model"],
-                    max_tokens))
+                    max_tokens, units))
         out[run] = torch.load(tmp_path / f"{run}.pt", weights_only=False)
     moved = 0.0
     for name, p1 in out["w1"]["params"].items():
         torch.testing.assert_close(out["w2"]["params"][name], p1, atol=2e-6, rtol=1e-5)
+        assert torch.equal(out["w2_layers"]["params"][name], out["w2"]["params"][name]), name
         # token budgets (sequences dealt to the ranks by tokens, sorted, uneven counts: idle ranks run a dummy)
         # change nothing either
         torch.testing.assert_close(out["w2_tokens"]["params"][name], p1, atol=2e-6, rtol=1e-5)
@@ -206,13 +209,15 @@ def _update(policy, optimizer, rollouts, old, advantage, micro_batch_size, grad_
                               max_tokens=max_tokens)
 
 
-def grad_worker(out, model_path, max_tokens):
+def grad_worker(out, model_path, max_tokens, units):
     import trainer
     from spo import global_normalise
     from trainer import all_gather_np
     max_tokens = None if max_tokens == "none" else int(max_tokens)
+    build = functools.partial(trainer.build_policy, model_path, lr=1.0, weight_decay=0.0,
+                              layer_units=units == "layers")
     rank, world, device = trainer.setup_distributed()
-    policy, _ = trainer.build_policy(model_path, device, lr=1.0, weight_decay=0.0)
+    policy, _ = build(device)
     optimizer = torch.optim.SGD(policy.parameters(), lr=1.0)
     before = {k: v.clone() for k, v in trainer.full_parameters(policy)}
     rollouts, advantage = _fixed_batch(90)
@@ -231,7 +236,7 @@ def grad_worker(out, model_path, max_tokens):
     # with it, from the same weights: the same weights after the step, bit for bit, and the same old log-probs.
     after, olds = {}, {}
     for way in ("separate pass", "reused"):
-        policy, _ = trainer.build_policy(model_path, device, lr=1.0, weight_decay=0.0)
+        policy, _ = build(device)
         optimizer = torch.optim.SGD(policy.parameters(), lr=1.0)
         scored = trainer.old_logprobs(policy, rollouts[mine], [], 1.0, 2, max_tokens)
         stats = _update(policy, optimizer, rollouts[mine], None if way == "reused" else scored["batch"],
