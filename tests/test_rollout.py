@@ -247,6 +247,7 @@ def test_tool_error_and_timeout_become_text(loop_results):
 
 @pytest.mark.slow
 def test_single_turn_generate_equals_a_direct_vllm_generate(loop_results):
+    # also the text: without stop strings ours is decoded once at the end, vLLM's incrementally at every step
     ours, direct = loop_results["single_turn"], loop_results["direct"]
     assert len(ours) == len(direct) == 24
     for r, (ids, logprobs, text, finish) in zip(ours, direct):
