@@ -38,10 +38,10 @@ def _comm_device():
 
 
 def all_reduce_np(values, op="sum"):
-    """Element-wise sum (or max) of a small float array over all ranks."""
-    t = torch.as_tensor(np.asarray(values, dtype=np.float64), device=_comm_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
-    return t.cpu().numpy()
+    """Element-wise sum (or max) of a small float array over all ranks, in rank order. An all-gather and a sum
+    here, not dist.all_reduce: gloo's all-reduce of a few numbers took 1.6 ms on 2 ranks, its all-gather 0.5."""
+    parts = all_gather_np(np.asarray(values, dtype=np.float64).reshape(1, -1))  # (world, n)
+    return parts.max(0) if op == "max" else parts.sum(0)
 
 
 def all_gather_np(x):
