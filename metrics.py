@@ -11,7 +11,7 @@ import time
 import numpy as np
 import torch.distributed as dist
 
-from trainer import all_gather_np, all_reduce_np
+from trainer import all_gather_np
 
 
 def tool_metrics(all_reward, rollouts):
@@ -31,13 +31,15 @@ def tool_metrics(all_reward, rollouts):
 def step_metrics(reward, raw_advantage, advantage, rollouts, old, stats, times, group=1, tools=False):
     """What every algorithm reports, in one flat dict over the global batch (all ranks), the signal metrics
     included; spo_metrics adds SPO's own. group: responses per prompt (consecutive)."""
-    reward, raw, adv = all_gather_np(reward), all_gather_np(raw_advantage), all_gather_np(np.asarray(advantage))
-    lengths = all_gather_np(np.array([len(r.response_ids) for r in rollouts]))
-    policy_tokens = all_gather_np(np.array([sum(r.response_mask) for r in rollouts]))  # tool output left out
-    truncated = all_gather_np(np.array([r.finish_reason == "length" for r in rollouts], dtype=np.float64))
-    scalars = all_reduce_np([old["entropy"], old["logprob_gap_mean"], old["sequences"]])
-    gap_max = all_reduce_np([old["logprob_gap_max"]], op="max")[0]
     world = dist.get_world_size()
+    reward, raw, adv, lengths, policy_tokens, truncated, scalars = all_gather_np(  # one collective
+        reward, raw_advantage, np.asarray(advantage), np.array([len(r.response_ids) for r in rollouts]),
+        np.array([sum(r.response_mask) for r in rollouts]),  # policy tokens: tool output left out
+        np.array([r.finish_reason == "length" for r in rollouts], dtype=np.float64),
+        np.array([old["entropy"], old["logprob_gap_mean"], old["sequences"], old["logprob_gap_max"]]))
+    scalars = scalars.reshape(world, 4)  # per rank: entropy, mean gap, rescored sequences, max gap
+    gap_max = scalars[:, 3].max()
+    scalars = scalars[:, :3].sum(0)
     m = {"reward/mean": reward.mean(), "reward/all_equal": float(reward.min() == reward.max()),  # Logger counts it
          "advantage/mean": raw.mean(), "advantage/std": raw.std(),
          "advantage/p05": np.quantile(raw, 0.05), "advantage/p50": np.quantile(raw, 0.5),

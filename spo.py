@@ -389,8 +389,8 @@ def main(argv=None):
                 divergences[slot: slot + group] = divergence(now[prev.mask > 0], prev.logprobs[prev.mask > 0],
                                                              args.divergence)
                 revisit[slot: slot + group] = 1.0
-            all_index, all_reward, all_divergences, all_revisit = (all_gather_np(x) for x in
-                                                                   (mine, reward, divergences, revisit))
+            all_index, all_reward, all_divergences, all_revisit, all_raw_advantage = all_gather_np(
+                mine, reward, divergences, revisit, raw_advantage)  # one collective
             rho = tracker.rho(all_divergences)  # Eq. 5: 2^(-D / D_half), clipped
             if args.baseline != "fixed":  # the fixed baseline keeps v0 forever (the A*-PO-like ablation)
                 tracker.update(all_index, all_reward, rho)  # Eq. 5: every rank applies the same update, once
@@ -398,7 +398,7 @@ def main(argv=None):
                 uniq = np.unique(all_index)
                 sampler.set_weights(priority_weights(tracker.value_at(uniq), tracker.n_eff_at(uniq),
                                                      args.sampling_eps, args.sampling_gamma), uniq)
-            algo_metrics = spo_metrics(all_gather_np(raw_advantage), tracker, all_divergences, rho, all_revisit > 0)
+            algo_metrics = spo_metrics(all_raw_advantage, tracker, all_divergences, rho, all_revisit > 0)
         elif args.algo == "reinforce_pp":  # REINFORCE++: no per-prompt baseline, r whitened over the global batch
             raw_advantage, advantage, algo_metrics = reward, global_normalise(reward), {}
         else:  # the group baselines (variants.py): GRPO's z-score, RLOO's leave-one-out mean, Dr. GRPO's mean

@@ -44,12 +44,20 @@ def all_reduce_np(values, op="sum"):
     return parts.max(0) if op == "max" else parts.sum(0)
 
 
-def all_gather_np(x):
-    """Concatenate equal-sized numpy arrays from all ranks, in rank order."""
-    t = torch.as_tensor(np.ascontiguousarray(x), device=_comm_device())
-    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, t)
-    return torch.cat(out).cpu().numpy()
+def all_gather_np(*arrays):
+    """Concatenate numpy arrays from all ranks, in rank order: all_gather_np(a) -> a of every rank;
+    all_gather_np(a, b, ...) -> (a of every rank, b of every rank, ...) in ONE collective (each collective costs
+    about 0.5 ms on gloo; a step needs a dozen arrays). Each array has the same size on every rank; several
+    travel together as float64, exact for the int and bool arrays passed here, and come back in their dtype."""
+    if len(arrays) == 1:
+        t = torch.as_tensor(np.ascontiguousarray(arrays[0]), device=_comm_device())
+        out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+        dist.all_gather(out, t)
+        return torch.cat(out).cpu().numpy()
+    arrays = [np.asarray(a) for a in arrays]
+    rows = all_gather_np(np.concatenate([a.astype(np.float64).reshape(-1) for a in arrays])[None])  # (world, n)
+    cuts = np.cumsum([0] + [a.size for a in arrays])
+    return tuple(rows[:, lo:hi].reshape(-1).astype(a.dtype) for a, lo, hi in zip(arrays, cuts[:-1], cuts[1:]))
 
 
 def all_gather_objects(items):
