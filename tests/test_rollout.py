@@ -90,7 +90,7 @@ class RecordingLLM:
 def _engine_without_vllm(on_gpu):
     from rollout import Engine
     engine = Engine.__new__(Engine)  # the state machine only: no vLLM engine behind it
-    engine.on_gpu, engine.llm, engine.state = on_gpu, RecordingLLM(), "awake"
+    engine.on_gpu, engine.llm, engine.state, engine.prefix_caching = on_gpu, RecordingLLM(), "awake", on_gpu
     engine._empty_cache = lambda: engine.llm.calls.append(("empty_cache",))
     return engine
 
@@ -125,10 +125,16 @@ def test_after_sleep_generation_waits_for_a_push():
     assert engine.state == "awake" and engine.llm.calls[-1] == ("wake_up", ("kv_cache",))
 
 
-def test_on_cpu_nothing_sleeps_and_each_push_resets_the_prefix_cache():
+def test_on_cpu_nothing_sleeps_and_a_push_has_no_prefix_cache_to_reset():
     engine = _engine_without_vllm(on_gpu=False)
     _two_steps(engine)
-    assert engine.llm.calls == [("reload_weights",), ("reset_prefix_cache",)] * 2 and engine.state == "awake"
+    assert engine.llm.calls == [("reload_weights",)] * 2 and engine.state == "awake"
+
+
+def test_a_push_into_an_awake_engine_with_prefix_caching_forgets_the_cached_prefixes():
+    engine = _engine_without_vllm(on_gpu=True)  # awake (never slept): its cached KV came from the old weights
+    engine.push_weights(iter([("w", torch.zeros(2))]))
+    assert engine.llm.calls == [("reload_weights",), ("reset_prefix_cache",)]
 
 
 # ---- the loop on the real engine (the scripted model of conftest.py)
