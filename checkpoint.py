@@ -37,7 +37,8 @@ from data import fail
 RESUME_MAY_CHANGE = {"steps", "resume", "run_dir", "log_every", "eval_every", "save_every", "max_nonfinite", "wandb",
                      "tensorboard", "micro_batch_size", "max_tokens_per_micro_batch", "cpu_kv_cache_gib",
                      "gpu_memory_utilization", "sandbox_workers", "given", "probe_every", "probe_prompts",
-                     "probe_samples", "gradient_checkpointing", "fsdp_units", "ignore_memory_estimate"}
+                     "probe_samples", "gradient_checkpointing", "fsdp_units", "ignore_memory_estimate",
+                     "engine_compile"}
 
 
 def resumed_settings(saved, given):

@@ -135,6 +135,9 @@ def parse_args(argv=None):
     p.add_argument("--tensorboard", action="store_true", help="also log to TensorBoard (if installed)")
     # ---- memory: micro-batches, gradient checkpointing, the engine's share, the estimate at start (memory.py)
     memory.add_memory_flags(p)
+    p.add_argument("--engine_compile", choices=["auto", "on", "off"], default="auto",
+                   help="torch.compile vLLM's model (auto: on GPU only; on CPU start-up takes seconds longer, each "
+                        "decoding step less)")
     args = p.parse_args(argv)
     for action in p._actions:  # which flags the command line gave: --resume accepts changes to some only
         action.default = argparse.SUPPRESS
@@ -288,7 +291,7 @@ def main(argv=None):
     from rollout import Engine
     engine = Engine(model_path, seed=args.seed, max_model_len=args.max_prompt_len + args.max_response_len,
                     device=device, gpu_memory_utilization=args.gpu_memory_utilization,
-                    temperature=args.temperature)
+                    temperature=args.temperature, compile={"auto": None, "on": True, "off": False}[args.engine_compile])
 
     # ---- the per-prompt state SPO carries across steps: tracker, sampler, previous responses (for D)
     tracker = ValueTracker(n_prompts, args.rho_min, args.rho_max, args.d_half,
