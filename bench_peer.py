@@ -2,7 +2,8 @@
 
 The same toy model, training prompts and held-out prompts, the same budget (steps x 64 responses per step) and
 seed, run one after another in one process tree: TRL's GRPOTrainer (plain Hugging Face generation, one
-process), then spo.py --algo grpo and spo.py (SPO) under torchrun, on 1 rank and on 2 (--spo_ranks). Printed: the
+process), then spo.py --algo grpo and spo.py (SPO) under torchrun, on 1 rank and on 2 (--spo_ranks), each with
+vLLM eager and compiled (--engine_compile: spo.py's flag; compiled starts seconds later). Printed: the
 median wall time per training step (start-up excluded: the first `warmup` steps; evaluation excluded: spo.py
 evaluates only at step 0 and at the end, TRL not at all during training), the held-out accuracy at the end, and the
 ratios to TRL.
@@ -40,7 +41,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 INSTALL_HINT = ("TRL is not installed for {python}: python3 -m venv /tmp/trlvenv && /tmp/trlvenv/bin/pip install "
                 "torch==2.13.0 trl==1.16.0, then pass --trl_python /tmp/trlvenv/bin/python (or set SPO_TRL_PYTHON)")
 SETTINGS_THAT_DIFFER = [
-    ("generation backend", "vLLM (CPU), one colocated engine per rank, weights pushed each step",
+    ("generation backend", "vLLM (CPU), one colocated engine per rank, weights pushed each step; eager, or "
+     "compiled by torch.compile (--engine_compile on: C++ kernels built at start-up)",
      "transformers generate() in the training process (use_vllm=False)"),
     ("processes / threads", "--spo_ranks ranks (torchrun, FSDP2): 1 rank uses both cores (torch's default), 2 "
      "ranks 1 thread each (torchrun's default)", "1 process, --trl_threads threads (default 1, as TRL was first "
@@ -140,7 +142,7 @@ def _median_after(times, warmup):
 
 
 def bench_peer(steps=150, trl_python=None, toy_dir=None, seed=0, warmup=5, max_tokens=32, trl_threads=1,
-               spo_ranks=(1, 2)):
+               spo_ranks=(1, 2), engine_compile=("off", "on")):
     """TRL GRPO, spo.py GRPO and spo.py SPO on the toy, one after another; prints the table; returns its rows."""
     python = trl_python or os.environ.get("SPO_TRL_PYTHON") or sys.executable
     toy_dir = os.path.abspath(toy_dir or os.path.join(HERE, "toy"))
@@ -171,12 +173,14 @@ def bench_peer(steps=150, trl_python=None, toy_dir=None, seed=0, warmup=5, max_t
             rows["TRL GRPOTrainer (GRPO)"] = {"step": _median_after(trl["step_times"], warmup),
                                               "accuracy": json.load(f)["eval/accuracy"], "wall": trl_wall}
         # spo.py, GRPO and SPO: evaluation only at step 0 and at the end; per-step wall time from metrics.jsonl
-        for ranks, (algo, name) in [(n, a) for n in spo_ranks for a in (("grpo", "--algo grpo"), ("spo", "(SPO)"))]:
-            label = f"spo.py {name}, {ranks} rank{'s' * (ranks > 1)}"
-            run = os.path.join(tmp, f"{algo}-{ranks}")
+        for ranks, compiled, (algo, name) in [(n, c, a) for n in spo_ranks for c in engine_compile
+                                              for a in (("grpo", "--algo grpo"), ("spo", "(SPO)"))]:
+            label = f"spo.py {name}, {ranks} rank{'s' * (ranks > 1)}{', compiled' * (compiled == 'on')}"
+            run = os.path.join(tmp, f"{algo}-{ranks}-{compiled}")
             cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}", "spo.py", "--algo", algo,
                    "--steps", str(steps), "--toy_dir", toy_dir, "--seed", str(seed), "--eval_every", str(steps),
-                   "--save_every", "0", "--max_response_len", str(max_tokens), "--run_dir", run]
+                   "--save_every", "0", "--max_response_len", str(max_tokens), "--run_dir", run,
+                   "--engine_compile", compiled]
             t0 = time.time()
             subprocess.run(cmd, check=True, cwd=HERE, env=env, stdout=subprocess.DEVNULL)
             wall = time.time() - t0
@@ -194,9 +198,9 @@ def bench_peer(steps=150, trl_python=None, toy_dir=None, seed=0, warmup=5, max_t
           f"the first {warmup} (start-up) and the evaluated last left out; held-out: eval.heldout_metrics at step "
           f"{steps}\nTRL {trl['versions']['trl']} (transformers {trl['versions']['transformers']}, torch "
           f"{trl['threads']} threads)")
-    print(f"{'':>30} {'s/step':>8} {'vs TRL':>8} {'held-out':>9} {'total wall s':>13}")
+    print(f"{'':>40} {'s/step':>8} {'vs TRL':>8} {'held-out':>9} {'total wall s':>13}")
     for label, row in rows.items():
-        print(f"{label:>30} {row['step']:>8.3f} {row['step'] / trl_step:>7.2f}x {row['accuracy']:>8.1%} "
+        print(f"{label:>40} {row['step']:>8.3f} {row['step'] / trl_step:>7.2f}x {row['accuracy']:>8.1%} "
               f"{row['wall']:>13.0f}")
     for label, row in rows.items():
         if "phases" in row:
@@ -222,6 +226,8 @@ if __name__ == "__main__":
         p.add_argument("--warmup", type=int, default=5, help="first steps left out of the median (start-up)")
         p.add_argument("--trl_threads", type=int, default=1, help="torch threads of the TRL process")
         p.add_argument("--spo_ranks", type=int, nargs="+", default=[1, 2], help="spo.py's ranks, each measured")
+        p.add_argument("--engine_compile", choices=["off", "on"], nargs="+", default=["off", "on"],
+                       help="spo.py's --engine_compile, each measured (on: faster steps, longer start-up)")
         a = p.parse_args()
         bench_peer(a.steps, a.trl_python, a.toy_dir, a.seed, a.warmup, trl_threads=a.trl_threads,
-                   spo_ranks=a.spo_ranks)
+                   spo_ranks=a.spo_ranks, engine_compile=a.engine_compile)

@@ -307,12 +307,24 @@ def token_logprobs(model, ids, mask, temperature, with_entropy=False):
     return scatter(logp), (scatter(entropy) if with_entropy else None)
 
 
-def _micro_batches(lengths, max_sequences, max_tokens=None):
+def _micro_batches(lengths, max_sequences, max_tokens=None, shares=None):
     """plan_micro_batches, padded with empty micro-batches to the same count on every rank: FSDP2's forward and
-    backward are collectives, so a rank with less work still runs as many (on a dummy sequence)."""
+    backward are collectives, so a rank with less work still runs as many (on a dummy sequence). shares: every
+    rank's lengths (_deal_by_tokens), from which each rank plans them all; None: one collective finds the most."""
     plan = plan_micro_batches(lengths, max_sequences, max_tokens)
-    count = int(all_reduce_np([len(plan)], op="max")[0])
+    count = (int(all_reduce_np([len(plan)], op="max")[0]) if shares is None else
+             max(len(plan_micro_batches(share, max_sequences, max_tokens)) for share in shares))
     return plan + [[]] * (count - len(plan))
+
+
+def _deal_by_tokens(items, length):
+    """Token budgets: all ranks' items dealt to the ranks by tokens (assign_by_tokens; `length`: an item's
+    tokens). Returns this rank's items, every rank's lengths (for _micro_batches) and all items."""
+    everything, world = all_gather_objects(items), dist.get_world_size()
+    lengths = [length(item) for item in everything]
+    owner = assign_by_tokens(lengths, world)
+    shares = [[n for n, o in zip(lengths, owner) if o == k] for k in range(world)]
+    return [item for item, o in zip(everything, owner) if o == dist.get_rank()], shares, everything
 
 
 IDLE = ([0], [0], [0])  # a one-token dummy sequence with mask 0, for a rank with no work in a micro-batch
@@ -351,12 +363,12 @@ def old_logprobs(model, rollouts, revisited, temperature, micro_batch_size, max_
     device, rank = next(model.parameters()).device, dist.get_rank()
     sequences = [(r.prompt_ids, r.response_ids, r.response_mask) for r in rollouts] + list(revisited)
     work = [(rank, i, seq) for i, seq in enumerate(sequences)]  # (the rank that owns it, its index there, sequence)
+    shares = None
     if max_tokens is not None:  # token budgets: score a token-balanced share of all ranks' sequences
-        everything = all_gather_objects(work)
-        owner = assign_by_tokens([len(p) + len(r) for _, _, (p, r, _) in everything], dist.get_world_size())
-        work = [item for item, o in zip(everything, owner) if o == rank]
+        work, shares, _ = _deal_by_tokens(work, lambda item: len(item[2][0]) + len(item[2][1]))
     scored = []
-    for group in _micro_batches([len(p) + len(r) for _, _, (p, r, _) in work], micro_batch_size, max_tokens):
+    for group in _micro_batches([len(p) + len(r) for _, _, (p, r, _) in work], micro_batch_size, max_tokens,
+                                shares):
         chunk = [work[j][2] for j in group] or [IDLE]  # an idle rank still joins the collective forward
         ids, mask = pack(chunk, device)
         token_logp, entropy = token_logprobs(model, ids, mask, temperature, with_entropy=True)
@@ -402,19 +414,21 @@ def ppo_update(model, optimizer, rollouts, old, advantage, loss_fn, *, ppo_steps
         raise ValueError("ppo_update: old=None (the update's own log-probs as old) needs ppo_steps == 1")
     scored = []  # with old=None: _scored's rows of the batch
     per = len(rollouts) // ppo_steps
-    sums = {"loss": 0.0, "clip_fraction": 0.0, "approx_kl": 0.0, "tokens": 0.0, "grad_norm": 0.0}
+    sums = {"loss": 0.0, "grad_norm": 0.0}
+    totals = np.zeros(3)  # over all ranks and mini-batches: clipped tokens, k3 KL summed over tokens, tokens
     nonfinite = False
     for k in range(ppo_steps):
         # this rank's part of mini-batch k: (prompt ids, response ids, response mask, old log-probs, advantage)
         mini = [(r.prompt_ids, r.response_ids, r.response_mask, None if reuse else old[i], float(advantage[i]),
                  rank, i) for i, r in enumerate(rollouts[k * per: (k + 1) * per], start=k * per)]
-        global_tokens = all_reduce_np([sum(float(np.sum(item[2])) for item in mini)])[0]
+        shares = None
         if max_tokens is not None:  # token budgets: also even out the ranks' tokens (long responses vary a lot)
-            everything = all_gather_objects(mini)
-            owner = assign_by_tokens([len(p) + len(r) for p, r, *_ in everything], world)
-            mini = [item for item, o in zip(everything, owner) if o == rank]
-        loss_total = 0.0
-        for group in _micro_batches([len(p) + len(r) for p, r, *_ in mini], micro_batch_size, max_tokens):
+            mini, shares, everything = _deal_by_tokens(mini, lambda item: len(item[0]) + len(item[1]))
+            global_tokens = float(sum(np.sum(item[2]) for item in everything))  # counts: exact in any order
+        else:
+            global_tokens = all_reduce_np([sum(float(np.sum(item[2])) for item in mini)])[0]
+        loss_total, counts = 0.0, np.zeros(3)  # this rank's: loss, and clipped tokens, k3 KL, tokens
+        for group in _micro_batches([len(p) + len(r) for p, r, *_ in mini], micro_batch_size, max_tokens, shares):
             rows = [mini[j] for j in group]
             ids, mask = pack([row[:3] for row in rows] or [IDLE], device)  # (b, T); an idle rank: mask 0, loss 0
             adv = torch.tensor([row[4] for row in rows] or [0.0], dtype=torch.float32, device=device)  # (b,)
@@ -431,12 +445,13 @@ def ppo_update(model, optimizer, rollouts, old, advantage, loss_fn, *, ppo_steps
             loss_total += loss.item()
             with torch.no_grad():
                 log_ratio = (logp - old_logp) * mask
-                sums["clip_fraction"] += float((clipped.float() * mask).sum())
-                sums["approx_kl"] += float(((torch.exp(log_ratio) - 1 - log_ratio) * mask).sum())  # k3, KL(old||new)
-                sums["tokens"] += float(mask.sum())
+                counts += [float((clipped.float() * mask).sum()),
+                           float(((torch.exp(log_ratio) - 1 - log_ratio) * mask).sum()),  # k3, KL(old||new)
+                           float(mask.sum())]
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
         grad_norm = float(grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm)
-        global_loss = all_reduce_np([loss_total])[0]
+        reduced = all_reduce_np([loss_total, *counts])  # one collective for the loss and the counts
+        global_loss, totals = reduced[0], totals + reduced[1:]
         if not (np.isfinite(global_loss) and np.isfinite(grad_norm)):
             nonfinite = True  # every rank sees the same global values, so every rank skips this step
             optimizer.zero_grad(set_to_none=True)
@@ -445,7 +460,6 @@ def ppo_update(model, optimizer, rollouts, old, advantage, loss_fn, *, ppo_steps
         optimizer.zero_grad(set_to_none=True)
         sums["loss"] += global_loss
         sums["grad_norm"] += grad_norm
-    totals = all_reduce_np([sums["clip_fraction"], sums["approx_kl"], sums["tokens"]])
     stats = {"loss": sums["loss"] / ppo_steps, "grad_norm": sums["grad_norm"] / ppo_steps,
              "clip_fraction": totals[0] / totals[2], "approx_kl": totals[1] / totals[2], "nonfinite": nonfinite}
     if reuse:  # the batch's old log-probs, as old_logprobs returns them, each back to the rank that owns it
