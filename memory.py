@@ -4,7 +4,8 @@ Without it a run that does not fit ends as the kernel's SIGKILL (`exitcode -9` f
 minutes into the first step, after the engine and the policy were built. spo.py calls `check_rank_memory` after
 reading the flags and the data and before building the policy: it prints the estimate once and stops with one
 line naming the flag to change when the estimate exceeds what a rank can have. The token budget that bounds
-each forward pass lives here too (plan_micro_batches, assign_by_tokens; trainer.py follows it).
+each forward pass lives here too (plan_micro_batches, assign_by_tokens, and micro_batches / deal_by_tokens that
+trainer.py calls: the same plan on every rank, sequences dealt to the ranks by tokens).
 
 The estimate is arithmetic: the model's shapes come from its config (parameters counted on the meta device, so
 nothing is loaded), the rest from the flags. Per rank:
@@ -116,6 +117,29 @@ def assign_by_tokens(lengths, world):
         owner[i] = int(np.argmin(load))
         load[owner[i]] += lengths[i]
     return owner
+
+
+def micro_batches(lengths, max_sequences, max_tokens=None, shares=None):
+    """plan_micro_batches, padded with empty micro-batches to the same count on every rank: FSDP2's forward and
+    backward are collectives, so a rank with less work still runs as many (on a dummy sequence). shares: every
+    rank's lengths (deal_by_tokens), from which each rank plans them all; None: one collective finds the most."""
+    from trainer import all_reduce_np  # (here: trainer imports this module)
+    plan = plan_micro_batches(lengths, max_sequences, max_tokens)
+    count = (int(all_reduce_np([len(plan)], op="max")[0]) if shares is None else
+             max(len(plan_micro_batches(share, max_sequences, max_tokens)) for share in shares))
+    return plan + [[]] * (count - len(plan))
+
+
+def deal_by_tokens(items, length):
+    """Token budgets: all ranks' items dealt to the ranks by tokens (assign_by_tokens; `length`: an item's
+    tokens). Returns this rank's items, every rank's lengths (for micro_batches) and all items."""
+    import torch.distributed as dist
+    from trainer import all_gather_objects
+    everything, world = all_gather_objects(items), dist.get_world_size()
+    lengths = [length(item) for item in everything]
+    owner = assign_by_tokens(lengths, world)
+    shares = [[n for n, o in zip(lengths, owner) if o == k] for k in range(world)]
+    return [item for item, o in zip(everything, owner) if o == dist.get_rank()], shares, everything
 
 
 def rank_memory(shape, *, world, tokens, on_gpu, gradient_checkpointing, layer_units=True, kv_cache_gib=1.0,

@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from data import fail
-from memory import assign_by_tokens, plan_micro_batches
+from memory import deal_by_tokens, micro_batches
 
 
 # ------------------------------------------------------------------------------------------------ collectives
@@ -38,17 +38,16 @@ def _comm_device():
 
 
 def all_reduce_np(values, op="sum"):
-    """Element-wise sum (or max) of a small float array over all ranks, in rank order. An all-gather and a sum
-    here, not dist.all_reduce: gloo's all-reduce of a few numbers took 1.6 ms on 2 ranks, its all-gather 0.5."""
+    """Element-wise sum (or max) of a small float array over all ranks, in rank order: an all-gather and a sum,
+    since gloo's all-reduce of a few numbers takes several times as long as its all-gather (README)."""
     parts = all_gather_np(np.asarray(values, dtype=np.float64).reshape(1, -1))  # (world, n)
     return parts.max(0) if op == "max" else parts.sum(0)
 
 
 def all_gather_np(*arrays):
     """Concatenate numpy arrays from all ranks, in rank order: all_gather_np(a) -> a of every rank;
-    all_gather_np(a, b, ...) -> (a of every rank, b of every rank, ...) in ONE collective (each collective costs
-    about 0.5 ms on gloo; a step needs a dozen arrays). Each array has the same size on every rank; several
-    travel together as float64, exact for the int and bool arrays passed here, and come back in their dtype."""
+    all_gather_np(a, b, ...) -> (a of every rank, b of every rank, ...) in ONE collective (each has a fixed cost).
+    Each array has the same size on every rank; several travel as float64 (exact for int and bool arrays)."""
     if len(arrays) == 1:
         t = torch.as_tensor(np.ascontiguousarray(arrays[0]), device=_comm_device())
         out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
@@ -94,11 +93,10 @@ def build_policy(path, device, lr, weight_decay, gradient_checkpointing=None, la
     """The policy: a Hugging Face causal LM in training mode, sharded with FSDP2, and its AdamW optimiser.
     gradient_checkpointing: recompute each decoder layer's activations in the backward pass (None: on GPU only,
     where long responses make the saved activations the largest memory item).
-    layer_units: each decoder layer is its own FSDP2 unit, gathered for its own forward and backward (None: on GPU
-    only). On GPU FSDP2 gathers the next layer while the current one computes, so per-layer units cost no time and
-    hold one layer's full weights at a time. On CPU each rank computes and talks to gloo in turn, and every unit
-    costs its gathers and its reduce-scatter in each pass: the whole model as one unit (gathered once per pass,
-    its full weights and gradients held meanwhile) made the toy's forward and backward about a third faster.
+    layer_units: each decoder layer its own FSDP2 unit (None: on GPU only, where FSDP2 gathers the next layer while
+    one computes, and one layer's full weights are held at a time). On CPU each rank computes and talks to gloo in
+    turn, every unit's gathers and reduce-scatter cost time, and the whole model as one unit (its full weights and
+    gradients held during a pass) is the faster choice (README, Performance).
 
     Only rank 0 reads the weights (in fp32, on the host: 33 GB for an 8B model); the other ranks build the model
     on the meta device, and each rank receives its own shard by broadcast (set_model_state_dict with
@@ -154,9 +152,8 @@ def prepare_for_training(model, gradient_checkpointing):
     return model
 
 
-# The weight push gathers the shards of many parameters with one all-gather: on gloo every collective costs
-# milliseconds whatever its size (the toy's 47 tensors: 88 ms one by one, 6.5 ms as one flat gather, 2 ranks,
-# measured under load), and the bound keeps a large model's push from holding a second full copy.
+# The weight push gathers the shards of many parameters with one all-gather (on gloo every collective has a fixed
+# cost, README), and the bound keeps a large model's push from holding a second full copy.
 PUSH_BUCKET_BYTES = 2 ** 28
 
 
@@ -307,26 +304,6 @@ def token_logprobs(model, ids, mask, temperature, with_entropy=False):
     return scatter(logp), (scatter(entropy) if with_entropy else None)
 
 
-def _micro_batches(lengths, max_sequences, max_tokens=None, shares=None):
-    """plan_micro_batches, padded with empty micro-batches to the same count on every rank: FSDP2's forward and
-    backward are collectives, so a rank with less work still runs as many (on a dummy sequence). shares: every
-    rank's lengths (_deal_by_tokens), from which each rank plans them all; None: one collective finds the most."""
-    plan = plan_micro_batches(lengths, max_sequences, max_tokens)
-    count = (int(all_reduce_np([len(plan)], op="max")[0]) if shares is None else
-             max(len(plan_micro_batches(share, max_sequences, max_tokens)) for share in shares))
-    return plan + [[]] * (count - len(plan))
-
-
-def _deal_by_tokens(items, length):
-    """Token budgets: all ranks' items dealt to the ranks by tokens (assign_by_tokens; `length`: an item's
-    tokens). Returns this rank's items, every rank's lengths (for _micro_batches) and all items."""
-    everything, world = all_gather_objects(items), dist.get_world_size()
-    lengths = [length(item) for item in everything]
-    owner = assign_by_tokens(lengths, world)
-    shares = [[n for n, o in zip(lengths, owner) if o == k] for k in range(world)]
-    return [item for item, o in zip(everything, owner) if o == dist.get_rank()], shares, everything
-
-
 IDLE = ([0], [0], [0])  # a one-token dummy sequence with mask 0, for a rank with no work in a micro-batch
 
 
@@ -365,9 +342,9 @@ def old_logprobs(model, rollouts, revisited, temperature, micro_batch_size, max_
     work = [(rank, i, seq) for i, seq in enumerate(sequences)]  # (the rank that owns it, its index there, sequence)
     shares = None
     if max_tokens is not None:  # token budgets: score a token-balanced share of all ranks' sequences
-        work, shares, _ = _deal_by_tokens(work, lambda item: len(item[2][0]) + len(item[2][1]))
+        work, shares, _ = deal_by_tokens(work, lambda item: len(item[2][0]) + len(item[2][1]))
     scored = []
-    for group in _micro_batches([len(p) + len(r) for _, _, (p, r, _) in work], micro_batch_size, max_tokens,
+    for group in micro_batches([len(p) + len(r) for _, _, (p, r, _) in work], micro_batch_size, max_tokens,
                                 shares):
         chunk = [work[j][2] for j in group] or [IDLE]  # an idle rank still joins the collective forward
         ids, mask = pack(chunk, device)
@@ -423,12 +400,12 @@ def ppo_update(model, optimizer, rollouts, old, advantage, loss_fn, *, ppo_steps
                  rank, i) for i, r in enumerate(rollouts[k * per: (k + 1) * per], start=k * per)]
         shares = None
         if max_tokens is not None:  # token budgets: also even out the ranks' tokens (long responses vary a lot)
-            mini, shares, everything = _deal_by_tokens(mini, lambda item: len(item[0]) + len(item[1]))
+            mini, shares, everything = deal_by_tokens(mini, lambda item: len(item[0]) + len(item[1]))
             global_tokens = float(sum(np.sum(item[2]) for item in everything))  # counts: exact in any order
         else:
             global_tokens = all_reduce_np([sum(float(np.sum(item[2])) for item in mini)])[0]
         loss_total, counts = 0.0, np.zeros(3)  # this rank's: loss, and clipped tokens, k3 KL, tokens
-        for group in _micro_batches([len(p) + len(r) for p, r, *_ in mini], micro_batch_size, max_tokens, shares):
+        for group in micro_batches([len(p) + len(r) for p, r, *_ in mini], micro_batch_size, max_tokens, shares):
             rows = [mini[j] for j in group]
             ids, mask = pack([row[:3] for row in rows] or [IDLE], device)  # (b, T); an idle rank: mask 0, loss 0
             adv = torch.tensor([row[4] for row in rows] or [0.0], dtype=torch.float32, device=device)  # (b,)

@@ -84,8 +84,8 @@ def end_worker():
     interpreter's finalisation. A gloo worker thread drops its reference to a finished collective's tensors (which
     takes the GIL) a moment after the caller saw the collective finish; a rank that exits right after its last
     collective can start finalising first, and that thread then aborts the process ("terminate called without an
-    active exception", exit -6: 2 of 12 runs of the two-rank gradient worker on a quiet machine). spo.py and the
-    other programs do not end right after a collective (the engine's teardown comes between)."""
+    active exception", exit -6, now and then). spo.py and the other programs do not end right after a collective
+    (the engine's teardown comes between)."""
     import torch.distributed as dist
     dist.destroy_process_group()
     sys.stdout.flush()

@@ -210,6 +210,7 @@ def _update(policy, optimizer, rollouts, old, advantage, micro_batch_size, grad_
 
 
 def grad_worker(out, model_path, max_tokens, units):
+    import memory
     import trainer
     from spo import global_normalise
     from trainer import all_gather_np
@@ -230,7 +231,7 @@ def grad_worker(out, model_path, max_tokens, units):
             max_tokens=max_tokens)
     params = {k: v.clone() for k, v in trainer.full_parameters(policy)}
     normalised = all_gather_np(global_normalise(advantage[mine]))
-    micro_batches = len(trainer._micro_batches([len(r.prompt_ids) + len(r.response_ids) for r in rollouts[mine]],
+    micro_batches = len(memory.micro_batches([len(r.prompt_ids) + len(r.response_ids) for r in rollouts[mine]],
                                                2, max_tokens))
     # ppo_steps 1 without the separate pass (old=None: the update's own log-probs, detached) against the same step
     # with it, from the same weights: the same weights after the step, bit for bit, and the same old log-probs.
