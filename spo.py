@@ -287,11 +287,12 @@ def main(argv=None):
     policy, optimizer = trainer.build_policy(model_path, device, args.lr, args.weight_decay,
                                              memory.use_gradient_checkpointing(args.gradient_checkpointing, on_gpu),
                                              memory.use_layer_units(args.fsdp_units, on_gpu))
-    checkpoint.check_disk(run_dir, policy, export_bytes_per_parameter=2 if device.type == "cuda" else 4)
+    checkpoint.check_disk(run_dir, policy, export_bytes_per_parameter=2 if on_gpu else 4)
     from rollout import Engine
     engine = Engine(model_path, seed=args.seed, max_model_len=args.max_prompt_len + args.max_response_len,
                     device=device, gpu_memory_utilization=args.gpu_memory_utilization,
-                    temperature=args.temperature, compile={"auto": None, "on": True, "off": False}[args.engine_compile])
+                    temperature=args.temperature,
+                    compile_model={"auto": None, "on": True, "off": False}[args.engine_compile])
 
     # ---- the per-prompt state SPO carries across steps: tracker, sampler, previous responses (for D)
     tracker = ValueTracker(n_prompts, args.rho_min, args.rho_max, args.d_half,
