@@ -17,8 +17,8 @@ nothing is loaded), the rest from the flags. Per rank:
   checkpointing each layer's input plus one layer recomputed), the largest item for a real model;
 - the log-prob chunks (trainer.LOGIT_CHUNK_BYTES of fp32 logits, their softmax and gradient);
 - the engine: on CPU fp32 weights (counted twice), the KV cache (VLLM_CPU_KVCACHE_SPACE) and the process's
-  libraries; on GPU vLLM's share of the card while it generates (`--gpu_memory_utilization`), asleep while the
-  trainer works.
+  libraries; on GPU vLLM's share of the card while it generates (`--gpu_memory_utilization`; the trainer then
+  holds its shards and the root unit the weight push left gathered), asleep while the trainer works.
 The per-token constant was measured on this project's CPU machine (README "Your own model and data"); it errs
 high. GPU numbers are the same arithmetic in bf16 and have never been checked on a GPU.
 
@@ -160,7 +160,9 @@ def rank_memory(shape, *, world, tokens, on_gpu, gradient_checkpointing, layer_u
     if on_gpu:  # an fp32 copy of the output projection for the log-probs, and its gradient
         items["fp32 output projection"] = 2 * shape.vocab * shape.hidden * 4
         training = sum(items.values()) + GPU_ENGINE_ASLEEP_BYTES
-        generating = shape.parameters * 12 / world + gpu_memory_utilization * gpu_bytes  # weights + moments
+        # while vLLM generates: the trainer's sharded weights and moments, and the root unit the weight push left
+        # gathered for the next forward (trainer.full_parameters)
+        generating = shape.parameters * 12 / world + gathered + gpu_memory_utilization * gpu_bytes
         items["engine asleep (while training)"] = GPU_ENGINE_ASLEEP_BYTES
         items["peak"] = max(training, generating)
         return items

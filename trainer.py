@@ -165,8 +165,14 @@ def full_parameters(model, dtype=None, bucket_bytes=PUSH_BUCKET_BYTES):
     shards' own: the same tensors as DTensor.full_tensor(), fewer collectives.
 
     Tied weights are sent under both names (remove_duplicate=False): vLLM's CPU backend keeps a separately
-    packed copy of a tied lm_head, which goes stale if only the embedding is pushed (a large log-prob gap)."""
+    packed copy of a tied lm_head, which goes stale if only the embedding is pushed (a large log-prob gap).
+
+    The root unit (with --fsdp_units model: the whole model) is gathered by FSDP2 itself (unshard) and stays
+    gathered: the next forward needs exactly these weights and skips its own gather, and FSDP2 reshards after the
+    backward, before any optimiser step could make them stale."""
     from torch.distributed.tensor import Shard
+    if hasattr(model, "unshard"):  # an FSDP2 module (not a plain one)
+        model.unshard()
     bucket, size = [], 0
     for name, p in model.named_parameters(remove_duplicate=False):
         p = p.detach() if dtype is None else p.detach().to(dtype)
