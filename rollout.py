@@ -45,6 +45,7 @@ Used by spo.py, offline_values.py and eval.py; not run on its own:
         rollouts = engine.generate(prompt_ids, seeds, max_tokens=256, tools=Tools(pool))
 """
 import ast
+import functools
 import logging
 import os
 import re
@@ -439,8 +440,14 @@ class Engine:
     def push_weights(self, named_tensors):
         """Load new weights in place. `named_tensors` yields (name, full tensor) in Hugging Face naming.
 
-        Pass an iterator, never None: reload_weights without weights reloads the checkpoint from disk."""
+        CPU: written straight into vLLM's model (load_weights_on_cpu) where every name maps one to one; otherwise,
+        and on GPU, vLLM's reload_weights. Pass an iterator, never None: reload_weights without weights reloads the
+        checkpoint from disk."""
         self._wake("weights")  # weights back on the GPU before they are overwritten; the KV cache stays asleep
+        if not self.on_gpu:
+            named_tensors = list(named_tensors)  # (CPU: the whole model is one FSDP2 unit, gathered anyway)
+            if self.llm.apply_model(functools.partial(load_weights_on_cpu, named_tensors=named_tensors))[0]:
+                return
         dtype = torch.bfloat16 if self.on_gpu else torch.float32
         self.llm.collective_rpc("reload_weights",
                                 kwargs={"weights_iterator": ((n, t.to(dtype)) for n, t in named_tensors)})
@@ -450,3 +457,48 @@ class Engine:
     def shutdown(self):
         """Release the engine. Its teardown also destroys torch.distributed's default process group."""
         del self.llm
+
+
+def load_weights_on_cpu(model, named_tensors):
+    """Write full tensors in Hugging Face naming into vLLM's CPU model, then let each linear and embedding layer
+    re-pack its weight for vLLM's CPU GEMM (its quant method's process_weights_after_loading, as vLLM's loader
+    does). Returns False, having written nothing, unless every name maps one to one onto vLLM's parameters
+    (fused layers by the model's packed_modules_mapping, parts in its order), shapes match and nothing is
+    quantized. Same weights as vLLM's reload_weights; its per-layer bookkeeping cost more than the re-packing."""
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+    params = dict(model.named_parameters(remove_duplicate=False))  # tied weights under both names
+    packed = getattr(model, "packed_modules_mapping", None) or {}  # e.g. qkv_proj: [q_proj, k_proj, v_proj]
+    part_of = {part: (fused, k) for fused, parts in packed.items() for k, part in enumerate(parts)}
+    grouped = {}  # vLLM parameter name -> {part index: tensor}
+    for name, tensor in named_tensors:
+        module, _, leaf = name.rpartition(".")
+        parent, _, child = module.rpartition(".")
+        fused, k = part_of.get(child, (child, 0))
+        grouped.setdefault(".".join(filter(None, (parent, fused, leaf))), {})[k] = tensor
+    if set(grouped) != set(params):
+        return False
+    plan = []
+    for name, parts in grouped.items():
+        module_name, _, leaf = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        method = getattr(module, "quant_method", None)
+        if not isinstance(method, (type(None), UnquantizedLinearMethod, UnquantizedEmbeddingMethod)):
+            return False
+        if sorted(parts) != list(range(len(packed.get(module_name.rpartition(".")[2], [None])))):
+            return False
+        full, param = torch.cat([parts[k] for k in sorted(parts)]), params[name]  # cat: a fresh tensor
+        removed = param.numel() == 0 and method is not None  # vLLM kept only its packed copy
+        shape = (module.output_size_per_partition, module.input_size_per_partition) if removed else param.shape
+        if tuple(full.shape) != tuple(shape):
+            return False
+        plan.append((module, leaf, param, full, removed))
+    with torch.no_grad():
+        for module, leaf, param, full, removed in plan:
+            if removed:  # a full weight again for the re-pack, which swaps it for an empty one
+                setattr(module, leaf, torch.nn.Parameter(full.to(param.dtype), requires_grad=False))
+            else:
+                param.copy_(full)
+        for module in {id(m): m for m, *_ in plan if getattr(m, "quant_method", None) is not None}.values():
+            module.quant_method.process_weights_after_loading(module)
+    return True

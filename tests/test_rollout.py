@@ -83,6 +83,10 @@ class RecordingLLM:
         list(kwargs["weights_iterator"])
         self.calls.append((method,))
 
+    def apply_model(self, fn):  # the CPU push's direct write, into a model whose names do not match: refused
+        self.calls.append(("apply_model",))
+        return [fn(torch.nn.Linear(2, 2))]
+
     def reset_prefix_cache(self):
         self.calls.append(("reset_prefix_cache",))
 
@@ -125,10 +129,10 @@ def test_after_sleep_generation_waits_for_a_push():
     assert engine.state == "awake" and engine.llm.calls[-1] == ("wake_up", ("kv_cache",))
 
 
-def test_on_cpu_nothing_sleeps_and_a_push_has_no_prefix_cache_to_reset():
+def test_on_cpu_nothing_sleeps_and_a_push_whose_names_do_not_map_falls_back_to_reload_weights():
     engine = _engine_without_vllm(on_gpu=False)
-    _two_steps(engine)
-    assert engine.llm.calls == [("reload_weights",)] * 2 and engine.state == "awake"
+    _two_steps(engine)  # pushes "w", a name the model does not have: nothing written, reload_weights instead
+    assert engine.llm.calls == [("apply_model",), ("reload_weights",)] * 2 and engine.state == "awake"
 
 
 def test_a_push_into_an_awake_engine_with_prefix_caching_forgets_the_cached_prefixes():

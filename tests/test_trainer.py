@@ -63,6 +63,17 @@ def test_vllm_logprobs_match_trainer_after_weight_push(small_toy, tmp_path):
 
 
 @pytest.mark.slow
+def test_the_direct_cpu_push_gives_vllm_the_weights_reload_weights_gives(small_toy, tmp_path):
+    """Engine.push_weights on CPU writes into vLLM's model itself (rollout.load_weights_on_cpu): the samples and
+    log-probs after it are those after vLLM's own reload_weights of the same weights, bit for bit."""
+    ok(torchrun(1, "tests/test_trainer.py", "direct_push_worker", str(tmp_path / "push.pt"), small_toy["model"]))
+    result = torch.load(tmp_path / "push.pt", weights_only=False)
+    assert result["direct"] == [True] and result["moved"]
+    assert result["ids_reload"] == result["ids_direct"]
+    assert np.array_equal(result["logprobs_reload"], result["logprobs_direct"])
+
+
+@pytest.mark.slow
 def test_the_bucketed_weight_gather_equals_full_tensor_with_uneven_shards(tmp_path):
     """full_parameters gathers many shards per collective: on 3 ranks (7, 3 and 11 rows: uneven shards, a rank
     with fewer rows) and for buckets of one tensor, a few and all, the same names, order and bytes as
@@ -304,6 +315,34 @@ def push_worker(out, model_path):
     unchanged = all(torch.equal(before[k], v) for k, v in trainer.full_parameters(policy))
     torch.save({"gap_before_push": gap_before, "gap_after_push": gap_after,
                 "nonfinite_flagged": stats["nonfinite"], "nonfinite_left_weights_alone": unchanged}, out)
+    engine.shutdown()
+
+
+def direct_push_worker(out, model_path):
+    import trainer
+    from rollout import Engine, load_weights_on_cpu
+    trainer.setup_distributed()
+    engine = Engine(model_path, seed=0, max_model_len=128, device=torch.device("cpu"))
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    prompts = [r.prompt_ids for r in _fixed_batch(90)[0]]
+
+    def sample():
+        rollouts = engine.generate(prompts, seeds=range(len(prompts)), max_tokens=16)
+        return [r.response_ids for r in rollouts], np.concatenate([r.logprobs for r in rollouts])
+
+    ids_before, _ = sample()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.05)
+    weights = [(n, p.detach().clone()) for n, p in model.named_parameters(remove_duplicate=False)]
+    engine.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})  # vLLM's own path
+    ids_reload, logprobs_reload = sample()
+    engine.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": ((n, t * 0) for n, t in weights)})
+    direct = engine.llm.apply_model(functools.partial(load_weights_on_cpu, named_tensors=weights))
+    ids_direct, logprobs_direct = sample()
+    torch.save({"direct": direct, "moved": ids_reload != ids_before, "ids_reload": ids_reload,
+                "ids_direct": ids_direct, "logprobs_reload": logprobs_reload, "logprobs_direct": logprobs_direct}, out)
     engine.shutdown()
 
 
