@@ -121,7 +121,8 @@ def heldout_worker(model_dir, toy_dir, seed, max_tokens, out):
     import trainer
     from data import load_dataset, load_tokenizer
     from eval import heldout_metrics
-    from rollout import Engine, set_cpu_kv_cache
+    from memory import set_cpu_kv_cache
+    from rollout import Engine
     from spo import parse_args
     _, _, device = trainer.setup_distributed()
     set_cpu_kv_cache(None)

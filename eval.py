@@ -355,7 +355,8 @@ def main(argv=None):
     from data import load_dataset, load_tokenizer
     args = parse_args(argv)
     rank, world, device = trainer.setup_distributed()
-    from rollout import quiet_vllm, set_cpu_kv_cache
+    from memory import set_cpu_kv_cache
+    from rollout import quiet_vllm
     quiet_vllm()  # as spo.py
     error = set_cpu_kv_cache(args.cpu_kv_cache_gib)
     if error:

