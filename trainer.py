@@ -349,9 +349,10 @@ def old_logprobs(model, rollouts, revisited, temperature, micro_batch_size, max_
                                 shares):
         chunk = [work[j][2] for j in group] or [IDLE]  # an idle rank still joins the collective forward
         ids, mask = pack(chunk, device)
-        token_logp, entropy = token_logprobs(model, ids, mask, temperature, with_entropy=True)
+        # (the entropy is of this batch's responses only: a pass of revisited ones alone skips it)
+        token_logp, entropy = token_logprobs(model, ids, mask, temperature, with_entropy=bool(rollouts))
         scored += _scored([(work[j][0], work[j][1], p, r) for j, (p, r, _) in zip(group, chunk)], token_logp,
-                          entropy, mask)
+                          torch.zeros_like(token_logp) if entropy is None else entropy, mask)
     # the entropy of this batch's responses, not of the revisited ones
     out, entropy = _to_owners(scored, len(sequences), max_tokens, lambda i: i < len(rollouts))
     return {"batch": out[: len(rollouts)], "revisited": out[len(rollouts):], "sequences": len(sequences),
