@@ -172,6 +172,8 @@ def rank_memory(shape, *, world, tokens, on_gpu, gradient_checkpointing, layer_u
     # Counted twice: a SmolLM2 rank at 1024 tokens per forward peaked 1.4% under the estimate with one copy, and
     # the engine holds more than its fp32 weights (the tied output projection packed separately, load buffers).
     items["engine weights (fp32, x2)"] = 2 * shape.parameters * 4
+    if layer_units:  # the CPU push holds every gathered tensor at once (rollout.Engine.push_weights); one unit:
+        items["weight push (a full fp32 copy)"] = shape.parameters * 4  # those are the gathered weights themselves
     items["engine KV cache"] = kv_cache_gib * GIB
     items["process (python, torch, vLLM)"] = CPU_PROCESS_BYTES
     items["peak"] = sum(items.values())
