@@ -260,6 +260,22 @@ def _tokens_or_off(value):
     return None if value == "off" else int(value)
 
 
+def set_cpu_kv_cache(gib):
+    """VLLM_CPU_KVCACHE_SPACE (the CPU engine's KV cache per rank, GiB) from --cpu_kv_cache_gib: the flag wins when
+    given, else the variable when set, else 1. Returns an error line for a bad value (vLLM would otherwise fail
+    with GPU advice, or take half the RAM per rank for an empty string), else None."""
+    if gib is not None:
+        if gib < 1:
+            return f"--cpu_kv_cache_gib {gib}: must be at least 1 (GiB)"
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(gib)
+        return None
+    value = os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if not value.strip().isdigit() or int(value) < 1:
+        return (f"VLLM_CPU_KVCACHE_SPACE={value!r}: must be a whole number of GiB, at least 1 "
+                f"(or pass --cpu_kv_cache_gib)")
+    return None
+
+
 def add_memory_flags(p):
     """spo.py's memory flags: how the trainer's forward passes are cut, and the engine's share."""
     p.add_argument("--micro_batch_size", type=int, default=64, help="sequences per forward pass, at most")
@@ -315,19 +331,3 @@ def main():
 
 if __name__ == "__main__":
     main()
-
-
-def set_cpu_kv_cache(gib):
-    """VLLM_CPU_KVCACHE_SPACE (the CPU engine's KV cache per rank, GiB) from --cpu_kv_cache_gib: the flag wins when
-    given, else the variable when set, else 1. Returns an error line for a bad value (vLLM would otherwise fail
-    with GPU advice, or take half the RAM per rank for an empty string), else None."""
-    if gib is not None:
-        if gib < 1:
-            return f"--cpu_kv_cache_gib {gib}: must be at least 1 (GiB)"
-        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(gib)
-        return None
-    value = os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    if not value.strip().isdigit() or int(value) < 1:
-        return (f"VLLM_CPU_KVCACHE_SPACE={value!r}: must be a whole number of GiB, at least 1 "
-                f"(or pass --cpu_kv_cache_gib)")
-    return None

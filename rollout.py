@@ -405,7 +405,7 @@ class Engine:
         checkpoint from disk."""
         self._wake("weights")  # weights back on the GPU before they are overwritten; the KV cache stays asleep
         if not self.on_gpu:
-            named_tensors = list(named_tensors)  # (CPU: the whole model is one FSDP2 unit, gathered anyway)
+            named_tensors = list(named_tensors)  # (CPU default, one FSDP2 unit: its gathered weights, no copy)
             if self.llm.apply_model(functools.partial(load_weights_on_cpu, named_tensors=named_tensors))[0]:
                 return
         dtype = torch.bfloat16 if self.on_gpu else torch.float32
