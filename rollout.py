@@ -100,8 +100,8 @@ def add_tool_flags(parser):
 
 
 def add_budget_flag(parser):
-    """The response token budget: one name and one default in spo.py, offline_values.py and eval.py (eval.py and
-    offline_values.py called it --max_tokens, which stays as a second name)."""
+    """The response token budget, one name and default for spo.py, offline_values.py and eval.py (--max_tokens:
+    their earlier name)."""
     parser.add_argument("--max_response_len", "--max_tokens", dest="max_response_len", type=int, default=None,
                         help="response token budget, tool output included (default: 32, or 160 with --tools: the "
                              "toys' budgets; a real model needs far more, the paper: 8192); --max_tokens is the "
@@ -117,9 +117,8 @@ def apply_tool_defaults(args):
 
 
 def quiet_vllm():
-    """vLLM logs its start-up report and a few INFO lines per rank at every weight push, burying the progress
-    bar: WARNING and above only, unless VLLM_LOGGING_LEVEL is set (INFO shows them again). Call it before vllm
-    is imported (Engine imports it). The per-push rotary warning is filtered in Engine."""
+    """WARNING and above from vLLM unless VLLM_LOGGING_LEVEL is set: its start-up report and per-push INFO lines
+    would bury the progress bar. Call it before vllm is imported (Engine imports it)."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 
@@ -359,18 +358,13 @@ class Engine:
         kept = set(complete[: wanted // group_size])  # a step can finish several: the first in finish order
         return [r if i // group_size in kept else None for i, r in enumerate(rollouts)]
 
-    # ---- sleep mode (GPU). The engine is in one of three states, kept here and nowhere else:
-    #   "awake"   weights and KV cache on the GPU: generate may run;
-    #   "asleep"  weights and KV cache discarded: the trainer has the card (vLLM sleep level 2);
-    #   "weights" weight memory back (for a push), KV cache still dropped.
-    # Level 2, not 1: level 1 would copy the weights to host memory and back every step (16 GB each way for an 8B
-    # model) only for the push to overwrite them. The price: after sleep() the engine holds no valid weights, so
-    # generating before a push is refused (vLLM keeps the model's buffers, e.g. the rotary cache, itself).
-    # One step: generate (wakes the KV cache), sleep(), the trainer's update, push_weights (wakes the weights only,
-    # so the KV cache is not allocated while the trainer's memory may still be cached), the next generate.
-    # Before each wake, memory PyTorch has cached for the trainer goes back to the device (empty_cache): vLLM
-    # allocates through its own pool and cannot use PyTorch's cached blocks. Waking a part that is already awake
-    # would map it a second time, so every wake goes through _wake. On CPU nothing sleeps (state stays "awake").
+    # ---- sleep mode (GPU). One state, kept here only: "awake" (weights and KV cache on the GPU), "asleep" (both
+    # discarded, vLLM sleep level 2: the trainer has the card) or "weights" (weight memory back for a push). Level
+    # 2, not 1: level 1 would copy the weights to the host and back every step (16 GB each way for an 8B model) only
+    # for the push to overwrite them; so generating before a push is refused. A step: generate, sleep(), update,
+    # push_weights (weights only: no KV cache while the trainer's memory may still be cached), generate. Each wake
+    # first returns PyTorch's cached memory (empty_cache: vLLM allocates from its own pool) and goes through _wake
+    # (waking a part twice would map it twice). On CPU nothing sleeps (state stays "awake").
     def sleep(self):
         """GPU: free the card for the trainer (weights and KV cache discarded; push_weights before the next
         generate). CPU: nothing to free."""
@@ -444,12 +438,12 @@ def load_weights_on_cpu(model, named_tensors):
         method = getattr(module, "quant_method", None)
         if not isinstance(method, (type(None), UnquantizedLinearMethod, UnquantizedEmbeddingMethod)):
             return False
-        if sorted(parts) != list(range(len(packed.get(module_name.rpartition(".")[2], [None])))):
-            return False
-        full, param = torch.cat([parts[k] for k in sorted(parts)]), params[name]  # cat: a fresh tensor
+        param = params[name]
         removed = param.numel() == 0 and method is not None  # vLLM kept only its packed copy
+        # a removed weight comes back as a fresh tensor of its own (cat copies); the others are copied into place
+        full = torch.cat([parts[k] for k in sorted(parts)]) if removed or len(parts) > 1 else parts[0]
         shape = (module.output_size_per_partition, module.input_size_per_partition) if removed else param.shape
-        if tuple(full.shape) != tuple(shape):
+        if tuple(full.shape) != tuple(shape):  # (also a fused layer with a part missing)
             return False
         plan.append((module, leaf, param, full, removed))
     with torch.no_grad():
@@ -458,6 +452,6 @@ def load_weights_on_cpu(model, named_tensors):
                 setattr(module, leaf, torch.nn.Parameter(full.to(param.dtype), requires_grad=False))
             else:
                 param.copy_(full)
-        for module in {id(m): m for m, *_ in plan if getattr(m, "quant_method", None) is not None}.values():
+        for module in dict.fromkeys(m for m, *_ in plan if getattr(m, "quant_method", None) is not None):
             module.quant_method.process_weights_after_loading(module)
     return True
