@@ -225,6 +225,9 @@ class Engine:
             logprobs_mode="processed_logprobs",
         )
         self.tokenizer = self.llm.get_tokenizer()
+        # An eager CPU engine still samples through one small torch.compile'd vLLM helper (the sampled token's rank
+        # among the log-probs), whose trip through dynamo each step costs more than the op itself (README).
+        self.helper_stance = "force_eager" if not (self.on_gpu or compile_model) else "default"
         # Every push would warn "RotaryEmbedding: Failed to load weights": rotary layers hold a cos/sin cache but no
         # weights, and vLLM puts the cache back by itself (model_loader/reload/layerwise.py). Only that line goes.
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
@@ -346,7 +349,9 @@ class Engine:
                     for t, i in ready:
                         tool_done(i, t)
                     continue
-                for out in llm_engine.step():  # one decoding step of every running request
+                with torch.compiler.set_stance(self.helper_stance):
+                    outputs = llm_engine.step()  # one decoding step of every running request
+                for out in outputs:
                     if out.finished and out.request_id in running:
                         segment_done(running.pop(out.request_id), out)
         finally:  # keep_first (or an error): drop the stragglers, leave the engine empty

@@ -20,6 +20,7 @@ import datetime
 import functools
 import math
 import os
+import pickle
 
 import numpy as np
 import torch
@@ -59,11 +60,41 @@ def all_gather_np(*arrays):
     return tuple(rows[:, lo:hi].reshape(-1).astype(a.dtype) for a, lo, hi in zip(arrays, cuts[:-1], cuts[1:]))
 
 
+# all_gather_objects' fixed first buffer: gloo gathers 64 KiB in about the time it gathers 16 bytes (README).
+OBJECT_BUCKET_BYTES = 2 ** 16
+
+
 def all_gather_objects(items):
-    """Concatenate per-rank lists of picklable objects from all ranks, in rank order."""
-    parts = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, items)
-    return [item for part in parts for item in part]
+    """Concatenate per-rank lists of picklable objects from all ranks, in rank order.
+
+    torch's all_gather_object spends two collectives (the sizes, then the padded pickles); here every rank sends a
+    fixed OBJECT_BUCKET_BYTES buffer (its pickle's length, then the pickle), and only when some pickle overflows it
+    do all ranks (each now knowing every length) gather the overflows too: one collective for the step's small
+    exchanges, two for large ones."""
+    world, device = dist.get_world_size(), _comm_device()
+    data = np.frombuffer(pickle.dumps(items, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
+    room = OBJECT_BUCKET_BYTES - 8
+    first = np.zeros(OBJECT_BUCKET_BYTES, dtype=np.uint8)
+    first[:8] = np.array([len(data)], dtype=np.int64).view(np.uint8)
+    first[8: 8 + min(len(data), room)] = data[:room]
+    gathered = _gather_bytes(first, world, device)  # (world, OBJECT_BUCKET_BYTES)
+    lengths = gathered[:, :8].copy().view(np.int64).reshape(-1)  # (world,)
+    spill = int(lengths.max()) - room
+    if spill > 0:  # someone's pickle did not fit: everyone gathers the longest overflow's size
+        rest = np.zeros(spill, dtype=np.uint8)
+        rest[: max(len(data) - room, 0)] = data[room:]
+        overflow = _gather_bytes(rest, world, device)  # (world, spill)
+    parts = [gathered[r, 8: 8 + min(n, room)].tobytes() + (overflow[r, : n - room].tobytes() if n > room else b"")
+             for r, n in enumerate(lengths)]
+    return [item for part in parts for item in pickle.loads(part)]
+
+
+def _gather_bytes(buffer, world, device):
+    """(world, len) uint8: every rank's equally long byte buffer, in rank order."""
+    t = torch.from_numpy(buffer).to(device)
+    out = [torch.empty_like(t) for _ in range(world)]
+    dist.all_gather(out, t)
+    return torch.stack(out).cpu().numpy()
 
 
 # ------------------------------------------------------------------------------------------------ setup
@@ -370,6 +401,20 @@ def vllm_gap(batch, rollouts):
     return {"logprob_gap_mean": float(gap.mean()), "logprob_gap_max": float(gap.max())}
 
 
+@torch.no_grad()
+def clip_grad_norm(parameters, max_norm):
+    """torch.nn.utils.clip_grad_norm_ (2-norm) for FSDP2's sharded gradients, the same numbers bit for bit on two
+    ranks (tests/test_trainer.py) in one collective instead of the several of DTensor's arithmetic (README):
+    each rank's norm of each of its gradient shards, each parameter's norm over the ranks (sqrt of the summed
+    squares, as DTensor reduces a partial norm), their 2-norm, and every shard scaled by min(1, max / (norm + 1e-6)).
+    Returns the global norm as a float."""
+    grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in parameters if p.grad is not None]
+    squares = all_gather_np((torch.stack(torch._foreach_norm(grads, 2.0)) ** 2.0)[None].cpu().numpy())  # (world, P)
+    total = torch.linalg.vector_norm(torch.from_numpy(squares).sum(0) ** 0.5, 2.0)
+    torch._foreach_mul_(grads, torch.clamp(max_norm / (total + 1e-6), max=1.0).to(grads[0].device))
+    return float(total)
+
+
 def ppo_update(model, optimizer, rollouts, old, advantage, loss_fn, *, ppo_steps, micro_batch_size, temperature,
                grad_clip, max_tokens=None):
     """`ppo_steps` optimiser steps over consecutive mini-batches of the rollouts, each step's loss from
@@ -426,8 +471,7 @@ def ppo_update(model, optimizer, rollouts, old, advantage, loss_fn, *, ppo_steps
                 counts += [float((clipped.float() * mask).sum()),
                            float(((torch.exp(log_ratio) - 1 - log_ratio) * mask).sum()),  # k3, KL(old||new)
                            float(mask.sum())]
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-        grad_norm = float(grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm)
+        grad_norm = clip_grad_norm(model.parameters(), grad_clip)
         reduced = all_reduce_np([loss_total, *counts])  # one collective for the loss and the counts
         global_loss, totals = reduced[0], totals + reduced[1:]
         if not (np.isfinite(global_loss) and np.isfinite(grad_norm)):

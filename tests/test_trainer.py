@@ -51,6 +51,12 @@ def test_two_rank_fsdp2_gradients_and_normalisation_equal_one_process(small_toy,
             assert rank_result["same_weights"] and rank_result["same_old"] and rank_result["old_count"], run
             assert rank_result["entropy"][0] == pytest.approx(rank_result["entropy"][1], rel=1e-6, abs=0), run
             assert rank_result["gap"][0] == rank_result["gap"][1], run
+    # trainer.clip_grad_norm (one collective) gives torch's clip_grad_norm_ numbers bit for bit, clipping (the norm
+    # is above 0.5) and not
+    for run in out:
+        (ours, theirs), (clipped_ours, clipped_theirs) = (c["norms"] for c in out[run]["clip"])
+        assert ours == theirs and clipped_ours == clipped_theirs and clipped_ours > 0.5, run
+        assert all(c["same_grads"] for c in out[run]["clip"]), run
 
 
 @pytest.mark.slow
@@ -77,7 +83,8 @@ def test_the_direct_cpu_push_gives_vllm_the_weights_reload_weights_gives(small_t
 def test_the_bucketed_weight_gather_equals_full_tensor_with_uneven_shards(tmp_path):
     """full_parameters gathers many shards per collective: on 3 ranks (7, 3 and 11 rows: uneven shards, a rank
     with fewer rows) and for buckets of one tensor, a few and all, the same names, order and bytes as
-    DTensor.full_tensor() and as the unsharded weights, also cast to bf16 before the gather."""
+    DTensor.full_tensor() and as the unsharded weights, also cast to bf16 before the gather. all_gather_objects
+    returns what torch's all_gather_object does, with pickles under, over and far over its first buffer."""
     ok(torchrun(3, "tests/test_trainer.py", "gather_worker", str(tmp_path / "ok")))
     assert (tmp_path / "ok").exists()
 
@@ -224,6 +231,7 @@ def grad_worker(out, model_path, max_tokens, units):
     import memory
     import trainer
     from spo import global_normalise
+    from torch.distributed.tensor import DTensor
     from trainer import all_gather_np
     max_tokens = None if max_tokens == "none" else int(max_tokens)
     build = functools.partial(trainer.build_policy, model_path, lr=1.0, weight_decay=0.0,
@@ -262,9 +270,25 @@ def grad_worker(out, model_path, max_tokens, units):
              "entropy": (olds["reused"]["entropy"], olds["separate pass"]["entropy"]),
              "gap": (olds["reused"]["logprob_gap_max"], olds["separate pass"]["logprob_gap_max"])}
     reuse = trainer.all_gather_objects([reuse])
+    # trainer.clip_grad_norm against torch's clip_grad_norm_ on these sharded gradients, clipping and not
+    ids, mask = trainer.pack([(r.prompt_ids, r.response_ids, r.response_mask) for r in rollouts[mine]], device)
+    (trainer.token_logprobs(policy, ids, mask, 1.0)[0] * torch.tensor(advantage[mine])[:, None]).sum().backward()
+    grads = [p.grad.to_local().clone() for p in policy.parameters()]
+    clip = []
+    for max_norm in (1e9, 0.5):
+        result = {}
+        for way, fn in (("ours", trainer.clip_grad_norm), ("torch", torch.nn.utils.clip_grad_norm_)):
+            for p, g in zip(policy.parameters(), grads):
+                p.grad.to_local().copy_(g)
+            norm = fn(policy.parameters(), max_norm)
+            result[way] = (float(norm.full_tensor() if isinstance(norm, DTensor) else norm),
+                           [p.grad.full_tensor().clone() for p in policy.parameters()])
+        clip.append({"norms": (result["ours"][0], result["torch"][0]),
+                     "same_grads": all(torch.equal(a, b) for a, b in zip(result["ours"][1], result["torch"][1]))})
     if rank == 0:
         torch.save({"params": params, "before": before, "raw_advantage": advantage, "normalised": normalised,
-                    "micro_batches": micro_batches, "old": old_all, "entropy": entropy / world, "reuse": reuse}, out)
+                    "micro_batches": micro_batches, "old": old_all, "entropy": entropy / world, "reuse": reuse,
+                    "clip": clip}, out)
     end_worker()
 
 
@@ -287,6 +311,16 @@ def gather_worker(out):
         assert all(torch.equal(a, b) and torch.equal(a, unsharded[n]) for (n, a), (_, b) in zip(got, plain))
         for name, full in trainer.full_parameters(model, torch.bfloat16, bucket_bytes=bucket_bytes):
             assert full.dtype == torch.bfloat16 and torch.equal(full, unsharded[name].to(torch.bfloat16))
+    # all_gather_objects: pickles that fit its first buffer, one just over it (rank 1), none (rank 2)
+    room = trainer.OBJECT_BUCKET_BYTES
+    for sizes in ((3, 5, 0), (3, room, 0), (room // 2, 4 * room, room - 40)):
+        mine = [bytes([rank]) * sizes[rank], ("rank", rank, np.arange(rank + 1.0))] if sizes[rank] else []
+        expected = [None] * world
+        torch.distributed.all_gather_object(expected, mine)
+        got = trainer.all_gather_objects(mine)
+        expected = [item for part in expected for item in part]
+        assert len(got) == len(expected) and all(type(a) is type(b) for a, b in zip(got, expected))
+        assert repr(got) == repr(expected), sizes
     if rank == 0:
         open(out, "w").close()
     end_worker()
