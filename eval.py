@@ -201,7 +201,7 @@ def heldout_metrics(engine, test, args, tools):
     of samples that called the tool. The seeds do not depend on the step: every evaluation scores the same
     draws, so differences are the model's."""
     import torch.distributed as dist
-    from trainer import all_reduce_np
+    from collectives import all_reduce_np
     samples, rollouts = sample_and_score(engine, test, args.eval_samples, [args.seed, 1],
                                          temperature=args.eval_temperature, top_p=args.eval_top_p,
                                          top_k=args.eval_top_k, max_tokens=args.max_response_len,
@@ -257,7 +257,7 @@ def tracker_probe(engine, data, tracker, args, step, tools):
     last line of a step wins). Returns probe_stats (the same on every rank)."""
     import torch.distributed as dist
     from reward import rewards
-    from trainer import all_gather_objects
+    from collectives import all_gather_objects
     rank, world, n = dist.get_rank(), dist.get_world_size(), args.probe_samples
     index = probe_subset(len(data.keys), args.probe_prompts, args.seed)  # (K,)
     value = tracker.value_at(index)  # (K,) read before any further update

@@ -123,7 +123,7 @@ def micro_batches(lengths, max_sequences, max_tokens=None, shares=None):
     """plan_micro_batches, padded with empty micro-batches to the same count on every rank: FSDP2's forward and
     backward are collectives, so a rank with less work still runs as many (on a dummy sequence). shares: every
     rank's lengths (deal_by_tokens), from which each rank plans them all; None: one collective finds the most."""
-    from trainer import all_reduce_np  # (here: trainer imports this module)
+    from collectives import all_reduce_np
     plan = plan_micro_batches(lengths, max_sequences, max_tokens)
     count = (int(all_reduce_np([len(plan)], op="max")[0]) if shares is None else
              max(len(plan_micro_batches(share, max_sequences, max_tokens)) for share in shares))
@@ -137,7 +137,7 @@ def deal_by_tokens(items, length, budget=True):
     if not budget:
         return items, None, None
     import torch.distributed as dist
-    from trainer import all_gather_objects
+    from collectives import all_gather_objects
     everything, world = all_gather_objects(items), dist.get_world_size()
     lengths = [length(item) for item in everything]
     owner = assign_by_tokens(lengths, world)
@@ -298,7 +298,7 @@ def peak_metrics(on_gpu):
     """memory/peak_gib: the largest peak over the ranks so far, to set against the estimate printed at start. CPU:
     the process's peak resident memory (VmHWM: trainer, engine and libraries); GPU: what torch allocated at most
     (trainer and vLLM share the process's allocator; the CUDA context is not counted)."""
-    from trainer import all_reduce_np
+    from collectives import all_reduce_np
     if on_gpu:
         import torch
         peak = torch.cuda.max_memory_allocated()

@@ -51,7 +51,7 @@ import checkpoint
 import memory
 import trainer
 import variants
-from trainer import all_gather_np, all_reduce_np
+from collectives import all_gather_np, all_gather_objects, all_reduce_np
 from metrics import Logger, PromptReach, oversample_metrics, spo_metrics, step_metrics
 from data import fail, load_dataset, load_tokenizer
 from eval import add_probe_flags, evaluations
@@ -373,7 +373,7 @@ def main(argv=None):
         if args.dynamic_sampling:  # DAPO: drop the groups whose rewards are all equal, refill (variants.py)
             mine, rollouts, reward, sampling = variants.dynamic_sampling(
                 (mine, rollouts, reward), lambda k: sample(step, t, k), group, args.max_sampling_rounds, rank,
-                world, trainer.all_gather_objects)
+                world, all_gather_objects)
         engine.sleep()
         # 4. the trainer's log-probs before the update, in one no-grad pass: (SPO) of the previous response of every
         #    prompt this batch revisits (Batch SPO: one per prompt), and with ppo_steps > 1 PPO's old log-probs.
@@ -417,7 +417,7 @@ def main(argv=None):
         t["update"] = time.time() - t0
         old.update(stats.pop("old", {}))  # ppo_steps 1: this batch's old log-probs came out of the update's forward
         if args.algo == "spo":  # SPO's memory for D(x) at the next visit: the acting policy's log-probs
-            remember(previous, all_index, trainer.all_gather_objects(
+            remember(previous, all_index, all_gather_objects(
                 [PreviousResponse.of(r, logprobs) for r, logprobs in zip(rollouts, old["batch"])]))
         nonfinite = nonfinite + 1 if stats["nonfinite"] else 0
         if nonfinite >= args.max_nonfinite:

@@ -12,15 +12,14 @@ file holds the mechanics that any policy-gradient trainer on torch FSDP2 needs:
   optimiser step per batch the update's own forward gives the old log-probs: no separate pass). FSDP2
   averages gradients over ranks; that loss is already a global mean, so each rank scales its loss by the world
   size to get the true gradient (set_gradient_divide_factor(1) would do the same but fails on gloo).
-- small collectives on numpy arrays. Checkpoints are in checkpoint.py, what a run records (metrics, logger) in
-  metrics.py.
+- `clip_grad_norm`: torch's gradient clipping on FSDP2's shards in one collective. The small collectives on numpy
+  arrays and objects are in collectives.py, checkpoints in checkpoint.py, what a run records in metrics.py.
 Not run on its own; the tests drive it through spo.py and tests/test_trainer.py.
 """
 import datetime
 import functools
 import math
 import os
-import pickle
 
 import numpy as np
 import torch
@@ -28,73 +27,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
+from collectives import all_gather_np, all_gather_objects, all_reduce_np
 from data import fail
 from memory import deal_by_tokens, micro_batches
-
-
-# ------------------------------------------------------------------------------------------------ collectives
-def _comm_device():
-    """nccl moves only GPU tensors; gloo only CPU ones."""
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-
-
-def all_reduce_np(values, op="sum"):
-    """Element-wise sum (or max) of a small float array over all ranks, in rank order: an all-gather and a sum,
-    since gloo's all-reduce of a few numbers takes several times as long as its all-gather (README)."""
-    parts = all_gather_np(np.asarray(values, dtype=np.float64).reshape(1, -1))  # (world, n)
-    return parts.max(0) if op == "max" else parts.sum(0)
-
-
-def all_gather_np(*arrays):
-    """Concatenate numpy arrays from all ranks, in rank order: all_gather_np(a) -> a of every rank;
-    all_gather_np(a, b, ...) -> (a of every rank, b of every rank, ...) in ONE collective (each has a fixed cost).
-    Each array has the same size on every rank; several travel as float64 (exact for int and bool arrays)."""
-    if len(arrays) == 1:
-        t = torch.as_tensor(np.ascontiguousarray(arrays[0]), device=_comm_device())
-        out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-        dist.all_gather(out, t)
-        return torch.cat(out).cpu().numpy()
-    arrays = [np.asarray(a) for a in arrays]
-    rows = all_gather_np(np.concatenate([a.astype(np.float64).reshape(-1) for a in arrays])[None])  # (world, n)
-    cuts = np.cumsum([0] + [a.size for a in arrays])
-    return tuple(rows[:, lo:hi].reshape(-1).astype(a.dtype) for a, lo, hi in zip(arrays, cuts[:-1], cuts[1:]))
-
-
-# all_gather_objects' fixed first buffer: gloo gathers 64 KiB in about the time it gathers 16 bytes (README).
-OBJECT_BUCKET_BYTES = 2 ** 16
-
-
-def all_gather_objects(items):
-    """Concatenate per-rank lists of picklable objects from all ranks, in rank order.
-
-    torch's all_gather_object spends two collectives (the sizes, then the padded pickles); here every rank sends a
-    fixed OBJECT_BUCKET_BYTES buffer (its pickle's length, then the pickle), and only when some pickle overflows it
-    do all ranks (each now knowing every length) gather the overflows too: one collective for the step's small
-    exchanges, two for large ones."""
-    world, device = dist.get_world_size(), _comm_device()
-    data = np.frombuffer(pickle.dumps(items, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
-    room = OBJECT_BUCKET_BYTES - 8
-    first = np.zeros(OBJECT_BUCKET_BYTES, dtype=np.uint8)
-    first[:8] = np.array([len(data)], dtype=np.int64).view(np.uint8)
-    first[8: 8 + min(len(data), room)] = data[:room]
-    gathered = _gather_bytes(first, world, device)  # (world, OBJECT_BUCKET_BYTES)
-    lengths = gathered[:, :8].copy().view(np.int64).reshape(-1)  # (world,)
-    spill = int(lengths.max()) - room
-    if spill > 0:  # someone's pickle did not fit: everyone gathers the longest overflow's size
-        rest = np.zeros(spill, dtype=np.uint8)
-        rest[: max(len(data) - room, 0)] = data[room:]
-        overflow = _gather_bytes(rest, world, device)  # (world, spill)
-    parts = [gathered[r, 8: 8 + min(n, room)].tobytes() + (overflow[r, : n - room].tobytes() if n > room else b"")
-             for r, n in enumerate(lengths)]
-    return [item for part in parts for item in pickle.loads(part)]
-
-
-def _gather_bytes(buffer, world, device):
-    """(world, len) uint8: every rank's equally long byte buffer, in rank order."""
-    t = torch.from_numpy(buffer).to(device)
-    out = [torch.empty_like(t) for _ in range(world)]
-    dist.all_gather(out, t)
-    return torch.stack(out).cpu().numpy()
 
 
 # ------------------------------------------------------------------------------------------------ setup

@@ -228,11 +228,11 @@ def _update(policy, optimizer, rollouts, old, advantage, micro_batch_size, grad_
 
 
 def grad_worker(out, model_path, max_tokens, units):
+    import collectives
     import memory
     import trainer
     from spo import global_normalise
     from torch.distributed.tensor import DTensor
-    from trainer import all_gather_np
     max_tokens = None if max_tokens == "none" else int(max_tokens)
     build = functools.partial(trainer.build_policy, model_path, lr=1.0, weight_decay=0.0,
                               layer_units=units == "layers")
@@ -244,12 +244,13 @@ def grad_worker(out, model_path, max_tokens, units):
     local = len(rollouts) // world
     mine = slice(rank * local, (rank + 1) * local)
     scored = trainer.old_logprobs(policy, rollouts[mine], [], 1.0, 2, max_tokens)
-    old_all, entropy = trainer.all_gather_objects(scored["batch"]), trainer.all_reduce_np([scored["entropy"]])[0]
+    old_all = collectives.all_gather_objects(scored["batch"])
+    entropy = collectives.all_reduce_np([scored["entropy"]])[0]
     old = [lp - 0.05 for lp in scored["batch"]]  # ratios away from 1, inside the clip range on both sides
     _update(policy, optimizer, rollouts[mine], old, advantage[mine], micro_batch_size=2, grad_clip=1e9,
             max_tokens=max_tokens)
     params = {k: v.clone() for k, v in trainer.full_parameters(policy)}
-    normalised = all_gather_np(global_normalise(advantage[mine]))
+    normalised = collectives.all_gather_np(global_normalise(advantage[mine]))
     micro_batches = len(memory.micro_batches([len(r.prompt_ids) + len(r.response_ids) for r in rollouts[mine]],
                                                2, max_tokens))
     # ppo_steps 1 without the separate pass (old=None: the update's own log-probs, detached) against the same step
@@ -269,7 +270,7 @@ def grad_worker(out, model_path, max_tokens, units):
              "old_count": len(olds["reused"]["batch"]) == local,
              "entropy": (olds["reused"]["entropy"], olds["separate pass"]["entropy"]),
              "gap": (olds["reused"]["logprob_gap_max"], olds["separate pass"]["logprob_gap_max"])}
-    reuse = trainer.all_gather_objects([reuse])
+    reuse = collectives.all_gather_objects([reuse])
     # trainer.clip_grad_norm against torch's clip_grad_norm_ on these sharded gradients, clipping and not
     ids, mask = trainer.pack([(r.prompt_ids, r.response_ids, r.response_mask) for r in rollouts[mine]], device)
     (trainer.token_logprobs(policy, ids, mask, 1.0)[0] * torch.tensor(advantage[mine])[:, None]).sum().backward()
@@ -293,6 +294,7 @@ def grad_worker(out, model_path, max_tokens, units):
 
 
 def gather_worker(out):
+    import collectives
     import trainer
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -312,12 +314,12 @@ def gather_worker(out):
         for name, full in trainer.full_parameters(model, torch.bfloat16, bucket_bytes=bucket_bytes):
             assert full.dtype == torch.bfloat16 and torch.equal(full, unsharded[name].to(torch.bfloat16))
     # all_gather_objects: pickles that fit its first buffer, one just over it (rank 1), none (rank 2)
-    room = trainer.OBJECT_BUCKET_BYTES
+    room = collectives.OBJECT_BUCKET_BYTES
     for sizes in ((3, 5, 0), (3, room, 0), (room // 2, 4 * room, room - 40)):
         mine = [bytes([rank]) * sizes[rank], ("rank", rank, np.arange(rank + 1.0))] if sizes[rank] else []
         expected = [None] * world
         torch.distributed.all_gather_object(expected, mine)
-        got = trainer.all_gather_objects(mine)
+        got = collectives.all_gather_objects(mine)
         expected = [item for part in expected for item in part]
         assert len(got) == len(expected) and all(type(a) is type(b) for a, b in zip(got, expected))
         assert repr(got) == repr(expected), sizes
