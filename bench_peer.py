@@ -23,12 +23,17 @@ What differs (SETTINGS_THAT_DIFFER, printed with the table): listed there.
 TRL is a benchmark-only dependency, best kept in its own virtual environment (it pins its own transformers):
 
     python3 -m venv /tmp/trlvenv && /tmp/trlvenv/bin/pip install torch==2.13.0 trl==1.16.0
-    .venv/bin/python bench.py peer --trl_python /tmp/trlvenv/bin/python            # 150 steps (about 15 min)
+    .venv/bin/python bench.py peer --trl_python /tmp/trlvenv/bin/python            # 150 steps
     .venv/bin/python bench_peer.py --trl_python /tmp/trlvenv/bin/python --steps 3  # a quick check
+    .venv/bin/python bench_peer.py --trl_python /tmp/trlvenv/bin/python --engine_compile off --rounds 2
+
+--rounds 2 runs everything twice, the second time in reverse order (TRL first and last), and pools each row's
+steps: on a machine whose speed drifts over minutes, one pass favours whoever ran in the faster minutes.
 (--trl_python defaults to $SPO_TRL_PYTHON, else this interpreter; without TRL the benchmark says how to install
 it and skips.)
 """
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -137,14 +142,51 @@ def heldout_worker(model_dir, toy_dir, seed, max_tokens, out):
 
 
 # ---------------------------------------------------------------------------------------------- the benchmark
-def _median_after(times, warmup):
-    rest = times[warmup:] or times
-    return statistics.median(rest)
+def _trl_row(python, tmp, toy_dir, steps, seed, max_tokens, trl_threads, warmup, env):
+    """TRL (GRPO), then the held-out evaluation of its final weights with spo's code: one table row."""
+    trl_dir = tempfile.mkdtemp(dir=tmp)
+    t0 = time.time()
+    proc = subprocess.run([python, os.path.abspath(__file__), "_trl", trl_dir, toy_dir, str(steps), str(seed),
+                           str(max_tokens), str(trl_threads)], cwd=HERE, env=env, capture_output=True, text=True)
+    if proc.returncode:  # TRL logs every step: its output only when it failed
+        sys.exit(f"TRL failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    wall = time.time() - t0
+    with open(os.path.join(trl_dir, "step_times.json")) as f:
+        trl = json.load(f)
+    heldout = os.path.join(trl_dir, "heldout.json")
+    subprocess.run([sys.executable, os.path.abspath(__file__), "_heldout", os.path.join(trl_dir, "model"),
+                    toy_dir, str(seed), str(max_tokens), heldout], check=True, cwd=HERE, env=env,
+                   stdout=subprocess.DEVNULL)
+    with open(heldout) as f:
+        return {"steps": trl["step_times"][warmup:] or trl["step_times"], "accuracy": json.load(f)["eval/accuracy"],
+                "wall": wall, "versions": trl["versions"], "threads": trl["threads"]}
+
+
+def _spo_row(algo, ranks, compiled, tmp, toy_dir, steps, seed, max_tokens, warmup, env):
+    """spo.py: evaluation only at step 0 and at the end; per-step wall time from metrics.jsonl. One table row."""
+    run = tempfile.mkdtemp(dir=tmp)
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}", "spo.py", "--algo", algo,
+           "--steps", str(steps), "--toy_dir", toy_dir, "--seed", str(seed), "--eval_every", str(steps),
+           "--save_every", "0", "--max_response_len", str(max_tokens), "--run_dir", os.path.join(run, "run"),
+           "--engine_compile", compiled]
+    t0 = time.time()
+    subprocess.run(cmd, check=True, cwd=HERE, env=env, stdout=subprocess.DEVNULL)
+    wall = time.time() - t0
+    metrics = [json.loads(line) for line in open(os.path.join(run, "run", "metrics.jsonl"))]
+    training = [m for m in metrics if m["step"] > 0]
+    # wall time between consecutive logged steps, the final (evaluated) step left out
+    stamps = [metrics[0]["time"]] + [m["time"] for m in training]
+    per_step = [b - a for a, b in zip(stamps[:-1], stamps[1:])][:-1] or [training[-1]["time/step"]]
+    return {"steps": per_step[warmup:] or per_step, "accuracy": training[-1]["eval/accuracy"], "wall": wall,
+            "phases": [{k[5:]: m[k] for k in m if k.startswith("time/")} for m in training[warmup:] or training]}
 
 
 def bench_peer(steps=150, trl_python=None, toy_dir=None, seed=0, warmup=5, max_tokens=32, trl_threads=1,
-               spo_ranks=(1, 2), engine_compile=("off", "on")):
-    """TRL GRPO, spo.py GRPO and spo.py SPO on the toy, one after another; prints the table; returns its rows."""
+               spo_ranks=(1, 2), engine_compile=("off", "on"), rounds=1):
+    """TRL GRPO, spo.py GRPO and spo.py SPO on the toy, one after another, `rounds` times (every other round in
+    reverse order, so that a machine growing slower or faster over the run weighs on every row alike); prints the
+    table; returns its rows. Per row: every round's steps pooled into one median, the ratio to TRL's pooled
+    median, and each round's own ratio (TRL measured in the same round)."""
     python = trl_python or os.environ.get("SPO_TRL_PYTHON") or sys.executable
     toy_dir = os.path.abspath(toy_dir or os.path.join(HERE, "toy"))
     if subprocess.run([python, "-c", "import trl"], capture_output=True).returncode != 0:
@@ -154,54 +196,42 @@ def bench_peer(steps=150, trl_python=None, toy_dir=None, seed=0, warmup=5, max_t
         print(f"skipped: no toy in {toy_dir} (run spo.py once, or pass --toy_dir)", flush=True)
         return None
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
-    rows = {}
+    trl_label = "TRL GRPOTrainer (GRPO)"
+    runs = {trl_label: functools.partial(_trl_row, python, trl_threads=trl_threads)}
+    for ranks, compiled, (algo, name) in [(n, c, a) for n in spo_ranks for c in engine_compile
+                                          for a in (("grpo", "--algo grpo"), ("spo", "(SPO)"))]:
+        label = f"spo.py {name}, {ranks} rank{'s' * (ranks > 1)}{', compiled' * (compiled == 'on')}"
+        runs[label] = functools.partial(_spo_row, algo, ranks, compiled)
+    measured = {label: [] for label in runs}  # label -> one row per round
     with tempfile.TemporaryDirectory() as tmp:
-        # TRL (GRPO), then the held-out evaluation of its final weights with spo's code
-        trl_dir = os.path.join(tmp, "trl")
-        t0 = time.time()
-        proc = subprocess.run([python, os.path.abspath(__file__), "_trl", trl_dir, toy_dir, str(steps), str(seed),
-                               str(max_tokens), str(trl_threads)], cwd=HERE, env=env, capture_output=True, text=True)
-        if proc.returncode:  # TRL logs every step: its output only when it failed
-            sys.exit(f"TRL failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-        trl_wall = time.time() - t0
-        with open(os.path.join(trl_dir, "step_times.json")) as f:
-            trl = json.load(f)
-        heldout = os.path.join(tmp, "trl_heldout.json")
-        subprocess.run([sys.executable, os.path.abspath(__file__), "_heldout", os.path.join(trl_dir, "model"),
-                        toy_dir, str(seed), str(max_tokens), heldout], check=True, cwd=HERE, env=env,
-                       stdout=subprocess.DEVNULL)
-        with open(heldout) as f:
-            rows["TRL GRPOTrainer (GRPO)"] = {"step": _median_after(trl["step_times"], warmup),
-                                              "accuracy": json.load(f)["eval/accuracy"], "wall": trl_wall}
-        # spo.py, GRPO and SPO: evaluation only at step 0 and at the end; per-step wall time from metrics.jsonl
-        for ranks, compiled, (algo, name) in [(n, c, a) for n in spo_ranks for c in engine_compile
-                                              for a in (("grpo", "--algo grpo"), ("spo", "(SPO)"))]:
-            label = f"spo.py {name}, {ranks} rank{'s' * (ranks > 1)}{', compiled' * (compiled == 'on')}"
-            run = os.path.join(tmp, f"{algo}-{ranks}-{compiled}")
-            cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}", "spo.py", "--algo", algo,
-                   "--steps", str(steps), "--toy_dir", toy_dir, "--seed", str(seed), "--eval_every", str(steps),
-                   "--save_every", "0", "--max_response_len", str(max_tokens), "--run_dir", run,
-                   "--engine_compile", compiled]
-            t0 = time.time()
-            subprocess.run(cmd, check=True, cwd=HERE, env=env, stdout=subprocess.DEVNULL)
-            wall = time.time() - t0
-            metrics = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
-            training = [m for m in metrics if m["step"] > 0]
-            # wall time between consecutive logged steps, the final (evaluated) step left out
-            stamps = [metrics[0]["time"]] + [m["time"] for m in training]
-            per_step = [b - a for a, b in zip(stamps[:-1], stamps[1:])][:-1] or [training[-1]["time/step"]]
-            rows[label] = {"step": _median_after(per_step, warmup), "accuracy": training[-1]["eval/accuracy"],
-                           "wall": wall, "phases": training[-1] and {
-                               k[5:]: statistics.median(m[k] for m in training[warmup:] or training)
-                               for k in training[-1] if k.startswith("time/")}}
-    trl_step = rows["TRL GRPOTrainer (GRPO)"]["step"]
-    print(f"\nthe toy, {steps} steps x 64 responses, seed {seed}; per-step time: median wall seconds per step, "
-          f"the first {warmup} (start-up) and the evaluated last left out; held-out: eval.heldout_metrics at step "
-          f"{steps}\nTRL {trl['versions']['trl']} (transformers {trl['versions']['transformers']}, torch "
-          f"{trl['threads']} threads)")
-    print(f"{'':>40} {'s/step':>8} {'vs TRL':>8} {'held-out':>9} {'total wall s':>13}")
+        for k in range(rounds):
+            for label in (list(runs) if k % 2 == 0 else list(runs)[::-1]):
+                measured[label].append(runs[label](tmp=tmp, toy_dir=toy_dir, steps=steps, seed=seed,
+                                                   max_tokens=max_tokens, warmup=warmup, env=env))
+    trl = measured[trl_label][0]
+    trl_step = statistics.median(t for row in measured[trl_label] for t in row["steps"])
+    rows = {}
+    for label, per_round in measured.items():
+        step = statistics.median(t for row in per_round for t in row["steps"])
+        rows[label] = {"step": step, "ratio": step / trl_step, "accuracy": per_round[0]["accuracy"],
+                       "accuracies": [row["accuracy"] for row in per_round],
+                       "round_ratios": [statistics.median(row["steps"]) / statistics.median(t["steps"])
+                                        for row, t in zip(per_round, measured[trl_label])],
+                       "wall": statistics.mean(row["wall"] for row in per_round)}
+        if "phases" in per_round[0]:
+            phases = [p for row in per_round for p in row["phases"]]
+            rows[label]["phases"] = {k: statistics.median(p[k] for p in phases) for k in phases[0]}
+    print(f"\nthe toy, {steps} steps x 64 responses, seed {seed}, {rounds} round{'s' * (rounds > 1)}; per-step "
+          f"time: median wall seconds per step over all rounds, the first {warmup} (start-up) and the evaluated last "
+          f"of each run left out; held-out: eval.heldout_metrics at step {steps}\nTRL {trl['versions']['trl']} "
+          f"(transformers {trl['versions']['transformers']}, torch {trl['threads']} threads)")
+    print(f"{'':>40} {'s/step':>8} {'vs TRL':>8} {'each round':>{6 * rounds + 4}} {'held-out':>9} "
+          f"{'total wall s':>13}")
     for label, row in rows.items():
-        print(f"{label:>40} {row['step']:>8.3f} {row['step'] / trl_step:>7.2f}x {row['accuracy']:>8.1%} "
+        each = "/".join(f"{r:.2f}" for r in row["round_ratios"])
+        held = ("/".join(f"{a:.1%}" for a in row["accuracies"]) if len(set(row["accuracies"])) > 1
+                else f"{row['accuracy']:.1%}")  # the same weights every round (seeded): one number
+        print(f"{label:>40} {row['step']:>8.3f} {row['ratio']:>7.2f}x {each + 'x':>{6 * rounds + 4}} {held:>9} "
               f"{row['wall']:>13.0f}")
     for label, row in rows.items():
         if "phases" in row:
@@ -229,6 +259,8 @@ if __name__ == "__main__":
         p.add_argument("--spo_ranks", type=int, nargs="+", default=[1, 2], help="spo.py's ranks, each measured")
         p.add_argument("--engine_compile", choices=["off", "on"], nargs="+", default=["off", "on"],
                        help="spo.py's --engine_compile, each measured (on: faster steps, longer start-up)")
+        p.add_argument("--rounds", type=int, default=1, help="run everything this many times, every other round "
+                                                             "in reverse order (a drifting machine's speed cancels)")
         a = p.parse_args()
         bench_peer(a.steps, a.trl_python, a.toy_dir, a.seed, a.warmup, trl_threads=a.trl_threads,
-                   spo_ranks=a.spo_ranks, engine_compile=a.engine_compile)
+                   spo_ranks=a.spo_ranks, engine_compile=a.engine_compile, rounds=a.rounds)
