@@ -359,13 +359,10 @@ class Engine:
         kept = set(complete[: wanted // group_size])  # a step can finish several: the first in finish order
         return [r if i // group_size in kept else None for i, r in enumerate(rollouts)]
 
-    # ---- sleep mode (GPU). One state, kept here only: "awake" (weights and KV cache on the GPU), "asleep" (both
-    # discarded, vLLM sleep level 2: the trainer has the card) or "weights" (weight memory back for a push). Level
-    # 2, not 1: level 1 would copy the weights to the host and back every step (16 GB each way for an 8B model) only
-    # for the push to overwrite them; so generating before a push is refused. A step: generate, sleep(), update,
-    # push_weights (weights only: no KV cache while the trainer's memory may still be cached), generate. Each wake
-    # first returns PyTorch's cached memory (empty_cache: vLLM allocates from its own pool) and goes through _wake
-    # (waking a part twice would map it twice). On CPU nothing sleeps (state stays "awake").
+    # ---- sleep mode (GPU): one state, "awake", "asleep" (vLLM level 2: weights and KV cache discarded, since level 1
+    # would copy 16 GB each way per step for an 8B model only for the push to overwrite them) or "weights" (back for
+    # a push; no KV cache while the trainer's memory may be cached). Each wake first empties PyTorch's cache (vLLM
+    # has its own pool) and goes through _wake (a part woken twice is mapped twice). CPU: always "awake".
     def sleep(self):
         """GPU: free the card for the trainer (weights and KV cache discarded; push_weights before the next
         generate). CPU: nothing to free."""
@@ -442,7 +439,7 @@ def load_weights_on_cpu(model, named_tensors):
         param = params[name]
         removed = param.numel() == 0 and method is not None  # vLLM kept only its packed copy
         # a removed weight comes back as a fresh tensor of its own (cat copies); the others are copied into place
-        full = torch.cat([parts[k] for k in sorted(parts)]) if removed or len(parts) > 1 else parts[0]
+        full = torch.cat([parts[k] for k in sorted(parts)]) if removed or len(parts) > 1 else [*parts.values()][0]
         shape = (module.output_size_per_partition, module.input_size_per_partition) if removed else param.shape
         if tuple(full.shape) != tuple(shape):  # (also a fused layer with a part missing)
             return False
