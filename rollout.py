@@ -29,7 +29,6 @@ Used by spo.py, offline_values.py and eval.py; not run on its own:
     with SandboxPool(workers=4) as pool:
         rollouts = engine.generate(prompt_ids, seeds, max_tokens=256, tools=Tools(pool))
 """
-import ast
 import functools
 import logging
 import os
@@ -40,7 +39,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from sandbox import format_tool_output
+from sandbox import interpreter_text, show_last_expression
 
 CODE_STOP = "</code>"
 # The ReTool-style instruction, for a system message (spo.py --tool_instruction) when the data has none.
@@ -77,7 +76,7 @@ class Tools:
     pool: "object"  # sandbox.SandboxPool (anything with submit(code) -> Future[SandboxResult])
     max_turns: int = 8  # model segments per trajectory (the authors' limit)
     max_tool_output_chars: int = 256  # interpreter text kept: first and last halves (the authors: 256)
-    show_last_expression: bool = True  # print the value of a bare last expression, as a REPL (see above)
+    show_last_expression: bool = True  # a bare last expression prints, as in a REPL (sandbox.py)
 
 
 def add_tool_flags(parser):
@@ -146,44 +145,6 @@ def extract_code(segment: str) -> str | None:
     body = body[body.rfind("<code>") + len("<code>"):] if "<code>" in body else body
     match = _CODE_BLOCK.search(body)
     return match.group(1) if match else None
-
-
-def show_last_expression(code: str) -> str:
-    """Make a bare last top-level expression print its value (repr, nothing for None), as a REPL would.
-    Anything else (a print call, an assignment, an indented line, a syntax error) is returned unchanged."""
-    try:
-        tree = ast.parse(code)
-    except (SyntaxError, ValueError):
-        return code  # python reports it
-    last = tree.body[-1] if tree.body else None
-    if not isinstance(last, ast.Expr):
-        return code
-    value = last.value
-    if isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id == "print":
-        return code
-    lines = code.split("\n")
-
-    def offset(lineno, col):  # ast columns count UTF-8 bytes
-        return sum(len(line) + 1 for line in lines[: lineno - 1]) + len(lines[lineno - 1].encode()[:col].decode())
-
-    start, end = offset(last.lineno, last.col_offset), offset(last.end_lineno, last.end_col_offset)
-    shown = f"__value = ({code[start:end]})\nif __value is not None: print(repr(__value))"
-    return code[:start] + shown + code[end:]
-
-
-def interpreter_text(outcome, max_chars: int) -> tuple[str, bool, bool]:
-    """(interpreter text, error, timed out) for a tool outcome: a Future of a SandboxResult, or an error
-    message. A sandbox that itself fails becomes text like any other error: training must go on."""
-    error, timed_out = True, False
-    if isinstance(outcome, str):
-        out = outcome
-    else:
-        try:
-            result = outcome.result()
-            out, error, timed_out = format_tool_output(result, max_chars), result.exit_code != 0, result.timed_out
-        except Exception as e:  # noqa: BLE001 - anything the sandbox raises goes back to the model
-            out = f"sandbox error: {type(e).__name__}: {e}"[:max_chars]
-    return f"<interpreter>\n{out.rstrip()}\n</interpreter>\n\n", error, timed_out
 
 
 class Engine:

@@ -1,9 +1,10 @@
 """Run one untrusted Python snippet for tool-integrated reasoning (paper section 5.1, Appendix D).
 
 The policy writes a ```python block, we run it here, and its stdout + stderr go back into the context
-(format_tool_output cuts it to 256 characters, first and last 128, as the authors do). The sandbox
-is stateless: every run is a fresh interpreter in a fresh directory, and nothing a snippet does
-(timeout, crash, flood, fork bomb) raises in the caller; it all comes back as a SandboxResult.
+(format_tool_output cuts it to 256 characters, first and last 128, as the authors do; interpreter_text wraps it
+in the <interpreter> tags the tool loop appends; show_last_expression makes a bare last expression print, as a
+REPL would). The sandbox is stateless: every run is a fresh interpreter in a fresh directory, and nothing a
+snippet does (timeout, crash, flood, fork bomb) raises in the caller; it all comes back as a SandboxResult.
 
     from sandbox import run_code, SandboxPool, format_tool_output
     print(format_tool_output(run_code("print(2**100)", timeout_s=30, memory_mb=1024)))
@@ -37,6 +38,7 @@ The interpreter should be readable by the dedicated uid: one under /root (mode 7
 with the system's stdlib of the same minor version (the probe checks that much) and the snippet cannot
 start it again itself; `chmod o+x /root` or a python under /opt or /usr avoids that.
 """
+import ast
 import fcntl
 import functools
 import os
@@ -330,3 +332,41 @@ def format_tool_output(result: SandboxResult, max_chars: int = 256) -> str:
         return text
     separator = "" if not text or text.endswith("\n") else "\n"
     return f"{text}{separator}[{note}]"
+
+
+def show_last_expression(code: str) -> str:
+    """Make a bare last top-level expression print its value (repr, nothing for None), as a REPL would.
+    Anything else (a print call, an assignment, an indented line, a syntax error) is returned unchanged."""
+    try:
+        tree = ast.parse(code)
+    except (SyntaxError, ValueError):
+        return code  # python reports it
+    last = tree.body[-1] if tree.body else None
+    if not isinstance(last, ast.Expr):
+        return code
+    value = last.value
+    if isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id == "print":
+        return code
+    lines = code.split("\n")
+
+    def offset(lineno, col):  # ast columns count UTF-8 bytes
+        return sum(len(line) + 1 for line in lines[: lineno - 1]) + len(lines[lineno - 1].encode()[:col].decode())
+
+    start, end = offset(last.lineno, last.col_offset), offset(last.end_lineno, last.end_col_offset)
+    shown = f"__value = ({code[start:end]})\nif __value is not None: print(repr(__value))"
+    return code[:start] + shown + code[end:]
+
+
+def interpreter_text(outcome, max_chars: int) -> tuple[str, bool, bool]:
+    """(interpreter text, error, timed out) for a tool outcome: a Future of a SandboxResult, or an error
+    message. A sandbox that itself fails becomes text like any other error: training must go on."""
+    error, timed_out = True, False
+    if isinstance(outcome, str):
+        out = outcome
+    else:
+        try:
+            result = outcome.result()
+            out, error, timed_out = format_tool_output(result, max_chars), result.exit_code != 0, result.timed_out
+        except Exception as e:  # noqa: BLE001 - anything the sandbox raises goes back to the model
+            out = f"sandbox error: {type(e).__name__}: {e}"[:max_chars]
+    return f"<interpreter>\n{out.rstrip()}\n</interpreter>\n\n", error, timed_out

@@ -6,37 +6,13 @@ and the real sandbox, driven by a scripted model whose tool calls are known (con
 import os
 import pickle
 import sys
-from concurrent.futures import Future
 
 import numpy as np
 import pytest
 import torch
 
 from common import SNIPPET_TIMEOUT_S, ok, script_responses, torchrun
-from rollout import CODE_STOP, Rollout, extract_code, interpreter_text, show_last_expression, turn_seed
-from sandbox import SandboxResult, run_code
-
-
-@pytest.mark.parametrize("code, shown", [
-    ("x = 6\nx * 7", "42\n"),                          # a bare last expression is shown, like a REPL
-    ("x = 'a'; x", "'a'\n"),                           # repr, after a semicolon on the same line
-    ("(1 +\n 2)  # sum", "3\n"),                        # a multi-line expression, a trailing comment
-    ("é = 'ü'\né", "'ü'\n"),                            # non-ASCII: ast columns are UTF-8 bytes
-    ("None", ""),                                       # None shows nothing
-    ("print(5)", "5\n"),                                # already a print: unchanged, printed once
-    ("for i in range(2):\n    i", ""),                  # indented last line: left alone (the authors' bug)
-    ("x = 3", ""),                                      # an assignment shows nothing
-])
-def test_show_last_expression_runs_like_a_repl(code, shown):
-    result = run_code(show_last_expression(code), timeout_s=SNIPPET_TIMEOUT_S)
-    assert result.exit_code == 0 and result.stdout == shown, (result.stdout, result.stderr)
-
-
-def test_show_last_expression_leaves_bad_code_alone_and_keeps_line_numbers():
-    assert show_last_expression("def f(:\n  pass") == "def f(:\n  pass"
-    code = "x = 1\ny = 1 / 0\nx"
-    result = run_code(show_last_expression(code), timeout_s=SNIPPET_TIMEOUT_S)
-    assert "line 2" in result.stderr and "ZeroDivisionError" in result.stderr  # the error line is unchanged
+from rollout import CODE_STOP, Rollout, extract_code, turn_seed
 
 
 def test_extract_code_takes_the_block_inside_the_last_code_tag():
@@ -51,18 +27,6 @@ def test_turn_seeds_are_the_trajectory_seed_then_distinct_and_deterministic():
     assert turn_seed(123, 0) == 123
     seeds = [turn_seed(123, k) for k in range(1, 9)]
     assert len(set(seeds + [123, turn_seed(124, 1)])) == 10 and seeds == [turn_seed(123, k) for k in range(1, 9)]
-
-
-def test_interpreter_text_turns_every_failure_into_text():
-    failed = Future()
-    failed.set_exception(RuntimeError("sandbox: all 256 dedicated uids are busy"))
-    text, error, timed_out = interpreter_text(failed, 256)
-    assert text.startswith("<interpreter>\nsandbox error: RuntimeError") and text.endswith("</interpreter>\n\n")
-    assert error and not timed_out
-    done = Future()
-    done.set_result(SandboxResult("x" * 1000, "", 0, False, False, False, True, 0.1))
-    text, error, timed_out = interpreter_text(done, 64)
-    assert not error and len(text) < 64 + 40 and "\n...\n" in text  # cut keeping head and tail
 
 
 # ---- sleep mode: the order of calls

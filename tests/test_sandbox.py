@@ -12,13 +12,15 @@ import sys
 import tempfile
 import threading
 import uuid
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
 
 import sandbox
 from common import SNIPPET_TIMEOUT_S
-from sandbox import SandboxPool, SandboxResult, format_tool_output, isolation, run_code
+from sandbox import (SandboxPool, SandboxResult, format_tool_output, interpreter_text, isolation, run_code,
+                     show_last_expression)
 
 
 def live_pids_with(marker: str) -> list[int]:
@@ -301,3 +303,38 @@ def test_bad_arguments_raise_clear_errors():
         run_code("print(1)", timeout_s=0)
     with pytest.raises(ValueError, match="workers"):
         SandboxPool(workers=0)
+
+
+# ---- what the tool loop (rollout.py) sends in and gets back
+@pytest.mark.parametrize("code, shown", [
+    ("x = 6\nx * 7", "42\n"),                          # a bare last expression is shown, like a REPL
+    ("x = 'a'; x", "'a'\n"),                           # repr, after a semicolon on the same line
+    ("(1 +\n 2)  # sum", "3\n"),                        # a multi-line expression, a trailing comment
+    ("é = 'ü'\né", "'ü'\n"),                            # non-ASCII: ast columns are UTF-8 bytes
+    ("None", ""),                                       # None shows nothing
+    ("print(5)", "5\n"),                                # already a print: unchanged, printed once
+    ("for i in range(2):\n    i", ""),                  # indented last line: left alone (the authors' bug)
+    ("x = 3", ""),                                      # an assignment shows nothing
+])
+def test_show_last_expression_runs_like_a_repl(code, shown):
+    result = run_code(show_last_expression(code), timeout_s=SNIPPET_TIMEOUT_S)
+    assert result.exit_code == 0 and result.stdout == shown, (result.stdout, result.stderr)
+
+
+def test_show_last_expression_leaves_bad_code_alone_and_keeps_line_numbers():
+    assert show_last_expression("def f(:\n  pass") == "def f(:\n  pass"
+    code = "x = 1\ny = 1 / 0\nx"
+    result = run_code(show_last_expression(code), timeout_s=SNIPPET_TIMEOUT_S)
+    assert "line 2" in result.stderr and "ZeroDivisionError" in result.stderr  # the error line is unchanged
+
+
+def test_interpreter_text_turns_every_failure_into_text():
+    failed = Future()
+    failed.set_exception(RuntimeError("sandbox: all 256 dedicated uids are busy"))
+    text, error, timed_out = interpreter_text(failed, 256)
+    assert text.startswith("<interpreter>\nsandbox error: RuntimeError") and text.endswith("</interpreter>\n\n")
+    assert error and not timed_out
+    done = Future()
+    done.set_result(SandboxResult("x" * 1000, "", 0, False, False, False, True, 0.1))
+    text, error, timed_out = interpreter_text(done, 64)
+    assert not error and len(text) < 64 + 40 and "\n...\n" in text  # cut keeping head and tail
