@@ -71,12 +71,16 @@ def test_vllm_logprobs_match_trainer_after_weight_push(small_toy, tmp_path):
 @pytest.mark.slow
 def test_the_direct_cpu_push_gives_vllm_the_weights_reload_weights_gives(small_toy, tmp_path):
     """Engine.push_weights on CPU writes into vLLM's model itself (rollout.load_weights_on_cpu): the samples and
-    log-probs after it are those after vLLM's own reload_weights of the same weights, bit for bit."""
+    log-probs after it are those after vLLM's own reload_weights of the same weights, bit for bit; a fused layer
+    with a part missing is refused before anything is written (push_weights then falls back to reload_weights)."""
     ok(torchrun(1, "tests/test_trainer.py", "direct_push_worker", str(tmp_path / "push.pt"), small_toy["model"]))
     result = torch.load(tmp_path / "push.pt", weights_only=False)
     assert result["direct"] == [True] and result["moved"]
     assert result["ids_reload"] == result["ids_direct"]
     assert np.array_equal(result["logprobs_reload"], result["logprobs_direct"])
+    for written, ids, logprobs in result["refused"].values():  # a partial fused layer: refused, nothing written
+        assert written == [False] and ids == result["ids_direct"]
+        assert np.array_equal(logprobs, result["logprobs_direct"])
 
 
 @pytest.mark.slow
@@ -377,8 +381,16 @@ def direct_push_worker(out, model_path):
     engine.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": ((n, t * 0) for n, t in weights)})
     direct = engine.llm.apply_model(functools.partial(load_weights_on_cpu, named_tensors=weights))
     ids_direct, logprobs_direct = sample()
+    # a fused layer pushed with a part missing (k; q and k: a lone third part) is refused before anything is
+    # written: zeros everywhere else would change every sample
+    refused = {}
+    for missing in (("k_proj",), ("q_proj", "k_proj")):
+        partial = [(n, t * 0) for n, t in weights if not any(f"layers.0.self_attn.{m}." in n for m in missing)]
+        written = engine.llm.apply_model(functools.partial(load_weights_on_cpu, named_tensors=partial))
+        refused[missing] = (written, *sample())
     torch.save({"direct": direct, "moved": ids_reload != ids_before, "ids_reload": ids_reload,
-                "ids_direct": ids_direct, "logprobs_reload": logprobs_reload, "logprobs_direct": logprobs_direct}, out)
+                "ids_direct": ids_direct, "logprobs_reload": logprobs_reload, "logprobs_direct": logprobs_direct,
+                "refused": refused}, out)
     engine.shutdown()
 
 
