@@ -336,21 +336,22 @@ def format_tool_output(result: SandboxResult, max_chars: int = 256) -> str:
 
 def show_last_expression(code: str) -> str:
     """Make a bare last top-level expression print its value (repr, nothing for None), as a REPL would.
-    Anything else (a print call, an assignment, an indented line, a syntax error) is returned unchanged."""
+    Anything else (a print call, an assignment, an indented line, code that does not parse) is returned unchanged."""
     try:
         tree = ast.parse(code)
-    except (SyntaxError, ValueError):
-        return code  # python reports it
+    except Exception:  # noqa: BLE001 - a syntax error, or nesting too deep for the parser: python reports it
+        return code
     last = tree.body[-1] if tree.body else None
     if not isinstance(last, ast.Expr):
         return code
     value = last.value
     if isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id == "print":
         return code
-    lines = code.split("\n")
+    # where each line starts; python ends a line at \r\n, \r or \n (str.splitlines knows more separators)
+    starts = [0] + [m.end() for m in re.finditer(r"\r\n|\r|\n", code)]
 
     def offset(lineno, col):  # ast columns count UTF-8 bytes
-        return sum(len(line) + 1 for line in lines[: lineno - 1]) + len(lines[lineno - 1].encode()[:col].decode())
+        return starts[lineno - 1] + len(code[starts[lineno - 1]:].encode()[:col].decode())
 
     start, end = offset(last.lineno, last.col_offset), offset(last.end_lineno, last.end_col_offset)
     shown = f"__value = ({code[start:end]})\nif __value is not None: print(repr(__value))"

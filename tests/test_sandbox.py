@@ -315,6 +315,8 @@ def test_bad_arguments_raise_clear_errors():
     ("print(5)", "5\n"),                                # already a print: unchanged, printed once
     ("for i in range(2):\n    i", ""),                  # indented last line: left alone (the authors' bug)
     ("x = 3", ""),                                      # an assignment shows nothing
+    ("y = 2\ry", "2\n"),                                # a lone \r ends a line for python: so here too
+    ("y = 2\r\ny", "2\n"),                              # \r\n
 ])
 def test_show_last_expression_runs_like_a_repl(code, shown):
     result = run_code(show_last_expression(code), timeout_s=SNIPPET_TIMEOUT_S)
@@ -323,6 +325,8 @@ def test_show_last_expression_runs_like_a_repl(code, shown):
 
 def test_show_last_expression_leaves_bad_code_alone_and_keeps_line_numbers():
     assert show_last_expression("def f(:\n  pass") == "def f(:\n  pass"
+    for deep in ("1" + "+1" * 3000, "-" * 3000 + "1"):  # too deep for the parser: unchanged, nothing raised
+        assert show_last_expression(deep) == deep
     code = "x = 1\ny = 1 / 0\nx"
     result = run_code(show_last_expression(code), timeout_s=SNIPPET_TIMEOUT_S)
     assert "line 2" in result.stderr and "ZeroDivisionError" in result.stderr  # the error line is unchanged
