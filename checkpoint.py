@@ -19,6 +19,7 @@ why. Resume checks the world size and the training set, builds the policy from m
 Not run on its own: spo.py calls it; tests/test_end_to_end.py resumes runs and compares them with straight ones.
 """
 import atexit
+import contextlib
 import json
 import os
 import shutil
@@ -115,10 +116,24 @@ def _run_holds(run_dir):
 def _lock_owner(lock):
     """(host, pid) written in a lock file, or None if unreadable."""
     try:
-        host, pid = open(lock).read().split()
+        with open(lock) as f:
+            host, pid = f.read().split()
         return host, int(pid)
     except (OSError, ValueError):
         return None
+
+
+def _held(lock, owner):
+    """Whether a lock file belongs to a live job: one on another host (not checkable from here), or a live process
+    here other than this one (a restarted container can hand this process the pid of a job that is gone). A lock
+    with no owner yet is a job between creating and writing it, unless it is older than a few seconds."""
+    if owner is None:
+        try:
+            return time.time() - os.path.getmtime(lock) < 10
+        except OSError:
+            return False
+    host, pid = owner
+    return host != socket.gethostname() or (pid != os.getpid() and _alive(pid))
 
 
 def _alive(pid):
@@ -150,11 +165,15 @@ def claim_run_dir(run_dir, resume, name):
                 break
             except FileExistsError:
                 owner = _lock_owner(lock)
-                if owner and (owner[0] != socket.gethostname() or _alive(owner[1])):
-                    return (f"--run_dir {run_dir} is in use by another job (pid {owner[1]} on {owner[0]}, "
-                            f"{lock}); if that job is gone, delete the lock file")
+                if _held(lock, owner):
+                    job = f"pid {owner[1]} on {owner[0]}" if owner else "one starting now"
+                    return (f"--run_dir {run_dir} is in use by another job ({job}, {lock}); if that job is gone, "
+                            f"delete the lock file")
                 print(f"{name}: removing a stale lock {lock} (its process {owner} is gone)", flush=True)
-                os.remove(lock)
+                with contextlib.suppress(FileNotFoundError):  # another job may have removed it first
+                    os.remove(lock)
+        else:
+            return f"--run_dir {run_dir}: another job keeps taking its lock {lock}; try again"
         with os.fdopen(fd, "w") as f:
             f.write(f"{socket.gethostname()} {os.getpid()}\n")
         probe = os.path.join(run_dir, ".write_test")

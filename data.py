@@ -65,6 +65,9 @@ def _read_rows(path: Path) -> tuple[list[dict], list[str]]:
             table = pq.read_table(path)
         except (pa.ArrowException, OSError) as e:
             raise ValueError(f"{path}: not a readable parquet file ({e})") from None
+        for k, field in enumerate(table.schema):  # float32 answers as written: 0.1, not 0.10000000149011612
+            if field.type == pa.float32():
+                table = table.set_column(k, field.name, table.column(k).cast(pa.string()))
         return table.to_pylist(), table.column_names
     if path.suffix not in (".jsonl", ".ndjson", ".json"):
         raise ValueError(f"{path}: unsupported file type '{path.suffix}' (use .parquet, .jsonl or .json)")
@@ -73,13 +76,16 @@ def _read_rows(path: Path) -> tuple[list[dict], list[str]]:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise ValueError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason}); JSON lines must be UTF-8") from None
-    for line_no, line in enumerate(text.splitlines(), start=1):
+    # lines end at \n only: str.splitlines would also split at U+2028 and others, which JSON strings may hold
+    for line_no, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path} line {line_no}: not JSON lines ({e.msg})") from None
+        except RecursionError:
+            raise ValueError(f"{path} line {line_no}: JSON nested too deeply") from None
         if not isinstance(row, dict):
             raise ValueError(f"{path} line {line_no}: each line must be a JSON object")
         rows.append(row)

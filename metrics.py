@@ -103,6 +103,14 @@ def signal_metrics(all_raw_advantage, all_advantage, all_reward, group, tol=1e-6
     return m
 
 
+def _row_step(line):
+    """The step of a metrics.jsonl row, or None for a line that is not one (blank, or cut off mid-write)."""
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
 class Logger:
     """Rank 0 logs: a tqdm bar, a console line every few steps, metrics.jsonl per run, and TensorBoard or wandb
     when installed and asked for."""
@@ -115,13 +123,15 @@ class Logger:
         if not is_main:
             return
         os.makedirs(run_dir, exist_ok=True)
-        with open(os.path.join(run_dir, "config.json"), "w") as f:
+        with open(os.path.join(run_dir, "config.json.tmp"), "w") as f:  # --resume reads it: never half-written
             json.dump(config, f, indent=1)
+        os.replace(os.path.join(run_dir, "config.json.tmp"), os.path.join(run_dir, "config.json"))
         print("config: " + json.dumps(config), flush=True)
         path = os.path.join(run_dir, "metrics.jsonl")
         if resume_step is not None and os.path.exists(path):
-            with open(path) as f:
-                rows = [line for line in f if line.strip() and json.loads(line)["step"] <= resume_step]
+            with open(path) as f:  # (a row cut off by the crash that made the resume needed: dropped)
+                steps = [(line, _row_step(line)) for line in f]
+            rows = [line.rstrip("\n") + "\n" for line, step in steps if step is not None and step <= resume_step]
             with open(path + ".tmp", "w") as f:
                 f.writelines(rows)
             os.replace(path + ".tmp", path)

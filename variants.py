@@ -80,8 +80,8 @@ def check_args(args, world):
                  once=True)
     if args.max_tokens_per_micro_batch is not None and args.max_tokens_per_micro_batch < 1:
         fail(f"--max_tokens_per_micro_batch must be at least 1, got {args.max_tokens_per_micro_batch}", once=True)
-    if not 0 < args.rho_min <= args.rho_max <= 1 or not 0 < args.rho_constant <= 1:
-        fail(f"--rho_min, --rho_max, --rho_constant must satisfy 0 < rho_min <= rho_max <= 1 and 0 < rho_constant "
+    if not 0 < args.rho_min <= args.rho_max < 1 or not 0 < args.rho_constant <= 1:  # (rho_min 1: N0 infinite)
+        fail(f"--rho_min, --rho_max, --rho_constant must satisfy 0 < rho_min <= rho_max < 1 and 0 < rho_constant "
              f"<= 1, got {args.rho_min}, {args.rho_max}, {args.rho_constant}", once=True)
     if args.batch_size % (world * args.group_size):
         fail(f"--batch_size {args.batch_size} must be a multiple of world size x group size ({world} x "

@@ -70,6 +70,8 @@ def test_numeric_answers_become_strings(tmp_path):
     assert load_prompts(path).answers == ["17", "2.5", "-3"]
     path = _write_jsonl(tmp_path / "n.jsonl", [{"problem": "a", "answer": 17}])
     assert load_prompts(path).answers == ["17"]
+    path = write_parquet(tmp_path / "f.parquet", {"problem": ["a", "b"], "answer": pa.array([0.1, 17.0], pa.float32())})
+    assert load_prompts(path).answers == ["0.1", "17"]  # as written, not 0.10000000149011612
 
 
 def test_unknown_columns_error_lists_found_columns(tmp_path):
@@ -117,6 +119,11 @@ def test_bad_json_line_and_extension(tmp_path):
     path.write_text('{"problem": "a", "answer": "1"}\n{not json\n')
     with pytest.raises(ValueError, match="line 2"):
         load_prompts(path)
+    path.write_text('{"problem": "a", "answer": "1"}\n{"problem": ' + "[" * 100000 + "\n")
+    with pytest.raises(ValueError, match="line 2: JSON nested too deeply"):
+        load_prompts(path)
+    path.write_text(json.dumps({"problem": "a\u2028b", "answer": "1"}, ensure_ascii=False) + "\n")  # U+2028 as is
+    assert load_prompts(path).messages == [[{"role": "user", "content": "a\u2028b"}]]
     (tmp_path / "data.csv").write_text("problem,answer\n")
     with pytest.raises(ValueError, match="unsupported"):
         load_prompts(tmp_path / "data.csv")

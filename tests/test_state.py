@@ -88,16 +88,22 @@ def test_a_live_lock_keeps_a_second_job_out_and_a_stale_one_is_taken_over(tmp_pa
     import socket
     import subprocess
     import checkpoint
-    run = tmp_path / "run"
+    run, host = tmp_path / "run", socket.gethostname()
     assert checkpoint.claim_run_dir(str(run), resume=False, name="spo.py") is None
-    assert (run / ".lock").read_text().split() == [socket.gethostname(), str(os.getpid())]
-    error = checkpoint.claim_run_dir(str(run), resume=False, name="spo.py")  # still fresh: no run files yet
-    assert "in use by another job" in error  # this process holds it and lives
-    dead = subprocess.Popen(["true"])
-    dead.wait()  # a pid that no longer runs
-    (run / ".lock").write_text(f"{socket.gethostname()} {dead.pid}\n")
+    assert (run / ".lock").read_text().split() == [host, str(os.getpid())]
+    with subprocess.Popen(["sleep", "60"]) as live:  # another job, alive
+        (run / ".lock").write_text(f"{host} {live.pid}\n")
+        error = checkpoint.claim_run_dir(str(run), resume=False, name="spo.py")  # still fresh: no run files yet
+        live.kill()
+    assert "in use by another job" in error and str(live.pid) in error
+    (run / ".lock").write_text("")  # a job between creating its lock and writing it: in use...
+    assert "in use by another job (one starting now" in checkpoint.claim_run_dir(str(run), False, "spo.py")
+    os.utime(run / ".lock", (0, 0))  # ...unless the empty lock is old
     assert checkpoint.claim_run_dir(str(run), resume=False, name="spo.py") is None
-    assert (run / ".lock").read_text().split()[1] == str(os.getpid())
+    for pid in (live.pid, os.getpid()):  # gone; ours (a restarted container handed this process a dead job's pid)
+        (run / ".lock").write_text(f"{host} {pid}\n")
+        assert checkpoint.claim_run_dir(str(run), resume=False, name="spo.py") is None
+        assert (run / ".lock").read_text().split() == [host, str(os.getpid())]
 
 
 def test_resume_keeps_the_runs_settings_and_names_each_changed_one():
@@ -117,6 +123,12 @@ def test_metrics_are_cut_back_to_the_checkpoint_on_resume(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(7)))
     Logger(str(tmp_path), {}, True, resume_step=4).close()
     assert [json.loads(line)["step"] for line in open(tmp_path / "metrics.jsonl")] == [0, 1, 2, 3, 4]
+    # a crash mid-write (the reason to resume) leaves a row cut off, or a last row without its newline
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n{"step": 1}\n{"step": 2, "rew\n{"step": 3}')
+    logger = Logger(str(tmp_path), {}, True, resume_step=3)
+    logger.log(4, {"reward/mean": 0.5})
+    logger.close()
+    assert [json.loads(line)["step"] for line in open(tmp_path / "metrics.jsonl")] == [0, 1, 3, 4]
 
 
 def test_no_room_for_a_checkpoint_is_found_before_the_engine_starts(tmp_path):

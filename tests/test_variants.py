@@ -228,6 +228,7 @@ def test_signal_metrics_by_hand():
     (["--steps", "0"], "--steps must be at least 1, got 0"),
     (["--temperature", "nan"], "--temperature must be positive, got nan"),
     (["--rho_min", "0.99"], "rho_min <= rho_max"),
+    (["--rho_max", "1"], "rho_max < 1"),  # (the tracker refuses it: it used to stop the run after start-up)
 ])
 def test_bad_flags_get_one_clear_line(argv, match, capsys):
     with pytest.raises(SystemExit):
