@@ -31,9 +31,11 @@ def fail(message, once=False):
         tqdm.write(f"error: {message}", file=sys.stderr)  # on a line of its own, also below a progress bar
         sys.stderr.flush()
     # A process that exits with its gloo process group alive can abort at interpreter shutdown ("terminate called
-    # without an active exception", exit -6, seen in CI): take it down while the interpreter is whole.
-    dist = sys.modules.get("torch.distributed")
-    if dist is not None and dist.is_available() and dist.is_initialized():
+    # without an active exception", exit -6, seen in CI): take it down while the interpreter is whole, unless a
+    # vLLM engine has started, whose own teardown destroys it (with its subgroups) and would fail if it were gone.
+    dist, vllm_groups = sys.modules.get("torch.distributed"), sys.modules.get("vllm.distributed.parallel_state")
+    if (dist is not None and dist.is_available() and dist.is_initialized()
+            and not (vllm_groups and vllm_groups.model_parallel_is_initialized())):
         dist.destroy_process_group()
     raise SystemExit(2)
 
