@@ -103,11 +103,12 @@ def signal_metrics(all_raw_advantage, all_advantage, all_reward, group, tol=1e-6
     return m
 
 
-def _row_step(line):
-    """The step of a metrics.jsonl row, or None for a line that is not one (blank, or cut off mid-write)."""
+def _row(line):
+    """A metrics.jsonl row with its step, or None for a line that is not one (blank, or cut off mid-write)."""
     try:
-        return int(json.loads(line)["step"])
-    except (ValueError, KeyError, TypeError):
+        row = json.loads(line)
+        return row if isinstance(row.get("step"), int) else None
+    except (ValueError, AttributeError):
         return None
 
 
@@ -130,12 +131,12 @@ class Logger:
         path = os.path.join(run_dir, "metrics.jsonl")
         if resume_step is not None and os.path.exists(path):
             with open(path) as f:  # (a row cut off by the crash that made the resume needed: dropped)
-                steps = [(line, _row_step(line)) for line in f]
-            rows = [line.rstrip("\n") + "\n" for line, step in steps if step is not None and step <= resume_step]
+                kept = [(line.rstrip("\n") + "\n", row) for line in f
+                        if (row := _row(line)) is not None and row["step"] <= resume_step]
             with open(path + ".tmp", "w") as f:
-                f.writelines(rows)
+                f.writelines(line for line, _ in kept)
             os.replace(path + ".tmp", path)
-            self.all_equal_steps = int(sum(json.loads(line).get("reward/all_equal", 0) for line in rows))
+            self.all_equal_steps = int(sum(row.get("reward/all_equal", 0) for _, row in kept))
         self.file = open(path, "a")
         if tensorboard:
             try:
