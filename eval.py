@@ -201,7 +201,7 @@ def heldout_metrics(engine, test, args, tools):
     of samples that called the tool. The seeds do not depend on the step: every evaluation scores the same
     draws, so differences are the model's."""
     import torch.distributed as dist
-    from collectives import all_reduce_np
+    from machinery.collectives import all_reduce_np
     samples, rollouts = sample_and_score(engine, test, args.eval_samples, [args.seed, 1],
                                          temperature=args.eval_temperature, top_p=args.eval_top_p,
                                          top_k=args.eval_top_k, max_tokens=args.max_response_len,
@@ -257,7 +257,7 @@ def tracker_probe(engine, data, tracker, args, step, tools):
     last line of a step wins). Returns probe_stats (the same on every rank)."""
     import torch.distributed as dist
     from reward import rewards
-    from collectives import all_gather_objects
+    from machinery.collectives import all_gather_objects
     rank, world, n = dist.get_rank(), dist.get_world_size(), args.probe_samples
     index = probe_subset(len(data.keys), args.probe_prompts, args.seed)  # (K,)
     value = tracker.value_at(index)  # (K,) read before any further update
@@ -330,6 +330,7 @@ def parse_args(argv=None):
     g.add_argument("--temperature", type=float, default=EVAL_DEFAULTS["temperature"], help="sampling temperature")
     g.add_argument("--top_p", type=float, default=EVAL_DEFAULTS["top_p"], help="nucleus sampling")
     g.add_argument("--top_k", type=int, default=EVAL_DEFAULTS["top_k"], help="top-k sampling (-1: off)")
+    from machinery.memory import add_engine_flags
     from reward import add_reward_flags, check_reward_flag
     from rollout import add_budget_flag, add_tool_flags, apply_tool_defaults
     add_budget_flag(g)  # --max_response_len (alias --max_tokens), as spo.py's; the paper evaluates with 32768
@@ -338,9 +339,7 @@ def parse_args(argv=None):
     g = p.add_argument_group("output and engine")
     g.add_argument("--out_dir", default="eval_out", help="<benchmark>.samples.jsonl, summary.json, summary.md")
     g.add_argument("--n_boot", type=int, default=1000, help="bootstrap resamples for maj@n mean and std")
-    g.add_argument("--cpu_kv_cache_gib", type=int, default=None,
-                   help="vLLM KV cache per rank on CPU (GiB; default: VLLM_CPU_KVCACHE_SPACE if set, else 1)")
-    g.add_argument("--gpu_memory_utilization", type=float, default=0.9, help="vLLM share of each GPU")
+    add_engine_flags(g, gpu_share=0.9)  # --cpu_kv_cache_gib, --gpu_memory_utilization (an engine alone)
     add_tool_flags(p)
     args = p.parse_args(argv)
     apply_tool_defaults(args)
@@ -351,20 +350,16 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
-    import trainer
-    from data import load_dataset, load_tokenizer
+    from machinery import trainer
+    from machinery.data import load_dataset, load_tokenizer
+    from machinery.errors import fail
     args = parse_args(argv)
     rank, world, device = trainer.setup_distributed()
-    from memory import set_cpu_kv_cache
-    from rollout import quiet_vllm
-    quiet_vllm()  # as spo.py
-    error = set_cpu_kv_cache(args.cpu_kv_cache_gib)
-    if error:
-        trainer.fail(error, once=True)
-    if args.model is None or args.data is None:
-        import toy
-        toy_model, _, toy_test = toy.toy_paths(args.toy_dir, tools=args.tools)
-        args.model, args.data = args.model or toy_model, args.data or [toy_test]
+    from rollout import prepare_vllm
+    from tasks import toy
+    prepare_vllm(args.cpu_kv_cache_gib)  # as spo.py
+    toy.fill_in(args, "data", "test")
+    args.data = [args.data] if isinstance(args.data, str) else args.data  # --data takes several files
     args.model = resolve_model(args.model)
     if rank == 0:
         print("config: " + json.dumps(vars(args)), flush=True)
@@ -381,7 +376,7 @@ def main(argv=None):
     longest = max(len(p) for data in benchmarks.values() for p in data.prompt_ids) + args.max_response_len
     limit = getattr(AutoConfig.from_pretrained(args.model), "max_position_embeddings", None) or longest
     if longest > limit:  # vLLM's own error is a long traceback
-        trainer.fail(f"--max_response_len + the longest prompt = {longest} tokens, more than --model's {limit} "
+        fail(f"--max_response_len + the longest prompt = {longest} tokens, more than --model's {limit} "
                      f"positions")
     engine = Engine(args.model, seed=args.seed, max_model_len=longest, device=device,
                     gpu_memory_utilization=args.gpu_memory_utilization)

@@ -39,9 +39,9 @@ import numpy as np
 import torch.distributed as dist
 
 from eval import request_seeds
-from memory import set_cpu_kv_cache
+from machinery.memory import add_engine_flags
 from reward import DEFAULT_REWARD, add_reward_flags, check_reward_flag, rewards
-from rollout import (TOOL_INSTRUCTION, add_budget_flag, add_tool_flags, apply_tool_defaults, quiet_vllm,
+from rollout import (TOOL_INSTRUCTION, add_budget_flag, add_tool_flags, apply_tool_defaults, prepare_vllm,
                      tools_from_flags)
 
 
@@ -90,7 +90,7 @@ def check_values_header(path, wanted, accept_mismatch=False):
     truncated reward, think gate, tools, system prompt, verifier) with `wanted` (the training run's). A mismatch is an
     error naming each setting and both values, unless accept_mismatch (then a warning): the tracker would start
     from values measured under another distribution than training samples from."""
-    from data import fail
+    from machinery.errors import fail
     try:
         with open(path) as f:
             header = json.load(f)["header"]
@@ -224,7 +224,7 @@ def toy_values_path(toy_dir, n0, seed, v0_settings):
 def init_tracker_from_file(tracker, path, data, smoothing, verbose):
     """Algorithm 2: initialise the tracker from this program's output ({"prompts": {id: {"scores": [...]}}}).
     Bad files and files made for another dataset stop with a clear error."""
-    from data import fail
+    from machinery.errors import fail
     try:
         with open(path) as f:
             entries = json.load(f)["prompts"]
@@ -279,9 +279,7 @@ def parse_args(argv=None):
     g = p.add_argument_group("run and engine")
     g.add_argument("--chunk_prompts", type=int, default=64, help="prompts per generate call and partial flush")
     g.add_argument("--max_chunks", type=int, default=None, help="debugging: stop after N chunks per rank")
-    g.add_argument("--cpu_kv_cache_gib", type=int, default=None,
-                   help="vLLM KV cache per rank on CPU (GiB; default: VLLM_CPU_KVCACHE_SPACE if set, else 1)")
-    g.add_argument("--gpu_memory_utilization", type=float, default=0.9, help="vLLM share of each GPU")
+    add_engine_flags(g, gpu_share=0.9)  # --cpu_kv_cache_gib, --gpu_memory_utilization (an engine alone)
     add_tool_flags(p)
     args = p.parse_args(argv)
     apply_tool_defaults(args)
@@ -292,18 +290,14 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
-    import trainer
-    from data import load_dataset, load_tokenizer
+    from machinery import trainer
+    from machinery.data import load_dataset, load_tokenizer
+    from machinery.errors import fail
+    from tasks import toy
     args = parse_args(argv)
     rank, world, device = trainer.setup_distributed()
-    quiet_vllm()  # as spo.py
-    error = set_cpu_kv_cache(args.cpu_kv_cache_gib)
-    if error:
-        trainer.fail(error, once=True)
-    if args.model is None or args.data is None:
-        import toy
-        toy_model, toy_train, _ = toy.toy_paths(args.toy_dir, tools=args.tools)
-        args.model, args.data = args.model or toy_model, args.data or toy_train
+    prepare_vllm(args.cpu_kv_cache_gib)  # as spo.py
+    toy.fill_in(args, "data", "train")
     if rank == 0:
         print("config: " + json.dumps(vars(args)), flush=True)
     sampling = {k: getattr(args, k) for k in ("n0", "temperature", "top_p", "seed", "truncated_reward", "think_format",
@@ -319,7 +313,7 @@ def main(argv=None):
         # a settings mismatch fails here, before the engine starts
         read_finished(args.out, run_header(header, **sampling, tools=tools))
     except ValueError as e:
-        trainer.fail(str(e))
+        fail(str(e))
     tokenizer = load_tokenizer(args.model)
     data = load_dataset(args.data, tokenizer, args.max_prompt_len, rank == 0, header.get("system_prompt"))
     if args.max_prompts:

@@ -141,7 +141,7 @@ def check_reward_flag(spec: str):
     try:
         load_verifier(spec)
     except ValueError as e:
-        from data import fail
+        from machinery.errors import fail
         fail(str(e), once=True)
 
 
@@ -149,7 +149,7 @@ def checked_reward(value, spec: str) -> float:
     """A verifier's return value as 0.0 or 1.0; anything else stops with one line naming --reward."""
     if isinstance(value, (bool, int, float, np.number, np.bool_)) and value in (0, 1):
         return float(value)
-    from data import fail
+    from machinery.errors import fail
     fail(f"--reward {spec} returned {value!r} (a {type(value).__name__}); a verifier must return 0 or 1 "
          f"(SPO's tracker is a Beta posterior over binary rewards)")
 

@@ -117,6 +117,16 @@ def quiet_vllm():
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 
+def prepare_vllm(cpu_kv_cache_gib):
+    """What every program does before its engine starts: vLLM's INFO lines quieted (quiet_vllm) and the CPU
+    engine's KV cache set from --cpu_kv_cache_gib (memory.set_cpu_kv_cache); a bad value stops with one line."""
+    from machinery.errors import fail
+    from machinery.memory import set_cpu_kv_cache
+    quiet_vllm()
+    if error := set_cpu_kv_cache(cpu_kv_cache_gib):
+        fail(error, once=True)
+
+
 def tools_from_flags(args):
     """A Tools with its own sandbox pool from add_tool_flags' flags, or None without --tools.
     Close it with tools.pool.close()."""

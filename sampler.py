@@ -38,7 +38,7 @@ class PromptSampler:
       of each prompt until B distinct prompts are seen (given the prompts seen so far, the next new one is
       drawn proportional to w among the unseen: that is the definition). Draws with replacement come from
       a sum tree (levels of pairwise sums, every draw descending all levels at once, vectorised), and a
-      weight change repairs only its ancestors. Cost per step O(B log n) (bench.py tracker measures it against
+      weight change repairs only its ancestors. Cost per step O(B log n) (`python -m bench tracker` measures it against
       Gumbel-top-k's O(n)).
     - "gumbel": Gumbel-top-k: argpartition of log w + Gumbel noise, ordered by key (Plackett-Luce = the
       same successive-sampling distribution, order included). O(n) per draw, but it needs no repeats, so
@@ -51,7 +51,7 @@ class PromptSampler:
     the weights from the tracker draws exactly the same prompts as an uninterrupted one.
     """
 
-    TREE_MIN_RATIO = 16  # auto: tree when n >= 16 * B (the two methods' costs cross near n = 8 B: bench.py tracker)
+    TREE_MIN_RATIO = 16  # auto: tree when n >= 16 * B (the two methods' costs cross near n = 8 B: python -m bench tracker)
     TREE_ROUNDS = 4  # with-replacement rounds before finishing with Gumbel-top-k
 
     def __init__(self, n_prompts, seed, mode="prioritized", method="auto"):

@@ -39,6 +39,7 @@ fp32 / bf16, vLLM's KV cache space / GPU memory fraction and sleep mode):
     torchrun --nproc_per_node=8 spo.py --model Qwen/Qwen3-8B --train dapo.parquet ...   (README)
 """
 import argparse
+import functools
 import math
 import os
 import time
@@ -47,20 +48,20 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-import checkpoint
-import memory
-import trainer
 import variants
-from collectives import all_gather_np, all_gather_objects, all_reduce_np
-from metrics import Logger, PromptReach, oversample_metrics, spo_metrics, step_metrics
-from data import fail, load_dataset, load_tokenizer
 from eval import add_probe_flags, evaluations
+from machinery import checkpoint, memory, trainer
+from machinery.collectives import all_gather_np, all_gather_objects, all_reduce_np
+from machinery.data import load_dataset, load_tokenizer
+from machinery.errors import fail
+from machinery.metrics import Logger, PromptReach, oversample_metrics, spo_metrics, step_metrics
 from offline_values import (check_values_header, estimate_offline_values, init_tracker_from_file,
                             training_v0_settings, toy_values_path)
 from reward import add_reward_flags, rewards
-from rollout import (TOOL_INSTRUCTION, add_budget_flag, add_tool_flags, apply_tool_defaults, quiet_vllm,
+from rollout import (TOOL_INSTRUCTION, add_budget_flag, add_tool_flags, apply_tool_defaults, prepare_vllm,
                      tools_from_flags)
 from sampler import PromptSampler, priority_weights
+from tasks import toy
 from tracker import ValueTracker
 
 
@@ -239,51 +240,49 @@ def ppo_clip_token_loss(logprobs, old_logprobs, advantage, mask, clip_low, clip_
     return loss, loss_clipped > loss_unclipped
 
 
-# ------------------------------------------------------------------------------------------------ main
-def main(argv=None):
-    args = parse_args(argv)
+# ------------------------------------------------------------------------------------------------ set-up
+def start(args):
+    """Everything checked before anything heavy starts: the process group, a resumed run's own settings, every
+    flag, vLLM's environment, the run directory (one run per directory, locked), the tools, the model and data
+    (the built-in toy where none are named). Returns (args, rank, world, device, tools, on_toy)."""
     rank, world, device = trainer.setup_distributed()
     if args.resume:  # the run's own settings; only some flags may change (checkpoint.RESUME_MAY_CHANGE)
         args = checkpoint.resume_args(args)
-    variants.check_args(args, world)  # one clear line for a bad flag or combination, before anything heavy
-    if error := memory.set_cpu_kv_cache(args.cpu_kv_cache_gib):
-        fail(error, once=True)
-    run_dir = args.run_dir = checkpoint.open_run_dir(args, "spo.py")  # one run per directory, locked
+    variants.check_args(args, world)  # one clear line for a bad flag or combination
+    prepare_vllm(args.cpu_kv_cache_gib)  # quiet INFO lines (they would bury the progress bar), the CPU KV cache
+    args.run_dir = checkpoint.open_run_dir(args, "spo.py")
     tools = tools_from_flags(args)  # None without --tools; else the tool loop and this rank's sandbox pool
-    quiet_vllm()  # vLLM's INFO lines at every weight push would bury the progress bar
-    is_main = rank == 0
+    on_toy = toy.fill_in(args, "train", "train", test="test")  # on the toy, 'auto' offline values are built here
+    return args, rank, world, device, tools, on_toy
 
-    # ---- model and data: the toy unless the user names their own
-    on_toy = args.train is None
-    if args.model is None or args.train is None:
-        import toy
-        toy_model, toy_train, toy_test = toy.toy_paths(args.toy_dir, tools=args.tools)
-        args.model, args.train = args.model or toy_model, args.train or toy_train
-        args.test = args.test or toy_test
+
+def load_data(args, tools, prompts_per_step, is_main):
+    """The training and held-out prompts, and the settings that make offline values v0 (Algorithm 2) valid for
+    this run: a values file made otherwise would start the tracker from another distribution than training
+    samples from, so its header is checked here. Returns (tokenizer, data, test, v0_settings)."""
     tokenizer = load_tokenizer(args.model)
     system_prompt = TOOL_INSTRUCTION if args.tool_instruction else None
     data = load_dataset(args.train, tokenizer, args.max_prompt_len, is_main, system_prompt)
     test = load_dataset(args.test, tokenizer, args.max_prompt_len, is_main, system_prompt) if args.test else None
     if test is not None and args.eval_max_prompts:
         test = test[: args.eval_max_prompts]
-    n_prompts = len(data.keys)
-    group = args.group_size  # responses per prompt: 1 for SPO (more: Batch SPO), G for the group estimators
-    local = args.batch_size // world  # responses per rank per step
-    started = math.ceil(args.oversample * local / group) * group  # trajectories started per rank (--oversample)
-    if n_prompts < started * world // group:
-        fail(f"--train {args.train}: {n_prompts} prompts, fewer than the {started * world // group} distinct prompts "
+    if len(data.keys) < prompts_per_step:
+        fail(f"--train {args.train}: {len(data.keys)} prompts, fewer than the {prompts_per_step} distinct prompts "
              f"each step draws (--batch_size / --group_size, x --oversample)", once=True)
-    # What changes the offline values v0 (Algorithm 2): a values file made otherwise would start the tracker from
-    # another distribution than training samples from. Checked before anything heavy starts.
     v0_settings = training_v0_settings(args, tools, system_prompt)
     if args.algo == "spo" and not args.resume and args.offline_values not in ("auto", "none"):
         check_values_header(args.offline_values, v0_settings, args.accept_offline_mismatch)
+    return tokenizer, data, test, v0_settings
 
-    # ---- the policy (FSDP2) and its colocated engine, once the estimate says a rank's memory holds them
-    memory.check_rank_memory(args, world, device.type == "cuda", is_main, fail)
+
+def build_policy_and_engine(args, world, device, run_dir, data, is_main):
+    """The policy (FSDP2) and its colocated engine, once the estimate says a rank's memory holds them; from the
+    latest checkpoint with --resume. Returns (policy, optimizer, engine, state): state is the checkpoint's
+    per-prompt state and step (None for a new run)."""
+    on_gpu = device.type == "cuda"
+    memory.check_rank_memory(args, world, on_gpu, is_main, fail)
     state = checkpoint.load_checkpoint(args.resume, world, data.keys) if args.resume else None
     model_path = state["model_dir"] if state else args.model
-    on_gpu = device.type == "cuda"
     policy, optimizer = trainer.build_policy(model_path, device, args.lr, args.weight_decay,
                                              memory.use_gradient_checkpointing(args.gradient_checkpointing, on_gpu),
                                              memory.use_layer_units(args.fsdp_units, on_gpu))
@@ -293,26 +292,32 @@ def main(argv=None):
                     device=device, gpu_memory_utilization=args.gpu_memory_utilization,
                     temperature=args.temperature,
                     compile_model={"auto": None, "on": True, "off": False}[args.engine_compile])
+    if state:
+        checkpoint.restore_training_state(policy, optimizer, state["shards"])
+    return policy, optimizer, engine, state
 
-    # ---- the per-prompt state SPO carries across steps: tracker, sampler, previous responses (for D)
+
+def per_prompt_state(args, state, engine, data, v0_settings, tools, on_toy, is_main):
+    """The state SPO carries across steps: the tracker (from the checkpoint, or from offline values v0:
+    Algorithm 2), the sampler and its weights (Eq. 11), each prompt's previous response (for D(x)), and which
+    prompts were drawn and trained on. Returns (tracker, sampler, previous, reach, start_step)."""
+    n_prompts = len(data.keys)
     tracker = ValueTracker(n_prompts, args.rho_min, args.rho_max, args.d_half,
                            {"constant": args.rho_constant, "none": 1.0}.get(args.rho))
     sampler = PromptSampler(n_prompts, seed=args.seed, mode=args.sampler)
     previous = {}  # prompt index -> PreviousResponse (SPO only; stays empty for GRPO)
     reach = PromptReach(n_prompts)  # --oversample: prompts drawn and trained on, over the run
-    start_step = 0
     if state:
-        checkpoint.restore_training_state(policy, optimizer, state["shards"])
         tracker.load_state_dict(state["tracker"])
         sampler.load_state_dict(state["sampler"])
         reach.load_state_dict(state.get("reach"))
         previous = {i: PreviousResponse(**fields) for i, fields in state["previous"].items()}
-        start_step = state["step"]
     elif args.algo == "spo" and args.offline_values != "none":
         values_path = args.offline_values
-        if values_path == "auto" and on_toy:  # the toy's values, measured once with this engine and cached
+        if values_path == "auto" and on_toy:  # the toy's v0, measured once and cached
             values_path = toy_values_path(args.toy_dir, args.n0, args.seed, v0_settings)
             if not os.path.exists(values_path):
+                system_prompt = v0_settings["system_prompt"]
                 estimate_offline_values(engine, data, values_path, n0=args.n0, temperature=args.temperature,
                                         max_tokens=args.max_response_len, seed=args.seed,
                                         header={"model": args.model, "dataset": args.train,
@@ -327,19 +332,35 @@ def main(argv=None):
             init_tracker_from_file(tracker, values_path, data, args.init_smoothing, is_main)
     if args.sampler == "prioritized":
         sampler.set_weights(priority_weights(tracker.value, tracker.n_eff, args.sampling_eps, args.sampling_gamma))
+    return tracker, sampler, previous, reach, state["step"] if state else 0
 
+
+# ------------------------------------------------------------------------------------------------ the step loop
+def main(argv=None):
+    args, rank, world, device, tools, on_toy = start(parse_args(argv))
+    run_dir, is_main, on_gpu = args.run_dir, rank == 0, device.type == "cuda"
+    group = args.group_size  # responses per prompt: 1 for SPO (more: Batch SPO), G for the group estimators
+    local = args.batch_size // world  # responses per rank per step
+    started = math.ceil(args.oversample * local / group) * group  # trajectories started per rank (--oversample)
+    tokenizer, data, test, v0_settings = load_data(args, tools, started * world // group, is_main)
+    policy, optimizer, engine, state = build_policy_and_engine(args, world, device, run_dir, data, is_main)
+    tracker, sampler, previous, reach, start_step = per_prompt_state(args, state, engine, data, v0_settings, tools,
+                                                                     on_toy, is_main)
     logger = Logger(run_dir, vars(args), is_main, args.wandb, args.tensorboard, start_step if state else None)
     if is_main:
-        logger.console(f"{n_prompts} training prompts, {len(test.keys) if test else 0} held-out, world size {world}, "
-                       f"device {device.type}")
+        logger.console(f"{len(data.keys)} training prompts, {len(test.keys) if test else 0} held-out, world size "
+                       f"{world}, device {device.type}")
+    # Step 6's loss: Eq. 10 (PPO-clip, token mean over the global mini-batch); --loss / --loss_agg swap in another
+    loss_fn = functools.partial(ppo_clip_loss, clip_low=args.clip_low, clip_high=args.clip_high,
+                                dual_clip=args.dual_clip)
+    if (args.loss, args.loss_agg) != ("ppo_clip", "token_mean"):
+        loss_fn = variants.make_loss(args.loss, args.loss_agg, ppo_clip_token_loss, clip_low=args.clip_low,
+                                     clip_high=args.clip_high, dual_clip=args.dual_clip,
+                                     n_sequences=args.batch_size // args.ppo_steps, max_len=args.max_response_len)
 
-    # Eq. 10 (PPO-clip, token mean over the global mini-batch) unless --loss / --loss_agg pick a variant
-    loss_fn = variants.make_loss(args.loss, args.loss_agg, ppo_clip_token_loss, clip_low=args.clip_low,
-                                 clip_high=args.clip_high, dual_clip=args.dual_clip,
-                                 n_sequences=args.batch_size // args.ppo_steps, max_len=args.max_response_len)
-
-    def sample(step, t, round_=0):
-        """Steps 1-3 for one batch of B/G prompts (dynamic sampling calls it again for more groups)."""
+    def sample(step, round_, t, oversampled):
+        """Steps 1-3 for one batch of B/G prompts (dynamic sampling calls it again for more groups). Adds its
+        seconds to `t` and its over-sampling metrics to `oversampled`."""
         # 1. prompts (Eq. 11): every rank draws the same global batch (same seed, same weights), then its slice.
         t0 = time.time()
         index = np.repeat(sampler.draw(started * world // group), group)  # (B,) prompt indices (more: over-sampled)
@@ -368,12 +389,12 @@ def main(argv=None):
         logger.log(0, before)  # held-out accuracy and the tracker probe before training, when asked for
     for step in logger.progress(range(start_step + 1, args.steps + 1), total=args.steps, initial=start_step):
         t, oversampled = {}, {}
-        mine, rollouts, reward = sample(step, t)  # steps 1-3
+        mine, rollouts, reward = sample(step, 0, t, oversampled)  # steps 1-3
         sampling = {"sampling/generated": started * world, "sampling/used": args.batch_size, **oversampled}
         if args.dynamic_sampling:  # DAPO: drop the groups whose rewards are all equal, refill (variants.py)
             mine, rollouts, reward, sampling = variants.dynamic_sampling(
-                (mine, rollouts, reward), lambda k: sample(step, t, k), group, args.max_sampling_rounds, rank,
-                world, all_gather_objects)
+                (mine, rollouts, reward), lambda k: sample(step, k, t, oversampled), group, args.max_sampling_rounds,
+                rank, world, all_gather_objects)
         engine.sleep()
         # 4. the trainer's log-probs before the update, in one no-grad pass: (SPO) of the previous response of every
         #    prompt this batch revisits (Batch SPO: one per prompt), and with ppo_steps > 1 PPO's old log-probs.
@@ -425,21 +446,21 @@ def main(argv=None):
                              f"lower --lr or check the data (metrics in {run_dir}/metrics.jsonl)")
         # 7. weight push: the next rollouts come from the updated policy.
         t0 = time.time()
-        engine.push_weights(trainer.full_parameters(policy, torch.bfloat16 if device.type == "cuda" else None))
+        engine.push_weights(trainer.full_parameters(policy, torch.bfloat16 if on_gpu else None))
         t["weight_push"] = time.time() - t0
 
         metrics = step_metrics(reward, raw_advantage, advantage, rollouts, old, stats, t, group=group,
                                tools=tools is not None)
         metrics.update(algo_metrics)
         metrics.update(sampling)
-        metrics.update(memory.peak_metrics(device.type == "cuda"))
+        metrics.update(memory.peak_metrics(on_gpu))
         metrics.update(evaluations(engine, test, data, tracker, args, tools, step))  # when due (eval.py)
         logger.log(step, metrics, console=(step % args.log_every == 0 or step == args.steps))
         if (args.save_every and step % args.save_every == 0) or step == args.steps:
             checkpoint.save_checkpoint(run_dir, step, policy, optimizer, tokenizer, world, data.keys,
                                        tracker.state_dict(), sampler.state_dict(),
                                        {i: vars(p) for i, p in previous.items()}, vars(args), reach=reach.state_dict(),
-                                       export_dtype=torch.bfloat16 if device.type == "cuda" else None)
+                                       export_dtype=torch.bfloat16 if on_gpu else None)
     logger.close()
     if tools:
         tools.pool.close()

@@ -1,6 +1,7 @@
 """The algorithm's tests, to read beside the paper: the value tracker (Eq. 5-7, Algorithm 2), prioritized sampling
-(Eq. 11), the advantages (Eq. 8, Eq. 9, GRPO), D(x), the PPO-clip loss (Eq. 10) on hand-made tensors, and the
-verifier's reward. Each test is one property on small hand-made numbers; no engine, no process group.
+(Eq. 11), the advantages (Eq. 8, Eq. 9, GRPO), D(x) and the PPO-clip loss (Eq. 10) on hand-made tensors. Each
+test is one property on small hand-made numbers; no engine, no process group. The verifier's tests are in
+tests/test_reward.py.
 
     .venv/bin/python -m pytest test_spo.py -q
 
@@ -14,7 +15,6 @@ import numpy as np
 import pytest
 import torch
 
-from reward import boxed_reward, exact_match, extract_boxed, reward_and_answer
 from sampler import PromptSampler, priority_weights
 from spo import D_HALF, PreviousResponse, divergence, global_normalise, ppo_clip_loss, remember, spo_advantage
 from tracker import ValueTracker
@@ -324,87 +324,3 @@ def test_ppo_clip_loss_is_a_token_mean_over_the_global_count_and_skips_masked_to
     loss, _ = ppo_clip_loss(logprobs, torch.zeros(2, 3), torch.tensor([1.0, -3.0]), mask,
                             clip_low=0.2, clip_high=0.28, dual_clip=10.0, n_tokens=6)
     assert loss.item() == pytest.approx((-1.0 - 1.0 + 3.0) / 6)  # ratio 1 on every counted token; 6 tokens globally
-
-
-# ---- the verifier's reward (reward.py) ---------------------------------------------------------------
-def test_extract_boxed_nested_braces():
-    assert extract_boxed(r"so \boxed{\frac{1}{2}} done") == r"\frac{1}{2}"
-
-
-def test_extract_boxed_last_box_wins():
-    assert extract_boxed(r"\boxed{1} then \boxed{2} and finally \boxed{3}") == "3"
-    assert boxed_reward(r"\boxed{1} then \boxed{2}", "1") == 0.0
-    assert boxed_reward(r"\boxed{1} then \boxed{2}", "2") == 1.0
-
-
-def test_box_beyond_tail_window_scores_zero():
-    text = r"The answer is \boxed{42}." + " more words" * 20        # box starts > 100 chars from the end
-    assert boxed_reward(text, "42") == 0.0
-    assert exact_match(text, "42", tail_chars=1000) == 1.0
-    assert extract_boxed(text) == "42"                              # no window: found
-
-
-def test_box_must_start_inside_window():
-    text = r"\boxed{42}"
-    assert extract_boxed(text, tail_chars=len(text)) == "42"
-    assert extract_boxed(text, tail_chars=len(text) - 1) is None    # the opener is cut
-
-
-def test_no_box_and_unclosed_box():
-    assert extract_boxed("the answer is 42") is None
-    assert boxed_reward("the answer is 42", "42") == 0.0
-    assert extract_boxed(r"\boxed{4") is None
-    # the last opener decides: an unclosed final box does not fall back to an earlier complete one
-    assert extract_boxed(r"\boxed{4} and \boxed{5") is None
-    assert reward_and_answer(r"\boxed{4} and \boxed{5", "4") == (0.0, None)
-
-
-def test_space_after_boxed_is_not_a_box():
-    assert extract_boxed(r"\boxed {42}") is None
-
-
-def test_whitespace_stripped_but_no_other_normalisation():
-    assert boxed_reward(r"\boxed{  42 }", " 42\n") == 1.0
-    assert boxed_reward(r"\boxed{0.5}", "1/2") == 0.0
-    assert boxed_reward(r"\boxed{42.0}", "42") == 0.0
-
-
-def test_empty_box_is_no_answer():
-    assert reward_and_answer(r"\boxed{ }", "x") == (0.0, None)
-
-
-def test_unicode_answer_and_text():
-    assert boxed_reward("résumé π≈ \\boxed{√2·π}", "√2·π") == 1.0
-    assert boxed_reward("\\boxed{√2·π}", "√2 π") == 0.0
-
-
-def test_reward_and_answer_returns_answer_even_when_wrong():
-    assert reward_and_answer(r"\boxed{7}", "8") == (0.0, "7")
-    assert reward_and_answer(r"\boxed{8}", 8) == (1.0, "8")
-
-
-@pytest.mark.parametrize("text, expected", [
-    ("think</think> \\boxed{5}", 1.0),
-    ("no close \\boxed{5}", 0.0),                                    # no </think>
-    ("a</think>b</think> \\boxed{5}", 0.0),                          # two </think>
-    ("t</think> <code>print(5)</code> \\boxed{5}", 0.0),             # tool call after thinking
-    ("t</think> <interpreter>5</interpreter> \\boxed{5}", 0.0),
-    ("<code>x</code><interpreter>5</interpreter></think> \\boxed{5}", 1.0),  # tools inside thinking are fine
-])
-def test_think_format_gate(text, expected):
-    assert boxed_reward(text, "5", think_format=True) == expected
-    assert boxed_reward(text, "5") == 1.0                          # without the gate all are right
-
-
-def test_think_format_failure_yields_no_answer():
-    assert reward_and_answer("x \\boxed{5}", "5", think_format=True) == (0.0, None)
-
-
-def test_interpreter_output_is_not_the_models_answer():
-    """A snippet that prints a box must not answer for the model (a reward hack): code and tool output are not
-    scored."""
-    hack = "<code>\n```python\nprint('\\\\boxed{42}')\n```\n</code><interpreter>\n\\boxed{42}\n</interpreter>\n\n"
-    assert reward_and_answer(hack, "42") == (0.0, None)
-    assert reward_and_answer(hack + "so \\boxed{42}", "42") == (1.0, "42")  # copying it is the model's answer
-    assert boxed_reward("\\boxed{42} <interpreter>\n\\boxed{7}", "42") == 1.0  # an unclosed block (budget cut)
-    assert boxed_reward("\\boxed{42} <code>\nprint('\\\\boxed{7}')", "42") == 1.0

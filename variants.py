@@ -32,7 +32,7 @@ import functools
 import numpy as np
 import torch
 
-from data import fail
+from machinery.errors import fail
 from reward import check_reward_flag
 
 LOSSES = ("ppo_clip", "gspo", "cispo")

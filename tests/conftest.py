@@ -19,7 +19,7 @@ def pytest_configure(config):
 @pytest.fixture(scope="session")
 def small_toy(tmp_path_factory):
     """A toy built in seconds: fewer prompts and warm-start steps than the default, same recipe."""
-    import toy
+    from tasks import toy
     toy_dir = str(tmp_path_factory.mktemp("toy") / "toy")
     with one_thread():
         toy.build_toy(toy_dir, seed=0, n_train=200, n_test=40, steps=150)
@@ -38,7 +38,7 @@ def spo_run(small_toy, tmp_path_factory):
 def scripted_model(tmp_path_factory):
     """The toy's architecture trained to say exactly common.script_responses() to each script's name: a model
     whose tool calls (a good one, an error, a timeout, an endless loop, an unclosed block) are known."""
-    import toy
+    from tasks import toy
     out = str(tmp_path_factory.mktemp("scripted") / "model")
     tokenizer = toy.build_tokenizer(out)
     model = toy.build_model(tokenizer, seed=0)

@@ -1,7 +1,7 @@
-"""bench_peer.py (`bench.py peer`): spo.py against TRL's GRPOTrainer on the toy. TRL is a benchmark-only dependency
+"""bench/peer.py (`python -m bench peer`): spo.py against TRL's GRPOTrainer on the toy. TRL is a benchmark-only dependency
 in its own interpreter (--trl_python or SPO_TRL_PYTHON); without it the benchmark says how to install it and stops.
 The comparison itself is a benchmark, not a test (the test environment has no TRL); a quick run of it:
-`python bench_peer.py --trl_python /tmp/trlvenv/bin/python --steps 3`.
+`python -m bench peer --trl_python /tmp/trlvenv/bin/python --steps 3`.
 
     .venv/bin/python -m pytest tests/test_bench_peer.py -q
 """
@@ -15,5 +15,5 @@ def test_without_trl_the_benchmark_says_how_to_install_it_and_skips(tmp_path):
     import subprocess
     if subprocess.run([PYTHON, "-c", "import trl"], capture_output=True).returncode == 0:
         pytest.skip("this interpreter has trl")
-    proc = ok(python("bench_peer.py", "--trl_python", PYTHON, "--toy_dir", str(tmp_path), "--steps", "1"))
+    proc = ok(python("-m", "bench", "peer", "--trl_python", PYTHON, "--toy_dir", str(tmp_path), "--steps", "1"))
     assert "skipped: TRL is not installed" in proc.stdout and "pip install torch==2.13.0 trl" in proc.stdout

@@ -1,4 +1,4 @@
-"""Prompt files (data.py): the schemas a user brings, stable prompt keys, duplicates, and one clear error per bad
+"""Prompt files (machinery/data.py): the schemas a user brings, stable prompt keys, duplicates, and one clear error per bad
 file or row.
 
     .venv/bin/python -m pytest tests/test_data.py -q
@@ -9,7 +9,7 @@ import pyarrow as pa
 import pytest
 
 from common import write_parquet
-from data import load_prompts, prompt_key
+from machinery.data import load_prompts, prompt_key
 
 ROWS = [("What is 1+1?", "2"), ("What is 2+3?", "5"), ("Name a prime.", "7")]
 
@@ -145,7 +145,7 @@ def test_keys_stable_under_reordering(tmp_path):
 
 
 def test_system_prompt_changes_the_prompt_not_the_key(tmp_path):
-    from data import with_system
+    from machinery.data import with_system
     user = [{"role": "user", "content": "q"}]
     assert with_system(user, None) == user
     assert with_system(user, "S") == [{"role": "system", "content": "S"}] + user

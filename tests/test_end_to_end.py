@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from common import SNIPPET_TIMEOUT_S, ok, python, toy_args, torchrun, torchrun_nodes, write_parquet
-from data import prompt_key
+from machinery.data import prompt_key
 
 
 def _metrics(run):

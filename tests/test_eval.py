@@ -256,7 +256,7 @@ def test_summary_counts_unparsed_and_truncated_samples():
 def test_sample_and_score_flags_unparsed_and_truncated_responses():
     """Hand-made responses through sample_and_score (a fake engine): no final box is unparsed, finish reason
     "length" is truncated, and a truncated response with a right box still counts as correct in evaluation."""
-    from data import Dataset
+    from machinery.data import Dataset
     from eval import sample_and_score
     from rollout import Rollout
     responses = [("\\boxed{4}", "stop"), ("I think 4", "stop"), ("\\boxed{4} and then", "length"),

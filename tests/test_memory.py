@@ -1,14 +1,13 @@
-"""The per-rank memory estimate (memory.py): it covers what autograd really saves, its arithmetic on hand-made
+"""The per-rank memory estimate (machinery/memory.py): it covers what autograd really saves, its arithmetic on hand-made
 numbers, spo.py's refusal of a run that will not fit, before any model is loaded, and the token budget's
 micro-batches and their assignment to ranks.
 
     .venv/bin/python -m pytest tests/test_memory.py -q
 """
-import numpy as np
 import pytest
 import torch
 
-import memory
+from machinery import memory
 from common import python, toy_args
 
 
@@ -26,7 +25,7 @@ def _saved_bytes_per_token(model_dir, checkpointing, lengths=(32, 96)):
     items, such as weights saved by reference, cancel)."""
     from test_trainer import _saved_activation_bytes
     from transformers import AutoConfig, AutoModelForCausalLM
-    import trainer
+    from machinery import trainer
     saved = []
     for T in lengths:
         torch.manual_seed(0)
@@ -111,25 +110,3 @@ def test_an_oversized_micro_batch_is_refused_before_the_model_loads(small_toy, t
     assert "pass --max_tokens_per_micro_batch" in errors[0] and "--ignore_memory_estimate" in errors[0]
     assert "memory per rank (estimate)" in proc.stdout and "training prompts" not in proc.stdout
     assert not (run / "metrics.jsonl").exists()
-
-
-def test_token_budget_micro_batches_cover_every_sequence_once_within_the_budget():
-    lengths = [5, 17, 3, 9, 9, 30, 1, 12]
-    plan = memory.plan_micro_batches(lengths, max_sequences=3, max_tokens=20)
-    assert sorted(i for group in plan for i in group) == list(range(len(lengths)))
-    for group in plan:
-        longest = max(lengths[i] for i in group)  # sequences are padded to the micro-batch's longest
-        assert len(group) <= 3 and (len(group) * longest <= 20 or len(group) == 1)
-        assert [lengths[i] for i in group] == sorted((lengths[i] for i in group), reverse=True)
-    assert plan[0] == [5]  # 30 tokens: over the budget, alone
-    assert memory.plan_micro_batches(lengths, max_sequences=3) == [[0, 1, 2], [3, 4, 5], [6, 7]]  # no budget
-
-
-def test_ranks_get_tokens_not_counts():
-    """Longest first to the least-loaded rank: no rank ends with more than the lightest one plus the longest
-    sequence, where slicing by count (first half / second half) gives one rank nearly all the tokens."""
-    lengths = [16000, 15000, 14000, 900, 800, 700, 600, 500]
-    owner = memory.assign_by_tokens(lengths, world=2)
-    load = np.bincount(owner, weights=lengths, minlength=2)
-    assert load.max() - load.min() <= max(lengths) and load.max() < 0.6 * sum(lengths)
-    assert list(memory.assign_by_tokens([5, 5, 5, 5], world=2)) == [0, 1, 0, 1]  # ties: in order, lowest rank

@@ -75,7 +75,7 @@ def test_offline_values_interrupted_then_resumed_equals_uninterrupted(small_toy,
 @pytest.mark.slow
 def test_tracker_from_offline_file_has_n_eff_n0(small_toy, offline_full):
     import offline_values
-    from data import load_dataset, load_tokenizer
+    from machinery.data import load_dataset, load_tokenizer
     from tracker import ValueTracker
     tokenizer = load_tokenizer(small_toy["model"])
     data = load_dataset(small_toy["train"], tokenizer, 256, False)[:80]
@@ -178,7 +178,7 @@ def test_spo_refuses_offline_values_made_with_other_settings(small_toy, offline_
 def test_bad_scores_in_a_values_file_are_one_line(tmp_path, capsys, scores):
     """A hand-edited or foreign values file: each prompt's scores must be a non-empty list of 0/1 rewards."""
     import offline_values
-    from data import Dataset
+    from machinery.data import Dataset
     from tracker import ValueTracker
     path = tmp_path / "values.json"
     path.write_text(json.dumps({"header": {}, "prompts": {"k0": {"scores": [1, 0]}, "k1": {"scores": scores}}}))

@@ -1,15 +1,101 @@
-"""Your own verifier (`--reward module:function`, reward.py): how a spec is resolved and refused, what a verifier
-sees and may return, and the example second verifier `numeric_match`. The default rule's own tests (the paper's
-strict boxed answer) stay in test_spo.py beside the algorithm.
+"""The verifier (reward.py): the default rule (the authors' strict boxed answer: the last box within the tail
+window, compared as a string; the think gate; tool output is not the model's answer), then your own verifier
+(`--reward module:function`): how a spec is resolved and refused, what a verifier sees and may return, and the
+example second verifier `numeric_match`.
 
     .venv/bin/python -m pytest tests/test_reward.py -q
 """
 import numpy as np
 import pytest
 
-from reward import exact_match, reward_and_answer
+from reward import boxed_reward, exact_match, extract_boxed, reward_and_answer
 
 
+# ---- the default rule: the authors' strict boxed answer ------------------------------------------------
+def test_extract_boxed_nested_braces():
+    assert extract_boxed(r"so \boxed{\frac{1}{2}} done") == r"\frac{1}{2}"
+
+
+def test_extract_boxed_last_box_wins():
+    assert extract_boxed(r"\boxed{1} then \boxed{2} and finally \boxed{3}") == "3"
+    assert boxed_reward(r"\boxed{1} then \boxed{2}", "1") == 0.0
+    assert boxed_reward(r"\boxed{1} then \boxed{2}", "2") == 1.0
+
+
+def test_box_beyond_tail_window_scores_zero():
+    text = r"The answer is \boxed{42}." + " more words" * 20        # box starts > 100 chars from the end
+    assert boxed_reward(text, "42") == 0.0
+    assert exact_match(text, "42", tail_chars=1000) == 1.0
+    assert extract_boxed(text) == "42"                              # no window: found
+
+
+def test_box_must_start_inside_window():
+    text = r"\boxed{42}"
+    assert extract_boxed(text, tail_chars=len(text)) == "42"
+    assert extract_boxed(text, tail_chars=len(text) - 1) is None    # the opener is cut
+
+
+def test_no_box_and_unclosed_box():
+    assert extract_boxed("the answer is 42") is None
+    assert boxed_reward("the answer is 42", "42") == 0.0
+    assert extract_boxed(r"\boxed{4") is None
+    # the last opener decides: an unclosed final box does not fall back to an earlier complete one
+    assert extract_boxed(r"\boxed{4} and \boxed{5") is None
+    assert reward_and_answer(r"\boxed{4} and \boxed{5", "4") == (0.0, None)
+
+
+def test_space_after_boxed_is_not_a_box():
+    assert extract_boxed(r"\boxed {42}") is None
+
+
+def test_whitespace_stripped_but_no_other_normalisation():
+    assert boxed_reward(r"\boxed{  42 }", " 42\n") == 1.0
+    assert boxed_reward(r"\boxed{0.5}", "1/2") == 0.0
+    assert boxed_reward(r"\boxed{42.0}", "42") == 0.0
+
+
+def test_empty_box_is_no_answer():
+    assert reward_and_answer(r"\boxed{ }", "x") == (0.0, None)
+
+
+def test_unicode_answer_and_text():
+    assert boxed_reward("résumé π≈ \\boxed{√2·π}", "√2·π") == 1.0
+    assert boxed_reward("\\boxed{√2·π}", "√2 π") == 0.0
+
+
+def test_reward_and_answer_returns_answer_even_when_wrong():
+    assert reward_and_answer(r"\boxed{7}", "8") == (0.0, "7")
+    assert reward_and_answer(r"\boxed{8}", 8) == (1.0, "8")
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("think</think> \\boxed{5}", 1.0),
+    ("no close \\boxed{5}", 0.0),                                    # no </think>
+    ("a</think>b</think> \\boxed{5}", 0.0),                          # two </think>
+    ("t</think> <code>print(5)</code> \\boxed{5}", 0.0),             # tool call after thinking
+    ("t</think> <interpreter>5</interpreter> \\boxed{5}", 0.0),
+    ("<code>x</code><interpreter>5</interpreter></think> \\boxed{5}", 1.0),  # tools inside thinking are fine
+])
+def test_think_format_gate(text, expected):
+    assert boxed_reward(text, "5", think_format=True) == expected
+    assert boxed_reward(text, "5") == 1.0                          # without the gate all are right
+
+
+def test_think_format_failure_yields_no_answer():
+    assert reward_and_answer("x \\boxed{5}", "5", think_format=True) == (0.0, None)
+
+
+def test_interpreter_output_is_not_the_models_answer():
+    """A snippet that prints a box must not answer for the model (a reward hack): code and tool output are not
+    scored."""
+    hack = "<code>\n```python\nprint('\\\\boxed{42}')\n```\n</code><interpreter>\n\\boxed{42}\n</interpreter>\n\n"
+    assert reward_and_answer(hack, "42") == (0.0, None)
+    assert reward_and_answer(hack + "so \\boxed{42}", "42") == (1.0, "42")  # copying it is the model's answer
+    assert boxed_reward("\\boxed{42} <interpreter>\n\\boxed{7}", "42") == 1.0  # an unclosed block (budget cut)
+    assert boxed_reward("\\boxed{42} <code>\nprint('\\\\boxed{7}')", "42") == 1.0
+
+
+# ---- your own verifier (--reward module:function) -------------------------------------------------------
 def test_numeric_match_compares_numbers_by_value_still_from_the_final_box():
     from reward import numeric_match
     assert numeric_match(r"so \boxed{3.0}", "3") == 1.0 and exact_match(r"so \boxed{3.0}", "3") == 0.0

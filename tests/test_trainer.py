@@ -1,4 +1,4 @@
-"""The trainer machinery (trainer.py) on the real FSDP2 under torchrun: two ranks compute the same update as one
+"""The trainer machinery (machinery/trainer.py) on the real FSDP2 under torchrun: two ranks compute the same update as one
 process, the weight push makes vLLM sample from the trained policy, and a non-finite loss skips the step.
 
     .venv/bin/python -m pytest tests/test_trainer.py -q
@@ -95,10 +95,10 @@ def test_the_bucketed_weight_gather_equals_full_tensor_with_uneven_shards(tmp_pa
 
 @pytest.mark.slow
 def test_the_device_check_runs_the_trainer_path_on_a_tiny_qwen3_shape():
-    """`bench_gpu.py` is the device check (README); here on a CPU with a tiny Qwen3 shape (the real vocabulary).
+    """`python -m bench gpu` is the device check (README); here on a CPU with a tiny Qwen3 shape (the real vocabulary).
     Its fp32 "reference" is the same weights unsharded, so on a CPU the FSDP2 log-probs must equal it."""
     import re
-    proc = ok(python("bench_gpu.py", "--shape", "tiny", "--response_len", "96", "--sequences", "3",
+    proc = ok(python("-m", "bench", "gpu", "--shape", "tiny", "--response_len", "96", "--sequences", "3",
                      "--max_tokens_per_micro_batch", "700"))
     assert re.search(r"old log-probs +[\d.]+ s +\d+ tokens/s +peak memory [\d.]+ GiB", proc.stdout), proc.stdout
     assert re.search(r"PPO step +[\d.]+ s +\d+ tokens/s +peak memory [\d.]+ GiB", proc.stdout), proc.stdout
@@ -109,7 +109,7 @@ def test_the_device_check_runs_the_trainer_path_on_a_tiny_qwen3_shape():
 
 def _saved_activation_bytes(model, ids):
     """Bytes autograd keeps for the backward pass of the log-prob forward, and the log-probs."""
-    import trainer
+    from machinery import trainer
     saved = [0]
 
     def keep(tensor):
@@ -126,8 +126,8 @@ def test_gradient_checkpointing_really_drops_activations(tmp_path):
     """transformers checkpoints a layer only in training mode, and from_pretrained returns eval mode: enabling
     checkpointing without .train() (the old build_policy) keeps every activation. prepare_for_training keeps far
     fewer, and the log-probs do not change (dropout stays off)."""
-    import toy
-    import trainer
+    from tasks import toy
+    from machinery import trainer
     tokenizer = toy.build_tokenizer(str(tmp_path))
     ids = torch.randint(3, 128, (4, 96), generator=torch.Generator().manual_seed(0))
 
@@ -155,8 +155,8 @@ def _plain_logprobs(model, ids, temperature):
 def test_chunked_response_logprobs_equal_the_full_vocabulary_computation(tmp_path):
     """Response positions only, 7 at a time, logits recomputed in the backward: the same log-probs, entropies
     and gradients as the plain (B, T-1, V) log-softmax, within 1e-5."""
-    import toy
-    import trainer
+    from tasks import toy
+    from machinery import trainer
     model = toy.build_model(toy.build_tokenizer(str(tmp_path)), seed=0)
     trainer.prepare_for_training(model, gradient_checkpointing=False)
     ids = torch.randint(3, 128, (3, 30), generator=torch.Generator().manual_seed(1))
@@ -183,7 +183,7 @@ def test_output_projection_in_fp32_keeps_bf16_rounding_out_of_the_logprobs():
     """Under bf16 mixed precision the hidden states and weights are bf16; computing the logits in bf16 rounds
     logits near 40 to steps of 0.25. _chunk_logprobs projects in fp32: with inputs bf16 holds exactly, the
     log-probs are exact, where bf16 logits are off by more than 0.01."""
-    import trainer
+    from machinery import trainer
     g = torch.Generator().manual_seed(0)
     hidden = (torch.randint(-8, 9, (16, 32), generator=g) / 2).to(torch.bfloat16)  # exact in bf16
     weight = (torch.randint(-8, 9, (50, 32), generator=g) / 4).to(torch.bfloat16)
@@ -197,7 +197,7 @@ def test_output_projection_in_fp32_keeps_bf16_rounding_out_of_the_logprobs():
 
 
 def test_prepare_for_training_turns_dropout_off():
-    import trainer
+    from machinery import trainer
     from transformers import Qwen3Config, Qwen3ForCausalLM
     config = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=1, head_dim=16, attention_dropout=0.5)
@@ -223,7 +223,7 @@ def _fixed_batch(tokenizer_size, n=8, seed=0):
 
 def _update(policy, optimizer, rollouts, old, advantage, micro_batch_size, grad_clip, max_tokens=None):
     """One optimiser step of Eq. 10 with the paper's clip settings, through the trainer's machinery."""
-    import trainer
+    from machinery import trainer
     from spo import ppo_clip_loss
     loss_fn = functools.partial(ppo_clip_loss, clip_low=0.2, clip_high=0.28, dual_clip=10.0)
     return trainer.ppo_update(policy, optimizer, rollouts, old, advantage, loss_fn, ppo_steps=1,
@@ -232,9 +232,7 @@ def _update(policy, optimizer, rollouts, old, advantage, micro_batch_size, grad_
 
 
 def grad_worker(out, model_path, max_tokens, units):
-    import collectives
-    import memory
-    import trainer
+    from machinery import batching, collectives, trainer
     from spo import global_normalise
     from torch.distributed.tensor import DTensor
     max_tokens = None if max_tokens == "none" else int(max_tokens)
@@ -255,7 +253,7 @@ def grad_worker(out, model_path, max_tokens, units):
             max_tokens=max_tokens)
     params = {k: v.clone() for k, v in trainer.full_parameters(policy)}
     normalised = collectives.all_gather_np(global_normalise(advantage[mine]))
-    micro_batches = len(memory.micro_batches([len(r.prompt_ids) + len(r.response_ids) for r in rollouts[mine]],
+    micro_batches = len(batching.micro_batches([len(r.prompt_ids) + len(r.response_ids) for r in rollouts[mine]],
                                                2, max_tokens))
     # ppo_steps 1 without the separate pass (old=None: the update's own log-probs, detached) against the same step
     # with it, from the same weights: the same weights after the step, bit for bit, and the same old log-probs.
@@ -298,8 +296,7 @@ def grad_worker(out, model_path, max_tokens, units):
 
 
 def gather_worker(out):
-    import collectives
-    import trainer
+    from machinery import collectives, trainer
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     rank, world, _ = trainer.setup_distributed()
@@ -333,7 +330,7 @@ def gather_worker(out):
 
 
 def push_worker(out, model_path):
-    import trainer
+    from machinery import trainer
     from rollout import Engine
     rank, world, device = trainer.setup_distributed()
     policy, optimizer = trainer.build_policy(model_path, device, lr=1e-2, weight_decay=0.0)
@@ -359,7 +356,7 @@ def push_worker(out, model_path):
 
 
 def direct_push_worker(out, model_path):
-    import trainer
+    from machinery import trainer
     from rollout import Engine, load_weights_on_cpu
     trainer.setup_distributed()
     engine = Engine(model_path, seed=0, max_model_len=128, device=torch.device("cpu"))

@@ -13,7 +13,7 @@ import torch
 import spo
 import variants
 from common import ok, python, toy_args, torchrun
-from metrics import signal_metrics
+from machinery.metrics import signal_metrics
 from tracker import ValueTracker
 from variants import (cispo_token_loss, dr_grpo_advantage, dynamic_sampling, grpo_advantage, gspo_token_loss,
                       make_loss, rloo_advantage, select_groups)
@@ -239,8 +239,30 @@ def test_bad_flags_get_one_clear_line(argv, match, capsys):
 
 @pytest.mark.parametrize("argv", [["--algo", "grpo"], ["--algo", "grpo", "--offline_values", "none"],
                                   ["--algo", "reinforce_pp"], ["--reward", "reward:numeric_match"]])
-def test_the_default_offline_values_are_silently_unused_without_a_tracker(argv):
+def test_the_default_offline_values_pass_the_flag_check(argv):
     variants.check_args(spo.parse_args(argv), world=2)  # no error: 'auto' is the default, 'none' says what happens
+
+
+@pytest.mark.parametrize("algo", ["grpo", "rloo", "dr_grpo", "reinforce_pp"])
+def test_the_default_offline_values_are_silently_unused_without_a_tracker(algo, tmp_path):
+    """With --offline_values auto on the toy, the toy's cached values start SPO's tracker; an estimator without a
+    tracker never reads them (its tracker stays at the uninformed prior) and never measures them (no engine here:
+    estimating them would fail)."""
+    from types import SimpleNamespace
+    from offline_values import toy_values_path, training_v0_settings
+    data = SimpleNamespace(keys=[f"{k:016x}" for k in range(16)])
+
+    def tracker_of(argv):
+        args = spo.parse_args(argv + ["--toy_dir", str(tmp_path)])
+        variants.check_args(args, world=2)
+        v0_settings = training_v0_settings(args, None, None)
+        path = toy_values_path(args.toy_dir, args.n0, args.seed, v0_settings)  # the cache 'auto' reads on the toy
+        with open(path, "w") as f:
+            json.dump({"header": {}, "prompts": {key: {"scores": [1] * 8} for key in data.keys}}, f)
+        return spo.per_prompt_state(args, None, None, data, v0_settings, None, True, False)[0]
+    assert np.all(tracker_of([]).value > 0.9)  # SPO: v0 = (8 + 0.5) / (8 + 1) from the cached file
+    tracker = tracker_of(["--algo", algo])
+    assert np.all(tracker.value == 0.5) and np.all(tracker.n_eff == 1.0)
 
 
 def test_spo_py_stops_on_a_bad_reward_before_the_engine_starts():
@@ -260,7 +282,7 @@ def test_spo_py_stops_on_a_bad_combination_before_the_engine_starts():
 def values(small_toy, tmp_path_factory):
     """Offline values for the small toy, written by hand (k of 8 successes, k = position mod 9), with spo.py's
     default sampling settings in the header: every prompt starts at N_eff = N0 = 8."""
-    from data import load_dataset, load_tokenizer
+    from machinery.data import load_dataset, load_tokenizer
     data = load_dataset(small_toy["train"], load_tokenizer(small_toy["model"]), 256, False)
     path = tmp_path_factory.mktemp("values") / "values.json"
     header = {"temperature": 1.0, "top_p": 1.0, "max_tokens": 32, "truncated_reward": "zero"}

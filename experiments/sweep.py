@@ -21,9 +21,9 @@ never reached a checkpoint is deleted and started again. A failed run (non-zero 
 in sweep.json and in summary.md, left out of every mean (each variant shows the seeds it used), and tried again by
 the next invocation. The tracker probe (--probe_every) runs on the SPO variants only (the others have no tracker).
 
-    python sweep.py --variants spo:0-4 grpo:0-4 rloo dr_grpo --seeds 0-2 --out sweeps/toy -- --toy_dir toy
-    python sweep.py --summary_only --out sweeps/toy           # summary and plots again from the runs there
-    python sweep.py plot RUN_DIR [RUN_DIR ...] --out plots    # the plots for any spo.py run directories
+    python -m experiments.sweep --variants spo:0-4 grpo:0-4 rloo dr_grpo --seeds 0-2 --out experiments/toy -- --toy_dir toy
+    python -m experiments.sweep --summary_only --out experiments/toy  # summary and plots again from the runs there
+    python -m experiments.sweep plot RUN_DIR [RUN_DIR ...] --out plots  # the plots for any spo.py run directories
 """
 import argparse
 import functools
@@ -39,9 +39,9 @@ import time
 
 import numpy as np
 
-from plots import eval_curve, groups_from_paths, make_plots, mean_ci, paired_difference, read_run
+from experiments.plots import eval_curve, groups_from_paths, make_plots, mean_ci, paired_difference, read_run
 
-ROOT = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: spo.py runs from there
 
 # The ablations: each changes one thing of the default SPO run (README: the variants table). Dr. GRPO here is its
 # advantage only (the loss aggregation stays the token mean: one change per ablation; add --loss_agg token_sum
@@ -100,7 +100,7 @@ def plan(args, extra):
 def run_state(run_dir, steps_wanted):
     """'new', 'finished' (latest checkpoint at the run's last step, which is the --steps asked for), 'resume'
     (an earlier checkpoint) or 'restart' (a directory without a checkpoint: the run died before its first)."""
-    from checkpoint import latest_step
+    from machinery.checkpoint import latest_step
     if not os.path.isdir(run_dir):
         return "new"
     latest = latest_step(run_dir)
@@ -318,7 +318,7 @@ def write_summary(out, sweep, only=None):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["plot"]:
-        p = argparse.ArgumentParser(prog="sweep.py plot", description="the plots of spo.py run directories "
+        p = argparse.ArgumentParser(prog="python -m experiments.sweep plot", description="the plots of spo.py run directories "
                                     "(a sweep directory: one group per variant)")
         p.add_argument("paths", nargs="+", help="spo.py run directories, or a sweep's --out")
         p.add_argument("--out", default="plots", help="where the PNG files go")

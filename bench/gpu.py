@@ -3,12 +3,12 @@
 A Qwen3-shaped model with random weights is saved and loaded by trainer.build_policy (FSDP2 over a world of one,
 bf16 compute with fp32 master weights, gradient checkpointing), then one old-log-prob pass and one PPO step run
 over long responses in token-budget micro-batches. It prints tokens/s, model FLOPs utilisation, peak memory and
-the gap between the bf16 log-probs and those of the same weights in fp32. Kept apart from bench.py: that file
+the gap between the bf16 log-probs and those of the same weights in fp32. Kept apart from bench/parts.py: that file
 measures this CPU machine side by side; this one is the single command a GPU lease runs. `--shape tiny` keeps
 Qwen3's vocabulary on a model small enough for a CPU (tests/test_trainer.py runs it so).
 
-    python bench_gpu.py                                          # one GPU: Qwen3-1.7B shape, 4 x 8192 tokens
-    python bench_gpu.py --shape tiny --response_len 96 --sequences 3 --max_tokens_per_micro_batch 700   # CPU
+    python -m bench gpu                                          # one GPU: Qwen3-1.7B shape, 4 x 8192 tokens
+    python -m bench gpu --shape tiny --response_len 96 --sequences 3 --max_tokens_per_micro_batch 700   # CPU
 """
 import argparse
 import functools
@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from bench import _peak_rss_bytes
+from bench.parts import _peak_rss_bytes
 
 
 QWEN3_SHAPES = {  # Qwen3's published shapes; "tiny" keeps the vocabulary (the log-prob chunks) for a CPU test
@@ -56,7 +56,7 @@ def bench_gpu(shape="1.7b", response_len=8192, prompt_len=512, n_sequences=4, ma
     import torch.distributed as dist
     from transformers import Qwen3Config, Qwen3ForCausalLM
     import spo
-    import trainer
+    from machinery import trainer
     from rollout import Rollout
     rank, world, device = trainer.setup_distributed()
     on_gpu = device.type == "cuda"
@@ -127,11 +127,16 @@ def bench_gpu(shape="1.7b", response_len=8192, prompt_len=512, n_sequences=4, ma
             "stats": out["stats"]}
 
 
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description="the trainer path on one device, without vLLM")
+def main(argv=None):
+    """`python -m bench gpu [flags]`."""
+    parser = argparse.ArgumentParser(prog="python -m bench gpu", description="the trainer path on one device, without vLLM")
     parser.add_argument("--shape", choices=sorted(QWEN3_SHAPES), default="1.7b", help="the model's shape")
     parser.add_argument("--response_len", type=int, default=8192, help="tokens per response")
     parser.add_argument("--sequences", type=int, default=4, help="responses in the batch")
     parser.add_argument("--max_tokens_per_micro_batch", type=int, default=16384, help="micro-batch token budget")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     bench_gpu(args.shape, args.response_len, n_sequences=args.sequences, max_tokens=args.max_tokens_per_micro_batch)
+
+
+if __name__ == "__main__":
+    main()

@@ -27,9 +27,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
-from collectives import all_gather_np, all_gather_objects, all_reduce_np
-from data import fail
-from memory import deal_by_tokens, micro_batches
+from machinery.collectives import all_gather_np, all_gather_objects, all_reduce_np
+from machinery.errors import fail
+from machinery.batching import LOGIT_CHUNK_BYTES, deal_by_tokens, micro_batches
 
 
 # ------------------------------------------------------------------------------------------------ setup
@@ -191,11 +191,6 @@ def pack(sequences, device):
         ids[i, : len(p) + len(r)] = torch.tensor(list(p) + list(r))
         mask[i, len(p) - 1: len(p) - 1 + len(r)] = torch.as_tensor(m, dtype=torch.float)
     return ids.to(device), mask.to(device)
-
-
-# One chunk of fp32 logits takes at most this many bytes: 441 positions at Qwen3's vocabulary of 151,936. The
-# backward of a chunk holds a few tensors of this size (the logits, their softmax, their gradient).
-LOGIT_CHUNK_BYTES = 2 ** 28
 
 
 def _chunk_logprobs(hidden, weight, bias, targets, temperature, with_entropy):

@@ -16,13 +16,13 @@ knows it is training the toy.
 The toy is built on first use and cached in `--toy_dir` (default ./toy); a build is deterministic for a seed
 on one machine. Measure the base model (exact success probabilities, no sampling):
 
-    python toy.py
+    python -m tasks.toy
 
 The tool toy (`ensure_toy(tools=True)`, cached in ./toy_tools) is the same model on "a*b=" with a Python tool: the
 model writes `print(a*b)` in a code block, the tool loop (rollout.py) runs it, and the model copies the answer
 from the interpreter output into the box. Build it, then measure it through the real loop (vLLM + sandbox):
 
-    python toy.py --tools && python toy.py --tools --measure
+    python -m tasks.toy --tools && python -m tasks.toy --tools --measure
     torchrun --nproc_per_node=2 spo.py --tools                  # builds it on first use, then trains on it
 """
 import argparse
@@ -225,6 +225,23 @@ def toy_paths(toy_dir="toy", tools=False):
     dist.barrier()
     return os.path.join(toy_dir, "model"), os.path.join(toy_dir, "train.parquet"), os.path.join(toy_dir, "test.parquet")
 
+
+def fill_in(args, data, split, test=None):
+    """The toy where a program was given no --model or no data file: the flags left unset point at the built-in
+    toy (built on first use, toy_paths). `data` names the program's data flag and `split` the toy file it takes
+    ("train" or "test"); `test`, if given, names a held-out flag that takes the toy's test file too. Returns True
+    where the data flag now names the toy's file."""
+    if args.model is not None and getattr(args, data) is not None:
+        return False
+    model, train_path, test_path = toy_paths(args.toy_dir, tools=args.tools)
+    args.model = args.model or model
+    on_toy = getattr(args, data) is None
+    if on_toy:
+        setattr(args, data, {"train": train_path, "test": test_path}[split])
+    if test is not None and getattr(args, test) is None:
+        setattr(args, test, test_path)
+    return on_toy
+
 # ------------------------------------------------------------------------------------------------ the tool toy
 # a*b (a of two or three digits, b of two): the tiny model cannot multiply in its head, but it can write
 # `print(a*b)` and copy the interpreter's answer. The warm start mixes tool traces (code, interpreter output,
@@ -360,8 +377,8 @@ def build_tool_toy(toy_dir, seed=0, n_train=2000, n_test=500, steps=700, lr=4e-3
 def measure_with_tools(toy_dir="toy_tools", n_prompts=500, max_tokens=160, temperature=1.0, seed=0, workers=4):
     """The tool toy's base model through the real tool loop (vLLM + sandbox): accuracy, tool-use rate and
     tool statistics on the test set, one sample per prompt. Needs vllm; starts a world of one."""
-    import trainer
-    from data import load_dataset, load_tokenizer
+    from machinery import trainer
+    from machinery.data import load_dataset, load_tokenizer
     from reward import boxed_reward
     from rollout import Engine, Tools
     from sandbox import SandboxPool

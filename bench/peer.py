@@ -1,4 +1,4 @@
-"""bench.py peer: spo.py against the library a user would pick instead, TRL's GRPOTrainer, on the same toy.
+"""`python -m bench peer`: spo.py against the library a user would pick instead, TRL's GRPOTrainer, on the same toy.
 
 The same toy model, training prompts and held-out prompts, the same budget (steps x 64 responses per step) and
 seed, run one after another in one process tree: TRL's GRPOTrainer (plain Hugging Face generation, one
@@ -23,9 +23,9 @@ What differs (SETTINGS_THAT_DIFFER, printed with the table): listed there.
 TRL is a benchmark-only dependency, best kept in its own virtual environment (it pins its own transformers):
 
     python3 -m venv /tmp/trlvenv && /tmp/trlvenv/bin/pip install torch==2.13.0 trl==1.16.0
-    .venv/bin/python bench.py peer --trl_python /tmp/trlvenv/bin/python            # 150 steps
-    .venv/bin/python bench_peer.py --trl_python /tmp/trlvenv/bin/python --steps 3  # a quick check
-    .venv/bin/python bench_peer.py --trl_python /tmp/trlvenv/bin/python --engine_compile off --rounds 2
+    .venv/bin/python -m bench peer --trl_python /tmp/trlvenv/bin/python           # 150 steps
+    .venv/bin/python -m bench peer --trl_python /tmp/trlvenv/bin/python --steps 3  # a quick check
+    .venv/bin/python -m bench peer --trl_python /tmp/trlvenv/bin/python --engine_compile off --rounds 2
 
 --rounds 2 runs everything twice, the second time in reverse order (TRL first and last), and pools each row's
 steps: on a machine whose speed drifts over minutes, one pass favours whoever ran in the faster minutes.
@@ -42,7 +42,7 @@ import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: programs run from there
 INSTALL_HINT = ("TRL is not installed for {python}: python3 -m venv /tmp/trlvenv && /tmp/trlvenv/bin/pip install "
                 "torch==2.13.0 trl==1.16.0, then pass --trl_python /tmp/trlvenv/bin/python (or set SPO_TRL_PYTHON)")
 SETTINGS_THAT_DIFFER = [
@@ -65,14 +65,14 @@ SETTINGS_THAT_DIFFER = [
 # ---------------------------------------------------------------------------------------------- TRL (its own venv)
 def trl_worker(out_dir, toy_dir, steps, seed, max_tokens, threads):
     """GRPOTrainer on the toy; writes step_times.json (wall seconds per optimiser step) and the final model."""
-    sys.path.insert(0, HERE)
+    sys.path.insert(0, ROOT)
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     torch.set_num_threads(threads)
-    from data import load_dataset, load_tokenizer
+    from machinery.data import load_dataset, load_tokenizer
     from reward import boxed_reward
     model_dir, train_path = os.path.join(toy_dir, "model"), os.path.join(toy_dir, "train.parquet")
     tokenizer = load_tokenizer(model_dir)
@@ -121,12 +121,12 @@ def trl_worker(out_dir, toy_dir, steps, seed, max_tokens, threads):
 # ---------------------------------------------------------------------------------------------- held-out (spo's code)
 def heldout_worker(model_dir, toy_dir, seed, max_tokens, out):
     """eval.heldout_metrics, exactly as spo.py calls it at its end, on `model_dir`, in a world of 1."""
-    sys.path.insert(0, HERE)
+    sys.path.insert(0, ROOT)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    import trainer
-    from data import load_dataset, load_tokenizer
+    from machinery import trainer
+    from machinery.data import load_dataset, load_tokenizer
     from eval import heldout_metrics
-    from memory import set_cpu_kv_cache
+    from machinery.memory import set_cpu_kv_cache
     from rollout import Engine
     from spo import parse_args
     _, _, device = trainer.setup_distributed()
@@ -146,16 +146,16 @@ def _trl_row(python, tmp, toy_dir, steps, seed, max_tokens, trl_threads, warmup,
     """TRL (GRPO), then the held-out evaluation of its final weights with spo's code: one table row."""
     trl_dir = tempfile.mkdtemp(dir=tmp)
     t0 = time.time()
-    proc = subprocess.run([python, os.path.abspath(__file__), "_trl", trl_dir, toy_dir, str(steps), str(seed),
-                           str(max_tokens), str(trl_threads)], cwd=HERE, env=env, capture_output=True, text=True)
+    proc = subprocess.run([python, "-m", "bench.peer", "_trl", trl_dir, toy_dir, str(steps), str(seed),
+                           str(max_tokens), str(trl_threads)], cwd=ROOT, env=env, capture_output=True, text=True)
     if proc.returncode:  # TRL logs every step: its output only when it failed
         sys.exit(f"TRL failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     wall = time.time() - t0
     with open(os.path.join(trl_dir, "step_times.json")) as f:
         trl = json.load(f)
     heldout = os.path.join(trl_dir, "heldout.json")
-    subprocess.run([sys.executable, os.path.abspath(__file__), "_heldout", os.path.join(trl_dir, "model"),
-                    toy_dir, str(seed), str(max_tokens), heldout], check=True, cwd=HERE, env=env,
+    subprocess.run([sys.executable, "-m", "bench.peer", "_heldout", os.path.join(trl_dir, "model"),
+                    toy_dir, str(seed), str(max_tokens), heldout], check=True, cwd=ROOT, env=env,
                    stdout=subprocess.DEVNULL)
     with open(heldout) as f:
         return {"steps": trl["step_times"][warmup:] or trl["step_times"], "accuracy": json.load(f)["eval/accuracy"],
@@ -170,7 +170,7 @@ def _spo_row(algo, ranks, compiled, tmp, toy_dir, steps, seed, max_tokens, warmu
            "--save_every", "0", "--max_response_len", str(max_tokens), "--run_dir", os.path.join(run, "run"),
            "--engine_compile", compiled]
     t0 = time.time()
-    subprocess.run(cmd, check=True, cwd=HERE, env=env, stdout=subprocess.DEVNULL)
+    subprocess.run(cmd, check=True, cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
     wall = time.time() - t0
     metrics = [json.loads(line) for line in open(os.path.join(run, "run", "metrics.jsonl"))]
     training = [m for m in metrics if m["step"] > 0]
@@ -188,7 +188,7 @@ def bench_peer(steps=150, trl_python=None, toy_dir=None, seed=0, warmup=5, max_t
     table; returns its rows. Per row: every round's steps pooled into one median, the ratio to TRL's pooled
     median, and each round's own ratio (TRL measured in the same round)."""
     python = trl_python or os.environ.get("SPO_TRL_PYTHON") or sys.executable
-    toy_dir = os.path.abspath(toy_dir or os.path.join(HERE, "toy"))
+    toy_dir = os.path.abspath(toy_dir or os.path.join(ROOT, "toy"))
     if subprocess.run([python, "-c", "import trl"], capture_output=True).returncode != 0:
         print("skipped: " + INSTALL_HINT.format(python=python), flush=True)
         return None
@@ -242,25 +242,30 @@ def bench_peer(steps=150, trl_python=None, toy_dir=None, seed=0, warmup=5, max_t
     return rows
 
 
-if __name__ == "__main__":
+def main(argv=None):
+    """`python -m bench peer [flags]`."""
+    p = argparse.ArgumentParser(prog="python -m bench peer", description="spo.py against TRL's GRPOTrainer on the toy")
+    p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--trl_python", default=None, help="an interpreter with trl installed (default: "
+                                                     "$SPO_TRL_PYTHON, else this one)")
+    p.add_argument("--toy_dir", default=None, help="the built toy (default: toy)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup", type=int, default=5, help="first steps left out of the median (start-up)")
+    p.add_argument("--trl_threads", type=int, default=1, help="torch threads of the TRL process")
+    p.add_argument("--spo_ranks", type=int, nargs="+", default=[1, 2], help="spo.py's ranks, each measured")
+    p.add_argument("--engine_compile", choices=["off", "on"], nargs="+", default=["off", "on"],
+                   help="spo.py's --engine_compile, each measured (on: faster steps, longer start-up)")
+    p.add_argument("--rounds", type=int, default=1, help="run everything this many times, every other round "
+                                                         "in reverse order (a drifting machine's speed cancels)")
+    a = p.parse_args(argv)
+    bench_peer(a.steps, a.trl_python, a.toy_dir, a.seed, a.warmup, trl_threads=a.trl_threads,
+               spo_ranks=a.spo_ranks, engine_compile=a.engine_compile, rounds=a.rounds)
+
+
+if __name__ == "__main__":  # the worker processes; run the benchmark itself through `python -m bench peer`
     if sys.argv[1:2] == ["_trl"]:
         trl_worker(sys.argv[2], sys.argv[3], *map(int, sys.argv[4:8]))
     elif sys.argv[1:2] == ["_heldout"]:
         heldout_worker(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), sys.argv[6])
     else:
-        p = argparse.ArgumentParser(description="spo.py against TRL's GRPOTrainer on the toy")
-        p.add_argument("--steps", type=int, default=150)
-        p.add_argument("--trl_python", default=None, help="an interpreter with trl installed (default: "
-                                                         "$SPO_TRL_PYTHON, else this one)")
-        p.add_argument("--toy_dir", default=None, help="the built toy (default: toy)")
-        p.add_argument("--seed", type=int, default=0)
-        p.add_argument("--warmup", type=int, default=5, help="first steps left out of the median (start-up)")
-        p.add_argument("--trl_threads", type=int, default=1, help="torch threads of the TRL process")
-        p.add_argument("--spo_ranks", type=int, nargs="+", default=[1, 2], help="spo.py's ranks, each measured")
-        p.add_argument("--engine_compile", choices=["off", "on"], nargs="+", default=["off", "on"],
-                       help="spo.py's --engine_compile, each measured (on: faster steps, longer start-up)")
-        p.add_argument("--rounds", type=int, default=1, help="run everything this many times, every other round "
-                                                             "in reverse order (a drifting machine's speed cancels)")
-        a = p.parse_args()
-        bench_peer(a.steps, a.trl_python, a.toy_dir, a.seed, a.warmup, trl_threads=a.trl_threads,
-                   spo_ranks=a.spo_ranks, engine_compile=a.engine_compile, rounds=a.rounds)
+        main()

@@ -6,7 +6,7 @@ files: verl DAPO parquet (chat-message `prompt`, `reward_model.ground_truth`), o
 `prompt`, `solution`), and any parquet / JSONL with a prompt column in PROMPT_COLUMNS and an answer column in
 ANSWER_COLUMNS. Bad files stop with an error that names the file, the row and what was found.
 
-    from data import load_prompts, load_dataset, load_tokenizer
+    from machinery.data import load_prompts, load_dataset, load_tokenizer
     prompts = load_prompts("dapo_math_17k.parquet")            # keys, chat messages, answers (no tokenizer)
     data = load_dataset("dapo_math_17k.parquet", load_tokenizer("Qwen/Qwen3-8B"), max_prompt_len=2048,
                         verbose=True)                           # + chat-templated token ids, long prompts left out
@@ -14,30 +14,13 @@ ANSWER_COLUMNS. Bad files stop with an error that names the file, the row and wh
 import hashlib
 import json
 import math
-import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-
-def fail(message, once=False):
-    """A clear one-line error instead of a traceback, for bad input. once: every rank reaches this error the same
-    way (flags, shared files), so only rank 0 prints it; otherwise each failing rank prints its own."""
-    if not once or os.environ.get("RANK", "0") == "0":
-        from tqdm import tqdm
-        tqdm.write(f"error: {message}", file=sys.stderr)  # on a line of its own, also below a progress bar
-        sys.stderr.flush()
-    # A process that exits with its gloo process group alive can abort at interpreter shutdown ("terminate called
-    # without an active exception", exit -6, seen in CI): take it down while the interpreter is whole, unless a
-    # vLLM engine has started, whose own teardown destroys it (with its subgroups) and would fail if it were gone.
-    dist, vllm_groups = sys.modules.get("torch.distributed"), sys.modules.get("vllm.distributed.parallel_state")
-    if (dist is not None and dist.is_available() and dist.is_initialized()
-            and not (vllm_groups and vllm_groups.model_parallel_is_initialized())):
-        dist.destroy_process_group()
-    raise SystemExit(2)
+from machinery.errors import fail
 
 
 # ---------------------------------------------------------------------------------------------- files

@@ -11,7 +11,7 @@ import time
 import numpy as np
 import torch.distributed as dist
 
-from collectives import all_gather_np
+from machinery.collectives import all_gather_np
 
 
 def tool_metrics(all_reward, rollouts):

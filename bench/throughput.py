@@ -1,7 +1,7 @@
 """Group-free throughput (paper section 4.4, Appendix B, Fig. 5): SPO can train on the first B trajectories to
 finish and leave the long tail behind; a group (GRPO) is usable only when its slowest member is done.
 
-Three measurements, printed by `python bench.py throughput`:
+Three measurements, printed by `python -m bench throughput`:
 - simulated: the paper's one published group of 8 trajectory times fitted by a two-part lognormal mixture, and the
   time-to-batch ratio over 10,000 draws by straggler share and over-sampling factor (mean and interval, where the
   paper shows one draw);
@@ -12,8 +12,8 @@ Three measurements, printed by `python bench.py throughput`:
   over-sampling and GRPO over-sampled: held-out accuracy, wall time, and how many drawn prompts were never
   trained on (the bias of keeping the fastest).
 
-    .venv/bin/python bench.py throughput                        # all three (about 15 minutes on 2 cores)
-    .venv/bin/python bench.py throughput --throughput_steps 0   # without the training runs
+    .venv/bin/python -m bench throughput                     # all three (about 15 minutes on 2 cores)
+    .venv/bin/python -m bench throughput --throughput_steps 0  # without the training runs
 """
 import json
 import os
@@ -24,8 +24,10 @@ import time
 
 import numpy as np
 
-from data import load_dataset, load_tokenizer
+from machinery.data import load_dataset, load_tokenizer
 from sandbox import SandboxPool
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: programs run from there
 
 
 PAPER_GROUP_S = (74, 87, 90, 114, 117, 409, 444, 508)  # the one group of 8 the paper's Fig. 5 shows (s)
@@ -100,8 +102,8 @@ def bench_throughput_real(toy_dir="toy_tools", batch=64, group_size=8, f=2, repe
     SPO over-sampled (f x batch single trajectories, keep the first batch), GRPO over-sampled (keep the first
     batch / G complete groups of f x batch / G), and both without over-sampling."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    import toy
-    import trainer
+    from tasks import toy
+    from machinery import trainer
     from rollout import Engine, Tools, quiet_vllm
     quiet_vllm()
     _, _, device = trainer.setup_distributed()
@@ -152,12 +154,12 @@ def bench_throughput_training(steps=40, nproc=2, f=2, workers=64):
     with tempfile.TemporaryDirectory() as tmp:
         for name, flags in ways.items():
             run = os.path.join(tmp, name.replace(" ", "").replace("=", ""))
-            cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "bench_throughput.py",
-                   "_slow_tools_training", "--tools", "--steps", str(steps), "--eval_every", str(steps),
+            cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "-m",
+                   "bench.throughput", "_slow_tools_training", "--tools", "--steps", str(steps), "--eval_every", str(steps),
                    "--save_every", "0", "--sandbox_workers", str(workers), "--eval_max_prompts", "200",
                    "--run_dir", run, *flags]
             env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
-            subprocess.run(cmd, check=True, capture_output=True, env=env, cwd=os.path.dirname(__file__) or ".")
+            subprocess.run(cmd, check=True, capture_output=True, env=env, cwd=ROOT)
             metrics = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
             train = [m for m in metrics if "time/step" in m]
             row = {"accuracy": metrics[-1]["eval/accuracy"],
@@ -178,7 +180,7 @@ def bench_throughput_training(steps=40, nproc=2, f=2, workers=64):
 def main(train_steps):
     """Fig. 5 simulated, then for real on this machine (the engine in its own process), then the accuracy cost."""
     bench_throughput_simulation()
-    subprocess.run([sys.executable, os.path.abspath(__file__), "_throughput_real"], check=True)
+    subprocess.run([sys.executable, "-m", "bench.throughput", "_throughput_real"], check=True, cwd=ROOT)
     if train_steps:
         bench_throughput_training(train_steps)
 
@@ -192,10 +194,10 @@ def _slow_tools_training(argv):
     spo.main(argv)
 
 
-if __name__ == "__main__":  # the worker processes of main(); run the benchmark itself through bench.py
+if __name__ == "__main__":  # the worker processes of main(); run the benchmark itself through `python -m bench throughput`
     if sys.argv[1:2] == ["_slow_tools_training"]:  # under torchrun
         _slow_tools_training(sys.argv[2:])
     elif sys.argv[1:2] == ["_throughput_real"]:
         bench_throughput_real()
     else:
-        sys.exit("run `python bench.py throughput` (this file holds its parts)")
+        sys.exit("run `python -m bench throughput` (this file holds its parts)")

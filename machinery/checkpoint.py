@@ -29,7 +29,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from data import fail
+from machinery.errors import fail
 
 
 # ------------------------------------------------------------------------------------------------ run directories
@@ -85,7 +85,7 @@ def latest_step(run_dir):
 def open_run_dir(args, name):
     """The run directory every rank agrees on (rank 0 names a default one), claimed by rank 0 for this run;
     any error stops every rank with one line."""
-    from collectives import all_gather_objects
+    from machinery.collectives import all_gather_objects
     run_dir, error = None, None
     if dist.get_rank() == 0:
         run_dir = args.resume or args.run_dir or default_run_dir(args.algo)
@@ -99,7 +99,7 @@ def open_run_dir(args, name):
 def check_disk(run_dir, model, export_bytes_per_parameter):
     """Before the engine starts: room in run_dir for one more checkpoint (the previous one stays until the new
     one is complete), else one line saying how much is free and needed."""
-    from collectives import all_gather_objects
+    from machinery.collectives import all_gather_objects
     need = checkpoint_bytes(sum(p.numel() for p in model.parameters()), export_bytes_per_parameter)
     free = shutil.disk_usage(run_dir).free if dist.get_rank() == 0 else None
     free = all_gather_objects([free])[0]
@@ -242,7 +242,7 @@ def save_checkpoint(run_dir, step, model, optimizer, tokenizer, world, prompt_ke
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                          get_optimizer_state_dict)
     from torch.distributed.checkpoint.api import CheckpointException
-    from collectives import all_gather_objects
+    from machinery.collectives import all_gather_objects
     root = os.path.join(run_dir, "checkpoints")
     final, tmp = os.path.join(root, f"step_{step:06d}"), os.path.join(root, f"step_{step:06d}.tmp")
     error = None

@@ -1,4 +1,4 @@
-"""Benchmarks: every speed claim of the project, measured side by side in one run and printed as ratios.
+"""The benchmarks of the project's parts, each measured side by side in one run and printed as ratios.
 
 - tracker: SPO's per-step bookkeeping (Eq. 5, 8, 11: draw B prompts, read values, absorb rewards, refresh the
   changed weights) at 10^6 and 10^7 prompts, against a plain-Python dict-of-prompts version of the same step in
@@ -11,15 +11,10 @@
 - tools: rollout tokens per second on the tool toy with the tool loop (sandboxed runs, interpreter tokens
   appended) against the same requests without tools (the model then writes its own "interpreter" text).
 - throughput: the paper's Fig. 5 (group-free vs group time to a batch): simulated over 10,000 draws, then for
-  real on the tool toy with injected tool latency, and the accuracy cost of over-sampling (bench_throughput.py).
-- peer: the toy through TRL's GRPOTrainer and through spo.py (GRPO and SPO), per-step time and held-out accuracy
-  (bench_peer.py; TRL in its own venv).
+  real on the tool toy with injected tool latency, and the accuracy cost of over-sampling (bench/throughput.py).
 - logprobs: peak memory of the log-prob pass at Qwen3's vocabulary, chunked over response positions
   (trainer.token_logprobs) against the full-vocabulary log-softmax, with and without gradients.
-(The GPU device check, the trainer path without vLLM, is bench_gpu.py.)
-
-    .venv/bin/python bench.py                 # everything
-    .venv/bin/python bench.py tracker steps   # some
+Run through `python -m bench` (bench/__main__.py), which also starts bench/peer.py and bench/gpu.py.
 """
 import argparse
 import functools
@@ -33,11 +28,12 @@ import time
 
 import numpy as np
 
-import bench_throughput
 from sampler import PromptSampler, priority_weights
 from sandbox import SandboxPool, isolation, run_code
-from data import load_dataset, load_tokenizer
+from machinery.data import load_dataset, load_tokenizer
 from tracker import ValueTracker
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: programs run from there
 
 
 def _spo_step(tracker, sampler, rng, batch_size):
@@ -145,7 +141,7 @@ def bench_steps(steps=40, warmup=5, nproc=2, batch_size=64, group_size=8):
                    "--save_every", "0", "--run_dir", run]
             cmd += ["--group_size", str(group_size)] if algo == "grpo" else []  # spo with G > 1 is Batch SPO
             env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
-            subprocess.run(cmd, check=True, capture_output=True, env=env, cwd=os.path.dirname(__file__) or ".")
+            subprocess.run(cmd, check=True, capture_output=True, env=env, cwd=ROOT)
             metrics = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))][warmup:]
             rows[algo] = {k: float(np.mean([m[k] for m in metrics])) for k in metrics[0] if k.startswith("time/")}
     phases = [k for k in rows["spo"] if k != "time/step"] + ["time/step"]
@@ -158,8 +154,8 @@ def bench_steps(steps=40, warmup=5, nproc=2, batch_size=64, group_size=8):
 
 def bench_eval(toy_dir="toy", n_problems=100, n=8, max_tokens=32, repeats=3):
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    import toy
-    import trainer
+    from tasks import toy
+    from machinery import trainer
     from eval import EVAL_DEFAULTS, request_seeds, sample_and_score
     from rollout import Engine
     from vllm import SamplingParams
@@ -206,8 +202,8 @@ def bench_tools(toy_dir="toy_tools", n_prompts=256, max_tokens=160, workers=4, r
     """Policy tokens per second of Engine.generate on the tool toy, tools on against off (same prompts, seeds,
     budget); best of `repeats`. Counts only tokens the model generated: interpreter tokens are not throughput."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    import toy
-    import trainer
+    from tasks import toy
+    from machinery import trainer
     from rollout import Engine, Tools
     _, _, device = trainer.setup_distributed()
     model, _, test = toy.ensure_toy(toy_dir, tools=True)
@@ -255,7 +251,7 @@ def _logprob_memory_worker(path, grad, vocab, seq_len, prompt_len):
     log-prob pass over one sequence, Qwen3's vocabulary and untied head on a one-layer, width-64 backbone."""
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
-    import trainer
+    from machinery import trainer
     torch.manual_seed(0)
     config = Qwen3Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=1, head_dim=32, tie_word_embeddings=False,
@@ -288,9 +284,9 @@ def bench_logprob_memory(vocab=151_936, seq_len=4096, prompt_len=512):
     for grad in (False, True):
         peak = {}
         for path in ("plain", "chunked"):
-            out = subprocess.run([sys.executable, os.path.abspath(__file__), "_logprob_memory", path, str(int(grad)),
+            out = subprocess.run([sys.executable, "-m", "bench.parts", "_logprob_memory", path, str(int(grad)),
                                   str(vocab), str(seq_len), str(prompt_len)], check=True, capture_output=True,
-                                 text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}).stdout
+                                 text=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}).stdout
             peak[path] = json.loads(out.strip().splitlines()[-1])["peak_bytes"]
         ratios[grad] = peak["chunked"] / peak["plain"]
         print(f"{'with' if grad else 'without'} gradients: plain {peak['plain'] / 2**30:.2f} GiB, chunked "
@@ -299,27 +295,33 @@ def bench_logprob_memory(vocab=151_936, seq_len=4096, prompt_len=512):
     return ratios
 
 
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description="spo benchmarks")
-    parser.add_argument("which", nargs="*",
-                        default=["tracker", "throughput", "logprobs", "steps", "sandbox", "eval", "tools"],
-                        help="which benchmarks: tracker, throughput, logprobs, steps, sandbox, eval, tools, peer")
+def main(argv=None):
+    """`python -m bench [NAME ...]`: the benchmarks named (default: all but peer and gpu), each printed as it ends."""
+    parser = argparse.ArgumentParser(prog="python -m bench", description="spo benchmarks (peer and gpu: "
+                                     "python -m bench peer --help, python -m bench gpu --help)")
+    parser.add_argument("which", nargs="*", choices=list(BENCHMARKS), default=list(BENCHMARKS),
+                        help="which benchmarks: " + ", ".join(BENCHMARKS))
     parser.add_argument("--sizes", type=int, nargs="+", default=[14_000, 10**6, 10**7], help="tracker: prompts")
     parser.add_argument("--throughput_steps", type=int, default=40,
                         help="throughput: steps of each tool-toy training run (0: time to a batch only)")
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2],
-                        help="steps, peer: spo.py's ranks (torchrun --nproc_per_node), each measured")
-    if sys.argv[1:2] == ["_logprob_memory"]:  # bench_logprob_memory's worker process
-        _logprob_memory_worker(sys.argv[2], bool(int(sys.argv[3])), *map(int, sys.argv[4:7]))
-        sys.exit()
-    args = parser.parse_args()
+                        help="steps: spo.py's ranks (torchrun --nproc_per_node), each measured")
+    args = parser.parse_args(argv)
+    from bench import throughput
     for name in args.which:
         print(f"\n== {name}", flush=True)
         if name in ("eval", "tools") and len(args.which) > 1:  # one engine (and process group) per process
-            subprocess.run([sys.executable, os.path.abspath(__file__), name], check=True)
+            subprocess.run([sys.executable, "-m", "bench", name], check=True, cwd=ROOT)
             continue
         {"tracker": lambda: bench_tracker_sampler(args.sizes),
          "steps": lambda: [bench_steps(nproc=n) for n in args.ranks], "sandbox": bench_sandbox,
          "eval": bench_eval, "tools": bench_tools, "logprobs": bench_logprob_memory,
-         "throughput": lambda: bench_throughput.main(args.throughput_steps),
-         "peer": lambda: __import__("bench_peer").bench_peer(spo_ranks=args.ranks)}[name]()
+         "throughput": lambda: throughput.main(args.throughput_steps)}[name]()
+
+
+BENCHMARKS = ("tracker", "throughput", "logprobs", "steps", "sandbox", "eval", "tools")
+
+if __name__ == "__main__":  # bench_logprob_memory's worker process; run the benchmarks through `python -m bench`
+    if sys.argv[1:2] != ["_logprob_memory"]:
+        sys.exit("run `python -m bench` (this file holds the benchmarks of the project's parts)")
+    _logprob_memory_worker(sys.argv[2], bool(int(sys.argv[3])), *map(int, sys.argv[4:7]))

@@ -1,0 +1,1 @@
+"""Benchmarks: `python -m bench` (see __main__.py). Speed is measured here, never in the tests."""

@@ -1,0 +1,157 @@
+"""The house a reader walks: the top level holds the design card's files, each folder one kind of thing, imports
+go one way (no cycle; a lower layer never imports a higher one), and the README's map of the paper's equations
+(and every `file.py:name` the docs mention) names code that exists.
+
+    .venv/bin/python -m pytest tests/test_layout.py -q
+"""
+import ast
+import os
+import re
+import subprocess
+
+import pytest
+
+from common import ROOT
+
+CARD = {"spo.py", "tracker.py", "sampler.py", "rollout.py", "sandbox.py", "offline_values.py", "eval.py",
+        "test_spo.py", "requirements.txt", "README.md"}
+BESIDE = {"reward.py", "variants.py"}  # the verifier and the ablation family: concepts a student reads
+FOLDERS = {"machinery", "tasks", "bench", "experiments", "tests", "docs"}
+# Layers, lowest first: a module may import its own layer or a lower one. Within a layer the graph must still be
+# acyclic. The top-level parts of the algorithm sit above the machinery; the tasks are built through them; the
+# programs run everything; benchmarks, experiments and tests sit on top.
+LAYERS = [("machinery",), ("tracker", "sampler", "reward", "sandbox", "rollout", "variants"), ("tasks",),
+          ("eval", "offline_values", "spo"), ("bench", "experiments")]
+
+
+def tracked_files():
+    """The repository's files (git's list where this is a checkout, else what lies on disk)."""
+    proc = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode == 0 and proc.stdout.strip():
+        return [f for f in proc.stdout.splitlines() if os.path.exists(os.path.join(ROOT, f))]
+    return [os.path.relpath(os.path.join(d, f), ROOT) for d, dirs, files in os.walk(ROOT)
+            for f in files if not any(part.startswith(".") for part in os.path.relpath(d, ROOT).split(os.sep)[1:])]
+
+
+def modules():
+    """{dotted module name: path} of the project's Python files outside tests/."""
+    out = {}
+    for f in tracked_files():
+        if f.endswith(".py") and not f.startswith(("tests/", ".")) and f != "test_spo.py":
+            out[f[:-3].replace("/", ".").removesuffix(".__init__")] = os.path.join(ROOT, f)
+    return out
+
+
+def imports(path, known):
+    """The project modules a file imports anywhere in it (function-level imports count: they are edges too)."""
+    found = set()
+    for node in ast.walk(ast.parse(open(path).read())):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        found.update(n for n in names if n in known)
+    return found
+
+
+def layer(module):
+    top = module.split(".")[0]
+    return next(i for i, names in enumerate(LAYERS) if top in names)
+
+
+def test_the_top_level_holds_the_card_and_folders_one_kind_each():
+    files = tracked_files()
+    top = {f for f in files if "/" not in f and not f.startswith(".")}
+    extra = top - CARD - BESIDE
+    assert CARD | BESIDE <= top, f"missing at the top level: {sorted(CARD | BESIDE - top)}"
+    assert len(extra) <= 2, f"more than two files beside the card's: {sorted(extra)}"
+    folders = {f.split("/")[0] for f in files if "/" in f and not f.startswith(".")}
+    assert folders <= FOLDERS, f"folders outside the plan: {sorted(folders - FOLDERS)}"
+
+
+def test_imports_have_no_cycle_and_go_down_the_layers():
+    known = modules()
+    graph = {m: imports(p, known) - {m} for m, p in known.items()}
+    upward = [(m, d) for m, deps in graph.items() for d in deps if layer(d) > layer(m)]
+    assert not upward, f"imports of a higher layer: {upward}"
+    state, cycles = {}, []
+
+    def visit(node, path):
+        state[node] = "open"
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                cycles.append(path[path.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt, path + [nxt])
+        state[node] = "done"
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+    assert not cycles, f"import cycles: {cycles}"
+
+
+def test_the_layer_check_sees_an_upward_import(tmp_path):
+    """The checker itself: a machinery file importing spo is seen as an edge of a higher layer."""
+    path = tmp_path / "bad.py"
+    path.write_text("def f():\n    import spo\n")
+    known = {"machinery.bad": str(path), "spo": ""}
+    assert imports(str(path), known) == {"spo"} and layer("spo") > layer("machinery.bad")
+
+
+# ---- the docs: the README's size, its links, and every `file.py:name` they mention
+REFERENCE = re.compile(r"`([\w/]+\.py):([\w.]+)`")
+
+
+def defined(path, dotted):
+    """Whether `dotted` (a function, class, module-level name, or Class.method) is defined in the file."""
+    body = ast.parse(open(path).read()).body
+    for part in dotted.split("."):
+        found = None
+        for node in body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name == part:
+                found = node
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                if any(isinstance(t, ast.Name) and t.id == part for t in targets):
+                    found = node
+        if found is None:
+            return False
+        body = getattr(found, "body", [])
+    return True
+
+
+def doc_pages():
+    return [os.path.join("docs", f) for f in sorted(os.listdir(os.path.join(ROOT, "docs"))) if f.endswith(".md")]
+
+
+def test_the_readme_is_short_undated_and_links_every_docs_page():
+    text = open(os.path.join(ROOT, "README.md")).read()
+    assert len(text.splitlines()) <= 300
+    assert not re.search(r"\b20\d\d-\d\d-\d\d\b", text), "dated notes belong in docs/LOG.md"
+    pages = doc_pages()
+    assert "docs/LOG.md" in pages
+    assert [p for p in pages if f"({p})" not in text] == [], "docs pages the README does not link"
+
+
+@pytest.mark.parametrize("page", ["README.md"] + doc_pages())
+def test_every_code_reference_in_the_docs_exists(page):
+    text = open(os.path.join(ROOT, page)).read()
+    missing = [f"{f}:{name}" for f, name in REFERENCE.findall(text)
+               if not os.path.exists(os.path.join(ROOT, f)) or not defined(os.path.join(ROOT, f), name)]
+    assert not missing, f"{page} names code that does not exist: {missing}"
+
+
+def test_the_equation_map_names_a_function_for_each_equation():
+    text = open(os.path.join(ROOT, "README.md")).read()
+    rows = [line for line in text.splitlines() if line.startswith("|") and REFERENCE.search(line)]
+    for equation in ("Eq. 5", "Eq. 6", "Eq. 7", "Eq. 8", "Eq. 9", "Eq. 10", "Eq. 11", "Algorithm 1", "Algorithm 2"):
+        assert any(equation in row for row in rows), f"the README's equation map has no row for {equation}"
+    assert any("Eq. 10" in row and "`spo.py:ppo_clip_loss`" in row for row in rows)  # the loss training runs
+
+
+def test_the_reference_check_sees_a_missing_name(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text("X = 1\nclass A:\n    def f(self):\n        pass\ndef g():\n    pass\n")
+    assert defined(str(path), "A.f") and defined(str(path), "g") and defined(str(path), "X")
+    assert not defined(str(path), "A.g") and not defined(str(path), "h")
