@@ -334,7 +334,7 @@ def parse_args(argv=None):
     from reward import add_reward_flags, check_reward_flag
     from rollout import add_budget_flag, add_tool_flags, apply_tool_defaults
     add_budget_flag(g)  # --max_response_len (alias --max_tokens), as spo.py's; the paper evaluates with 32768
-    g.add_argument("--seed", type=int, default=0, help="per-request seeds derive from (seed, prompt id, sample)")
+    g.add_argument("--seed", type=int, default=0, help="per-request seeds derive from (seed, prompt key, sample)")
     add_reward_flags(g, truncation=False)  # --reward, --think_format: score as training does
     g = p.add_argument_group("output and engine")
     g.add_argument("--out_dir", default="eval_out", help="<benchmark>.samples.jsonl, summary.json, summary.md")

@@ -215,6 +215,21 @@ def estimate_offline_values(engine, data, out_path, *, n0=8, temperature=1.0, to
     return result
 
 
+def toy_values(engine, data, args, tools, v0_settings, progress):
+    """The path of the toy's offline values for spo.py's run (`args`), measured once with its engine (with the
+    run's own sampling settings, so they match by construction) and cached in the toy's directory."""
+    path = toy_values_path(args.toy_dir, args.n0, args.seed, v0_settings)
+    if not os.path.exists(path):
+        system_prompt = v0_settings["system_prompt"]
+        estimate_offline_values(engine, data, path, n0=args.n0, temperature=args.temperature,
+                                max_tokens=args.max_response_len, seed=args.seed,
+                                header={"model": args.model, "dataset": args.train,
+                                        **({"system_prompt": system_prompt} if system_prompt else {})},
+                                truncated_reward=args.truncated_reward, progress=progress, tools=tools,
+                                think_format=args.think_format, reward=args.reward)
+    return path
+
+
 def toy_values_path(toy_dir, n0, seed, v0_settings):
     """Where the toy's offline values for these settings are cached: one file per setting that changes v0."""
     digest = hashlib.sha1(json.dumps(v0_settings, sort_keys=True).encode()).hexdigest()[:8]

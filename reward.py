@@ -10,7 +10,7 @@ verifier reads the response:
   `\\boxed{N}` would answer for the model (in its code and again in the tool output): a reward hack.
 - A response cut off by the token budget (or the tool loop's turn limit) scores 0 by default
   (`truncated_reward="zero"`): it never finished its answer. Scored as is, the verifier ignores whatever follows
-  the last box, and a policy can learn never to end its answer (README, "Choices").
+  the last box, and a policy can learn never to end its answer (docs/design.md, Rewards).
 `think_format=True` adds the authors' gate for thinking models: exactly one `</think>` and no tool tag after it.
 
 Your own verifier (`--reward module:function` or `--reward path/to/file.py:function`) is a function
@@ -46,8 +46,8 @@ def add_reward_flags(parser, truncation=True):
     they are: truncation=False leaves --truncated_reward out)."""
     parser.add_argument("--reward", default=DEFAULT_REWARD,
                         help="the verifier, module:function or file.py:function, fn(response_text, ground_truth) "
-                             "-> 0 or 1 (README; example: reward:numeric_match); default: the authors' strict "
-                             "boxed rule")
+                             "-> 0 or 1 (docs/own-model-and-data.md; e.g. reward:numeric_match); default: the "
+                             "authors' strict boxed rule")
     if truncation:
         parser.add_argument("--truncated_reward", choices=["zero", "score"], default="zero",
                             help="a response cut off by the token budget gets 0 (zero) or is scored like any other")

@@ -6,7 +6,7 @@ size 1) on the prompts of its shard, so generation scales with the number of ran
 After every optimiser step the trainer's weights are pushed into the engine (CPU: written into vLLM's model and
 re-packed, `load_weights_on_cpu`; GPU: vLLM's `reload_weights`): step t+1 samples from the policy of step t.
 
-Settings by device (README "CPU and GPU"): CPU fp32, eager unless --engine_compile on, KV cache from
+Settings by device (docs/algorithm.md, CPU and GPU): CPU fp32, eager unless --engine_compile on, KV cache from
 VLLM_CPU_KVCACHE_SPACE (unset, each engine claims most of RAM); GPU bf16, a `gpu_memory_utilization` share of the
 card, and sleep mode (weights and KV cache discarded while the trainer runs, `sleep`; back for the weight push and
 the next generation, `wake_up`). Written for the GPU but not run on one here.
@@ -15,7 +15,7 @@ Generation stays behind one function, `Engine.generate`, which returns token ids
 and a response mask (1 on tokens the policy generated, 0 on tool output: the trainer leaves those out of the
 loss, the token count and D(x)).
 
-The tool loop (the authors' ReTool format; README "Tool-integrated reasoning"): a segment stops at `</code>`,
+The tool loop (the authors' ReTool format; docs/tools.md): a segment stops at `</code>`,
 the first ```python block after its last `<code>` runs in the sandbox pool, and its output (cut to
 `max_tool_output_chars`, head and tail) comes back as `<interpreter>...</interpreter>` tokens with mask 0 in the
 same assistant turn, until a segment without a call, `max_turns` segments or the token budget (tool tokens count).
@@ -83,7 +83,7 @@ def add_tool_flags(parser):
     """The tool-loop flags, shared by spo.py, eval.py and offline_values.py."""
     g = parser.add_argument_group("tools (tool-integrated reasoning)")
     g.add_argument("--tools", action="store_true",
-                   help="multi-turn Python tool loop; without --model/--train: the a*b tool toy")
+                   help="multi-turn Python tool loop; without --model or data: the a*b tool toy")
     g.add_argument("--tool_instruction", action="store_true",
                    help="prepend rollout.TOOL_INSTRUCTION as a system message (for data that does not teach the "
                         "format; prompt keys stay those of the data)")
@@ -136,7 +136,8 @@ def tools_from_flags(args):
                              ("sandbox_timeout", args.sandbox_timeout, 1e-3),
                              ("sandbox_memory_mb", args.sandbox_memory_mb, 1)):
         if value < low:  # caught here: inside the loop a bad limit would only come back as tool error text
-            raise SystemExit(f"error: --{flag} must be at least {low}, got {value}")
+            from machinery.errors import fail
+            fail(f"--{flag} must be at least {low}, got {value}", once=True)
     from sandbox import SandboxPool
     pool = SandboxPool(workers=args.sandbox_workers, timeout_s=args.sandbox_timeout, memory_mb=args.sandbox_memory_mb)
     return Tools(pool, max_turns=args.max_turns, max_tool_output_chars=args.max_tool_output_chars)
@@ -163,7 +164,8 @@ class Engine:
 
     def __init__(self, model_path, *, seed, max_model_len, device, gpu_memory_utilization=0.5,
                  temperature=1.0, compile_model=None):
-        """compile_model: torch.compile vLLM's model (None: on GPU only; on CPU it costs start-up, README)."""
+        """compile_model: torch.compile vLLM's model (None: on GPU only; on CPU it costs start-up:
+        docs/benchmarks.md)."""
         from vllm import LLM  # imported here: importing vllm is slow and only the rollout needs it
         self.on_gpu = device.type == "cuda"
         if not self.on_gpu and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
@@ -193,7 +195,7 @@ class Engine:
         )
         self.tokenizer = self.llm.get_tokenizer()
         # An eager CPU engine still samples through one small torch.compile'd vLLM helper (the sampled token's rank
-        # among the log-probs), whose trip through dynamo each step costs more than the op itself (README).
+        # among the log-probs), whose trip through dynamo each step costs more than the op itself (docs/design.md).
         self.helper_stance = "force_eager" if not (self.on_gpu or compile_model) else "default"
         # Every push would warn "RotaryEmbedding: Failed to load weights": rotary layers hold a cos/sin cache but no
         # weights, and vLLM puts the cache back by itself (model_loader/reload/layerwise.py). Only that line goes.

@@ -51,7 +51,7 @@ class PromptSampler:
     the weights from the tracker draws exactly the same prompts as an uninterrupted one.
     """
 
-    TREE_MIN_RATIO = 16  # auto: tree when n >= 16 * B (the two methods' costs cross near n = 8 B: python -m bench tracker)
+    TREE_MIN_RATIO = 16  # auto: tree when n >= 16 * B (the methods' costs cross near n = 8 B: python -m bench tracker)
     TREE_ROUNDS = 4  # with-replacement rounds before finishing with Gumbel-top-k
 
     def __init__(self, n_prompts, seed, mode="prioritized", method="auto"):

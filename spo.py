@@ -10,25 +10,16 @@ One training step (Algorithm 1) reads top to bottom in `main`:
   5. the advantage: SPO's A = r - v(x) with the tracker's value from BEFORE this reward (Eq. 8), normalised over
      the whole global batch (Eq. 9); then D(x) sets the forgetting factor rho(x) (Eq. 5), the tracker absorbs r
      (tracker.py) and the sampler's weights follow. GRPO: the z-score within each group;
-  6. PPO-clip with clip-higher and dual-clip (Eq. 10), token mean over the global batch, k optimiser steps;
+  6. PPO-clip with clip-higher and dual-clip (Eq. 10), token mean over the global mini-batch, k optimiser steps;
   7. the new weights are pushed into vLLM.
 The estimators, losses and sampling SPO is compared against (RLOO, Dr. GRPO, REINFORCE++, GSPO, CISPO, DAPO's
 dynamic sampling, Batch SPO, ...) are one flag away (variants.py): one branch in step 5, one loss in step 6.
 
 The algorithm's own math sits here as small pure functions, each named for what it computes: `spo_advantage`
-(Eq. 8), `global_normalise` (Eq. 9), `divergence` (D(x) of Eq. 5), `ppo_clip_loss` (Eq. 10),
-and SPO's memory of each prompt's last response (`PreviousResponse`, `remember`). The tracker and the sampler own
-the per-prompt state (tracker.py, sampler.py); trainer.py holds the FSDP2 machinery.
-
-D(x), exactly: at the previous visit t' of x we keep the response y' and the log-probs the acting policy pi_t'
-gave it (that step's PPO old log-probs, computed anyway). At this visit a no-grad pass of the current
-policy pi_t scores y', and with l = log pi_t(y'_k) - log pi_t'(y'_k) over y''s policy tokens, D(x) is the
-mean |l| (--divergence abs, the authors' measure and the scale of their D_half) or the mean of e^l - 1 - l
-(k3: an unbiased, non-negative estimate of KL(pi_t' || pi_t) per token), with ONE extra forward pass over at most
-B previous responses. The authors compare two post-update actors, tool tokens included, with two extra passes
-(README). First visit: D = 0, rho = rho_max.
-The previous responses live in CPU memory on every rank (a prompt may land on any rank next time); each step
-all-gathers the B new ones.
+(Eq. 8), `global_normalise` (Eq. 9), `divergence` (D(x) of Eq. 5), `ppo_clip_loss` (Eq. 10), and SPO's memory
+of each prompt's last response (`PreviousResponse`, `remember`: D(x) re-scores it under the current policy with
+one extra forward pass; docs/algorithm.md). The tracker and the sampler own the per-prompt state (tracker.py,
+sampler.py); machinery/ holds the FSDP2 trainer, checkpoints, memory estimate and metrics.
 
 The same program runs the CPU toy and an 8-GPU node; only device-dependent settings change (gloo / nccl,
 fp32 / bf16, vLLM's KV cache space / GPU memory fraction and sleep mode):
@@ -36,12 +27,11 @@ fp32 / bf16, vLLM's KV cache space / GPU memory fraction and sleep mode):
     torchrun --nproc_per_node=2 spo.py                                      # the toy, on a laptop CPU
     torchrun --nproc_per_node=2 spo.py --algo grpo                          # GRPO, same responses per step
     torchrun --nproc_per_node=2 spo.py --tools                              # with a Python tool (a*b tool toy)
-    torchrun --nproc_per_node=8 spo.py --model Qwen/Qwen3-8B --train dapo.parquet ...   (README)
+    torchrun --nproc_per_node=8 spo.py --model Qwen/Qwen3-8B --train dapo.parquet ...   (docs/scale.md)
 """
 import argparse
 import functools
 import math
-import os
 import time
 from dataclasses import dataclass
 
@@ -55,10 +45,9 @@ from machinery.collectives import all_gather_np, all_gather_objects, all_reduce_
 from machinery.data import load_dataset, load_tokenizer
 from machinery.errors import fail
 from machinery.metrics import Logger, PromptReach, oversample_metrics, spo_metrics, step_metrics
-from offline_values import (check_values_header, estimate_offline_values, init_tracker_from_file,
-                            training_v0_settings, toy_values_path)
+from offline_values import check_values_header, init_tracker_from_file, toy_values, training_v0_settings
 from reward import add_reward_flags, rewards
-from rollout import (TOOL_INSTRUCTION, add_budget_flag, add_tool_flags, apply_tool_defaults, prepare_vllm,
+from rollout import (TOOL_INSTRUCTION, Engine, add_budget_flag, add_tool_flags, apply_tool_defaults, prepare_vllm,
                      tools_from_flags)
 from sampler import PromptSampler, priority_weights
 from tasks import toy
@@ -83,7 +72,7 @@ def parse_args(argv=None):
     add_budget_flag(p)  # --max_response_len (alias --max_tokens), shared with eval.py and offline_values.py
     # ---- algorithm
     p.add_argument("--algo", choices=["spo", "grpo", "rloo", "dr_grpo", "reinforce_pp"], default="spo",
-                   help="advantage estimator (README: the variants table)")
+                   help="advantage estimator (docs/variants.md)")
     p.add_argument("--batch_size", type=int, default=64, help="responses per step, over all ranks")
     p.add_argument("--group_size", type=int, default=None, help="responses per prompt (spo: 1, others: 8)")
     p.add_argument("--steps", type=int, default=150, help="training steps (rollout batches)")
@@ -126,7 +115,7 @@ def parse_args(argv=None):
     p.add_argument("--eval_max_prompts", type=int, default=500, help="held-out prompts used (0: all)")
     add_probe_flags(p)  # --probe_every, --probe_prompts, --probe_samples: does the tracker track? (eval.py)
     # ---- run, checkpoints, logging
-    p.add_argument("--run_dir", default=None, help="outputs go here (default: runs/<algo>-<time>)")
+    p.add_argument("--run_dir", default=None, help="outputs go here (default: runs/<algo>-<date>-<time>-<pid>)")
     p.add_argument("--save_every", type=int, default=50, help="checkpoint every N steps (0: only at the end)")
     p.add_argument("--resume", default=None, help="a run directory to continue from its latest checkpoint")
     p.add_argument("--seed", type=int, default=0, help="seeds prompt sampling and generation")
@@ -134,7 +123,7 @@ def parse_args(argv=None):
     p.add_argument("--max_nonfinite", type=int, default=3, help="abort after N consecutive non-finite losses")
     p.add_argument("--wandb", default=None, help="wandb project name (only if wandb is installed)")
     p.add_argument("--tensorboard", action="store_true", help="also log to TensorBoard (if installed)")
-    # ---- memory: micro-batches, gradient checkpointing, the engine's share, the estimate at start (memory.py)
+    # ---- memory: micro-batches, gradient checkpointing, the engine's share, the estimate (machinery/memory.py)
     memory.add_memory_flags(p)
     p.add_argument("--engine_compile", choices=["auto", "on", "off"], default="auto",
                    help="torch.compile vLLM's model (auto: on GPU only; on CPU start-up takes seconds longer, each "
@@ -287,7 +276,6 @@ def build_policy_and_engine(args, world, device, run_dir, data, is_main):
                                              memory.use_gradient_checkpointing(args.gradient_checkpointing, on_gpu),
                                              memory.use_layer_units(args.fsdp_units, on_gpu))
     checkpoint.check_disk(run_dir, policy, export_bytes_per_parameter=2 if on_gpu else 4)
-    from rollout import Engine
     engine = Engine(model_path, seed=args.seed, max_model_len=args.max_prompt_len + args.max_response_len,
                     device=device, gpu_memory_utilization=args.gpu_memory_utilization,
                     temperature=args.temperature,
@@ -314,16 +302,8 @@ def per_prompt_state(args, state, engine, data, v0_settings, tools, on_toy, is_m
         previous = {i: PreviousResponse(**fields) for i, fields in state["previous"].items()}
     elif args.algo == "spo" and args.offline_values != "none":
         values_path = args.offline_values
-        if values_path == "auto" and on_toy:  # the toy's v0, measured once and cached
-            values_path = toy_values_path(args.toy_dir, args.n0, args.seed, v0_settings)
-            if not os.path.exists(values_path):
-                system_prompt = v0_settings["system_prompt"]
-                estimate_offline_values(engine, data, values_path, n0=args.n0, temperature=args.temperature,
-                                        max_tokens=args.max_response_len, seed=args.seed,
-                                        header={"model": args.model, "dataset": args.train,
-                                                **({"system_prompt": system_prompt} if system_prompt else {})},
-                                        truncated_reward=args.truncated_reward, progress=is_main, tools=tools,
-                                        think_format=args.think_format, reward=args.reward)
+        if values_path == "auto" and on_toy:  # the toy's v0, measured once with this engine and cached
+            values_path = toy_values(engine, data, args, tools, v0_settings, progress=is_main)
         if values_path == "auto":
             if is_main:
                 print("no --offline_values: the tracker starts from the uninformed prior (make them with "

@@ -13,7 +13,8 @@ Usage (in spo.py, per step, after drawing the batch `index` and scoring the resp
     baseline = tracker.value_at(index)                 # (B,) read BEFORE update (Eq. 8)
     advantage = reward - baseline                      # (B,)
     tracker.update(index, reward, tracker.rho(divergence))
-State is two float64 arrays indexed by a dense prompt index 0..n-1; spo.py maps stable prompt keys (data.py) to it.
+State is two float64 arrays indexed by a dense prompt index 0..n-1; spo.py maps stable prompt keys
+(machinery/data.py) to it.
 """
 import warnings
 

@@ -14,14 +14,14 @@ part and trust the others did not move:
 - DAPO's dynamic sampling: drop groups whose rewards are all equal, refill from more rounds, and count both the
   samples generated and those used, so that equal-budget comparisons stay honest;
 - group-free over-sampling (`--oversample`, Appendix B): only its flags and checks live here; the engine keeps
-  the first trajectories (or whole groups) to finish (rollout.Engine.generate, rollout.first_finished);
+  the first trajectories (or whole groups) to finish (rollout.Engine.generate, variants.first_finished);
 - `check_args`: one `error:` line for a flag out of range or a combination without meaning, before anything heavy
   starts.
 Batch SPO (`--group_size` with spo), the fixed offline baseline and rho = 1 are SPO's own tracker with another
 setting: they stay in spo.py's step 5.
 
 Why here and not in spo.py: the default run reads SPO's step without these detours, and each variant is one
-`if/elif` branch in spo.py's step 5 (advantages) or one entry in `make_loss` (losses). The README's variants table
+`if/elif` branch in spo.py's step 5 (advantages) or one entry in `make_loss` (losses). docs/variants.md's table
 gives each flag's formula and source, and which combination reproduces the paper's SPO and GRPO runs:
 
     torchrun --nproc_per_node=2 spo.py --algo rloo --group_size 8 --dynamic_sampling --loss cispo

@@ -1,7 +1,8 @@
 """Benchmarks: every speed claim of the project, measured side by side in one run and printed as ratios.
 Speed lives here, never in the tests. Run from the repository root:
 
-    python -m bench                           # the parts: tracker, throughput, logprobs, steps, sandbox, eval, tools
+    python -m bench                           # the parts: tracker, throughput, logprobs, steps, sandbox, eval,
+                                              # tools, collectives
     python -m bench tracker steps             # some of them (bench/parts.py, bench/throughput.py)
     python -m bench peer --trl_python PYTHON  # spo.py against TRL's GRPOTrainer on the toy (bench/peer.py)
     python -m bench gpu                       # the GPU device check: the trainer path without vLLM (bench/gpu.py)

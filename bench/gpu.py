@@ -129,7 +129,8 @@ def bench_gpu(shape="1.7b", response_len=8192, prompt_len=512, n_sequences=4, ma
 
 def main(argv=None):
     """`python -m bench gpu [flags]`."""
-    parser = argparse.ArgumentParser(prog="python -m bench gpu", description="the trainer path on one device, without vLLM")
+    parser = argparse.ArgumentParser(prog="python -m bench gpu",
+                                     description="the trainer path on one device, without vLLM")
     parser.add_argument("--shape", choices=sorted(QWEN3_SHAPES), default="1.7b", help="the model's shape")
     parser.add_argument("--response_len", type=int, default=8192, help="tokens per response")
     parser.add_argument("--sequences", type=int, default=4, help="responses in the batch")

@@ -1,7 +1,7 @@
 """The benchmarks of the project's parts, each measured side by side in one run and printed as ratios.
 
 - tracker: SPO's per-step bookkeeping (Eq. 5, 8, 11: draw B prompts, read values, absorb rewards, refresh the
-  changed weights) at 10^6 and 10^7 prompts, against a plain-Python dict-of-prompts version of the same step in
+  changed weights) at 14,000, 10^6 and 10^7 prompts, against a plain-Python dict-of-prompts version of the same step in
   the authors' style (per-prompt dicts, all weights recomputed, numpy choice without replacement).
 - steps: the step-time breakdown (generate / score / old log-probs + D(x) / update / weight push) of spo.py for
   --algo spo and --algo grpo on the toy at the same number of responses per step.
@@ -14,6 +14,8 @@
   real on the tool toy with injected tool latency, and the accuracy cost of over-sampling (bench/throughput.py).
 - logprobs: peak memory of the log-prob pass at Qwen3's vocabulary, chunked over response positions
   (trainer.token_logprobs) against the full-vocabulary log-softmax, with and without gradients.
+- collectives: the median time of each small collective the step uses on gloo (all-reduce against all-gather,
+  16 bytes against 64 KiB, torch's all_gather_object against collectives.all_gather_objects).
 Run through `python -m bench` (bench/__main__.py), which also starts bench/peer.py and bench/gpu.py.
 """
 import argparse
@@ -232,6 +234,51 @@ def bench_tools(toy_dir="toy_tools", n_prompts=256, max_tokens=160, workers=4, r
     return best
 
 
+# ------------------------------------------------------------------------------------------------ collectives
+def _collectives_worker(repeats):
+    """torchrun worker: the median wall time of each small collective spo.py's step uses, on gloo."""
+    import torch
+    import torch.distributed as dist
+    from machinery.collectives import all_gather_objects
+    dist.init_process_group("gloo")
+    world = dist.get_world_size()
+
+    def timed(op):
+        for _ in range(20):
+            op()
+        times = []
+        for _ in range(repeats):
+            dist.barrier()
+            start = time.perf_counter()
+            op()
+            times.append(time.perf_counter() - start)
+        return 1e3 * float(np.median(times))
+    three, small = torch.zeros(3, dtype=torch.float64), torch.zeros(2, dtype=torch.float64)  # 16 bytes
+    bucket = torch.zeros(2 ** 16, dtype=torch.uint8)  # all_gather_objects' fixed buffer
+    small_out = [torch.empty_like(small) for _ in range(world)]
+    bucket_out = [torch.empty_like(bucket) for _ in range(world)]
+    rows = {"all_reduce of 3 float64": timed(lambda: dist.all_reduce(three)),
+            "all_gather of 16 bytes": timed(lambda: dist.all_gather(small_out, small)),
+            "all_gather of 64 KiB": timed(lambda: dist.all_gather(bucket_out, bucket)),
+            "torch all_gather_object (small dict)": timed(lambda: dist.all_gather_object([None] * world, {"a": 1})),
+            "collectives.all_gather_objects (same)": timed(lambda: all_gather_objects([{"a": 1}]))}
+    if dist.get_rank() == 0:
+        print(json.dumps(rows))
+    dist.destroy_process_group()
+
+
+def bench_collectives(nproc=2, repeats=2000):
+    """Median ms of one small collective on gloo (the fixed cost machinery/collectives.py is built around)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "-m", "bench.parts",
+           "_collectives", str(repeats)]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=ROOT).stdout
+    rows = json.loads(out.strip().splitlines()[-1])
+    print(f"small collectives on gloo, {nproc} ranks, median of {repeats} (ms)")
+    for name, ms in rows.items():
+        print(f"{name:>40} {ms:8.3f}")
+    return rows
+
+
 # ------------------------------------------------------------------------------------------------ log-prob memory
 def _peak_rss_bytes(run):
     """Peak resident memory added while `run()` executes: /proc's high-water mark, reset just before."""
@@ -315,13 +362,16 @@ def main(argv=None):
             continue
         {"tracker": lambda: bench_tracker_sampler(args.sizes),
          "steps": lambda: [bench_steps(nproc=n) for n in args.ranks], "sandbox": bench_sandbox,
-         "eval": bench_eval, "tools": bench_tools, "logprobs": bench_logprob_memory,
+         "eval": bench_eval, "tools": bench_tools, "logprobs": bench_logprob_memory, "collectives": bench_collectives,
          "throughput": lambda: throughput.main(args.throughput_steps)}[name]()
 
 
-BENCHMARKS = ("tracker", "throughput", "logprobs", "steps", "sandbox", "eval", "tools")
+BENCHMARKS = ("tracker", "throughput", "logprobs", "steps", "sandbox", "eval", "tools", "collectives")
 
-if __name__ == "__main__":  # bench_logprob_memory's worker process; run the benchmarks through `python -m bench`
-    if sys.argv[1:2] != ["_logprob_memory"]:
+if __name__ == "__main__":  # the worker processes; run the benchmarks through `python -m bench`
+    if sys.argv[1:2] == ["_logprob_memory"]:
+        _logprob_memory_worker(sys.argv[2], bool(int(sys.argv[3])), *map(int, sys.argv[4:7]))
+    elif sys.argv[1:2] == ["_collectives"]:
+        _collectives_worker(int(sys.argv[2]))
+    else:
         sys.exit("run `python -m bench` (this file holds the benchmarks of the project's parts)")
-    _logprob_memory_worker(sys.argv[2], bool(int(sys.argv[3])), *map(int, sys.argv[4:7]))

@@ -155,7 +155,8 @@ def bench_throughput_training(steps=40, nproc=2, f=2, workers=64):
         for name, flags in ways.items():
             run = os.path.join(tmp, name.replace(" ", "").replace("=", ""))
             cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "-m",
-                   "bench.throughput", "_slow_tools_training", "--tools", "--steps", str(steps), "--eval_every", str(steps),
+                   "bench.throughput", "_slow_tools_training", "--tools", "--steps", str(steps),
+                   "--eval_every", str(steps),
                    "--save_every", "0", "--sandbox_workers", str(workers), "--eval_max_prompts", "200",
                    "--run_dir", run, *flags]
             env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
@@ -194,7 +195,7 @@ def _slow_tools_training(argv):
     spo.main(argv)
 
 
-if __name__ == "__main__":  # the worker processes of main(); run the benchmark itself through `python -m bench throughput`
+if __name__ == "__main__":  # the worker processes of main(); run the benchmark through `python -m bench throughput`
     if sys.argv[1:2] == ["_slow_tools_training"]:  # under torchrun
         _slow_tools_training(sys.argv[2:])
     elif sys.argv[1:2] == ["_throughput_real"]:

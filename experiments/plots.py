@@ -20,7 +20,7 @@ runs with a 95% t-interval band over runs (no band for a single run):
 Per-step curves (2, 3, 5) are trailing means over SMOOTH steps; a plot without data in any run is skipped (named).
 
     python -m experiments.sweep plot runs/spo-20261130-184232 runs/grpo --out plots  # your runs, one group each
-    python -m experiments.sweep plot experiments/toy --out plots                     # a sweep's runs, grouped by variant
+    python -m experiments.sweep plot experiments/toy --out plots                    # a sweep's runs, by variant
 """
 import json
 import os

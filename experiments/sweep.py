@@ -21,7 +21,8 @@ never reached a checkpoint is deleted and started again. A failed run (non-zero 
 in sweep.json and in summary.md, left out of every mean (each variant shows the seeds it used), and tried again by
 the next invocation. The tracker probe (--probe_every) runs on the SPO variants only (the others have no tracker).
 
-    python -m experiments.sweep --variants spo:0-4 grpo:0-4 rloo dr_grpo --seeds 0-2 --out experiments/toy -- --toy_dir toy
+    python -m experiments.sweep --variants spo:0-4 grpo:0-4 rloo dr_grpo --seeds 0-2 --out experiments/toy \\
+        -- --toy_dir toy
     python -m experiments.sweep --summary_only --out experiments/toy  # summary and plots again from the runs there
     python -m experiments.sweep plot RUN_DIR [RUN_DIR ...] --out plots  # the plots for any spo.py run directories
 """
@@ -43,7 +44,7 @@ from experiments.plots import eval_curve, groups_from_paths, make_plots, mean_ci
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: spo.py runs from there
 
-# The ablations: each changes one thing of the default SPO run (README: the variants table). Dr. GRPO here is its
+# The ablations: each changes one thing of the default SPO run (docs/variants.md). Dr. GRPO here is its
 # advantage only (the loss aggregation stays the token mean: one change per ablation; add --loss_agg token_sum
 # with --define for the paper's full recipe).
 VARIANTS = {
@@ -55,8 +56,8 @@ VARIANTS = {
     "no_offline": ["--offline_values", "none"],
     "uniform": ["--sampler", "uniform"],
     "rho_constant": ["--rho", "constant"],
-    "k3": ["--divergence", "k3"],  # D_half 3e-4, calibrated to abs (README: how D(x) is measured)
-    "k3_dhalf0.06": ["--divergence", "k3", "--d_half", "0.06"],  # the default before 2026-11-30
+    "k3": ["--divergence", "k3"],  # D_half 3e-4, calibrated to abs (docs/algorithm.md)
+    "k3_dhalf0.06": ["--divergence", "k3", "--d_half", "0.06"],  # the earlier default (docs/LOG.md)
 }
 OWNED = {"--seed", "--run_dir", "--resume"}  # the sweep sets these per run
 
@@ -318,7 +319,8 @@ def write_summary(out, sweep, only=None):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["plot"]:
-        p = argparse.ArgumentParser(prog="python -m experiments.sweep plot", description="the plots of spo.py run directories "
+        p = argparse.ArgumentParser(prog="python -m experiments.sweep plot",
+                                    description="the plots of spo.py run directories "
                                     "(a sweep directory: one group per variant)")
         p.add_argument("paths", nargs="+", help="spo.py run directories, or a sweep's --out")
         p.add_argument("--out", default="plots", help="where the PNG files go")

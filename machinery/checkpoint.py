@@ -309,7 +309,7 @@ def load_checkpoint(run_dir, world, prompt_keys):
         state = torch.load(os.path.join(path, "state.pt"), weights_only=False)  # our own file: numpy inside
     except (OSError, EOFError, RuntimeError) as e:
         fail(f"--resume {run_dir}: no complete checkpoint found ({e.__class__.__name__}: {e})")
-    if "prompt_keys" not in state or not os.path.isdir(os.path.join(path, "shards")):  # README, "Choices"
+    if "prompt_keys" not in state or not os.path.isdir(os.path.join(path, "shards")):  # docs/design.md, Checkpoints
         fail(f"--resume {run_dir}: the checkpoint was written by an older spo.py and cannot be resumed by this one; "
              f"its model directory still loads (--model {os.path.join(path, 'model')})")
     if state["prompt_keys"] != prompt_keys:

@@ -1,9 +1,9 @@
 """The small collectives every rank runs: numpy arrays and picklable objects gathered from all ranks, in rank order.
 
 Everything is built on all-gather. On gloo each collective has a fixed cost that dominates the toy's small
-messages (its all-reduce of a few numbers costs several times its all-gather, and an all-gather of 64 KiB about
-what one of 16 bytes does: README), so a reduction is an all-gather and a sum, several arrays travel in one
-collective, and objects travel in one fixed-size buffer. On nccl the same calls move GPU tensors.
+messages (its all-reduce of a few numbers costs more than its all-gather, and an all-gather of 64 KiB about
+what one of 16 bytes does: docs/design.md), so a reduction is an all-gather and a sum, several arrays travel in
+one collective, and objects travel in one fixed-size buffer. On nccl the same calls move GPU tensors.
 Not run on its own; tests/test_trainer.py checks them on two and three ranks.
 """
 import pickle
@@ -20,7 +20,7 @@ def _comm_device():
 
 def all_reduce_np(values, op="sum"):
     """Element-wise sum (or max) of a small float array over all ranks, in rank order: an all-gather and a sum,
-    since gloo's all-reduce of a few numbers takes several times as long as its all-gather (README)."""
+    since gloo's all-reduce of a few numbers takes longer than its all-gather (docs/design.md)."""
     parts = all_gather_np(np.asarray(values, dtype=np.float64).reshape(1, -1))  # (world, n)
     return parts.max(0) if op == "max" else parts.sum(0)
 
@@ -40,7 +40,8 @@ def all_gather_np(*arrays):
     return tuple(rows[:, lo:hi].reshape(-1).astype(a.dtype) for a, lo, hi in zip(arrays, cuts[:-1], cuts[1:]))
 
 
-# all_gather_objects' fixed first buffer: gloo gathers 64 KiB in about the time it gathers 16 bytes (README).
+# all_gather_objects' fixed first buffer: gloo gathers 64 KiB in about the time it gathers 16 bytes
+# (docs/design.md).
 OBJECT_BUCKET_BYTES = 2 ** 16
 
 

@@ -18,7 +18,7 @@ nothing is loaded), the rest from the flags. Per rank:
 - the engine: on CPU fp32 weights (counted twice), the KV cache (VLLM_CPU_KVCACHE_SPACE) and the process's
   libraries; on GPU vLLM's share of the card while it generates (`--gpu_memory_utilization`; the trainer then
   holds its shards and the root unit the weight push left gathered), asleep while the trainer works.
-The per-token constant was measured on this project's CPU machine (README "Your own model and data"); it errs
+The per-token constant was measured on this project's CPU machine (docs/own-model-and-data.md); it errs
 high. GPU numbers are the same arithmetic in bf16 and have never been checked on a GPU.
 
     python -m machinery.memory --model smollm/model --tokens 2048   # the estimate for 2 ranks, nothing started

@@ -2,7 +2,7 @@
 estimator (zero advantages, advantage variance, all-equal groups), SPO's own (tracker, rho and D(x)), the tool-use
 metrics, and the logger that writes them (a tqdm bar and a console line on rank 0, metrics.jsonl in the run
 directory, TensorBoard or wandb when installed and asked for).
-The README lists every metric. Called by spo.py on every rank (the metrics gather over all ranks).
+docs/flags.md lists every metric. Called by spo.py on every rank (the metrics gather over all ranks).
 """
 import json
 import os

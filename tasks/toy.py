@@ -7,11 +7,11 @@ knows it is training the toy.
 
 - Task: "a+b=" with operands of at most two digits; the answer must be written as \\boxed{a+b}. Difficulty varies
   across prompts (carries, three-digit sums), which is what a value tracker and prioritised sampling feed on.
-- Model: Qwen3 config, hidden 128, 4 layers, char-level vocabulary: about 0.6M parameters.
+- Model: Qwen3 config, hidden 128, 4 layers, char-level vocabulary: about 0.8M parameters.
 - Warm start: a short supervised phase on the answers, where 30% of the answers have one digit replaced by a
   random digit. Without that noise the model is as good sampled at temperature 1.0 as greedy and RL has little
   to sharpen; with it the base model is wrong most of the time and its per-prompt success rates spread widely
-  (measured in the README).
+  (measured in docs/experiments.md).
 
 The toy is built on first use and cached in `--toy_dir` (default ./toy); a build is deterministic for a seed
 on one machine. Measure the base model (exact success probabilities, no sampling):
@@ -347,8 +347,8 @@ def build_tool_toy(toy_dir, seed=0, n_train=2000, n_test=500, steps=700, lr=4e-3
 
     Copying operands and the interpreter's answer is learned suddenly (accuracy stays near 0 whatever the tool
     use, then jumps), then climbs towards tool_fraction * (1 - typo_rate). The last 30% of the steps decay the
-    learning rate to a tenth, so the end point does not depend on where an oscillation stops. The README has the
-    measured base accuracy and tool use."""
+    learning rate to a tenth, so the end point does not depend on where an oscillation stops. docs/experiments.md
+    has the measured base accuracy and tool use."""
     def build(tmp):
         train, test = make_tool_problems(seed, n_train, n_test)
         write_tool_parquet(f"{tmp}/train.parquet", train, "train")

@@ -51,7 +51,7 @@ def torchrun(nproc, *args, timeout=900):
 
 def torchrun_nodes(nnodes, *args, timeout=900):
     """`torchrun --nnodes=N --nproc_per_node=1` started N times with a c10d rendezvous on localhost: N nodes of one
-    process each, as the README's multi-node command starts them (every process has local rank 0)."""
+    process each, as docs/scale.md's multi-node command starts them (every process has local rank 0)."""
     port = free_port()
     cmd = [PYTHON, "-m", "torch.distributed.run", f"--nnodes={nnodes}", "--nproc_per_node=1", "--rdzv_backend=c10d",
            f"--rdzv_endpoint=127.0.0.1:{port}", f"--rdzv_id=nodes{port}", *args]

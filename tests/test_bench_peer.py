@@ -1,6 +1,6 @@
-"""bench/peer.py (`python -m bench peer`): spo.py against TRL's GRPOTrainer on the toy. TRL is a benchmark-only dependency
-in its own interpreter (--trl_python or SPO_TRL_PYTHON); without it the benchmark says how to install it and stops.
-The comparison itself is a benchmark, not a test (the test environment has no TRL); a quick run of it:
+"""bench/peer.py (`python -m bench peer`): spo.py against TRL's GRPOTrainer on the toy. TRL is a benchmark-only
+dependency in its own interpreter (--trl_python or SPO_TRL_PYTHON); without it the benchmark says how to install it
+and stops. The comparison itself is a benchmark, not a test (the test environment has no TRL); a quick run of it:
 `python -m bench peer --trl_python /tmp/trlvenv/bin/python --steps 3`.
 
     .venv/bin/python -m pytest tests/test_bench_peer.py -q

@@ -1,5 +1,5 @@
-"""Prompt files (machinery/data.py): the schemas a user brings, stable prompt keys, duplicates, and one clear error per bad
-file or row.
+"""Prompt files (machinery/data.py): the schemas a user brings, stable prompt keys, duplicates, and one clear error
+per bad file or row.
 
     .venv/bin/python -m pytest tests/test_data.py -q
 """

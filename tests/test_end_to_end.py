@@ -147,7 +147,7 @@ def test_resume_is_exact(small_toy, spo_run, tmp_path):
 
 @pytest.mark.slow
 def test_two_nodes_train_and_resume_as_one_node_does(small_toy, spo_run, tmp_path):
-    """The README's multi-node command, as two one-process "nodes" on this machine (c10d rendezvous on
+    """docs/scale.md's multi-node command, as two one-process "nodes" on this machine (c10d rendezvous on
     localhost, local rank 0 on both): 2 steps, a checkpoint, --resume for 2 more, into one shared run directory.
     Same world size and seeds as the one-node run: the same checkpoint, exactly."""
     straight, _ = spo_run

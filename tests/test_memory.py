@@ -1,9 +1,11 @@
-"""The per-rank memory estimate (machinery/memory.py): it covers what autograd really saves, its arithmetic on hand-made
-numbers, spo.py's refusal of a run that will not fit, before any model is loaded, and the token budget's
-micro-batches and their assignment to ranks.
+"""The per-rank memory estimate (machinery/memory.py): it covers what autograd really saves, its arithmetic on
+hand-made numbers, spo.py's refusal of a run that will not fit, before any model is loaded, and the CPU engine's KV
+cache from the flag or the environment. How the trainer cuts its passes is tests/test_batching.py.
 
     .venv/bin/python -m pytest tests/test_memory.py -q
 """
+import os
+
 import pytest
 import torch
 
@@ -110,3 +112,18 @@ def test_an_oversized_micro_batch_is_refused_before_the_model_loads(small_toy, t
     assert "pass --max_tokens_per_micro_batch" in errors[0] and "--ignore_memory_estimate" in errors[0]
     assert "memory per rank (estimate)" in proc.stdout and "training prompts" not in proc.stdout
     assert not (run / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("flag, env, expected, error", [
+    (None, None, "1", None), (None, "3", "3", None), (2, "3", "2", None),  # the flag wins when given
+    (0, None, None, "--cpu_kv_cache_gib 0"), (None, "", None, "VLLM_CPU_KVCACHE_SPACE=''"),
+    (None, "0", None, "VLLM_CPU_KVCACHE_SPACE='0'")])
+def test_cpu_kv_cache_space_from_flag_or_environment(monkeypatch, flag, env, expected, error):
+    if env is None:
+        monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", env)
+    message = memory.set_cpu_kv_cache(flag)
+    assert (message is None) if error is None else message.startswith(error)
+    if expected is not None:
+        assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == expected

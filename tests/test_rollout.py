@@ -3,7 +3,6 @@ and the real sandbox, driven by a scripted model whose tool calls are known (con
 
     .venv/bin/python -m pytest tests/test_rollout.py -q
 """
-import os
 import pickle
 import sys
 
@@ -21,6 +20,21 @@ def test_extract_code_takes_the_block_inside_the_last_code_tag():
     assert extract_code("<code>\n```\nC\n```\n</code>") == "C\n"
     assert extract_code("<code>print(1)</code>") is None
     assert extract_code("<code>\n```python\nprint(1)\n</code>") is None  # the fence never closes
+
+
+@pytest.mark.parametrize("flag, value", [("max_turns", 0), ("sandbox_workers", 0), ("sandbox_timeout", 0.0),
+                                         ("sandbox_memory_mb", 0)])
+def test_a_bad_tool_limit_is_one_line_and_exit_2_before_any_sandbox_starts(flag, value, capsys):
+    import argparse
+    from rollout import add_tool_flags, tools_from_flags
+    p = argparse.ArgumentParser()
+    add_tool_flags(p)
+    args = p.parse_args(["--tools", f"--{flag}", str(value)])
+    with pytest.raises(SystemExit) as stop:
+        tools_from_flags(args)
+    err = capsys.readouterr().err.strip().splitlines()
+    low = 1e-3 if flag == "sandbox_timeout" else 1
+    assert stop.value.code == 2 and err == [f"error: --{flag} must be at least {low}, got {value}"]
 
 
 def test_turn_seeds_are_the_trajectory_seed_then_distinct_and_deterministic():
@@ -336,19 +350,3 @@ def loop_worker(out, model_path):
 
 if __name__ == "__main__":  # torchrun tests/test_rollout.py WORKER OUT [ARGS...]
     globals()[sys.argv[1]](*sys.argv[2:])
-
-
-@pytest.mark.parametrize("flag, env, expected, error", [
-    (None, None, "1", None), (None, "3", "3", None), (2, "3", "2", None),  # the flag wins when given
-    (0, None, None, "--cpu_kv_cache_gib 0"), (None, "", None, "VLLM_CPU_KVCACHE_SPACE=''"),
-    (None, "0", None, "VLLM_CPU_KVCACHE_SPACE='0'")])
-def test_cpu_kv_cache_space_from_flag_or_environment(monkeypatch, flag, env, expected, error):
-    from machinery.memory import set_cpu_kv_cache
-    if env is None:
-        monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
-    else:
-        monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", env)
-    message = set_cpu_kv_cache(flag)
-    assert (message is None) if error is None else message.startswith(error)
-    if expected is not None:
-        assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == expected

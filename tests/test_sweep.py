@@ -1,7 +1,7 @@
-"""experiments/sweep.py and experiments/plots.py: the statistics on hand-made numbers, the summary and plots on hand-written run
-directories (fast), and one real sweep of two tiny runs on the small toy (slow): a half-finished sweep resumed
-(the finished run skipped, the interrupted one continued from its checkpoint), a failed run reported and left out,
-the plots written, and the tracker probe leaving training's metrics exactly as they are without it.
+"""experiments/sweep.py and experiments/plots.py: the statistics on hand-made numbers, the summary and plots on
+hand-written run directories (fast), and one real sweep of two tiny runs on the small toy (slow): a half-finished
+sweep resumed (the finished run skipped, the interrupted one continued from its checkpoint), a failed run reported
+and left out, the plots written, and the tracker probe leaving training's metrics exactly as they are without it.
 
     python -m pytest tests/test_sweep.py -q              # everything here
     python -m pytest tests/test_sweep.py -q -m "not slow"
@@ -147,7 +147,8 @@ def sweep_cmd(out, small_toy, *argv):
     flags = toy_args(small_toy, "unused", "--steps", "4", "--save_every", "2")[1:]
     at = flags.index("--run_dir")
     flags = flags[:at] + flags[at + 2:]
-    return [PYTHON, "-m", "experiments.sweep", "--out", str(out), "--seeds", "0", "--probe_every", "2", "--probe_prompts", "8",
+    return [PYTHON, "-m", "experiments.sweep", "--out", str(out), "--seeds", "0", "--probe_every", "2",
+            "--probe_prompts", "8",
             "--probe_samples", "4", *argv, "--", *flags]
 
 
@@ -197,6 +198,7 @@ def test_sweep_resumes_reports_failures_and_leaves_training_alone(small_toy, spo
     probe = [json.loads(line) for line in open(out / "runs" / "spo-s0" / "probe.jsonl")]
     assert len(probe[-1]["value"]) == 8 and all(0 <= s <= 1 for s in probe[-1]["success"])
     # The plots of single runs, as users make them.
-    plotted = subprocess.run([PYTHON, "-m", "experiments.sweep", "plot", str(grpo), str(out / "runs" / "spo-s0"), "--out",
+    plotted = subprocess.run([PYTHON, "-m", "experiments.sweep", "plot", str(grpo), str(out / "runs" / "spo-s0"),
+                              "--out",
                               str(tmp_path / "plots")], cwd=ROOT, env=ENV, capture_output=True, text=True)
     assert plotted.returncode == 0 and len(os.listdir(tmp_path / "plots")) == 5, plotted.stderr[-2000:]

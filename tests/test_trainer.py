@@ -1,5 +1,5 @@
-"""The trainer machinery (machinery/trainer.py) on the real FSDP2 under torchrun: two ranks compute the same update as one
-process, the weight push makes vLLM sample from the trained policy, and a non-finite loss skips the step.
+"""The trainer machinery (machinery/trainer.py) on the real FSDP2 under torchrun: two ranks compute the same update
+as one process, the weight push makes vLLM sample from the trained policy, and a non-finite loss skips the step.
 
     .venv/bin/python -m pytest tests/test_trainer.py -q
 """
@@ -95,7 +95,8 @@ def test_the_bucketed_weight_gather_equals_full_tensor_with_uneven_shards(tmp_pa
 
 @pytest.mark.slow
 def test_the_device_check_runs_the_trainer_path_on_a_tiny_qwen3_shape():
-    """`python -m bench gpu` is the device check (README); here on a CPU with a tiny Qwen3 shape (the real vocabulary).
+    """`python -m bench gpu` is the device check (docs/scale.md); here on a CPU with a tiny Qwen3 shape (the real
+    vocabulary).
     Its fp32 "reference" is the same weights unsharded, so on a CPU the FSDP2 log-probs must equal it."""
     import re
     proc = ok(python("-m", "bench", "gpu", "--shape", "tiny", "--response_len", "96", "--sequences", "3",
