@@ -304,12 +304,11 @@ def per_prompt_state(args, state, engine, data, v0_settings, tools, on_toy, is_m
         values_path = args.offline_values
         if values_path == "auto" and on_toy:  # the toy's v0, measured once with this engine and cached
             values_path = toy_values(engine, data, args, tools, v0_settings, progress=is_main)
-        if values_path == "auto":
-            if is_main:
-                print("no --offline_values: the tracker starts from the uninformed prior (make them with "
-                      "offline_values.py)", flush=True)
-        else:
+        if values_path != "auto":
             init_tracker_from_file(tracker, values_path, data, args.init_smoothing, is_main)
+        elif is_main:
+            print("no --offline_values: the tracker starts from the uninformed prior (make them with "
+                  "offline_values.py)", flush=True)
     if args.sampler == "prioritized":
         sampler.set_weights(priority_weights(tracker.value, tracker.n_eff, args.sampling_eps, args.sampling_gamma))
     return tracker, sampler, previous, reach, state["step"] if state else 0
@@ -327,9 +326,8 @@ def main(argv=None):
     tracker, sampler, previous, reach, start_step = per_prompt_state(args, state, engine, data, v0_settings, tools,
                                                                      on_toy, is_main)
     logger = Logger(run_dir, vars(args), is_main, args.wandb, args.tensorboard, start_step if state else None)
-    if is_main:
-        logger.console(f"{len(data.keys)} training prompts, {len(test.keys) if test else 0} held-out, world size "
-                       f"{world}, device {device.type}")
+    logger.console(f"{len(data.keys)} training prompts, {len(test.keys) if test else 0} held-out, world size {world}, "
+                   f"device {device.type}")  # (rank 0 only)
     # Step 6's loss: Eq. 10 (PPO-clip, token mean over the global mini-batch); --loss / --loss_agg swap in another
     loss_fn = functools.partial(ppo_clip_loss, clip_low=args.clip_low, clip_high=args.clip_high,
                                 dual_clip=args.dual_clip)
