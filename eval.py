@@ -236,15 +236,22 @@ def probe_subset(n_prompts, k, seed):
     return np.sort(np.random.default_rng([seed, 3]).choice(n_prompts, size=min(k, n_prompts), replace=False))
 
 
-def probe_stats(value, success, n_samples):
+def probe_stats(value, success, n_samples, n_eff=None):
     """The probe's summary: mean absolute error and mean signed error (bias) of v(x) against the measured success
     rate, and the error a PERFECT tracker would still show because the rate is measured from n samples: the mean
     of sqrt(2/pi) sqrt(p(1-p)/n) (normal approximation of E|p_hat - p|, with p(1-p) estimated without bias from
-    the same samples). A tracker error near this floor cannot be told apart from measurement noise."""
+    the same samples). A tracker error near this floor cannot be told apart from measurement noise.
+    n_eff (K,): the tracker's N_eff(x) = alpha + beta; probe/mae_unbiased is then the error of an UNBIASED tracker
+    holding N_eff independent samples of the current policy, beside the probe's noise:
+    mean of sqrt(2/pi) sqrt(p(1-p) (1/N_eff + 1/n)). A tracker that keeps up shows an MAE close to it."""
     value, success = np.asarray(value, np.float64), np.asarray(success, np.float64)
     spread = success * (1 - success) * n_samples / max(n_samples - 1, 1)  # unbiased p(1-p) from n Bernoulli draws
-    return {"probe/mae": float(np.mean(np.abs(value - success))), "probe/bias": float(np.mean(value - success)),
-            "probe/mae_floor": float(np.mean(np.sqrt(2 / np.pi * spread / n_samples)))}
+    stats = {"probe/mae": float(np.mean(np.abs(value - success))), "probe/bias": float(np.mean(value - success)),
+             "probe/mae_floor": float(np.mean(np.sqrt(2 / np.pi * spread / n_samples)))}
+    if n_eff is not None:
+        noise = spread * (1 / np.asarray(n_eff, np.float64) + 1 / n_samples)
+        stats["probe/mae_unbiased"] = float(np.mean(np.sqrt(2 / np.pi * noise)))
+    return stats
 
 
 def tracker_probe(engine, data, tracker, args, step, tools):
@@ -260,7 +267,7 @@ def tracker_probe(engine, data, tracker, args, step, tools):
     from machinery.collectives import all_gather_objects
     rank, world, n = dist.get_rank(), dist.get_world_size(), args.probe_samples
     index = probe_subset(len(data.keys), args.probe_prompts, args.seed)  # (K,)
-    value = tracker.value_at(index)  # (K,) read before any further update
+    value, n_eff = tracker.value_at(index), tracker.n_eff_at(index)  # (K,) read before any further update
     mine = index[rank::world]
     success = {}
     if len(mine):  # a rank with no probed prompt still joins the gather
@@ -272,11 +279,12 @@ def tracker_probe(engine, data, tracker, args, step, tools):
         success = {int(i): float(r.mean()) for i, r in zip(mine, reward)}
     merged = {i: s for part in all_gather_objects([success]) for i, s in part.items()}
     measured = np.array([merged[int(i)] for i in index])  # (K,)
-    stats = probe_stats(value, measured, n)
+    stats = probe_stats(value, measured, n, n_eff)
     if rank == 0:
         with open(os.path.join(args.run_dir, "probe.jsonl"), "a") as f:
             f.write(json.dumps({"step": step, "prompt": index.tolist(), "value": value.tolist(),
-                                "success": measured.tolist(), "n_samples": n, **stats}) + "\n")
+                                "success": measured.tolist(), "n_eff": n_eff.tolist(),
+                                "visits": tracker.visits[index].tolist(), "n_samples": n, **stats}) + "\n")
     return stats
 
 
@@ -322,7 +330,8 @@ def parse_args(argv=None):
     g = p.add_argument_group("model and data")
     g.add_argument("--model", default=None, help="HF model, or spo.py run / checkpoint dir (default: the toy)")
     g.add_argument("--data", nargs="+", default=None, help="benchmark files, parquet or JSONL (default: toy test)")
-    g.add_argument("--toy_dir", default=None, help="where the built-in toy is cached (toy; toy_tools with --tools)")
+    g.add_argument("--toy_dir", default=None, help="the built-in toy's directory (default: the shipped tasks/built/toy, "
+                                                   "toy_tools with --tools)")
     g.add_argument("--max_prompt_len", type=int, default=4096, help="longer prompts are left out (counted)")
     g = p.add_argument_group("sampling (defaults: the paper's evaluation)")
     # Not `--n`: torchrun's own parser rejects it as an ambiguous abbreviation of --nnodes / --nproc_per_node.

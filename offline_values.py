@@ -218,7 +218,7 @@ def estimate_offline_values(engine, data, out_path, *, n0=8, temperature=1.0, to
 def toy_values(engine, data, args, tools, v0_settings, progress):
     """The path of the toy's offline values for spo.py's run (`args`), measured once with its engine (with the
     run's own sampling settings, so they match by construction) and cached in the toy's directory."""
-    path = toy_values_path(args.toy_dir, args.n0, args.seed, v0_settings)
+    path = toy_values_path(args.toy_dir, args.n0, args.seed, v0_settings, args.train_prompts)
     if not os.path.exists(path):
         system_prompt = v0_settings["system_prompt"]
         estimate_offline_values(engine, data, path, n0=args.n0, temperature=args.temperature,
@@ -230,10 +230,12 @@ def toy_values(engine, data, args, tools, v0_settings, progress):
     return path
 
 
-def toy_values_path(toy_dir, n0, seed, v0_settings):
-    """Where the toy's offline values for these settings are cached: one file per setting that changes v0."""
+def toy_values_path(toy_dir, n0, seed, v0_settings, train_prompts=0):
+    """Where the toy's offline values for these settings are cached: one file per setting that changes v0 (and per
+    --train_prompts subset: a values file must not hold prompts outside the training set)."""
     digest = hashlib.sha1(json.dumps(v0_settings, sort_keys=True).encode()).hexdigest()[:8]
-    return os.path.join(toy_dir, f"offline_values_n{n0}_seed{seed}_len{v0_settings['max_tokens']}_{digest}.json")
+    subset = f"_p{train_prompts}" if train_prompts else ""
+    return os.path.join(toy_dir, f"offline_values_n{n0}_seed{seed}_len{v0_settings['max_tokens']}{subset}_{digest}.json")
 
 
 def init_tracker_from_file(tracker, path, data, smoothing, verbose):
@@ -280,7 +282,8 @@ def parse_args(argv=None):
     g = p.add_argument_group("model and data")
     g.add_argument("--model", default=None, help="the INITIAL policy: HF model name or dir (default: the toy)")
     g.add_argument("--data", default=None, help="training prompts, parquet or JSONL (default: the toy's)")
-    g.add_argument("--toy_dir", default=None, help="where the built-in toy is cached (toy; toy_tools with --tools)")
+    g.add_argument("--toy_dir", default=None, help="the built-in toy's directory (default: the shipped tasks/built/toy, "
+                                                   "toy_tools with --tools)")
     g.add_argument("--out", default="offline_values.json", help="output JSON (partial files go next to it)")
     g.add_argument("--max_prompt_len", type=int, default=256, help="as in training: longer prompts are left out")
     g.add_argument("--max_prompts", type=int, default=0, help="only the first N prompts (0: all)")

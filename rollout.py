@@ -104,9 +104,8 @@ def add_budget_flag(parser):
 
 
 def apply_tool_defaults(args):
-    """Defaults that depend on --tools, for flags left unset: the toy directory (toy_tools / toy) and the
-    response budget --max_response_len (160 / 32 tokens: room for a code call, its output and the answer)."""
-    args.toy_dir = args.toy_dir or ("toy_tools" if args.tools else "toy")
+    """Defaults that depend on --tools, for flags left unset: the response budget --max_response_len (160 / 32
+    tokens: room for a code call, its output and the answer). (The toy directory: tasks/toy.py:fill_in.)"""
     if args.max_response_len is None:  # `is None`: a 0 given on purpose must reach the range check
         args.max_response_len = 160 if args.tools else 32
 

@@ -60,8 +60,8 @@ def parse_args(argv=None):
     p.add_argument("--model", default=None, help="HF model name or local path (default: the built-in toy)")
     p.add_argument("--train", default=None, help="training prompts: parquet or JSONL (default: the toy)")
     p.add_argument("--test", default=None, help="held-out prompts for evaluation (default: the toy)")
-    p.add_argument("--toy_dir", default=None, help="where the built-in toy is built and cached "
-                                                    "(default: toy, or toy_tools with --tools)")
+    p.add_argument("--toy_dir", default=None, help="the built-in toy's directory, built there on first use "
+                                                    "(default: the shipped tasks/built/toy, or toy_tools with --tools)")
     p.add_argument("--offline_values", default="auto",
                    help="offline_values.py output that initialises the tracker (Algorithm 2); 'auto': on the toy, "
                         "built with the engine on first use, else none; 'none': the uninformed prior")
@@ -69,6 +69,7 @@ def parse_args(argv=None):
     p.add_argument("--accept_offline_mismatch", action="store_true",
                    help="use --offline_values made with other sampling settings than this run (refused otherwise)")
     p.add_argument("--max_prompt_len", type=int, default=256, help="longer prompts are left out (counted)")
+    p.add_argument("--train_prompts", type=int, default=0, help="train on the first N prompts only (0: all)")
     add_budget_flag(p)  # --max_response_len (alias --max_tokens), shared with eval.py and offline_values.py
     # ---- algorithm
     p.add_argument("--algo", choices=["spo", "grpo", "rloo", "dr_grpo", "reinforce_pp"], default="spo",
@@ -90,6 +91,8 @@ def parse_args(argv=None):
     p.add_argument("--d_half", type=float, default=None,
                    help=f"divergence at which rho halves (default: {D_HALF['abs']} for abs, {D_HALF['k3']} for k3)")
     p.add_argument("--rho_constant", type=float, default=0.875, help="rho when --rho constant")
+    p.add_argument("--adv_norm", choices=["trajectory", "token"], default="trajectory", help="Eq. 9 over "
+                   "trajectories (paper) or loss tokens (SPO++'s token measure; spo, reinforce_pp)")
     p.add_argument("--init_smoothing", choices=["kt", "mean"], default="kt",
                    help="offline v0: (s+0.5)/(n+1) (kt, the authors') or s/n (mean, the paper's)")
     # ---- policy optimisation
@@ -148,12 +151,17 @@ def spo_advantage(reward, value):
     return reward - value
 
 
-def global_normalise(advantage, eps=1e-8, all_reduce=all_reduce_np):
+def global_normalise(advantage, eps=1e-8, all_reduce=all_reduce_np, weight=None):
     """Eq. 9: (A - mean) / std over the GLOBAL batch (unbiased std, as the authors): `all_reduce` sums this
-    rank's (sum, sum of squares, count) over all ranks (pass an identity function for a world of one)."""
-    total, total_sq, n = all_reduce([advantage.sum(), (advantage ** 2).sum(), advantage.size])
+    rank's weighted (sum, sum of squares, count, count^2) over all ranks (identity for a world of one).
+    weight (B,): --adv_norm token (SPO++'s token measure): each trajectory counts once per loss token, so the
+    advantage is centred under the token mean the loss takes; the trajectory mean is not, once lengths differ."""
+    weight = np.ones_like(advantage) if weight is None else np.asarray(weight, advantage.dtype)  # (B,)
+    total, total_sq, n, n_sq = all_reduce([(weight * advantage).sum(), (weight * advantage ** 2).sum(), weight.sum(),
+                                           (weight ** 2).sum()])
     mean = total / n
-    std = max((total_sq - n * mean ** 2) / max(n - 1, 1), 0.0) ** 0.5
+    dof = n - n_sq / n  # weighted Bessel correction: n - 1 for unit weights, so equal lengths give the paper's form
+    std = max((total_sq - n * mean ** 2) / (dof if dof > 0 else 1.0), 0.0) ** 0.5
     return (advantage - mean) / (std + eps)
 
 
@@ -252,6 +260,9 @@ def load_data(args, tools, prompts_per_step, is_main):
     tokenizer = load_tokenizer(args.model)
     system_prompt = TOOL_INSTRUCTION if args.tool_instruction else None
     data = load_dataset(args.train, tokenizer, args.max_prompt_len, is_main, system_prompt)
+    if args.train_prompts > len(data.keys):
+        fail(f"--train_prompts {args.train_prompts}: --train {args.train} has only {len(data.keys)} prompts", once=True)
+    data = data[: args.train_prompts or None]
     test = load_dataset(args.test, tokenizer, args.max_prompt_len, is_main, system_prompt) if args.test else None
     if test is not None and args.eval_max_prompts:
         test = test[: args.eval_max_prompts]
@@ -382,11 +393,13 @@ def main(argv=None):
                                    [(data.prompt_ids[mine[slot]], p.response_ids, p.mask) for slot, p in revisited],
                                    args.temperature, args.micro_batch_size, args.max_tokens_per_micro_batch)
         t["old_logprobs"] = time.time() - t0
-        # 5. advantages, and the state each algorithm carries to the next step.
+        # 5. advantages, and the state each algorithm carries to the next step (Eq. 9 weighs a trajectory by its
+        #    loss tokens with --adv_norm token).
+        norm_weight = [sum(r.response_mask) for r in rollouts] if args.adv_norm == "token" else None
         if args.algo == "spo":
             value = tracker.value_at(mine) if args.baseline != "none" else np.zeros(local)  # v_{-1}(x)
             raw_advantage = spo_advantage(reward, value)  # Eq. 8, before the tracker absorbs r
-            advantage = global_normalise(raw_advantage)  # Eq. 9
+            advantage = global_normalise(raw_advantage, weight=norm_weight)  # Eq. 9
             divergences, revisit = np.zeros(local), np.zeros(local)  # D(x) per slot; 0 on a first visit
             for (slot, prev), now in zip(revisited, old["revisited"]):  # a prompt's G slots share D(x), one rho
                 divergences[slot: slot + group] = divergence(now[prev.mask > 0], prev.logprobs[prev.mask > 0],
@@ -403,7 +416,7 @@ def main(argv=None):
                                                      args.sampling_eps, args.sampling_gamma), uniq)
             algo_metrics = spo_metrics(all_raw_advantage, tracker, all_divergences, rho, all_revisit > 0)
         elif args.algo == "reinforce_pp":  # REINFORCE++: no per-prompt baseline, r whitened over the global batch
-            raw_advantage, advantage, algo_metrics = reward, global_normalise(reward), {}
+            raw_advantage, advantage, algo_metrics = reward, global_normalise(reward, weight=norm_weight), {}
         else:  # the group baselines (variants.py): GRPO's z-score, RLOO's leave-one-out mean, Dr. GRPO's mean
             raw_advantage = advantage = variants.GROUP_BASELINES[args.algo](reward, group)
             algo_metrics = {}  # (all-equal groups: in step_metrics, for every estimator with groups)

@@ -247,10 +247,33 @@ def test_global_normalise_is_one_z_score_over_all_ranks():
     """Eq. 9 over the global batch: two ranks that each see half the batch get the halves of the one z-score."""
     a = np.array([1.0, 2.0, 4.0, 7.0, 0.5])
     halves = [a[:2], a[2:]]
-    totals = sum(np.array([h.sum(), (h ** 2).sum(), h.size]) for h in halves)  # what all_reduce would return
+    totals = sum(np.array([h.sum(), (h ** 2).sum(), h.size, h.size]) for h in halves)  # what all_reduce returns
     out = np.concatenate([global_normalise(h, all_reduce=lambda _: totals) for h in halves])
     np.testing.assert_allclose(out, (a - a.mean()) / (a.std(ddof=1) + 1e-8), rtol=1e-12)
     np.testing.assert_allclose(global_normalise(a, all_reduce=np.asarray), out, rtol=1e-12)  # a world of one
+
+
+def test_token_measure_centres_the_advantage_over_loss_tokens():
+    """--adv_norm token (SPO++): the advantage has mean 0 over the batch's loss tokens (each trajectory repeated
+    once per token), which the trajectory form misses once lengths differ, and weighted unbiased std 1."""
+    a, tokens = np.array([1.0, -0.5, 0.25, -1.0]), np.array([3, 10, 1, 6])
+    out = global_normalise(a, all_reduce=np.asarray, weight=tokens)
+    assert abs(np.repeat(out, tokens).mean()) < 1e-12
+    v1, v2 = tokens.sum(), (tokens ** 2).sum()
+    assert abs((tokens * out ** 2).sum() / (v1 - v2 / v1) - 1) < 1e-7  # reliability-weighted unbiased variance
+    assert abs(np.repeat(global_normalise(a, all_reduce=np.asarray), tokens).mean()) > 0.1  # trajectory form: not
+    halves = [(a[:1], tokens[:1]), (a[1:], tokens[1:])]  # two ranks sum their weighted totals
+    totals = sum(np.array([(w * h).sum(), (w * h ** 2).sum(), w.sum(), (w ** 2).sum()]) for h, w in halves)
+    split = np.concatenate([global_normalise(h, all_reduce=lambda _: totals, weight=w) for h, w in halves])
+    np.testing.assert_allclose(split, out, rtol=1e-12)
+
+
+def test_token_measure_with_equal_lengths_is_the_trajectory_form():
+    a = np.array([0.3, -0.7, 1.1, 0.0, -0.2])
+    np.testing.assert_array_equal(global_normalise(a, all_reduce=np.asarray, weight=np.full(5, 1.0)),
+                                  global_normalise(a, all_reduce=np.asarray))
+    np.testing.assert_allclose(global_normalise(a, all_reduce=np.asarray, weight=np.full(5, 7)),
+                               global_normalise(a, all_reduce=np.asarray), rtol=1e-6)
 
 
 def test_grpo_advantage_is_a_z_score_within_each_group():

@@ -13,8 +13,8 @@ Usage (in spo.py, per step, after drawing the batch `index` and scoring the resp
     baseline = tracker.value_at(index)                 # (B,) read BEFORE update (Eq. 8)
     advantage = reward - baseline                      # (B,)
     tracker.update(index, reward, tracker.rho(divergence))
-State is two float64 arrays indexed by a dense prompt index 0..n-1; spo.py maps stable prompt keys
-(machinery/data.py) to it.
+State is two float64 arrays indexed by a dense prompt index 0..n-1 (and a visit count per prompt, which only
+the tracker probe's regime measurement reads); spo.py maps stable prompt keys (machinery/data.py) to it.
 """
 import warnings
 
@@ -48,6 +48,7 @@ class ValueTracker:
         # Uninformed prior Beta(0.5, 0.5): v = 0.5, N_eff = 1 (the paper's "no offline init" ablation).
         self.alpha = np.full(self.n_prompts, 0.5)
         self.beta = np.full(self.n_prompts, 0.5)
+        self.visits = np.zeros(self.n_prompts, np.int64)  # rewards absorbed per prompt (not used by the algorithm)
 
     # ---- reading -------------------------------------------------------------------------------------
     @property
@@ -149,10 +150,12 @@ class ValueTracker:
         n_obs = np.bincount(slot, minlength=len(prompts))  # (U,)
         self.alpha[prompts] = rho_per_prompt * self.alpha[prompts] + reward_sum
         self.beta[prompts] = rho_per_prompt * self.beta[prompts] + (n_obs - reward_sum)
+        self.visits[prompts] += n_obs
 
     # ---- checkpointing --------------------------------------------------------------------------------
     def state_dict(self):
-        return {"alpha": self.alpha.copy(), "beta": self.beta.copy(), "rho_min": self.rho_min,
+        return {"alpha": self.alpha.copy(), "beta": self.beta.copy(), "visits": self.visits.copy(),
+                "rho_min": self.rho_min,
                 "rho_max": self.rho_max, "d_half": self.d_half, "rho_constant": self.rho_constant}
 
     def load_state_dict(self, state):
@@ -162,6 +165,8 @@ class ValueTracker:
             raise ValueError(f"tracker.load_state_dict: checkpoint holds {alpha.shape[0] if alpha.ndim else '?'} "
                              f"prompts, this run has {self.n_prompts} (did the dataset change?)")
         self.alpha, self.beta = alpha.copy(), beta.copy()
+        # (checkpoints made before the count existed resume with zeros: only the regime measurement reads it)
+        self.visits = np.asarray(state.get("visits", np.zeros(self.n_prompts)), np.int64).copy()
         self.rho_min, self.rho_max, self.d_half = state["rho_min"], state["rho_max"], state["d_half"]
         self.rho_constant = state["rho_constant"]
 

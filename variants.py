@@ -62,7 +62,7 @@ def add_variant_flags(p):
 AT_LEAST = {"batch_size": 1, "group_size": 1, "steps": 1, "max_prompt_len": 1, "max_response_len": 1,
             "micro_batch_size": 1, "ppo_steps": 1, "n0": 1, "eval_samples": 1, "eval_every": 0, "save_every": 0,
             "log_every": 1, "max_nonfinite": 1, "max_sampling_rounds": 0, "eval_max_prompts": 0,
-            "probe_every": 0, "probe_prompts": 1, "probe_samples": 1}
+            "probe_every": 0, "probe_prompts": 1, "probe_samples": 1, "train_prompts": 0}
 POSITIVE = ("lr", "temperature", "eval_temperature", "d_half", "grad_clip", "dual_clip", "gpu_memory_utilization")
 NON_NEGATIVE = ("weight_decay", "clip_low", "clip_high", "sampling_eps", "sampling_gamma")
 
@@ -101,6 +101,9 @@ def check_args(args, world):
     if not args.oversample >= 1 or (args.oversample > 1 and args.dynamic_sampling):
         fail(f"--oversample must be at least 1 (1: off) and cannot be combined with --dynamic_sampling, got "
              f"{args.oversample}", once=True)
+    if args.adv_norm != "trajectory" and args.algo not in ("spo", "reinforce_pp"):
+        fail(f"--adv_norm {args.adv_norm} sets Eq. 9's batch normalisation; --algo {args.algo} normalises within "
+             f"each group instead", once=True)
     if args.probe_every and args.algo != "spo":
         fail(f"--probe_every measures SPO's value tracker; --algo {args.algo} has none", once=True)
     if args.dynamic_sampling and (args.algo == "spo" or args.group_size < 2):

@@ -154,7 +154,7 @@ def bench_steps(steps=40, warmup=5, nproc=2, batch_size=64, group_size=8):
     return rows
 
 
-def bench_eval(toy_dir="toy", n_problems=100, n=8, max_tokens=32, repeats=3):
+def bench_eval(toy_dir=None, n_problems=100, n=8, max_tokens=32, repeats=3):
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from tasks import toy
     from machinery import trainer
@@ -200,7 +200,7 @@ def bench_eval(toy_dir="toy", n_problems=100, n=8, max_tokens=32, repeats=3):
     return best
 
 
-def bench_tools(toy_dir="toy_tools", n_prompts=256, max_tokens=160, workers=4, repeats=2):
+def bench_tools(toy_dir=None, n_prompts=256, max_tokens=160, workers=4, repeats=2):
     """Policy tokens per second of Engine.generate on the tool toy, tools on against off (same prompts, seeds,
     budget); best of `repeats`. Counts only tokens the model generated: interpreter tokens are not throughput."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

@@ -188,7 +188,7 @@ def bench_peer(steps=150, trl_python=None, toy_dir=None, seed=0, warmup=5, max_t
     table; returns its rows. Per row: every round's steps pooled into one median, the ratio to TRL's pooled
     median, and each round's own ratio (TRL measured in the same round)."""
     python = trl_python or os.environ.get("SPO_TRL_PYTHON") or sys.executable
-    toy_dir = os.path.abspath(toy_dir or os.path.join(ROOT, "toy"))
+    toy_dir = os.path.abspath(toy_dir or os.path.join(ROOT, "tasks", "built", "toy"))
     if subprocess.run([python, "-c", "import trl"], capture_output=True).returncode != 0:
         print("skipped: " + INSTALL_HINT.format(python=python), flush=True)
         return None
@@ -248,7 +248,7 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=150)
     p.add_argument("--trl_python", default=None, help="an interpreter with trl installed (default: "
                                                      "$SPO_TRL_PYTHON, else this one)")
-    p.add_argument("--toy_dir", default=None, help="the built toy (default: toy)")
+    p.add_argument("--toy_dir", default=None, help="the built toy (default: the shipped tasks/built/toy)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", type=int, default=5, help="first steps left out of the median (start-up)")
     p.add_argument("--trl_threads", type=int, default=1, help="torch threads of the TRL process")

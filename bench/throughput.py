@@ -97,7 +97,7 @@ class _SlowTools:
         return self.pool.submit(self.slowed(code))
 
 
-def bench_throughput_real(toy_dir="toy_tools", batch=64, group_size=8, f=2, repeats=10, max_tokens=160):
+def bench_throughput_real(toy_dir=None, batch=64, group_size=8, f=2, repeats=10, max_tokens=160):
     """Time to a batch of `batch` on the tool toy with _SlowTools, same engine, one after another per repeat:
     SPO over-sampled (f x batch single trajectories, keep the first batch), GRPO over-sampled (keep the first
     batch / G complete groups of f x batch / G), and both without over-sampling."""

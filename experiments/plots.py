@@ -61,6 +61,16 @@ def mean_ci(values):
     return mean, mean - half, mean + half, n
 
 
+def prediction_interval(values):
+    """(low, high): where ONE more run falls with 95% probability (normal model), mean +- t_{0.975, n-1} sd
+    sqrt(1 + 1/n): what a single run on another machine is checked against. NaN with fewer than two values."""
+    x = np.asarray([v for v in values if v is not None and np.isfinite(v)], np.float64)
+    if x.size < 2:
+        return float("nan"), float("nan")
+    half = t975(x.size - 1) * float(x.std(ddof=1)) * np.sqrt(1 + 1 / x.size)
+    return float(x.mean()) - half, float(x.mean()) + half
+
+
 def paired_difference(values, reference):
     """values, reference: {seed: number}. The mean_ci of values[s] - reference[s] over the seeds both have
     (finite): a paired comparison, since runs with one seed share the held-out samples' seeds and the start."""

@@ -21,8 +21,7 @@ never reached a checkpoint is deleted and started again. A failed run (non-zero 
 in sweep.json and in summary.md, left out of every mean (each variant shows the seeds it used), and tried again by
 the next invocation. The tracker probe (--probe_every) runs on the SPO variants only (the others have no tracker).
 
-    python -m experiments.sweep --variants spo:0-4 grpo:0-4 rloo dr_grpo --seeds 0-2 --out experiments/toy \\
-        -- --toy_dir toy
+    python -m experiments.sweep --variants spo:0-4 grpo:0-4 rloo dr_grpo --seeds 0-2 --out experiments/mine
     python -m experiments.sweep --summary_only --out experiments/toy  # summary and plots again from the runs there
     python -m experiments.sweep plot RUN_DIR [RUN_DIR ...] --out plots  # the plots for any spo.py run directories
 """
@@ -40,7 +39,8 @@ import time
 
 import numpy as np
 
-from experiments.plots import eval_curve, groups_from_paths, make_plots, mean_ci, paired_difference, read_run
+from experiments.plots import (eval_curve, groups_from_paths, make_plots, mean_ci, paired_difference,
+                               prediction_interval, read_run)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: spo.py runs from there
 
@@ -56,6 +56,8 @@ VARIANTS = {
     "no_offline": ["--offline_values", "none"],
     "uniform": ["--sampler", "uniform"],
     "rho_constant": ["--rho", "constant"],
+    "rho_none": ["--rho", "none"],  # rho = 1: nothing forgotten
+    "adv_token": ["--adv_norm", "token"],  # SPO++'s token measure in Eq. 9
     "k3": ["--divergence", "k3"],  # D_half 3e-4, calibrated to abs (docs/algorithm.md)
     "k3_dhalf0.06": ["--divergence", "k3", "--d_half", "0.06"],  # the earlier default (docs/LOG.md)
 }
@@ -241,7 +243,8 @@ def summarize(out, sweep, only=None):
             acc = {seed: c[step][1] for seed, c in runs.items() if step in c}
             mean, low, high, n = mean_ci(acc.values())
             cell = {"generated": float(np.mean([c[step][0] for c in runs.values() if step in c])), "n": n,
-                    "accuracy_mean": mean, "accuracy_ci95": [low, high], "per_seed": acc}
+                    "accuracy_mean": mean, "accuracy_ci95": [low, high],
+                    "accuracy_pi95": list(prediction_interval(acc.values())), "per_seed": acc}
             if variant != reference and ref:
                 ref_acc = {seed: c[step][1] for seed, c in ref.items() if step in c}
                 d_mean, d_low, d_high, d_n = paired_difference(acc, ref_acc)
@@ -280,6 +283,10 @@ def markdown(summary):
         used = (f"{len(v['seeds_used'])}" + (f" ({len(v['seeds_failed'])} failed)" if v["seeds_failed"] else "")
                 + (f" ({len(v['seeds_not_run'])} not run yet)" if v.get("seeds_not_run") else ""))
         lines.append(f"| {name} | {used} | " + " | ".join(cells) + " |")
+    lines += ["\n## A single run's range (95% prediction interval over seeds)\n", header, "|---" * (len(steps) + 2) + "|"]
+    for name, v in variants.items():
+        cells = [_pct(c["accuracy_mean"], *c["accuracy_pi95"]) if (c := v["steps"].get(str(s))) else "" for s in steps]
+        lines.append(f"| {name} | {len(v['seeds_used'])} | " + " | ".join(cells) + " |")
     if ref in variants and len(variants) > 1:
         lines += [f"\n## Paired difference to {ref} (points)\n", header, "|---" * (len(steps) + 2) + "|"]
         for name, v in variants.items():

@@ -73,7 +73,8 @@ def spo_metrics(all_raw_advantage, tracker, divergence, rho, revisit):
          "zero_signal/abs_adv_le_0.02": np.mean(np.abs(raw) <= 0.02),
          "tracker/value_mean": value.mean(), "tracker/value_p10": np.quantile(value, 0.1),
          "tracker/value_p50": np.quantile(value, 0.5), "tracker/value_p90": np.quantile(value, 0.9),
-         "tracker/n_eff_mean": tracker.n_eff.mean(), "tracker/rho_mean": np.mean(rho),
+         "tracker/n_eff_mean": tracker.n_eff.mean(), "tracker/visits_mean": tracker.visits.mean(),
+         "tracker/rho_mean": np.mean(rho),
          "tracker/divergence_mean": np.mean(divergence), "tracker/divergence_max": np.max(divergence),
          "tracker/revisit_share": np.mean(revisit)}
     if revisit.any():

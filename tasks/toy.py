@@ -13,10 +13,15 @@ knows it is training the toy.
   to sharpen; with it the base model is wrong most of the time and its per-prompt success rates spread widely
   (measured in docs/experiments.md).
 
-The toy is built on first use and cached in `--toy_dir` (default ./toy); a build is deterministic for a seed
-on one machine. Measure the base model (exact success probabilities, no sampling):
+The toy ships built, in tasks/built/toy (and the tool toy in tasks/built/toy_tools): float arithmetic differs
+between CPUs, and 800 warm-start steps amplify that into a different model on every kind of machine, so a build is
+deterministic for a seed only on one machine. Shipping the bytes makes the default toy the same everywhere; each
+built toy lists its files' SHA-256 in SHA256SUMS, and loading checks them (a mismatch stops with one line saying
+how to restore or rebuild). Rebuild it (on this machine's arithmetic; the README's numbers are for the shipped
+bytes), or build one anywhere else with --toy_dir, which spo.py also builds on first use:
 
-    python -m tasks.toy
+    python -m tasks.toy --toy_dir tasks/built/toy                # rebuild the shipped toy
+    python -m tasks.toy --toy_dir mytoy --steps 400               # another toy; then spo.py --toy_dir mytoy
 
 The tool toy (`ensure_toy(tools=True)`, cached in ./toy_tools) is the same model on "a*b=" with a Python tool: the
 model writes `print(a*b)` in a code block, the tool loop (rollout.py) runs it, and the model copies the answer
@@ -26,6 +31,7 @@ from the interpreter output into the box. Build it, then measure it through the 
     torchrun --nproc_per_node=2 spo.py --tools                  # builds it on first use, then trains on it
 """
 import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -37,6 +43,8 @@ import pyarrow.parquet as pq
 import torch
 
 TOY_VERSION = 1  # bump when the recipe below changes, so cached toys are rebuilt
+BUILT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "built")  # the shipped toys: toy/, toy_tools/
+CHECKSUMS = "SHA256SUMS"  # in each built toy: `sha256sum -c SHA256SUMS` reads it too
 SPECIAL_TOKENS = ["<|pad|>", "<|im_end|>", "<|unk|>"]
 # The chat template is what a real model ships; ours puts the question on one line and the answer after it.
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}{% endif %}"
@@ -166,9 +174,47 @@ def build_atomically(toy_dir, build, info_file="toy.json"):
     info = build(tmp)
     with open(f"{tmp}/{info_file}", "w") as f:
         json.dump(info, f, indent=1)
+    write_checksums(tmp)
     shutil.rmtree(toy_dir, ignore_errors=True)
     os.replace(tmp, toy_dir)
     return info
+
+
+def file_sha256(path):
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def write_checksums(toy_dir):
+    """SHA256SUMS: one `digest  relative/path` line per file of a built toy, sorted (sha256sum's format)."""
+    files = sorted(os.path.relpath(os.path.join(d, f), toy_dir).replace(os.sep, "/")
+                   for d, _, names in os.walk(toy_dir) for f in names if f != CHECKSUMS)
+    with open(os.path.join(toy_dir, CHECKSUMS), "w", newline="\n") as f:
+        f.writelines(f"{file_sha256(os.path.join(toy_dir, name))}  {name}\n" for name in files)
+
+
+def checksum_error(toy_dir, tools=False):
+    """None if every file SHA256SUMS lists is there with its digest; else one line naming the first file that is
+    missing or differs, and how to restore or rebuild the toy. Files the list does not name (the offline values
+    spo.py caches beside the toy) are not checked."""
+    with open(os.path.join(toy_dir, CHECKSUMS)) as f:
+        expected = [line.rstrip("\n").split("  ", 1) for line in f if line.strip()]
+    for digest, name in expected:
+        path = os.path.join(toy_dir, name)
+        found = file_sha256(path) if os.path.isfile(path) else None
+        if found != digest:
+            restore = (f"restore it with `git checkout -- {os.path.relpath(toy_dir)}`, or rebuild it"
+                       if os.path.abspath(toy_dir).startswith(BUILT + os.sep) else "rebuild it")
+            return (f"{path}: {'missing' if found is None else 'checksum mismatch'} (the toy's {CHECKSUMS} says "
+                    f"sha256 {digest[:12]}...): {restore} with `python -m tasks.toy --toy_dir {os.path.relpath(toy_dir)}"
+                    f"{' --tools' if tools else ''}` "
+                    f"(a rebuild on another kind of CPU gives other bytes and other numbers)")
+    return None
+
+
+def default_toy_dir(tools=False):
+    """The shipped toy's directory (tools: the tool toy's)."""
+    return os.path.join(BUILT, "toy_tools" if tools else "toy")
 
 
 def build_toy(toy_dir, seed=0, n_train=2000, n_test=500, steps=800, lr=3e-3, batch_size=64, noise=0.3):
@@ -196,9 +242,12 @@ def build_toy(toy_dir, seed=0, n_train=2000, n_test=500, steps=800, lr=3e-3, bat
     return build_atomically(toy_dir, build)
 
 
-def ensure_toy(toy_dir="toy", seed=0, tools=False):
-    """Paths of the toy's (tools: the tool toy's) model and data, building it on first use or when the cached
-    one is of an older recipe. Returns (model_dir, train, test)."""
+def ensure_toy(toy_dir=None, seed=0, tools=False):
+    """Paths of the toy's (tools: the tool toy's) model and data: the shipped toy by default. A toy directory
+    without a finished build, or of an older recipe, is built first; a finished one must match its SHA256SUMS
+    (one line and exit 2 if not). Returns (model_dir, train, test)."""
+    from machinery.errors import fail
+    toy_dir = toy_dir or default_toy_dir(tools)
     version, build, what = (TOOL_TOY_VERSION, build_tool_toy, "tool toy") if tools else (TOY_VERSION, build_toy, "toy")
     marker = os.path.join(toy_dir, "toy.json")
     if not (os.path.exists(marker) and json.load(open(marker)).get("version") == version):
@@ -206,13 +255,19 @@ def ensure_toy(toy_dir="toy", seed=0, tools=False):
         info = build(toy_dir, seed=seed)
         print(f"{what} built: base test accuracy at temperature 1.0 = {info['test_accuracy_t1']:.1%}"
               + (f", tool use {info['test_tool_use_t1']:.1%}" if tools else ""), flush=True)
+    if not os.path.exists(os.path.join(toy_dir, CHECKSUMS)):
+        fail(f"{toy_dir}: a built toy without its {CHECKSUMS} (made before the toys were checked); rebuild it with "
+             f"`python -m tasks.toy --toy_dir {toy_dir}{' --tools' if tools else ''}`", once=True)
+    if error := checksum_error(toy_dir, tools):
+        fail(error, once=True)
     return os.path.join(toy_dir, "model"), os.path.join(toy_dir, "train.parquet"), os.path.join(toy_dir, "test.parquet")
 
 
-def toy_paths(toy_dir="toy", tools=False):
+def toy_paths(toy_dir=None, tools=False):
     """(model_dir, train, test) of the toy (tools: the tool toy) for a torchrun job: rank 0 builds it on first
-    use, the others wait."""
+    use, the others wait; then every rank checks the files against SHA256SUMS (ensure_toy)."""
     import torch.distributed as dist
+    toy_dir = toy_dir or default_toy_dir(tools)
     if dist.get_rank() == 0:
         # torchrun gives each rank one thread, but the other ranks only wait here: build on every core (the
         # toy's bytes do not depend on the thread count; checked for both toys at 1 and 2 threads).
@@ -223,7 +278,7 @@ def toy_paths(toy_dir="toy", tools=False):
         finally:
             torch.set_num_threads(threads)
     dist.barrier()
-    return os.path.join(toy_dir, "model"), os.path.join(toy_dir, "train.parquet"), os.path.join(toy_dir, "test.parquet")
+    return ensure_toy(toy_dir, tools=tools)  # (built by now) every rank checks the bytes it will load
 
 
 def fill_in(args, data, split, test=None):
@@ -233,6 +288,7 @@ def fill_in(args, data, split, test=None):
     where the data flag now names the toy's file."""
     if args.model is not None and getattr(args, data) is not None:
         return False
+    args.toy_dir = args.toy_dir or default_toy_dir(args.tools)
     model, train_path, test_path = toy_paths(args.toy_dir, tools=args.tools)
     args.model = args.model or model
     on_toy = getattr(args, data) is None
@@ -374,7 +430,7 @@ def build_tool_toy(toy_dir, seed=0, n_train=2000, n_test=500, steps=700, lr=4e-3
     return build_atomically(toy_dir, build)
 
 
-def measure_with_tools(toy_dir="toy_tools", n_prompts=500, max_tokens=160, temperature=1.0, seed=0, workers=4):
+def measure_with_tools(toy_dir=None, n_prompts=500, max_tokens=160, temperature=1.0, seed=0, workers=4):
     """The tool toy's base model through the real tool loop (vLLM + sandbox): accuracy, tool-use rate and
     tool statistics on the test set, one sample per prompt. Needs vllm; starts a world of one."""
     from machinery import trainer
@@ -408,19 +464,19 @@ def measure_with_tools(toy_dir="toy_tools", n_prompts=500, max_tokens=160, tempe
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--toy_dir", default="toy", help="where to build the toy")
+    parser.add_argument("--toy_dir", default=None, help="where to build the toy (default: the shipped one, "
+                        "tasks/built/toy, or tasks/built/toy_tools with --tools)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the data split and the warm start")
     parser.add_argument("--steps", type=int, default=None, help="warm-start optimiser steps (800; tools: 700)")
     parser.add_argument("--noise", type=float, default=0.3, help="share of warm-start answers with a wrong digit")
-    parser.add_argument("--tools", action="store_true", help="build the tool toy (a*b with python) instead; "
-                        "--toy_dir defaults to toy_tools")
+    parser.add_argument("--tools", action="store_true", help="build the tool toy (a*b with python) instead")
     parser.add_argument("--measure", action="store_true",
                         help="with --tools: measure the cached tool toy through the real tool loop (vLLM + sandbox)")
     args = parser.parse_args()
+    toy_dir = args.toy_dir or default_toy_dir(args.tools)
     if args.tools:
-        toy_dir = "toy_tools" if args.toy_dir == "toy" else args.toy_dir
         info = (measure_with_tools(toy_dir) if args.measure else
                 build_tool_toy(toy_dir, seed=args.seed, steps=args.steps or 700))
     else:
-        info = build_toy(args.toy_dir, seed=args.seed, steps=args.steps or 800, noise=args.noise)
+        info = build_toy(toy_dir, seed=args.seed, steps=args.steps or 800, noise=args.noise)
     print(json.dumps(info, indent=1))

@@ -37,6 +37,16 @@ def test_mean_ci_by_hand():
     assert plots.mean_ci([])[3] == 0
 
 
+def test_prediction_interval_by_hand():
+    """One more run's 95% range: mean +- t_{0.975, 4} sd sqrt(1 + 1/5) for 1..5 (2.776 x 1.581 x 1.095 = 4.808):
+    sqrt(n + 1) times the mean's interval; none from one value."""
+    low, high = plots.prediction_interval([1, 2, 3, 4, 5])
+    assert abs(high - 3 - 4.808) < 2e-3 and abs((3 - low) - (high - 3)) < 1e-12
+    mean, ci_low, _, _ = plots.mean_ci([1, 2, 3, 4, 5])
+    assert abs((high - mean) / (mean - ci_low) - math.sqrt(6)) < 1e-9
+    assert all(math.isnan(x) for x in plots.prediction_interval([0.4]))
+
+
 def test_paired_difference_uses_common_seeds_only():
     values, reference = {0: 0.5, 1: 0.6, 2: 0.7}, {0: 0.4, 1: 0.4, 3: 0.9}  # seeds 0 and 1 in both: diffs .1, .2
     mean, low, high, n = plots.paired_difference(values, reference)

@@ -1,14 +1,16 @@
-"""The built-in toys (tasks/toy.py): a build is deterministic for a seed, in the verl schema, and the tool toy's traces
-keep the interpreter text out of the loss.
+"""The built-in toys (tasks/toy.py): the shipped toys are the bytes their SHA256SUMS name and loading checks them, a
+build is deterministic for a seed, in the verl schema, and the tool toy's traces keep the interpreter text out of
+the loss.
 
     .venv/bin/python -m pytest tests/test_toy.py -q
 """
 import os
+import shutil
 
 import pyarrow.parquet as pq
 import pytest
 
-from common import one_thread
+from common import ROOT, one_thread, python
 from machinery.data import load_prompts
 
 
@@ -46,3 +48,37 @@ def test_tool_toy_is_deterministic_with_a_masked_interpreter(tmp_path):
     assert "<interpreter>\n408\n</interpreter>\n\n" in text and "print(12*34)" not in text
     assert tokenizer.decode(ids[0][mask[0] == 1]) == "<code>\n```python\nprint(12*34)\n```\n</code>\\boxed{408}" \
         + tokenizer.eos_token
+
+
+@pytest.mark.parametrize("tools", [False, True])
+def test_the_shipped_toy_is_the_bytes_its_checksums_name(tools):
+    """Every file of a shipped toy is listed (model, tokenizer, data, toy.json) and matches its SHA-256."""
+    from tasks import toy
+    toy_dir = toy.default_toy_dir(tools)
+    with open(os.path.join(toy_dir, toy.CHECKSUMS)) as f:
+        listed = {line.split("  ", 1)[1].strip() for line in f}
+    on_disk = {os.path.relpath(os.path.join(d, n), toy_dir) for d, _, names in os.walk(toy_dir) for n in names
+               if n != toy.CHECKSUMS and not n.startswith("offline_values_")}  # (spo.py's cache beside the toy)
+    assert listed == on_disk and {"model/model.safetensors", "train.parquet", "test.parquet", "toy.json"} <= listed
+    assert toy.checksum_error(toy_dir, tools) is None
+    assert toy.ensure_toy(tools=tools)[0] == os.path.join(toy_dir, "model")
+
+
+@pytest.mark.parametrize("damage", ["flip a byte", "remove"])
+def test_a_damaged_toy_stops_spo_with_one_line(damage, tmp_path):
+    """spo.py checks the toy's bytes before anything heavy starts: one line naming the file and how to restore it."""
+    from tasks import toy
+    copy = tmp_path / "toy"
+    shutil.copytree(toy.default_toy_dir(), copy, ignore=shutil.ignore_patterns("offline_values_*"))
+    weights = copy / "model" / "model.safetensors"
+    if damage == "remove":
+        weights.unlink()
+    else:
+        data = bytearray(weights.read_bytes())
+        data[len(data) // 2] ^= 1
+        weights.write_bytes(bytes(data))
+    proc = python("spo.py", "--toy_dir", str(copy), "--run_dir", str(tmp_path / "run"))
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
+    assert lines[0].startswith(f"error: {weights}: {'missing' if damage == 'remove' else 'checksum mismatch'}")
+    assert f"python -m tasks.toy --toy_dir {os.path.relpath(copy, ROOT)}" in lines[0]

@@ -53,6 +53,21 @@ def test_sampler_rejects_bad_input(call, match):
         call(PromptSampler(10, seed=0))
 
 
+def test_tracker_counts_visits_and_keeps_them_in_its_state():
+    """visits: rewards absorbed per prompt (a prompt repeated in a batch counts each time); the count survives a
+    checkpoint, and a checkpoint from before it existed resumes with zeros."""
+    t = ValueTracker(4)
+    t.update(np.array([0, 2, 2]), np.array([1.0, 0.0, 1.0]), 0.9)
+    t.update(np.array([2]), np.array([1.0]), 0.9)
+    assert t.visits.tolist() == [1, 0, 3, 0]
+    again = ValueTracker(4)
+    again.load_state_dict(t.state_dict())
+    assert again.visits.tolist() == [1, 0, 3, 0]
+    old = {k: v for k, v in t.state_dict().items() if k != "visits"}
+    again.load_state_dict(old)
+    assert again.visits.tolist() == [0, 0, 0, 0] and np.array_equal(again.alpha, t.alpha)
+
+
 def test_sampler_state_size_check():
     with pytest.raises(ValueError, match="10 prompts"):
         PromptSampler(11, seed=0).load_state_dict(PromptSampler(10, seed=0).state_dict())

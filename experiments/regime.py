@@ -1,0 +1,97 @@
+"""Can the tracker keep up? The two quantities that decide it, measured from a run's tracker probe.
+
+SPO's tracker averages a prompt's last few rewards: with forgetting factor rho it remembers about 1 / (1 - rho)
+visits (8 at rho_min = 0.875, 25 at rho_max = 0.96). If the policy's success probability p(x) moves by delta
+between two visits of x, an exponential average lags a steady drift by delta * rho / (1 - rho): the tracker's
+bias is about -delta * rho / (1 - rho). So what matters is not how fast the policy learns per step but per visit of a prompt, i.e.
+    revisits per prompt over the run        (batch size x steps / prompts, uneven under prioritised sampling)
+    change of p(x) between two visits       (delta; against the memory 1 / (1 - rho))
+This reads both from a run made with --probe_every (spo.py): the probe follows a fixed subset of training
+prompts and records, at each probe step, the tracker's v(x), N_eff(x), visit count and the success rate measured
+from fresh samples (eval.py:tracker_probe). Per interval between two probes:
+    delta     = mean over probed prompts of (success change) / mean (visits in between)   (signed drift per visit)
+    memory    = 1 / (1 - rho), rho the mean forgetting factor over the interval's steps (metrics.jsonl)
+    lag       = -delta * rho / (1 - rho)                                    (the bias a steady drift predicts)
+and per probe the tracker's bias and MAE against the MAE an unbiased tracker with N_eff samples would show beside
+the probe's own sampling noise (probe/mae_unbiased, eval.py:probe_stats). The bounds it checks (docs/experiments.md):
+|bias| <= 0.05 at every probe, and MAE <= 1.5 x probe/mae_unbiased.
+
+    python -m experiments.regime RUN_DIR [RUN_DIR ...]
+"""
+import argparse
+import json
+import os
+
+import numpy as np
+
+BIAS_BOUND, MAE_RATIO_BOUND = 0.05, 1.5
+
+
+def read_jsonl(path):
+    """Rows of a JSONL file; for a step logged twice (a resumed run) the last row wins."""
+    rows = {}
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                row = json.loads(line)
+                rows[row["step"]] = row
+    return [rows[k] for k in sorted(rows)]
+
+
+def regime(run_dir):
+    """{"probes": [per-probe dict], "intervals": [per-interval dict], "visits_per_prompt": mean visits over all
+    prompts at the end, "held_out": (first, last) held-out accuracy, "passes": both bounds at every probe}."""
+    probes = [p for p in read_jsonl(os.path.join(run_dir, "probe.jsonl")) if "visits" in p]
+    metrics = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+    rho_at = {m["step"]: m["tracker/rho_mean"] for m in metrics if "tracker/rho_mean" in m}
+    rows = []
+    for p in probes:
+        ratio = p["probe/mae"] / p["probe/mae_unbiased"] if p.get("probe/mae_unbiased") else float("nan")
+        rows.append({"step": p["step"], "bias": p["probe/bias"], "mae": p["probe/mae"],
+                     "mae_unbiased": p.get("probe/mae_unbiased", float("nan")), "mae_ratio": ratio,
+                     "success": float(np.mean(p["success"])), "value": float(np.mean(p["value"])),
+                     "n_eff": float(np.mean(p["n_eff"])), "visits": float(np.mean(p["visits"]))})
+    intervals = []
+    for a, b in list(zip(probes, probes[1:])) + ([(probes[0], probes[-1])] if len(probes) > 2 else []):
+        visits = np.mean(np.subtract(b["visits"], a["visits"]))
+        rho = np.mean([rho_at[s] for s in range(a["step"] + 1, b["step"] + 1) if s in rho_at] or [np.nan])
+        delta = np.mean(np.subtract(b["success"], a["success"])) / visits if visits > 0 else np.nan
+        intervals.append({"steps": f"{a['step']}-{b['step']}" + (" (whole run)" if (a, b) == (probes[0], probes[-1])
+                                                                  and len(probes) > 2 else ""), "visits": float(visits), "delta": float(delta),
+                          "rho": float(rho), "memory": float(1 / (1 - rho)), "lag": float(-delta * rho / (1 - rho))})
+    held = [m["eval/accuracy"] for m in metrics if "eval/accuracy" in m]
+    last = metrics[-1] if metrics else {}
+    passes = bool(rows) and all(abs(r["bias"]) <= BIAS_BOUND and r["mae_ratio"] <= MAE_RATIO_BOUND for r in rows)
+    return {"probes": rows, "intervals": intervals, "visits_per_prompt": last.get("tracker/visits_mean"),
+            "held_out": (held[0], held[-1]) if held else None, "passes": passes}
+
+
+def report(run_dir, r):
+    """The measurement as markdown: two tables and one line."""
+    lines = [f"### {run_dir}", "", "| probe step | success | v(x) | bias | MAE | unbiased MAE | ratio | N_eff | visits |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines += [f"| {p['step']} | {p['success']:.3f} | {p['value']:.3f} | {p['bias']:+.3f} | {p['mae']:.3f} | "
+              f"{p['mae_unbiased']:.3f} | {p['mae_ratio']:.2f} | {p['n_eff']:.1f} | {p['visits']:.1f} |"
+              for p in r["probes"]]
+    lines += ["", "| steps | visits between probes | delta p per visit | mean rho | memory 1/(1-rho) | predicted bias |",
+              "| --- | --- | --- | --- | --- | --- |"]
+    lines += [f"| {i['steps']} | {i['visits']:.1f} | {i['delta']:+.4f} | {i['rho']:.3f} | {i['memory']:.1f} | "
+              f"{i['lag']:+.3f} |" for i in r["intervals"]]
+    held = r["held_out"]
+    lines += ["", f"visits per prompt over the run: {r['visits_per_prompt']}; held-out accuracy "
+              f"{'n/a' if held is None else f'{held[0]:.1%} -> {held[1]:.1%}'}; bounds (|bias| <= {BIAS_BOUND}, "
+              f"MAE <= {MAE_RATIO_BOUND} x unbiased) at every probe: {'met' if r['passes'] else 'NOT met'}", ""]
+    return "\n".join(lines)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("runs", nargs="+", help="spo.py run directories made with --probe_every")
+    for run_dir in p.parse_args().runs:
+        if not os.path.exists(os.path.join(run_dir, "probe.jsonl")):
+            raise SystemExit(f"error: {run_dir}: no probe.jsonl (run spo.py with --probe_every)")
+        print(report(run_dir, regime(run_dir)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,42 @@
+"""The regime measurement (experiments/regime.py): revisits per prompt, the drift of p(x) per visit, the bias a
+steady drift predicts, and the bounds, read from a run's probe.jsonl and metrics.jsonl.
+
+    .venv/bin/python -m pytest tests/test_regime.py -q
+"""
+import json
+
+from eval import probe_stats
+from experiments import regime
+
+
+def write_run(run_dir, probes, rho=0.9):
+    run_dir.mkdir()
+    with open(run_dir / "probe.jsonl", "w") as f:
+        for step, success, value, visits in probes:
+            stats = probe_stats(value, success, 16, [10.0] * len(value))
+            f.write(json.dumps({"step": step, "success": success, "value": value, "n_eff": [10.0] * len(value),
+                                "visits": visits, "n_samples": 16, **stats}) + "\n")
+    with open(run_dir / "metrics.jsonl", "w") as f:
+        for step in range(0, probes[-1][0] + 1):
+            f.write(json.dumps({"step": step, "tracker/rho_mean": rho, "tracker/visits_mean": 3.0,
+                                **({"eval/accuracy": 0.1 + step / 100} if step % 10 == 0 else {})}) + "\n")
+    return str(run_dir)
+
+
+def test_drift_per_visit_and_the_bias_it_predicts(tmp_path):
+    """Success rises 0.2 over 10 visits: delta = 0.02 per visit; at rho 0.9 a steady drift predicts a bias of
+    -0.02 x 9 = -0.18."""
+    r = regime.regime(write_run(tmp_path / "run", [(0, [0.2, 0.4], [0.2, 0.4], [0, 0]),
+                                                   (10, [0.4, 0.6], [0.4, 0.6], [10, 10])]))
+    (interval,) = r["intervals"]
+    assert abs(interval["delta"] - 0.02) < 1e-12 and abs(interval["memory"] - 10) < 1e-9
+    assert abs(interval["lag"] + 0.18) < 1e-9
+    assert r["visits_per_prompt"] == 3.0 and r["held_out"] == (0.1, 0.2)
+    assert r["passes"]  # v(x) equals the measured rate at both probes
+
+
+def test_a_lagging_tracker_fails_the_bias_bound(tmp_path):
+    r = regime.regime(write_run(tmp_path / "run", [(0, [0.2, 0.4], [0.2, 0.4], [0, 0]),
+                                                   (10, [0.5, 0.7], [0.4, 0.6], [10, 10])]))
+    assert abs(r["probes"][1]["bias"] + 0.1) < 1e-12 and not r["passes"]
+    assert "NOT met" in regime.report("run", r)
