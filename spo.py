@@ -24,9 +24,7 @@ sampler.py); machinery/ holds the FSDP2 trainer, checkpoints, memory estimate an
 The same program runs the CPU toy and an 8-GPU node; only device-dependent settings change (gloo / nccl,
 fp32 / bf16, vLLM's KV cache space / GPU memory fraction and sleep mode):
 
-    torchrun --nproc_per_node=2 spo.py                                      # the toy, on a laptop CPU
-    torchrun --nproc_per_node=2 spo.py --algo grpo                          # GRPO, same responses per step
-    torchrun --nproc_per_node=2 spo.py --tools                              # with a Python tool (a*b tool toy)
+    torchrun --nproc_per_node=2 spo.py                         # the toy on a laptop CPU (--algo grpo, --tools, ...)
     torchrun --nproc_per_node=8 spo.py --model Qwen/Qwen3-8B --train dapo.parquet ...   (docs/scale.md)
 """
 import argparse
@@ -60,16 +58,15 @@ def parse_args(argv=None):
     p.add_argument("--model", default=None, help="HF model name or local path (default: the built-in toy)")
     p.add_argument("--train", default=None, help="training prompts: parquet or JSONL (default: the toy)")
     p.add_argument("--test", default=None, help="held-out prompts for evaluation (default: the toy)")
-    p.add_argument("--toy_dir", default=None, help="the built-in toy's directory, built there on first use "
-                                                    "(default: the shipped tasks/built/toy, or toy_tools with --tools)")
+    p.add_argument("--toy_dir", default=None, help="the toy's directory (default: the shipped one, tasks/built/)")
     p.add_argument("--offline_values", default="auto",
                    help="offline_values.py output that initialises the tracker (Algorithm 2); 'auto': on the toy, "
                         "built with the engine on first use, else none; 'none': the uninformed prior")
     p.add_argument("--n0", type=int, default=8, help="offline samples per prompt when values are built here")
-    p.add_argument("--accept_offline_mismatch", action="store_true",
-                   help="use --offline_values made with other sampling settings than this run (refused otherwise)")
+    p.add_argument("--accept_offline_mismatch", action="store_true", help="use values made with other settings")
     p.add_argument("--max_prompt_len", type=int, default=256, help="longer prompts are left out (counted)")
     p.add_argument("--train_prompts", type=int, default=0, help="train on the first N prompts only (0: all)")
+    p.add_argument("--preset", choices=sorted(variants.PRESETS), default=None, help="named defaults (variants.PRESETS)")
     add_budget_flag(p)  # --max_response_len (alias --max_tokens), shared with eval.py and offline_values.py
     # ---- algorithm
     p.add_argument("--algo", choices=["spo", "grpo", "rloo", "dr_grpo", "reinforce_pp"], default="spo",
@@ -78,23 +75,22 @@ def parse_args(argv=None):
     p.add_argument("--group_size", type=int, default=None, help="responses per prompt (spo: 1, others: 8)")
     p.add_argument("--steps", type=int, default=150, help="training steps (rollout batches)")
     p.add_argument("--baseline", choices=["tracker", "none", "fixed"], default="tracker", help="spo's v(x)")
-    p.add_argument("--sampler", choices=["auto", "prioritized", "uniform"], default="auto",
-                   help="prompt sampling; auto = prioritized for spo, uniform for the others")
+    p.add_argument("--sampler", choices=["auto", "prioritized", "uniform"], default="auto", help="auto: "
+                   "prioritized for spo, uniform for the others")
     p.add_argument("--sampling_eps", type=float, default=0.05, help="Eq. 11 exploration bonus")
     p.add_argument("--sampling_gamma", type=float, default=0.0, help="Eq. 11 N_eff^gamma (ICLR form)")
     p.add_argument("--rho", choices=["kl", "constant", "none"], default="kl", help="forgetting (none: rho = 1)")
     p.add_argument("--rho_min", type=float, default=0.875, help="lower clip of rho; N0 = 1/(1-rho_min)")
     p.add_argument("--rho_max", type=float, default=0.96, help="upper clip of rho (used on a first visit)")
-    p.add_argument("--divergence", choices=["abs", "k3"], default="abs",
-                   help="D(x): mean |log-ratio| (abs, the measure the authors tuned D_half and the clip window for) "
-                        "or the k3 KL estimate (k3)")
+    p.add_argument("--divergence", choices=["abs", "k3"], default="abs", help="D(x): mean |log-ratio| (abs, the "
+                   "authors') or the k3 KL estimate")
     p.add_argument("--d_half", type=float, default=None,
                    help=f"divergence at which rho halves (default: {D_HALF['abs']} for abs, {D_HALF['k3']} for k3)")
     p.add_argument("--rho_constant", type=float, default=0.875, help="rho when --rho constant")
     p.add_argument("--adv_norm", choices=["trajectory", "token"], default="trajectory", help="Eq. 9 over "
                    "trajectories (paper) or loss tokens (SPO++'s token measure; spo, reinforce_pp)")
-    p.add_argument("--init_smoothing", choices=["kt", "mean"], default="kt",
-                   help="offline v0: (s+0.5)/(n+1) (kt, the authors') or s/n (mean, the paper's)")
+    p.add_argument("--init_smoothing", choices=["kt", "mean"], default="kt", help="v0: (s+0.5)/(n+1) (kt, the "
+                   "authors') or s/n (mean, the paper's)")
     # ---- policy optimisation
     p.add_argument("--lr", type=float, default=2e-4, help="AdamW learning rate (paper: 1e-6 for Qwen3-8B)")
     p.add_argument("--weight_decay", type=float, default=0.01, help="AdamW weight decay")
@@ -129,12 +125,12 @@ def parse_args(argv=None):
     # ---- memory: micro-batches, gradient checkpointing, the engine's share, the estimate (machinery/memory.py)
     memory.add_memory_flags(p)
     p.add_argument("--engine_compile", choices=["auto", "on", "off"], default="auto",
-                   help="torch.compile vLLM's model (auto: on GPU only; on CPU start-up takes seconds longer, each "
-                        "decoding step less)")
+                   help="torch.compile vLLM's model (auto: on GPU only; docs/benchmarks.md)")
     args = p.parse_args(argv)
     for action in p._actions:  # which flags the command line gave: --resume accepts changes to some only
         action.default = argparse.SUPPRESS
     args.given = sorted(vars(p.parse_args(argv)))
+    variants.apply_preset(args)  # --preset: defaults for the flags the command line left unset
     if args.sampler == "auto":
         args.sampler = "prioritized" if args.algo == "spo" else "uniform"
     if args.group_size is None:  # single stream: one response per prompt; the group estimators: 8
@@ -181,11 +177,8 @@ class PreviousResponse:
                    np.asarray(rollout.response_mask, np.int8))
 
 
-# D_half per divergence measure. The authors' 0.06 and clip window [0.875, 0.96] were tuned for the mean |l|:
-# rho is unclipped only for D in [0.0035, 0.0116]. k3 is about l^2 / 2, and for Gaussian log-ratios
-# mean k3 = (pi / 4) (mean |l|)^2, so no single D_half makes the two agree everywhere; the k3 value makes them
-# agree at the window's geometric centre, mean |l| = sqrt(0.0035 * 0.0116) = 0.0064 (rho = 0.93):
-# D_half_k3 = 0.06 * (pi / 4) * 0.0064 = 3.0e-4. (With 0.06, k3 pins rho at rho_max for any realistic drift.)
+# D_half per divergence measure: the authors' 0.06 for the mean |l|; for k3 (about l^2 / 2) the value that agrees
+# with it at the clip window's centre, 0.06 (pi / 4) 0.0064 = 3.0e-4 (derived in docs/algorithm.md).
 D_HALF = {"abs": 0.06, "k3": 3.0e-4}
 
 

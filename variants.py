@@ -67,6 +67,20 @@ POSITIVE = ("lr", "temperature", "eval_temperature", "d_half", "grad_clip", "dua
 NON_NEGATIVE = ("weight_decay", "clip_low", "clip_high", "sampling_eps", "sampling_gamma")
 
 
+# Named defaults (spo.py --preset), each chosen by measurement (docs/experiments.md). paper_regime: the toy in the
+# paper's regime, few prompts revisited often (200 visits each) while the policy moves slowly per visit, so that
+# the tracker can keep up; the probe (on every prompt) shows whether it does.
+PRESETS = {"paper_regime": {"train_prompts": 128, "lr": 1.5e-5, "n0": 16, "steps": 600, "eval_every": 50,
+                            "probe_every": 50, "probe_prompts": 128, "probe_samples": 32}}
+
+
+def apply_preset(args):
+    """--preset: its values for the flags the command line did not give (args.given); the probe only for spo."""
+    for flag, value in PRESETS.get(args.preset, {}).items():
+        if flag not in args.given and not (flag.startswith("probe") and args.algo != "spo"):  # no tracker to probe
+            setattr(args, flag, value)
+
+
 def check_args(args, world):
     """One clear line, printed once, for a flag out of range or a combination that has no meaning, before anything
     heavy starts: the batch must split into whole groups per rank and whole mini-batches, and each variant's

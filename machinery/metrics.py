@@ -44,6 +44,8 @@ def step_metrics(reward, raw_advantage, advantage, rollouts, old, stats, times, 
          "advantage/mean": raw.mean(), "advantage/std": raw.std(),
          "advantage/p05": np.quantile(raw, 0.05), "advantage/p50": np.quantile(raw, 0.5),
          "advantage/p95": np.quantile(raw, 0.95), "advantage/normalised_std": adv.std(),
+         # the normalised advantage's mean under the token-mean loss (SPO++'s point: not 0 unless --adv_norm token)
+         "advantage/token_mean": (adv * policy_tokens).sum() / max(policy_tokens.sum(), 1),
          "response/length_mean": lengths.mean(), "response/length_max": lengths.max(),
          "response/truncated": truncated.mean(),
          "policy/entropy": scalars[0] / world, "policy/logprob_gap_mean": scalars[1] / world,

@@ -13,22 +13,19 @@ knows it is training the toy.
   to sharpen; with it the base model is wrong most of the time and its per-prompt success rates spread widely
   (measured in docs/experiments.md).
 
-The toy ships built, in tasks/built/toy (and the tool toy in tasks/built/toy_tools): float arithmetic differs
-between CPUs, and 800 warm-start steps amplify that into a different model on every kind of machine, so a build is
-deterministic for a seed only on one machine. Shipping the bytes makes the default toy the same everywhere; each
-built toy lists its files' SHA-256 in SHA256SUMS, and loading checks them (a mismatch stops with one line saying
-how to restore or rebuild). Rebuild it (on this machine's arithmetic; the README's numbers are for the shipped
-bytes), or build one anywhere else with --toy_dir, which spo.py also builds on first use:
+The toys ship built in tasks/built/ (toy/, toy_tools/): a build is deterministic only on one kind of CPU (800
+warm-start steps amplify float differences), so the bytes ship and SHA256SUMS in each folder lists them; loading
+checks it (a mismatch: one line saying how to restore or rebuild). The recipe rebuilds them or builds others:
 
-    python -m tasks.toy --toy_dir tasks/built/toy                # rebuild the shipped toy
+    python -m tasks.toy --toy_dir tasks/built/toy                # rebuild the shipped toy (this CPU's bytes)
     python -m tasks.toy --toy_dir mytoy --steps 400               # another toy; then spo.py --toy_dir mytoy
 
-The tool toy (`ensure_toy(tools=True)`, cached in ./toy_tools) is the same model on "a*b=" with a Python tool: the
-model writes `print(a*b)` in a code block, the tool loop (rollout.py) runs it, and the model copies the answer
-from the interpreter output into the box. Build it, then measure it through the real loop (vLLM + sandbox):
+The tool toy (`ensure_toy(tools=True)`) is the same model on "a*b=" with a Python tool: the model writes
+`print(a*b)` in a code block, the tool loop (rollout.py) runs it, and the model copies the answer from the
+interpreter output into the box. Measure it through the real loop (vLLM + sandbox), or train on it:
 
-    python -m tasks.toy --tools && python -m tasks.toy --tools --measure
-    torchrun --nproc_per_node=2 spo.py --tools                  # builds it on first use, then trains on it
+    python -m tasks.toy --tools --measure
+    torchrun --nproc_per_node=2 spo.py --tools
 """
 import argparse
 import hashlib
@@ -203,12 +200,11 @@ def checksum_error(toy_dir, tools=False):
         path = os.path.join(toy_dir, name)
         found = file_sha256(path) if os.path.isfile(path) else None
         if found != digest:
-            restore = (f"restore it with `git checkout -- {os.path.relpath(toy_dir)}`, or rebuild it"
-                       if os.path.abspath(toy_dir).startswith(BUILT + os.sep) else "rebuild it")
-            return (f"{path}: {'missing' if found is None else 'checksum mismatch'} (the toy's {CHECKSUMS} says "
-                    f"sha256 {digest[:12]}...): {restore} with `python -m tasks.toy --toy_dir {os.path.relpath(toy_dir)}"
-                    f"{' --tools' if tools else ''}` "
-                    f"(a rebuild on another kind of CPU gives other bytes and other numbers)")
+            here = os.path.relpath(toy_dir)
+            restore = f"restore it with `git checkout -- {here}`, or " if os.path.abspath(toy_dir).startswith(BUILT) else ""
+            return (f"{path}: {'missing' if found is None else 'checksum mismatch'} against {CHECKSUMS}: {restore}"
+                    f"rebuild it with `python -m tasks.toy --toy_dir {here}{' --tools' if tools else ''}` (on "
+                    f"another kind of CPU a rebuild gives other bytes and other numbers)")
     return None
 
 

@@ -228,7 +228,9 @@ def test_signal_metrics_by_hand():
     (["--steps", "0"], "--steps must be at least 1, got 0"),
     (["--temperature", "nan"], "--temperature must be positive, got nan"),
     (["--rho_min", "0.99"], "rho_min <= rho_max"),
-    (["--rho_max", "1"], "rho_max < 1"),  # (the tracker refuses it: it used to stop the run after start-up)
+    (["--rho_max", "1"], "rho_max < 1"),
+    (["--algo", "grpo", "--adv_norm", "token"], "normalises within each group instead"),
+    (["--train_prompts", "-1"], "--train_prompts must be at least 0, got -1"),  # (the tracker refuses it: it used to stop the run after start-up)
 ])
 def test_bad_flags_get_one_clear_line(argv, match, capsys):
     with pytest.raises(SystemExit):
@@ -328,6 +330,16 @@ def test_fixed_baseline_rho_none_with_cispo_and_token_sum(small_toy, values, tmp
     assert rows[0]["tracker/value_mean"] == rows[1]["tracker/value_mean"]
     assert all(r["tracker/rho_mean"] == 1.0 for r in rows)
     assert all(r["policy/rescored_sequences"] >= 16 for r in rows)  # ppo_steps 2: the batch's own no-grad pass
+
+
+@pytest.mark.slow
+def test_token_measure_centres_the_advantage_per_token(small_toy, tmp_path):
+    """--adv_norm token (SPO++): the normalised advantage averages to 0 over the global batch's policy tokens (the
+    measure the token-mean loss takes), with responses of different lengths; refused for a group estimator."""
+    rows, _ = _run(small_toy, tmp_path, "--adv_norm", "token")
+    for r in rows:
+        assert abs(r["advantage/token_mean"]) < 1e-6 and r["response/length_max"] > r["response/length_mean"]
+    assert json.loads((tmp_path / "config.json").read_text())["adv_norm"] == "token"
 
 
 @pytest.mark.slow
