@@ -74,11 +74,12 @@ class ModelShape:
     vocab: int
 
 
-def model_shape(model_path):
-    """ModelShape of a Hugging Face causal LM, built on the meta device from its config (no weights read)."""
+def model_shape(model_path, config=None):
+    """ModelShape of a Hugging Face causal LM, built on the meta device from its config (no weights read); config:
+    the config itself, instead of the model's path (bench/gpu.py)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
-    config = AutoConfig.from_pretrained(model_path)
+    config = config or AutoConfig.from_pretrained(model_path)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -135,10 +136,11 @@ def rank_memory(shape, *, world, tokens, on_gpu, gradient_checkpointing, layer_u
         return items
     # Counted twice: a SmolLM2 rank at 1024 tokens per forward peaked 1.4% under the estimate with one copy, and
     # the engine holds more than its fp32 weights (the tied output projection packed separately, load buffers).
-    items["engine weights (fp32, x2)"] = 2 * shape.parameters * 4
-    if layer_units:  # the CPU push holds every gathered tensor at once (rollout.Engine.push_weights); one unit:
-        items["weight push (a full fp32 copy)"] = shape.parameters * 4  # those are the gathered weights themselves
-    items["engine KV cache"] = kv_cache_gib * GIB
+    if engine:
+        items["engine weights (fp32, x2)"] = 2 * shape.parameters * 4
+        if layer_units:  # the CPU push holds every gathered tensor at once (rollout.Engine.push_weights); one unit:
+            items["weight push (a full fp32 copy)"] = shape.parameters * 4  # those are the gathered weights
+        items["engine KV cache"] = kv_cache_gib * GIB
     items["process (python, torch, vLLM)"] = CPU_PROCESS_BYTES
     items["peak"] = sum(items.values())
     return items

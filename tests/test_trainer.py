@@ -106,6 +106,29 @@ def test_the_device_check_runs_the_trainer_path_on_a_tiny_qwen3_shape():
     gap_mean, gap_max, grad_norm = map(float, re.search(r"mean \|gap\| (\S+), max (\S+); loss \S+, grad norm (\S+)",
                                                          proc.stdout).groups())
     assert gap_mean <= gap_max < 1e-5 and 0 < grad_norm < float("inf")
+    # what really runs: 608 tokens per sequence, two would need 1216 > 700, so one sequence per micro-batch
+    assert "3 micro-batches on rank 0: 3 x (1 sequence of 608 tokens) (budget 700 tokens" in proc.stdout, proc.stdout
+    assert "1 warm-up round(s) not timed" in proc.stdout
+
+
+@pytest.mark.slow
+def test_the_device_check_refuses_a_shape_that_cannot_fit_in_one_line():
+    """--shape 8b in fp32 master weights: 8.19B x 16 bytes of weights, gradients and AdamW moments alone are 122 GiB,
+    more than this machine (or one H200) has: exit 2 with one line, before any model is built."""
+    proc = python("-m", "bench", "gpu", "--shape", "8b")
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-3000:]
+    assert errors[0].startswith("error: --shape 8b: one rank needs about") and "take 122 GiB for 8.19B" in errors[0]
+    assert "random init" not in proc.stdout
+
+
+def test_the_device_peak_comes_from_the_device_name():
+    from bench.gpu import dense_bf16_peak
+    names = {"NVIDIA H100 80GB HBM3": 989.0, "NVIDIA H100 PCIe": 756.0, "NVIDIA H100 NVL": 835.0, "NVIDIA H200": 989.0,
+             "NVIDIA H200 NVL": 835.0, "NVIDIA GH200 480GB": 989.0, "NVIDIA A100-SXM4-80GB": 312.0,
+             "NVIDIA A100 80GB PCIe": 312.0, "NVIDIA L40S": 362.0, "NVIDIA L4": 121.0, "NVIDIA A10": 125.0,
+             "NVIDIA A10G": None, "NVIDIA GeForce RTX 4090": None}  # unknown: --peak_tflops is asked for
+    assert {name: dense_bf16_peak(name) for name in names} == names
 
 
 def _saved_activation_bytes(model, ids):
