@@ -213,7 +213,7 @@ class _HalfInputLogits(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, weight32):
-        ctx.save_for_backward(hidden, weight)
+        ctx.save_for_backward(hidden, weight)  # (FSDP2 keeps the root unit gathered until its backward)
         return _mm_fp32(hidden, weight.t())
 
     @staticmethod
