@@ -377,6 +377,7 @@ def main(argv=None):
             mine, rollouts, reward, sampling = variants.dynamic_sampling(
                 (mine, rollouts, reward), lambda k: sample(step, k, t, oversampled), group, args.max_sampling_rounds,
                 rank, world, all_gather_objects)
+        memory.phase_end(on_gpu, "generate")  # (GPU: device memory in use with vLLM awake)
         engine.sleep()
         # 4. the trainer's log-probs before the update, in one no-grad pass: (SPO) of the previous response of every
         #    prompt this batch revisits (Batch SPO: one per prompt), and with ppo_steps > 1 PPO's old log-probs.
@@ -420,6 +421,7 @@ def main(argv=None):
                                    temperature=args.temperature, grad_clip=args.grad_clip,
                                    max_tokens=args.max_tokens_per_micro_batch)
         t["update"] = time.time() - t0
+        memory.phase_end(on_gpu, "update")
         old.update(stats.pop("old", {}))  # ppo_steps 1: this batch's old log-probs came out of the update's forward
         if args.algo == "spo":  # SPO's memory for D(x) at the next visit: the acting policy's log-probs
             remember(previous, all_index, all_gather_objects(
@@ -433,11 +435,9 @@ def main(argv=None):
         engine.push_weights(trainer.full_parameters(policy, torch.bfloat16 if on_gpu else None))
         t["weight_push"] = time.time() - t0
 
-        metrics = step_metrics(reward, raw_advantage, advantage, rollouts, old, stats, t, group=group,
-                               tools=tools is not None)
-        metrics.update(algo_metrics)
-        metrics.update(sampling)
-        metrics.update(memory.peak_metrics(on_gpu))
+        metrics = {**step_metrics(reward, raw_advantage, advantage, rollouts, old, stats, t, group=group,
+                                  tools=tools is not None), **algo_metrics, **sampling}
+        metrics.update(memory.peak_metrics(on_gpu))  # GPU: device memory in use at the phases' ends
         metrics.update(evaluations(engine, test, data, tracker, args, tools, step))  # when due (eval.py)
         logger.log(step, metrics, console=(step % args.log_every == 0 or step == args.steps))
         if (args.save_every and step % args.save_every == 0) or step == args.steps:

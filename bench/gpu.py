@@ -1,23 +1,37 @@
 """The device check: the trainer path spo.py runs on a GPU, measured without vLLM (which a GPU machine may lack).
 
-A Qwen3-shaped model with random weights is saved and loaded by trainer.build_policy (FSDP2 over a world of one,
-bf16 compute with fp32 master weights, gradient checkpointing), then one old-log-prob pass and one PPO step run
-over long responses in token-budget micro-batches. It prints tokens/s, model FLOPs utilisation, peak memory and
-the gap between the bf16 log-probs and those of the same weights in fp32. Kept apart from bench/parts.py: that file
-measures this CPU machine side by side; this one is the single command a GPU lease runs. `--shape tiny` keeps
-Qwen3's vocabulary on a model small enough for a CPU (tests/test_trainer.py runs it so).
+(a) The trainer path: a Qwen3-shaped model with random weights is saved and loaded by trainer.build_policy (FSDP2,
+bf16 compute with fp32 master weights, gradient checkpointing), then the old-log-prob pass and one PPO step run
+over long responses in token-budget micro-batches, after `--warmup` untimed rounds of both. It prints the
+micro-batches each rank really runs, tokens/s, MFU and HFU against the device's dense bf16 peak, peak memory and
+the gap between the bf16 log-probs and those of the same weights in fp32.
+(6) Where vLLM imports on a GPU: spo.py for two steps on the toy under each of vLLM's model runners (V1 and V2,
+VLLM_USE_V2_MODEL_RUNNER 0 / 1), side by side: the trainer-vs-engine log-prob gap of each. Skipped with one line
+where vLLM is absent.
+Kept apart from bench/parts.py: that file measures this CPU machine side by side; this one is the single command a
+GPU lease runs. `--shape tiny` keeps Qwen3's vocabulary on a model small enough for a CPU (tests/test_trainer.py).
+A shape that cannot fit (`--shape 8b` on one GPU: fp32 master weights, gradients and AdamW moments alone take
+122 GiB) is refused in one line before anything is built.
 
-    python -m bench gpu                                          # one GPU: Qwen3-1.7B shape, 4 x 8192 tokens
+    python -m bench gpu                                          # one GPU: Qwen3-1.7B shape, 4 x 8704 tokens
     python -m bench gpu --shape tiny --response_len 96 --sequences 3 --max_tokens_per_micro_batch 700   # CPU
 """
 import argparse
+import collections
 import functools
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
 import tempfile
 import time
 
 import numpy as np
 
 from bench.parts import _peak_rss_bytes
+from machinery.errors import fail
 
 
 QWEN3_SHAPES = {  # Qwen3's published shapes; "tiny" keeps the vocabulary (the log-prob chunks) for a CPU test
@@ -28,9 +42,20 @@ QWEN3_SHAPES = {  # Qwen3's published shapes; "tiny" keeps the vocabulary (the l
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
                  num_key_value_heads=1, head_dim=32, tie_word_embeddings=True),
 }
+# Dense bf16 tensor-core peaks in TFLOPS, by device name (torch.cuda.get_device_name; the first whole-word match
+# wins): NVIDIA's datasheets give these "with sparsity" at twice the value (H100 SXM and H200 SXM: 1,979; H100
+# PCIe: 1,513; H100 NVL and H200 NVL: 1,671; A100: 624; L40S: 733; L40: 362; L4: 242; A10: 250).
+BF16_PEAK_TFLOPS = [("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H200 NVL", 835.0), ("H100", 989.0),
+                    ("H200", 989.0), ("GH200", 989.0), ("A100", 312.0), ("L40S", 362.0), ("L40", 181.0),
+                    ("L4", 121.0), ("A10", 125.0)]
 
 
-def _training_flops(config, sequences, prompt_len):
+def dense_bf16_peak(device_name):
+    """The dense bf16 peak (TFLOPS) of a device by its name, or None for a device not in BF16_PEAK_TFLOPS."""
+    return next((peak for key, peak in BF16_PEAK_TFLOPS if re.search(rf"\b{re.escape(key)}\b", device_name)), None)
+
+
+def _forward_flops(config, sequences, prompt_len):
     """Model FLOPs of one forward over `sequences` (prompt + response token lists): 2 per weight per token for
     the decoder's matrices, causal attention (QK^T and AV), and the output projection at response positions."""
     h, layers = config.hidden_size, config.num_hidden_layers
@@ -44,99 +69,189 @@ def _training_flops(config, sequences, prompt_len):
     return flops
 
 
-def bench_gpu(shape="1.7b", response_len=8192, prompt_len=512, n_sequences=4, max_tokens=16384,
-              peak_tflops=989.0):
-    """The trainer path spo.py runs on a GPU, without vLLM: a Qwen3-shaped model with random weights saved and
-    loaded by trainer.build_policy (FSDP2 over a world of one, bf16 compute with fp32 master weights, gradient
-    checkpointing), the old-log-prob pass and one PPO step over `n_sequences` responses of `response_len` tokens
-    in token-budget micro-batches. Prints tokens/s, model FLOPs utilisation against `peak_tflops` (the H200's
-    dense bf16 figure; 0 on a CPU: not printed), peak memory, and the gap between the bf16 log-probs and those
-    of the same weights in fp32."""
+def _micro_batches_said(lengths, world, rank, max_tokens):
+    """What each rank really runs: its share of the sequences (dealt by tokens, as the trainer does) packed under
+    the token budget, e.g. "4 micro-batches on rank 0: 4 x (1 sequence of 8704 tokens)"."""
+    from machinery.batching import assign_by_tokens, plan_micro_batches
+    mine = [n for n, owner in zip(lengths, assign_by_tokens(lengths, world)) if owner == rank]
+    plan = plan_micro_batches(mine, 64, max_tokens)
+    kinds = collections.Counter((len(group), mine[group[0]]) for group in plan)  # longest first in each
+    said = ", ".join(f"{count} x ({k} sequence{'s' * (k > 1)} of {n} tokens)" for (k, n), count in kinds.items())
+    return f"{len(plan)} micro-batches on rank {rank}: {said} (budget {max_tokens} tokens, padding included)"
+
+
+def _refuse_what_cannot_fit(config, shape, world, on_gpu, tokens):
+    """One line and exit 2, before anything is built, when machinery/memory.py's estimate of one rank exceeds
+    what the device has (no engine here)."""
+    from machinery import memory
+    model = memory.model_shape(None, config)
+    items = memory.rank_memory(model, world=world, tokens=tokens, on_gpu=on_gpu, gradient_checkpointing=on_gpu,
+                               layer_units=on_gpu, engine=False)
+    have = memory.available_per_rank(on_gpu, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    if items["peak"] > have:
+        fail(f"--shape {shape}: one rank needs about {items['peak'] / memory.GIB:.0f} GiB (fp32 master weights, "
+             f"gradients and AdamW moments alone take {items['trainer state (sharded)'] / memory.GIB:.0f} GiB for "
+             f"{model.parameters / 1e9:.2f}B parameters on {world} rank(s)) but has {have / memory.GIB:.0f} GiB; use "
+             f"a smaller --shape or more GPUs (torchrun --nproc_per_node)", once=True)
+
+
+def bench_gpu(shape="1.7b", response_len=8192, prompt_len=512, n_sequences=4, max_tokens=16384, warmup=1,
+              peak_tflops=None):
+    """(a) The trainer path spo.py runs on a GPU, without vLLM (module docstring). peak_tflops: the device's dense
+    bf16 peak (None: from BF16_PEAK_TFLOPS by the device's name; not used on a CPU). Returns the numbers."""
     import torch
     import torch.distributed as dist
     from transformers import Qwen3Config, Qwen3ForCausalLM
     import spo
     from machinery import trainer
+    from machinery.memory import tokens_per_forward
     from rollout import Rollout
     rank, world, device = trainer.setup_distributed()
     on_gpu = device.type == "cuda"
     config = Qwen3Config(vocab_size=151_936, max_position_embeddings=prompt_len + response_len, rope_theta=1e6,
                          **QWEN3_SHAPES[shape])
+    lengths = [prompt_len + response_len] * n_sequences
+    _refuse_what_cannot_fit(config, shape, world, on_gpu,
+                            tokens_per_forward(64, max_tokens, max(1, n_sequences // world), lengths[0]))
+    name = torch.cuda.get_device_name(device) if on_gpu else "cpu"
+    peak_tflops = peak_tflops or (dense_bf16_peak(name) if on_gpu else None)
+    if on_gpu and peak_tflops is None:
+        fail(f"--peak_tflops: no dense bf16 peak is known for {name!r}; pass its datasheet's dense bf16 TFLOPS "
+             f"(without sparsity)", once=True)
     sync = torch.cuda.synchronize if on_gpu else (lambda: None)
 
-    def peak(run):
+    def peak(run):  # (peak bytes allocated by torch, bytes in use on the device after it: total - free)
         if not on_gpu:
-            return _peak_rss_bytes(run)
+            return _peak_rss_bytes(run), None
         torch.cuda.reset_peak_memory_stats()
         run()
-        return torch.cuda.max_memory_allocated()
+        free, total = torch.cuda.mem_get_info()
+        return torch.cuda.max_memory_allocated(), total - free
     with tempfile.TemporaryDirectory() as path:
         t0 = time.time()
         torch.manual_seed(0)
-        with torch.device(device):
+        with torch.device(device):  # every rank its own copy (its own temporary directory), the same weights
             Qwen3ForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
         init_s = time.time() - t0
         t0 = time.time()
         policy, optimizer = trainer.build_policy(path, device, lr=1e-6, weight_decay=0.01)
         sync()
         load_s = time.time() - t0
-        rng = np.random.default_rng(0)
+        rng = np.random.default_rng(rank)
         rollouts = [Rollout(rng.integers(0, config.vocab_size, prompt_len).tolist(),
                             rng.integers(0, config.vocab_size, response_len).tolist(), [0.0] * response_len, "",
-                            "length") for _ in range(n_sequences)]
-        out, seconds = {}, {}
-
-        def score():
-            t0 = time.time()
-            out["old"] = trainer.old_logprobs(policy, rollouts, [], 1.0, 64, max_tokens)
-            sync()
-            seconds["old"] = time.time() - t0
-
-        def update():
-            t0 = time.time()
-            loss_fn = functools.partial(spo.ppo_clip_loss, clip_low=0.2, clip_high=0.28, dual_clip=10.0)
-            out["stats"] = trainer.ppo_update(policy, optimizer, rollouts, out["old"]["batch"],
-                                              rng.choice([-1.0, 1.0], n_sequences), loss_fn, ppo_steps=1,
-                                              micro_batch_size=64, temperature=1.0, grad_clip=1.0,
-                                              max_tokens=max_tokens)
-            sync()
-            seconds["update"] = time.time() - t0
-        memory = {"old": peak(score), "update": peak(update)}
-        # The same weights in fp32, unsharded: how far the bf16 forward's log-probs are from full precision.
+                            "length") for _ in range(max(1, n_sequences // world))]
+        # The same weights in fp32, unsharded (read back from the file), before any update: how far the bf16
+        # forward's log-probs are from full precision.
         reference = trainer.attach_logprob_forward(Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32)
                                                    .to(device))
+        n_params = sum(p.numel() for p in reference.parameters())
         ids, mask = trainer.pack([(r.prompt_ids, r.response_ids, r.response_mask) for r in rollouts[:1]], device)
         with torch.no_grad():
             fp32, _ = trainer.token_logprobs(reference, ids, mask, 1.0)
-        gap = np.abs(fp32[0, prompt_len - 1:].cpu().numpy() - out["old"]["batch"][0])
-    tokens = n_sequences * (prompt_len + response_len)
-    flops = _training_flops(config, [prompt_len + response_len] * n_sequences, prompt_len)
-    n_params = sum(p.numel() for p in reference.parameters())
-    print(f"Qwen3-{shape} shape ({n_params / 1e9:.2f}B parameters), {n_sequences} x ({prompt_len} + {response_len}) "
-          f"tokens, micro-batches of {max_tokens} tokens, device {device.type}, world {world}", flush=True)
-    print(f"random init + save {init_s:.1f} s, build_policy (load + FSDP2) {load_s:.1f} s", flush=True)
-    for name, factor in (("old", 1), ("update", 4)):  # update: forward, recomputed forward, backward (2x)
-        utilisation = f", MFU {100 * factor * flops / seconds[name] / (peak_tflops * 1e12):.1f}%" if on_gpu else ""
-        print(f"{'old log-probs' if name == 'old' else 'PPO step':14s} {seconds[name]:7.2f} s  "
-              f"{tokens / seconds[name]:9.0f} tokens/s{utilisation}  peak memory {memory[name] / 2**30:.2f} GiB",
-              flush=True)
-    print(f"bf16 vs fp32 log-probs (response tokens): mean |gap| {gap.mean():.2e}, max {gap.max():.2e}; "
-          f"loss {out['stats']['loss']:.4f}, grad norm {out['stats']['grad_norm']:.3f}", flush=True)
+        bf16 = trainer.old_logprobs(policy, rollouts, [], 1.0, 64, max_tokens)["batch"][0]
+        gap = np.abs(fp32[0, prompt_len - 1:].cpu().numpy() - bf16)
+        del reference, fp32
+        if on_gpu:
+            torch.cuda.empty_cache()
+    out, seconds = {}, {}
+
+    def score():
+        t0 = time.time()
+        out["old"] = trainer.old_logprobs(policy, rollouts, [], 1.0, 64, max_tokens)
+        sync()
+        seconds["old"] = time.time() - t0
+
+    def update():
+        t0 = time.time()
+        loss_fn = functools.partial(spo.ppo_clip_loss, clip_low=0.2, clip_high=0.28, dual_clip=10.0)
+        out["stats"] = trainer.ppo_update(policy, optimizer, rollouts, out["old"]["batch"],
+                                          rng.choice([-1.0, 1.0], len(rollouts)), loss_fn, ppo_steps=1,
+                                          micro_batch_size=64, temperature=1.0, grad_clip=1.0, max_tokens=max_tokens)
+        sync()
+        seconds["update"] = time.time() - t0
+    for _ in range(warmup):  # kernels chosen, the allocator grown, caches warm: not timed
+        score()
+        update()
+    memory = {"old": peak(score), "update": peak(update)}
+    tokens = len(rollouts) * world * (prompt_len + response_len)
+    flops = _forward_flops(config, lengths, prompt_len)
+    say = print if rank == 0 else (lambda *a, **k: None)
+    say(f"Qwen3-{shape} shape ({n_params / 1e9:.2f}B parameters), {n_sequences} x ({prompt_len} + {response_len}) "
+        f"tokens, device {name}, world {world}; {_micro_batches_said(lengths, world, rank, max_tokens)}",
+        flush=True)
+    say(f"random init + save {init_s:.1f} s, build_policy (load + FSDP2) {load_s:.1f} s, {warmup} warm-up round(s) "
+        f"not timed", flush=True)
+    # Model FLOPs utilisation counts the model's FLOPs only: forward, and backward at twice the forward. Hardware
+    # FLOPs utilisation also counts what is recomputed: every decoder layer and log-prob chunk runs forward again
+    # in the backward (gradient checkpointing), one more forward.
+    for phase, (mfu, hfu) in (("old", (1, 1)), ("update", (3, 4))):
+        per_s = flops / seconds[phase] / (world * peak_tflops * 1e12) if on_gpu else 0.0
+        rates = f", MFU {100 * mfu * per_s:.1f}%, HFU {100 * hfu * per_s:.1f}%" if on_gpu else ""
+        on_card = f" ({memory[phase][1] / 2**30:.2f} GiB in use on the device)" if on_gpu else ""
+        say(f"{'old log-probs' if phase == 'old' else 'PPO step':14s} {seconds[phase]:7.2f} s  "
+            f"{tokens / seconds[phase]:9.0f} tokens/s{rates}  peak memory {memory[phase][0] / 2**30:.2f} GiB"
+            f"{on_card}", flush=True)
+    say(f"bf16 vs fp32 log-probs (response tokens): mean |gap| {gap.mean():.2e}, max {gap.max():.2e}; "
+        f"loss {out['stats']['loss']:.4f}, grad norm {out['stats']['grad_norm']:.3f}", flush=True)
     dist.destroy_process_group()
     return {"seconds": seconds, "memory": memory, "gap_mean": float(gap.mean()), "gap_max": float(gap.max()),
             "stats": out["stats"]}
 
 
+RUNNERS = {"V1": "0", "V2": "1"}  # VLLM_USE_V2_MODEL_RUNNER (vllm/envs.py; unset: V2 where supported)
+
+
+def vllm_runners(run_root, steps=2):
+    """(6) spo.py for `steps` steps on the toy (one GPU, world of one) under each of vLLM's model runners, and the
+    trainer-vs-engine log-prob gap of each (policy/logprob_gap_mean and _max in metrics.jsonl). vLLM's V2 runner
+    (its default on CUDA since 0.3x) has never run this code: a weight push it did not take, or log-probs it
+    processes otherwise, shows as a gap far above V1's. Skipped, in one line, where vLLM does not import."""
+    if importlib.util.find_spec("vllm") is None:
+        print("vLLM model runners V1 / V2: skipped (vLLM is not installed here)", flush=True)
+        return None
+    gaps = {}
+    for runner, flag in RUNNERS.items():
+        run_dir = os.path.join(run_root, f"runner_{runner}")
+        command = [sys.executable, "spo.py", "--steps", str(steps), "--eval_every", "0", "--save_every", "0",
+                   "--offline_values", "none", "--engine_compile", "off", "--log_every", "1", "--run_dir", run_dir]
+        proc = subprocess.run(command, env={**os.environ, "VLLM_USE_V2_MODEL_RUNNER": flag}, capture_output=True,
+                              text=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        if proc.returncode != 0:
+            print(f"vLLM model runner {runner}: spo.py failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}",
+                  flush=True)
+            gaps[runner] = None
+            continue
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            rows = [row for row in map(json.loads, f) if "policy/logprob_gap_max" in row]
+        gaps[runner] = (float(np.mean([r["policy/logprob_gap_mean"] for r in rows])),
+                        max(r["policy/logprob_gap_max"] for r in rows))
+        print(f"vLLM model runner {runner}: {len(rows)} steps, trainer-vs-engine log-prob gap mean "
+              f"{gaps[runner][0]:.2e}, max {gaps[runner][1]:.2e}", flush=True)
+    return gaps
+
+
 def main(argv=None):
     """`python -m bench gpu [flags]`."""
     parser = argparse.ArgumentParser(prog="python -m bench gpu",
-                                     description="the trainer path on one device, without vLLM")
+                                     description="the trainer path on one device without vLLM, and vLLM's two "
+                                                 "model runners where vLLM is installed")
     parser.add_argument("--shape", choices=sorted(QWEN3_SHAPES), default="1.7b", help="the model's shape")
     parser.add_argument("--response_len", type=int, default=8192, help="tokens per response")
-    parser.add_argument("--sequences", type=int, default=4, help="responses in the batch")
+    parser.add_argument("--sequences", type=int, default=4, help="responses in the batch (over all ranks)")
     parser.add_argument("--max_tokens_per_micro_batch", type=int, default=16384, help="micro-batch token budget")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed rounds (old log-probs + PPO step) first")
+    parser.add_argument("--peak_tflops", type=float, default=None,
+                        help="the device's dense bf16 peak (default: known for H100, H200, A100, L40S, L4, A10)")
+    parser.add_argument("--vllm_runners", choices=["auto", "on", "off"], default="auto",
+                        help="spo.py on the toy under vLLM's V1 and V2 model runners (auto: on a GPU)")
     args = parser.parse_args(argv)
-    bench_gpu(args.shape, args.response_len, n_sequences=args.sequences, max_tokens=args.max_tokens_per_micro_batch)
+    bench_gpu(args.shape, args.response_len, n_sequences=args.sequences, max_tokens=args.max_tokens_per_micro_batch,
+              warmup=args.warmup, peak_tflops=args.peak_tflops)
+    import torch
+    if args.vllm_runners == "on" or (args.vllm_runners == "auto" and torch.cuda.is_available()):
+        with tempfile.TemporaryDirectory() as run_root:
+            vllm_runners(run_root)
 
 
 if __name__ == "__main__":

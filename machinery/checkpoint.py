@@ -11,7 +11,7 @@ A checkpoint is a directory written atomically (into step_N.tmp, renamed when co
   its own in parallel: no rank gathers the optimiser state (66 GB for an 8B model under Adam), and resume reads
   exactly what was written;
 - model/: a plain Hugging Face model (config, weights, tokenizer) that transformers, vLLM and eval.py load as it
-  is, gathered to rank 0;
+  is, gathered in buckets (in bf16 on GPU) and written by rank 0 tensor by tensor (`export_hf`);
 - state.pt: the run's own state: step, world size, the training set's prompt keys, the tracker, the sampler's
   RNG, SPO's previous responses and the run's flags.
 Every file is fsynced before the rename; a failed write (no space, read-only) removes the partial directory and says
@@ -20,6 +20,7 @@ Not run on its own: spo.py calls it; tests/test_end_to_end.py resumes runs and c
 """
 import atexit
 import contextlib
+import itertools
 import json
 import os
 import shutil
@@ -227,6 +228,64 @@ def _fsync_tree(root):
 # ------------------------------------------------------------------------------------------------ checkpoints
 
 
+# The HF export's safetensors files hold at most this many bytes each: rank 0 holds one file's tensors at a time.
+EXPORT_FILE_BYTES = 2 ** 32
+
+
+def _export_plan(model, dtype, file_bytes):
+    """The HF export's files: lists of names (parameters, tied ones once, then persistent buffers) in the order
+    trainer.full_parameters yields them, a new file whenever the next tensor would pass file_bytes."""
+    tensors = list(model.named_parameters())  # a tied output projection once, under the embedding's name
+    state = model.state_dict()  # (FSDP2: DTensors, nothing gathered) persistent buffers are in it, others not
+    tensors += [(name, b) for name, b in model.named_buffers() if name in state]
+    files, size = [[]], 0
+    for name, t in tensors:
+        nbytes = t.numel() * (dtype or t.dtype).itemsize
+        if files[-1] and size + nbytes > file_bytes:
+            files, size = files + [[]], 0
+        files[-1].append(name)
+        size += nbytes
+    return files
+
+
+def export_hf(model, out_dir, dtype=None, write=True, file_bytes=EXPORT_FILE_BYTES):
+    """The policy's weights as a Hugging Face model's safetensors in out_dir, in `dtype` (None: as trained). Every
+    rank gathers (trainer.full_parameters: buckets, each rank's shard cast to `dtype` BEFORE the gather, as the
+    weight push does); rank 0 moves each tensor to the host and writes a file as soon as its tensors are in, so it
+    holds one file's tensors at most, never the whole state dict. One file: model.safetensors, byte for byte what
+    save_file wrote of the full state dict before; several: model-0000k-of-0000n.safetensors and
+    model.safetensors.index.json, as transformers writes them. Every rank must call it (collectives); write:
+    rank 0 writes (False: it only takes part in the gathers). Returns rank 0's write error, or None."""
+    from safetensors.torch import save_file
+    from machinery.trainer import full_parameters
+    files = _export_plan(model, dtype, file_bytes)
+    names = [f"model-{k + 1:05d}-of-{len(files):05d}.safetensors" for k in range(len(files))]
+    if len(files) == 1:
+        names = ["model.safetensors"]
+    where = {name: k for k, file in enumerate(files) for name in file}
+    buffers = ((name, b) for name, b in model.named_buffers() if name in where)
+    write, error, pending, total = write and dist.get_rank() == 0, None, {}, 0
+    for name, tensor in itertools.chain(full_parameters(model, dtype), buffers):
+        if not write or error or name not in where:  # a tied weight's second name, or nothing to write here
+            continue
+        k = where[name]
+        pending.setdefault(k, {})[name] = tensor.detach().to("cpu", dtype or tensor.dtype).contiguous()
+        total += tensor.numel() * (dtype or tensor.dtype).itemsize
+        if len(pending[k]) == len(files[k]):  # the file is complete: write it, let its tensors go
+            try:
+                save_file(pending.pop(k), os.path.join(out_dir, names[k]), metadata={"format": "pt"})
+            except OSError as e:
+                error = e.strerror or str(e)
+    if write and not error and len(files) > 1:
+        try:
+            with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+                json.dump({"metadata": {"total_size": total},
+                           "weight_map": {name: names[k] for name, k in where.items()}}, f, indent=2)
+        except OSError as e:
+            error = e.strerror or str(e)
+    return error
+
+
 def save_checkpoint(run_dir, step, model, optimizer, tokenizer, world, prompt_keys, tracker_state,
                     sampler_state, previous, config, keep=2, export_dtype=None, reach=None):
     """Write checkpoints/step_N atomically: everything goes into step_N.tmp, which is renamed only when
@@ -234,13 +293,11 @@ def save_checkpoint(run_dir, step, model, optimizer, tokenizer, world, prompt_ke
 
     step_N/shards: the fp32 weights and the optimiser state as torch.distributed.checkpoint shards, each rank
     writing its own in parallel (what resume reads: exact). step_N/model: a plain Hugging Face model that
-    transformers, vLLM and eval.py load, gathered to rank 0 in export_dtype (spo.py: bf16 on GPU, the engine's
-    dtype, half the bytes; None: fp32). step_N/state.pt: the run's own state, small next to the weights."""
+    transformers, vLLM and eval.py load, in export_dtype (spo.py: bf16 on GPU, the engine's dtype, half the
+    bytes; None: fp32), written by export_hf. step_N/state.pt: the run's own state, small next to the weights."""
     import copy
     import torch.distributed.checkpoint as dcp
-    from safetensors.torch import save_file
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                         get_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
     from torch.distributed.checkpoint.api import CheckpointException
     from machinery.collectives import all_gather_objects
     root = os.path.join(run_dir, "checkpoints")
@@ -266,14 +323,9 @@ def save_checkpoint(run_dir, step, model, optimizer, tokenizer, world, prompt_ke
                  checkpoint_id=os.path.join(tmp, "shards"))
     except (OSError, CheckpointException) as e:
         error = getattr(e, "strerror", None) or str(e).splitlines()[0]
-    model_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    error = export_hf(model, os.path.join(tmp, "model"), export_dtype, write=error is None) or error
     if dist.get_rank() == 0 and error is None:
         try:
-            if model.config.tie_word_embeddings:
-                model_state.pop("lm_head.weight", None)  # shared with the embedding; safetensors refuses aliases
-            save_file({k: (v if export_dtype is None else v.to(export_dtype)).contiguous()
-                       for k, v in model_state.items()},
-                      os.path.join(tmp, "model", "model.safetensors"), metadata={"format": "pt"})
             hf_config = copy.deepcopy(model.config)
             if export_dtype is not None:
                 hf_config.dtype = export_dtype  # what vLLM's dtype="auto" reads

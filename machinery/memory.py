@@ -17,9 +17,12 @@ nothing is loaded), the rest from the flags. Per rank:
 - the log-prob chunks (batching.LOGIT_CHUNK_BYTES of fp32 logits, their softmax and gradient);
 - the engine: on CPU fp32 weights (counted twice), the KV cache (VLLM_CPU_KVCACHE_SPACE) and the process's
   libraries; on GPU vLLM's share of the card while it generates (`--gpu_memory_utilization`; the trainer then
-  holds its shards and the root unit the weight push left gathered), asleep while the trainer works.
+  holds its shards and the root unit the weight push left gathered), asleep while the trainer works;
+- on GPU also what stays on the card in every phase: the CUDA context, the NCCL communicator, vLLM's runtime at
+  sleep level 2 (CUDA-graph pools, persistent buffers), and FSDP2's fp32 reduce-scatter buffers while training.
 The per-token constant was measured on this project's CPU machine (docs/own-model-and-data.md); it errs
-high. GPU numbers are the same arithmetic in bf16 and have never been checked on a GPU.
+high. GPU numbers are the same arithmetic in bf16 plus estimates read from the sources named at each constant;
+they have never been checked on a GPU (docs/scale.md).
 
     python -m machinery.memory --model smollm/model --tokens 2048   # the estimate for 2 ranks, nothing started
 """
@@ -44,7 +47,19 @@ CKPT_HIDDEN = {"cpu": 6, "gpu": 2}
 # A CPU rank's process besides the model and the KV cache: python, torch, vLLM's libraries and runtime (a toy rank
 # peaks at 1.9 GiB with a 1 GiB KV cache and a model of 2 MiB).
 CPU_PROCESS_BYTES = 1.25 * GIB
-GPU_ENGINE_ASLEEP_BYTES = 3 * GIB  # vLLM asleep keeps its CUDA graphs and allocator pools (1-3 GB)
+# GPU, per rank, estimates (never measured here). The CUDA context with the kernels torch and vLLM load and cuBLAS's
+# workspaces: 0.5-1 GiB on H100-class cards (vLLM's start-up report counts it in "non_torch_memory": 1.27 GiB on an
+# 80 GB card in the log of vLLM PR #11743).
+GPU_CONTEXT_BYTES = 1 * GIB
+# The trainer's one NCCL communicator (FSDP2 and our collectives share the default process group; vLLM with
+# tensor_parallel_size 1 makes none: its groups of one rank skip the device communicator, vllm 0.32
+# distributed/parallel_state.py). NCCL's buffers grow with channels and NVLink SHARP: about 1.6 GB for one
+# communicator after an all-reduce (NVIDIA/nccl issue #864), 0.5-0.7 GB per group on 4 A100s (issue #964).
+GPU_NCCL_BYTES = 1.5 * GIB
+# vLLM asleep at level 2 discards its weights and KV cache but keeps its CUDA-graph pool (1.4 GiB for a TP8 model in
+# vLLM issue #47654; offloading it is unmerged work, PRs #45623 and #56373) and the model runner's persistent
+# buffers and attention workspace, allocated by torch.
+GPU_ENGINE_ASLEEP_BYTES = 3 * GIB
 
 
 @dataclass
@@ -59,11 +74,12 @@ class ModelShape:
     vocab: int
 
 
-def model_shape(model_path):
-    """ModelShape of a Hugging Face causal LM, built on the meta device from its config (no weights read)."""
+def model_shape(model_path, config=None):
+    """ModelShape of a Hugging Face causal LM, built on the meta device from its config (no weights read); config:
+    the config itself, instead of the model's path (bench/gpu.py)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
-    config = AutoConfig.from_pretrained(model_path)
+    config = config or AutoConfig.from_pretrained(model_path)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -86,34 +102,45 @@ def tokens_per_forward(micro_batch_size, max_tokens_per_micro_batch, sequences_p
 
 
 def rank_memory(shape, *, world, tokens, on_gpu, gradient_checkpointing, layer_units=True, kv_cache_gib=1.0,
-                gpu_bytes=0, gpu_memory_utilization=0.5):
-    """Estimated peak bytes of one rank, as {item: bytes} (see the module docstring); "peak" is the total."""
+                gpu_bytes=0, gpu_memory_utilization=0.5, engine=True):
+    """Estimated peak bytes of one rank, as {item: bytes} (see the module docstring); "peak" is the total.
+    engine: a colocated vLLM engine (spo.py); False: the trainer alone (bench/gpu.py)."""
     compute = 2 if on_gpu else 4  # bytes per activation: bf16 compute on GPU, fp32 on CPU
     per_layer_token = (ACT_HIDDEN * shape.hidden + ACT_MLP * shape.intermediate) * compute
     if gradient_checkpointing:  # each layer's input kept, one layer's activations recomputed at a time
         per_token = shape.layers * CKPT_HIDDEN["gpu" if on_gpu else "cpu"] * shape.hidden * compute + per_layer_token
     else:
         per_token = shape.layers * per_layer_token
-    gathered = (shape.root_parameters + 2 * shape.layer_parameters if layer_units else shape.parameters) * compute
+    unit = shape.root_parameters + 2 * shape.layer_parameters if layer_units else shape.parameters
+    gathered = unit * compute
     items = {"trainer state (sharded)": shape.parameters * 16 / world,  # fp32 weights + gradients + 2 moments
              "gathered weights and their gradients": 2 * gathered,
              "activations": tokens * per_token,
              "log-prob chunks": 3 * min(LOGIT_CHUNK_BYTES, tokens * shape.vocab * 4)}
-    if on_gpu:  # an fp32 copy of the output projection for the log-probs, and its gradient
-        items["fp32 output projection"] = 2 * shape.vocab * shape.hidden * 4
-        training = sum(items.values()) + GPU_ENGINE_ASLEEP_BYTES
+    if on_gpu:
+        items["fp32 output projection"] = 2 * shape.vocab * shape.hidden * 4  # the fp32 copy and its gradient
+        # foreach_reduce casts a unit's bf16 gradients into one fp32 buffer of the unit's full size for the
+        # reduce-scatter (torch 2.13 fsdp/_fully_shard/_fsdp_collectives.py): the root unit's, and the previous
+        # unit's still in flight (layer units), or the whole model's
+        items["FSDP2 fp32 reduce-scatter buffers"] = 4 * (shape.root_parameters + shape.layer_parameters
+                                                          if layer_units else shape.parameters)
+        resident = {"CUDA context": GPU_CONTEXT_BYTES, "NCCL communicator": GPU_NCCL_BYTES if world > 1 else 0,
+                    "engine asleep (while training)": GPU_ENGINE_ASLEEP_BYTES if engine else 0}
+        training = sum(items.values()) + sum(resident.values())
         # while vLLM generates: the trainer's sharded weights and moments, and the root unit the weight push left
-        # gathered for the next forward (trainer.full_parameters)
-        generating = shape.parameters * 12 / world + gathered + gpu_memory_utilization * gpu_bytes
-        items["engine asleep (while training)"] = GPU_ENGINE_ASLEEP_BYTES
+        # gathered for the next forward (trainer.full_parameters); vLLM's share counts from the card's total
+        generating = (shape.parameters * 12 / world + gathered + gpu_memory_utilization * gpu_bytes
+                      + resident["CUDA context"] + resident["NCCL communicator"]) if engine else 0
+        items.update(resident)
         items["peak"] = max(training, generating)
         return items
     # Counted twice: a SmolLM2 rank at 1024 tokens per forward peaked 1.4% under the estimate with one copy, and
     # the engine holds more than its fp32 weights (the tied output projection packed separately, load buffers).
-    items["engine weights (fp32, x2)"] = 2 * shape.parameters * 4
-    if layer_units:  # the CPU push holds every gathered tensor at once (rollout.Engine.push_weights); one unit:
-        items["weight push (a full fp32 copy)"] = shape.parameters * 4  # those are the gathered weights themselves
-    items["engine KV cache"] = kv_cache_gib * GIB
+    if engine:
+        items["engine weights (fp32, x2)"] = 2 * shape.parameters * 4
+        if layer_units:  # the CPU push holds every gathered tensor at once (rollout.Engine.push_weights); one unit:
+            items["weight push (a full fp32 copy)"] = shape.parameters * 4  # those are the gathered weights
+        items["engine KV cache"] = kv_cache_gib * GIB
     items["process (python, torch, vLLM)"] = CPU_PROCESS_BYTES
     items["peak"] = sum(items.values())
     return items
@@ -239,18 +266,34 @@ def add_engine_flags(p, gpu_share):
     p.add_argument("--gpu_memory_utilization", type=float, default=gpu_share, help="vLLM share of each GPU")
 
 
-def peak_metrics(on_gpu):
-    """memory/peak_gib: the largest peak over the ranks so far, to set against the estimate printed at start. CPU:
-    the process's peak resident memory (VmHWM: trainer, engine and libraries); GPU: what torch allocated at most
-    (trainer and vLLM share the process's allocator; the CUDA context is not counted)."""
-    from machinery.collectives import all_reduce_np
+_gpu = {"phases": {}, "peak": 0.0}  # GPU: memory in use at this step's phase ends (phase_end), the largest so far
+
+
+def phase_end(on_gpu, phase):
+    """GPU: note the device memory in use at the end of a phase (spo.py: "generate", with vLLM awake; "update",
+    before the push empties PyTorch's cache). total - free counts everything on the card: the CUDA context, NCCL,
+    vLLM's pools (awake or asleep) and what PyTorch's caching allocator holds, which keeps the phase's high-water
+    mark of reserved blocks until emptied. max_memory_allocated would count vLLM's slept blocks and miss the
+    context. CPU: nothing (peak_metrics reads the process's true peak)."""
     if on_gpu:
         import torch
-        peak = torch.cuda.max_memory_allocated()
-    else:
+        free, total = torch.cuda.mem_get_info()
+        _gpu["phases"][phase] = total - free
+
+
+def peak_metrics(on_gpu):
+    """memory/peak_gib: the largest peak over the ranks so far, to set against the estimate printed at start. CPU:
+    the process's peak resident memory (VmHWM: trainer, engine and libraries). GPU: the most device memory in use
+    at the end of a phase (phase_end) so far, and this step's per phase (memory/<phase>_gib), max over ranks."""
+    from machinery.collectives import all_reduce_np
+    if not on_gpu:
         with open("/proc/self/status") as f:
             peak = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
-    return {"memory/peak_gib": float(all_reduce_np([peak], op="max")[0]) / GIB}
+        return {"memory/peak_gib": float(all_reduce_np([peak], op="max")[0]) / GIB}
+    names = sorted(_gpu["phases"])
+    used = all_reduce_np([_gpu["phases"].pop(name) for name in names] + [0.0], op="max") / GIB  # every rank alike
+    _gpu["peak"] = max(_gpu["peak"], float(used.max()))
+    return {"memory/peak_gib": _gpu["peak"], **{f"memory/{name}_gib": float(v) for name, v in zip(names, used)}}
 
 
 def main():
@@ -270,6 +313,8 @@ def main():
                         layer_units=use_layer_units(args.fsdp_units, args.gpu), kv_cache_gib=args.cpu_kv_cache_gib or 1,
                         gpu_bytes=args.gpu_gib * GIB, gpu_memory_utilization=args.gpu_memory_utilization)
     for name, value in items.items():
+        if name == "peak" and args.gpu:  # the GPU's two peaks: the trainer at work, and vLLM generating
+            print(f"{'while training':40s} {sum(v for k, v in items.items() if k != 'peak') / GIB:8.2f} GiB")
         print(f"{name:40s} {value / GIB:8.2f} GiB")
 
 

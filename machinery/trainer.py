@@ -6,7 +6,8 @@ file holds the mechanics that any policy-gradient trainer on torch FSDP2 needs:
 - `build_policy`: a Hugging Face causal LM sharded with FSDP2 (`fully_shard` per decoder layer, then the root, or
   the whole model as one unit); on GPU bf16 compute with fp32 master weights and fp32 gradient reduction.
 - `token_logprobs` (via `response_logprobs`): the decoder once per micro-batch, the output projection only at
-  response positions, in fp32 and in chunks, so no (B, T, V) logits tensor exists at any vocabulary size.
+  response positions, with fp32 logits (from a bf16 GEMM accumulating in fp32 under bf16) and in chunks, so no
+  (B, T, V) logits tensor exists at any vocabulary size.
 - `old_logprobs` / `ppo_update`: per-token log-probs of prompt + response sequences in micro-batches, and the
   optimiser steps around a loss function given by the caller, normalised by the GLOBAL token count (with one
   optimiser step per batch the update's own forward gives the old log-probs: no separate pass). FSDP2
@@ -122,16 +123,14 @@ PUSH_BUCKET_BYTES = 2 ** 28
 
 def full_parameters(model, dtype=None, bucket_bytes=PUSH_BUCKET_BYTES):
     """(name, full tensor) for every parameter, gathered in buckets of at most `bucket_bytes` of full tensors (one
-    all-gather per bucket; a larger parameter is a bucket of its own): the weight push never holds a second full
-    copy of the model. Every rank must iterate (each gather is a collective). dtype: cast each rank's shard BEFORE
-    the gather (spo.py: bf16 on GPU, the engine's dtype), which halves the bytes gathered. The bytes are the
-    shards' own: the same tensors as DTensor.full_tensor(), fewer collectives.
-
-    Tied weights are sent under both names (remove_duplicate=False): vLLM's CPU backend keeps a separately
-    packed copy of a tied lm_head, which goes stale if only the embedding is pushed (a large log-prob gap).
-
-    The root unit (CPU: the whole model) is gathered by FSDP2's unshard and stays so: the next forward skips its
-    own gather, and FSDP2 reshards after the backward, before an optimiser step could make it stale."""
+    all-gather per bucket; a larger parameter is a bucket of its own): the weight push and the HF export never hold
+    a second full copy of the model. Every rank must iterate (each gather is a collective). dtype: cast each rank's
+    shard BEFORE the gather (spo.py: bf16 on GPU, the engine's dtype), which halves the bytes gathered. The bytes
+    are the shards' own: the same tensors as DTensor.full_tensor(), fewer collectives. Tied weights come under both
+    names (remove_duplicate=False): vLLM's CPU backend keeps a separately packed copy of a tied lm_head, which goes
+    stale if only the embedding is pushed (a large log-prob gap). The root unit (CPU: the whole model) is gathered
+    by FSDP2's unshard and stays so: the next forward skips its own gather, and FSDP2 reshards after the backward,
+    before an optimiser step could make it stale."""
     from torch.distributed.tensor import Shard
     if hasattr(model, "unshard"):  # an FSDP2 module (not a plain one)
         model.unshard()
@@ -193,13 +192,49 @@ def pack(sequences, device):
     return ids.to(device), mask.to(device)
 
 
-def _chunk_logprobs(hidden, weight, bias, targets, temperature, with_entropy):
-    """(n,) log-probs of `targets` and (n,) entropies (or None) from (n, H) hidden states, in fp32.
+HALF = (torch.bfloat16, torch.float16)
 
-    The projection runs in fp32 even when the model computes in bf16: bf16 logits near 30 are rounded to steps
-    of 0.125, an error the log-probs (and PPO's ratio) would inherit. log p = logit - logsumexp(logits), so the
-    (n, V) log-softmax is never stored."""
-    logits = torch.nn.functional.linear(hidden.float(), weight, bias) / temperature  # (n, V) fp32
+
+def _mm_fp32(a, b):
+    """a @ b in fp32 from bf16 (or fp16) a and b: one half-precision GEMM accumulating in fp32 where torch has it
+    for the device (mm's out_dtype: CUDA; no CPU kernel in torch 2.13), else the same numbers from fp32 copies."""
+    if a.is_cuda and "dtype" in torch.ops.aten.mm.overloads():
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return torch.mm(a.float(), b.float())
+
+
+class _HalfInputLogits(torch.autograd.Function):
+    """(n, V) fp32 logits hidden @ weight.T from bf16 hidden (n, H) and weight (V, H). A product of two bf16 values
+    is exact in fp32, so these are the fp32 projection's logits (up to the order of the sum) from a bf16 GEMM, not
+    an fp32 one (no TF32 by default: several times slower). mm's out_dtype has no derivative (torch 2.13): hence
+    this function. weight32: the weight's values in fp32, made once per pass, which receives the weight's gradient
+    so that autograd sums the chunks' gradients in fp32 (None: no weight gradient). The logits' gradient is rounded
+    to bf16 for the backward GEMMs, as every gradient in the bf16 decoder is."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, weight32):
+        ctx.save_for_backward(hidden, weight)  # (FSDP2 keeps the root unit gathered until its backward)
+        return _mm_fp32(hidden, weight.t())
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):  # grad: (n, V) fp32
+        hidden, weight = ctx.saved_tensors
+        grad = grad.to(weight.dtype)
+        grad_hidden = _mm_fp32(grad, weight).to(hidden.dtype) if ctx.needs_input_grad[0] else None  # (n, H)
+        return grad_hidden, None, _mm_fp32(grad.t(), hidden) if ctx.needs_input_grad[2] else None  # (V, H) fp32
+
+
+def _chunk_logprobs(hidden, weight, weight32, bias, targets, temperature, with_entropy):
+    """(n,) log-probs of `targets` and (n,) entropies (or None) from (n, H) hidden states, with fp32 logits even
+    when the model computes in bf16: bf16 logits near 30 are rounded to steps of 0.125, an error the log-probs (and
+    PPO's ratio) would inherit. Under bf16 _HalfInputLogits; in fp32 (CPU) an fp32 GEMM on weight32, the parameter
+    itself. log p = logit - logsumexp(logits), so the (n, V) log-softmax is never stored."""
+    if weight.dtype in HALF and hidden.dtype == weight.dtype:
+        logits = _HalfInputLogits.apply(hidden, weight, weight32)  # (n, V) fp32
+        logits = (logits if bias is None else logits + bias.float()) / temperature
+    else:
+        logits = torch.nn.functional.linear(hidden.float(), weight32, bias) / temperature  # (n, V) fp32
     normaliser = torch.logsumexp(logits, -1)  # (n,)
     logp = logits.gather(-1, targets[:, None]).squeeze(-1) - normaliser
     if not with_entropy:
@@ -213,21 +248,21 @@ def response_logprobs(model, ids, rows, cols, temperature, with_entropy=False, c
     """(N,) log pi(ids[rows, cols + 1] | ids[rows, :cols + 1]) at the sampling temperature, and the (N,) entropies
     (or None): the decoder runs once over the (B, T) ids, the output projection only at the N positions asked for
     (the response tokens), `chunk` positions at a time (default: LOGIT_CHUNK_BYTES of fp32 logits). No (B, T, V)
-    tensor ever exists: with Qwen3's vocabulary of 151,936 one micro-batch of 2 x 10k tokens would need 12 GB per
-    fp32 copy of its logits.
-
-    With gradients each chunk is checkpointed (its logits are recomputed in the backward pass), so the backward
-    too holds one chunk's logits at a time. Call it as `model.response_logprobs(...)` after attach_logprob_forward
-    (build_policy does), so that FSDP2 gathers the parameters around it as it would around `forward`."""
+    tensor ever exists (Qwen3, V = 151,936: 12 GB per fp32 copy of the logits of 2 x 10k tokens). With gradients
+    each chunk is checkpointed (recomputed in the backward), so the backward too holds one chunk's logits at a time.
+    Call it as `model.response_logprobs(...)` after attach_logprob_forward (build_policy does), so that FSDP2
+    gathers the parameters around it as it would around `forward`."""
     hidden = model.base_model(input_ids=ids, use_cache=False).last_hidden_state[rows, cols]  # (N, H)
     head = model.get_output_embeddings()
-    weight = head.weight.float()  # (V, H): a fp32 copy under bf16 mixed precision, the parameter itself in fp32
+    weight = head.weight  # (V, H): the gathered bf16 copy under bf16 mixed precision, else the fp32 parameter
+    # fp32 weights that sum the chunks' weight gradients: under bf16 a copy (with gradients only), else the parameter
+    weight32 = None if weight.dtype in HALF and not torch.is_grad_enabled() else weight.float()
     bias = None if head.bias is None else head.bias.float()
     targets = ids[rows, cols + 1]  # (N,)
     chunk = chunk or max(1, LOGIT_CHUNK_BYTES // (4 * weight.shape[0]))
     logp, entropy = [], []
     for k in range(0, len(targets), chunk):
-        part = (hidden[k: k + chunk], weight, bias, targets[k: k + chunk], temperature, with_entropy)
+        part = (hidden[k: k + chunk], weight, weight32, bias, targets[k: k + chunk], temperature, with_entropy)
         if torch.is_grad_enabled():
             part_logp, part_entropy = checkpoint(_chunk_logprobs, *part, use_reentrant=False)
         else:
@@ -349,18 +384,16 @@ def ppo_update(model, optimizer, rollouts, old, advantage, loss_fn, *, ppo_steps
                grad_clip, max_tokens=None):
     """`ppo_steps` optimiser steps over consecutive mini-batches of the rollouts, each step's loss from
     loss_fn(logprobs, old_logprobs, advantage, mask, n_tokens=...) -> (loss, clipped) (spo.ppo_clip_loss, Eq. 10),
-    where n_tokens counts the policy tokens of the GLOBAL mini-batch (all ranks), so that the loss is a token mean
-    over it. The machinery: micro-batches (gradient accumulation), the world-size scaling FSDP2 needs, gradient
-    clipping, and skipping a step whose loss or gradient norm is not finite (on every rank alike).
-    old: (T_i,) old log-probs per rollout; advantage: (B_local,) one scalar per trajectory. max_tokens: the
-    micro-batches' token budget (plan_micro_batches), and each mini-batch's sequences are then dealt to the ranks
-    by tokens (assign_by_tokens); None: micro_batch_size sequences each, every rank its own rollouts.
-
-    old=None (ppo_steps 1 only): one optimiser step per batch means the policy that sampled the batch is the
-    policy being trained, so its old log-probs ARE this forward's log-probs, detached: ratio exactly 1, the same
-    gradient as with a separate no-grad pass (which computes the same numbers), without that pass. The stats then
-    carry "old", what old_logprobs would have returned for the batch: per-rollout log-probs (SPO remembers them
-    for D(x)), the entropy and the trainer-vs-vLLM gap, all from the weights before the step."""
+    where n_tokens counts the policy tokens of the GLOBAL mini-batch (all ranks): a token mean over it. The
+    machinery: micro-batches (gradient accumulation), the world-size scaling FSDP2 needs, gradient clipping, and
+    skipping a step whose loss or gradient norm is not finite (on every rank alike). old: (T_i,) old log-probs per
+    rollout; advantage: (B_local,) one scalar per trajectory. max_tokens: the micro-batches' token budget
+    (plan_micro_batches), each mini-batch's sequences then dealt to the ranks by tokens (assign_by_tokens); None:
+    micro_batch_size sequences each, every rank its own rollouts.
+    old=None (ppo_steps 1 only): the policy that sampled the batch is the policy being trained, so its old
+    log-probs ARE this forward's log-probs, detached: ratio exactly 1, the same gradient as with a separate no-grad
+    pass, without that pass. The stats then carry "old", what old_logprobs would have returned for the batch:
+    per-rollout log-probs (SPO remembers them for D(x)), the entropy and the trainer-vs-vLLM gap."""
     device, rank = next(model.parameters()).device, dist.get_rank()
     world = dist.get_world_size()
     reuse = old is None

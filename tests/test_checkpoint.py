@@ -93,3 +93,75 @@ def test_no_room_for_a_checkpoint_is_found_before_the_engine_starts(tmp_path):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip().startswith(f"error: --run_dir {tmp_path}:")
     assert "a checkpoint needs about 14901.2 GiB" in proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tied", [True, False])
+def test_the_hf_export_is_written_file_by_file_and_loads_as_the_trained_weights(tmp_path, tied):
+    """machinery/checkpoint.py:export_hf on 2 ranks (FSDP2, per-layer units, shards changed after loading): in one
+    file, byte for byte what the old export wrote (save_file of the full state dict, a tied output projection once);
+    in files of at most 20 kB (a tensor larger than that alone in its file) with an index, transformers loads
+    exactly the trained weights; in bf16, the trained weights rounded to bf16."""
+    from common import ok, torchrun
+    ok(torchrun(2, "tests/test_checkpoint.py", "export_worker", str(tmp_path), str(tied)))
+    assert (tmp_path / "ok").exists()
+
+
+def export_worker(out, tied):
+    """Run under torchrun by the test above."""
+    import json
+    import os
+    import torch
+    from safetensors.torch import load_file, save_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from machinery import checkpoint, trainer
+    from common import end_worker
+    rank, _, device = trainer.setup_distributed()
+    config = Qwen3Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=16, tie_word_embeddings=tied == "True")
+    path = os.path.join(out, "initial")
+    if rank == 0:
+        torch.manual_seed(0)
+        Qwen3ForCausalLM(config).save_pretrained(path)
+    torch.distributed.barrier()
+    model, _ = trainer.build_policy(path, device, lr=1e-3, weight_decay=0.0, layer_units=True)
+    with torch.no_grad():  # "trained": every shard moved, so the export cannot be the file it was loaded from
+        for p in model.parameters():
+            p.to_local().add_(0.01 * (rank + 1))
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    one, many, half = (os.path.join(out, name) for name in ("one", "many", "half"))
+    for d in (one, many, half):
+        os.makedirs(d, exist_ok=True)
+    assert checkpoint.export_hf(model, one) is None
+    assert checkpoint.export_hf(model, many, file_bytes=20_000) is None
+    assert checkpoint.export_hf(model, half, torch.bfloat16) is None
+    if rank == 0:
+        if config.tie_word_embeddings:  # what the old export did: the full state dict, a tied projection once
+            full.pop("lm_head.weight")
+        save_file({k: v.contiguous() for k, v in full.items()}, os.path.join(out, "old.safetensors"),
+                  metadata={"format": "pt"})
+        assert os.listdir(one) == ["model.safetensors"]
+        with open(os.path.join(one, "model.safetensors"), "rb") as a, open(os.path.join(out, "old.safetensors"),
+                                                                          "rb") as b:
+            assert a.read() == b.read()
+        files = sorted(f for f in os.listdir(many) if f.endswith(".safetensors"))
+        assert len(files) > 2 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+        for f in files:
+            tensors = load_file(os.path.join(many, f))
+            assert len(tensors) == 1 or sum(t.numel() * 4 for t in tensors.values()) <= 20_000
+        with open(os.path.join(many, "model.safetensors.index.json")) as f:
+            assert sorted(json.load(f)["weight_map"]) == sorted(full)
+        config.save_pretrained(many)
+        loaded = AutoModelForCausalLM.from_pretrained(many, dtype=torch.float32).state_dict()
+        assert all(torch.equal(loaded[k], v) for k, v in full.items())
+        halves = load_file(os.path.join(half, "model.safetensors"))
+        assert sorted(halves) == sorted(full)
+        assert all(v.dtype == torch.bfloat16 and torch.equal(v, full[k].to(torch.bfloat16)) for k, v in halves.items())
+        open(os.path.join(out, "ok"), "w").close()
+    end_worker()
+
+
+if __name__ == "__main__":  # torchrun tests/test_checkpoint.py WORKER OUT [ARGS...]
+    import sys
+    globals()[sys.argv[1]](*sys.argv[2:])

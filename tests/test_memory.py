@@ -79,13 +79,62 @@ def test_the_suggested_budget_is_the_largest_that_fits(tmp_path):
 
 
 def test_gpu_peak_is_the_larger_of_training_and_generating(tmp_path):
+    """Training: the trainer's items and what stays on the card (CUDA context, NCCL, vLLM asleep); generating: the
+    trainer's shards and the root unit the push left gathered, vLLM's share of the card, the context and NCCL."""
     shape = memory.model_shape(_llama_dir(tmp_path))
     gpu = 80 * memory.GIB
     items = memory.rank_memory(shape, world=8, tokens=4096, on_gpu=True, gradient_checkpointing=True,
                                gpu_bytes=gpu, gpu_memory_utilization=0.6)
     training = sum(v for k, v in items.items() if k != "peak")
     gathered = 2 * (shape.root_parameters + 2 * shape.layer_parameters)  # bf16, kept from the push (full_parameters)
-    assert items["peak"] == max(training, shape.parameters * 12 / 8 + gathered + 0.6 * gpu)
+    resident = memory.GPU_CONTEXT_BYTES + memory.GPU_NCCL_BYTES
+    assert items["peak"] == max(training, shape.parameters * 12 / 8 + gathered + 0.6 * gpu + resident)
+
+
+def test_the_gpu_estimate_counts_what_stays_on_the_card(tmp_path):
+    """The CUDA context always, NCCL's communicator with more than one rank, vLLM's runtime asleep only with an
+    engine, and FSDP2's fp32 reduce-scatter buffers: the root unit's and one layer's (layer units) or the whole
+    model's, in fp32."""
+    shape = memory.model_shape(_llama_dir(tmp_path))
+    common = dict(tokens=1000, on_gpu=True, gradient_checkpointing=True, gpu_bytes=80 * memory.GIB)
+    eight, one = memory.rank_memory(shape, world=8, **common), memory.rank_memory(shape, world=1, **common)
+    alone = memory.rank_memory(shape, world=8, engine=False, **common)
+    assert eight["CUDA context"] == one["CUDA context"] == memory.GPU_CONTEXT_BYTES > 0
+    assert (eight["NCCL communicator"], one["NCCL communicator"]) == (memory.GPU_NCCL_BYTES, 0)
+    assert eight["engine asleep (while training)"] == memory.GPU_ENGINE_ASLEEP_BYTES > alone[
+        "engine asleep (while training)"] == 0
+    assert alone["peak"] == sum(v for k, v in alone.items() if k != "peak")  # no engine: training is the peak
+    assert eight["FSDP2 fp32 reduce-scatter buffers"] == 4 * (shape.root_parameters + shape.layer_parameters)
+    whole = memory.rank_memory(shape, world=8, layer_units=False, **common)
+    assert whole["FSDP2 fp32 reduce-scatter buffers"] == 4 * shape.parameters
+    cpu = memory.rank_memory(shape, world=8, tokens=1000, on_gpu=False, gradient_checkpointing=True)
+    assert not {"CUDA context", "NCCL communicator", "FSDP2 fp32 reduce-scatter buffers"} & set(cpu)
+
+
+def test_gpu_memory_is_read_at_the_end_of_each_phase(tmp_path):
+    """memory/peak_gib on GPU: the device memory in use (total - free) at the end of each phase, the largest so
+    far, and each phase's of this step. No GPU here: torch.cuda.mem_get_info is replaced by a scripted card (80 GiB;
+    30, 50, then 20, 10 GiB in use) in a world of one on gloo."""
+    import json
+    script = (
+        "import json, torch, torch.distributed as dist\n"
+        "dist.init_process_group('gloo', init_method='tcp://127.0.0.1:0', rank=0, world_size=1)\n"
+        "from machinery import memory\n"
+        "used = iter([30, 50, 20, 10])\n"
+        "torch.cuda.mem_get_info = lambda: ((80 - next(used)) * 2**30, 80 * 2**30)\n"
+        "steps = []\n"
+        "for _ in range(2):\n"
+        "    memory.phase_end(True, 'generate'); memory.phase_end(True, 'update')\n"
+        "    steps.append(memory.peak_metrics(True))\n"
+        "memory.phase_end(False, 'generate')  # CPU: nothing noted, VmHWM read\n"
+        "steps.append(sorted(memory.peak_metrics(False)))\n"
+        "print(json.dumps(steps))\n")
+    proc = python("-c", script)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    first, second, cpu = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert first == {"memory/peak_gib": 50.0, "memory/generate_gib": 30.0, "memory/update_gib": 50.0}
+    assert second == {"memory/peak_gib": 50.0, "memory/generate_gib": 20.0, "memory/update_gib": 10.0}
+    assert cpu == ["memory/peak_gib"]
 
 
 def test_whole_model_units_hold_every_weight_and_gradient_at_once(tmp_path):

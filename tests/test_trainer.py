@@ -106,6 +106,29 @@ def test_the_device_check_runs_the_trainer_path_on_a_tiny_qwen3_shape():
     gap_mean, gap_max, grad_norm = map(float, re.search(r"mean \|gap\| (\S+), max (\S+); loss \S+, grad norm (\S+)",
                                                          proc.stdout).groups())
     assert gap_mean <= gap_max < 1e-5 and 0 < grad_norm < float("inf")
+    # what really runs: 608 tokens per sequence, two would need 1216 > 700, so one sequence per micro-batch
+    assert "3 micro-batches on rank 0: 3 x (1 sequence of 608 tokens) (budget 700 tokens" in proc.stdout, proc.stdout
+    assert "1 warm-up round(s) not timed" in proc.stdout
+
+
+@pytest.mark.slow
+def test_the_device_check_refuses_a_shape_that_cannot_fit_in_one_line():
+    """--shape 8b in fp32 master weights: 8.19B x 16 bytes of weights, gradients and AdamW moments alone are 122 GiB,
+    more than this machine (or one H200) has: exit 2 with one line, before any model is built."""
+    proc = python("-m", "bench", "gpu", "--shape", "8b")
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-3000:]
+    assert errors[0].startswith("error: --shape 8b: one rank needs about") and "take 122 GiB for 8.19B" in errors[0]
+    assert "random init" not in proc.stdout
+
+
+def test_the_device_peak_comes_from_the_device_name():
+    from bench.gpu import dense_bf16_peak
+    names = {"NVIDIA H100 80GB HBM3": 989.0, "NVIDIA H100 PCIe": 756.0, "NVIDIA H100 NVL": 835.0, "NVIDIA H200": 989.0,
+             "NVIDIA H200 NVL": 835.0, "NVIDIA GH200 480GB": 989.0, "NVIDIA A100-SXM4-80GB": 312.0,
+             "NVIDIA A100 80GB PCIe": 312.0, "NVIDIA L40S": 362.0, "NVIDIA L4": 121.0, "NVIDIA A10": 125.0,
+             "NVIDIA A10G": None, "NVIDIA GeForce RTX 4090": None}  # unknown: --peak_tflops is asked for
+    assert {name: dense_bf16_peak(name) for name in names} == names
 
 
 def _saved_activation_bytes(model, ids):
@@ -191,10 +214,42 @@ def test_output_projection_in_fp32_keeps_bf16_rounding_out_of_the_logprobs():
     targets = torch.randint(0, 50, (16,), generator=g)
     exact = torch.log_softmax(hidden.double() @ weight.double().T, -1).gather(-1, targets[:, None]).squeeze(-1)
     assert (hidden.double() @ weight.double().T).abs().max() > 32  # logits where bf16 steps by 0.25
-    logp, _ = trainer._chunk_logprobs(hidden, weight.float(), None, targets, 1.0, False)
+    logp, _ = trainer._chunk_logprobs(hidden, weight, weight.float(), None, targets, 1.0, False)
     torch.testing.assert_close(logp.double(), exact, atol=2e-5, rtol=0)
     bf16_logits = torch.log_softmax((hidden @ weight.T).float(), -1).gather(-1, targets[:, None]).squeeze(-1)
     assert (bf16_logits.double() - exact).abs().max() > 1e-2
+
+
+def test_bf16_inputs_give_the_fp32_projections_logprobs_and_gradients():
+    """Under bf16 the projection is a bf16 GEMM accumulating in fp32 (_HalfInputLogits; torch.mm's out_dtype on
+    CUDA, fp32 copies here): the log-probs and entropies of the fp32 projection of the same bf16 values within
+    1e-5, gradients within bf16 rounding, the weight's gradient in fp32 on weight32. fp32 inputs (CPU) keep the fp32
+    path: the old computation, linear(hidden, weight) in fp32, to the last bit."""
+    from machinery import trainer
+    g = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(37, 64, generator=g), torch.randn(500, 64, generator=g) * 0.2
+    targets, scale = torch.randint(0, 500, (37,), generator=g), torch.linspace(-1, 1, 37)
+
+    def run(hidden, weight, weight32):
+        hidden = hidden.clone().requires_grad_()
+        logp, entropy = trainer._chunk_logprobs(hidden, weight, weight32, None, targets, 0.7, True)
+        (logp * scale).sum().backward()
+        return logp.detach(), entropy, hidden.grad
+    w = weight.clone().requires_grad_()
+    logp, entropy, grad = run(hidden, w, w)  # fp32: the parameter itself is weight32
+    old = torch.nn.functional.linear(hidden, weight) / 0.7  # the fp32 path as it was, to the last bit
+    assert torch.equal(logp, old.gather(-1, targets[:, None])[:, 0] - torch.logsumexp(old, -1))
+    w16 = weight.bfloat16().requires_grad_()
+    w32 = w16.detach().float().requires_grad_()
+    logp16, entropy16, grad16 = run(hidden.bfloat16(), w16, w32)
+    w_ref = w32.detach().clone().requires_grad_()  # the fp32 path on the same (bf16) values
+    logp_ref, entropy_ref, grad_ref = run(hidden.bfloat16().float(), w_ref, w_ref)
+    torch.testing.assert_close(logp16, logp_ref, atol=1e-5, rtol=0)
+    torch.testing.assert_close(entropy16, entropy_ref, atol=1e-5, rtol=0)
+    assert grad16.dtype == torch.bfloat16 and w16.grad is None and w32.grad.dtype == torch.float32
+    for mine, theirs in ((grad16.float(), grad_ref), (w32.grad, w_ref.grad)):
+        assert (mine - theirs).norm() <= 1e-2 * theirs.norm() and theirs.norm() > 0
+    assert (logp16 - logp).abs().max() > 1e-3  # bf16 inputs are not the fp32 ones: the check above can fail
 
 
 def test_prepare_for_training_turns_dropout_off():
