@@ -40,7 +40,7 @@ def read_jsonl(path):
 
 def regime(run_dir):
     """{"probes": [per-probe dict], "intervals": [per-interval dict], "visits_per_prompt": mean visits over all
-    prompts at the end, "held_out": (first, last) held-out accuracy, "passes": both bounds at every probe}."""
+    prompts at the end, "held_out": ((step, accuracy) first, last), "passes": both bounds at every probe}."""
     probes = [p for p in read_jsonl(os.path.join(run_dir, "probe.jsonl")) if "visits" in p]
     metrics = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
     rho_at = {m["step"]: m["tracker/rho_mean"] for m in metrics if "tracker/rho_mean" in m}
@@ -59,7 +59,7 @@ def regime(run_dir):
         intervals.append({"steps": f"{a['step']}-{b['step']}" + (" (whole run)" if (a, b) == (probes[0], probes[-1])
                                                                   and len(probes) > 2 else ""), "visits": float(visits), "delta": float(delta),
                           "rho": float(rho), "memory": float(1 / (1 - rho)), "lag": float(-delta * rho / (1 - rho))})
-    held = [m["eval/accuracy"] for m in metrics if "eval/accuracy" in m]
+    held = [(m["step"], m["eval/accuracy"]) for m in metrics if "eval/accuracy" in m]
     last = metrics[-1] if metrics else {}
     passes = bool(rows) and all(abs(r["bias"]) <= BIAS_BOUND and r["mae_ratio"] <= MAE_RATIO_BOUND for r in rows)
     return {"probes": rows, "intervals": intervals, "visits_per_prompt": last.get("tracker/visits_mean"),
@@ -78,8 +78,9 @@ def report(run_dir, r):
     lines += [f"| {i['steps']} | {i['visits']:.1f} | {i['delta']:+.4f} | {i['rho']:.3f} | {i['memory']:.1f} | "
               f"{i['lag']:+.3f} |" for i in r["intervals"]]
     held = r["held_out"]
-    lines += ["", f"visits per prompt over the run: {r['visits_per_prompt']}; held-out accuracy "
-              f"{'n/a' if held is None else f'{held[0]:.1%} -> {held[1]:.1%}'}; bounds (|bias| <= {BIAS_BOUND}, "
+    visits = "n/a" if r["visits_per_prompt"] is None else f"{r['visits_per_prompt']:.1f}"
+    lines += ["", f"visits per prompt over the run: {visits}; held-out accuracy "
+              f"{'n/a' if held is None else f'{held[0][1]:.1%} (step {held[0][0]}) -> {held[1][1]:.1%} (step {held[1][0]})'}; bounds (|bias| <= {BIAS_BOUND}, "
               f"MAE <= {MAE_RATIO_BOUND} x unbiased) at every probe: {'met' if r['passes'] else 'NOT met'}", ""]
     return "\n".join(lines)
 

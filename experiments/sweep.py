@@ -114,10 +114,11 @@ def run_state(run_dir, steps_wanted):
 
 
 @functools.cache
-def default_steps():
-    """spo.py's own --steps default, for runs that do not pass --steps (read from its parser, not copied)."""
+def steps_of(flags):
+    """The --steps a run with these spo.py flags trains for: spo.py's own parser decides (its default, or a
+    --preset's), never a copy of it."""
     import spo
-    return spo.parse_args([]).steps
+    return spo.parse_args(list(flags)).steps
 
 
 def free_port():
@@ -168,7 +169,7 @@ def run_sweep(args, extra):
     todo = []
     for name, variant, seed, flags in runs:
         run_dir = os.path.join(args.out, "runs", name)
-        wanted = int(flag_value(flags, "--steps") or default_steps())
+        wanted = steps_of(tuple(flags))
         state = run_state(run_dir, wanted)
         entry = sweep["runs"].setdefault(name, {})
         entry.update(name=name, variant=variant, seed=seed, flags=flags)
@@ -198,7 +199,7 @@ def run_sweep(args, extra):
             entry = sweep["runs"][name]
             entry.update(command=cmd, returncode=code, seconds=round(time.time() - t0, 1),
                          log=os.path.relpath(log_path, args.out), resumed=state == "resume")
-            if code == 0 and run_state(run_dir, int(flag_value(flags, "--steps") or default_steps())) == "finished":
+            if code == 0 and run_state(run_dir, steps_of(tuple(flags))) == "finished":
                 entry.update(status="finished", error=None)
                 bar.write(f"{name}: finished in {entry['seconds']:.0f} s")
             else:

@@ -31,7 +31,7 @@ def test_drift_per_visit_and_the_bias_it_predicts(tmp_path):
     (interval,) = r["intervals"]
     assert abs(interval["delta"] - 0.02) < 1e-12 and abs(interval["memory"] - 10) < 1e-9
     assert abs(interval["lag"] + 0.18) < 1e-9
-    assert r["visits_per_prompt"] == 3.0 and r["held_out"] == (0.1, 0.2)
+    assert r["visits_per_prompt"] == 3.0 and r["held_out"] == ((0, 0.1), (10, 0.2))
     assert r["passes"]  # v(x) equals the measured rate at both probes
 
 
