@@ -33,8 +33,10 @@ import functools
 import logging
 import os
 import re
+import sys
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -130,13 +132,15 @@ def prepare_vllm(cpu_kv_cache_gib):
 def tools_from_flags(args):
     """A Tools with its own sandbox pool from add_tool_flags' flags, or None without --tools.
     Close it with tools.pool.close()."""
+    from machinery.errors import fail
     if not args.tools:
         return None
+    if sys.platform != "linux":  # caught here: inside the loop every call would come back as sandbox error text
+        fail(f"--tools needs Linux (the sandbox's prlimit and namespaces), not {sys.platform}", once=True)
     for flag, value, low in (("max_turns", args.max_turns, 1), ("sandbox_workers", args.sandbox_workers, 1),
                              ("sandbox_timeout", args.sandbox_timeout, 1e-3),
                              ("sandbox_memory_mb", args.sandbox_memory_mb, 1)):
         if value < low:  # caught here: inside the loop a bad limit would only come back as tool error text
-            from machinery.errors import fail
             fail(f"--{flag} must be at least {low}, got {value}", once=True)
     from sandbox import SandboxPool
     pool = SandboxPool(workers=args.sandbox_workers, timeout_s=args.sandbox_timeout, memory_mb=args.sandbox_memory_mb)
@@ -158,14 +162,14 @@ def extract_code(segment: str) -> str | None:
     return match.group(1) if match else None
 
 
-@dataclass
-class Segment:
-    """One model segment as an engine hands it to the tool loop, whichever engine decoded it."""
+class Segment(NamedTuple):
+    """One model segment as an engine hands it to run_trajectories: its token ids, their processed log-probs (after
+    temperature, top-k, top-p), its text, "stop" (end of turn or a stop string) or "length", the stop string."""
     token_ids: list[int]
-    logprobs: list[float]  # the sampled tokens' processed log-probs (after temperature, top-k, top-p)
+    logprobs: list[float]
     text: str
-    finish_reason: str  # "stop" (end of turn or a stop string) or "length" (its room)
-    stop_reason: str | None  # the stop string that ended it, if one did
+    finish_reason: str
+    stop_reason: str | None
 
 
 def stop_strings(stop, tools):
@@ -175,15 +179,13 @@ def stop_strings(stop, tools):
 
 def run_trajectories(start, step, abort, tokenizer, prompt_ids, seeds, *, max_tokens, max_model_len, tools=None,
                      keep_first=None, group_size=1):
-    """Engine.generate for any engine (vLLM's here, transformers' in hf_engine.py), which decodes model segments
-    through start(ids, room, seed) -> request id (at most `room` tokens after `ids`, its own seed), step() ->
-    [(request id, Segment)] of the segments that finished, and abort(request ids). One response per prompt;
-    `max_tokens`: the response budget (tool tokens included). seeds: one per prompt (the engine seed is the same on
-    every rank). tools: a Tools to run the tool loop; None: single turn. keep_first: return once this many
-    trajectories have finished and abort the others; their slots are None (not reproducible: timing decides).
-    With group_size G, consecutive G trajectories form a group that counts only once all of it has finished: the
-    first keep_first / G complete groups are kept (GRPO's counterpart of group-free over-sampling).
-    Returns a list of Rollout aligned with prompt_ids, each with its finish_order."""
+    """Engine.generate of either engine, which decodes segments through start(ids, room, seed) -> request id (at
+    most `room` tokens after `ids`, its own seed), step() -> [(request id, Segment)] of those that finished, and
+    abort(request ids). One response per prompt; `max_tokens`: the response budget (tool tokens included). seeds:
+    one per prompt (the engine seed is the same on every rank). tools: a Tools to run the tool loop; None: single
+    turn. keep_first: return once this many trajectories have finished, abort the others, None in their slots (not
+    reproducible: timing decides); with group_size G only whole groups count, the first keep_first / G to finish
+    (GRPO's counterpart of group-free over-sampling). Returns Rollouts aligned with prompt_ids, with finish_order."""
     if len(seeds) != len(prompt_ids):
         raise ValueError(f"Engine.generate: {len(prompt_ids)} prompts but {len(seeds)} seeds")
     if keep_first is not None and not 0 < keep_first <= len(prompt_ids):
@@ -331,11 +333,9 @@ class Engine:
 
     def generate(self, prompt_ids, seeds, *, max_tokens, temperature=None, top_p=1.0, top_k=-1, stop=None,
                  tools=None, keep_first=None, group_size=1):
-        """One response per prompt (run_trajectories: seeds, tools, keep_first, group_size), each segment decoded
-        by vLLM's engine: requests in (`add_request`), one decoding step of all at a time (`step`)."""
-        from vllm import SamplingParams
+        """run_trajectories, each segment a request to vLLM's engine (`add_request`; `step` decodes one token each)."""
         from vllm.inputs import tokens_input  # an engine input: token ids, no rendering
-        from vllm.sampling_params import RequestOutputKind
+        from vllm.sampling_params import RequestOutputKind, SamplingParams
         self.wake_up()
         temperature = self.temperature if temperature is None else temperature
         stop = stop_strings(stop, tools)
@@ -347,8 +347,7 @@ class Engine:
             params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=room,
                                     logprobs=0, seed=seed, stop=stop, include_stop_str_in_output=True,
                                     output_kind=RequestOutputKind.FINAL_ONLY, detokenize=bool(stop))
-            request_id = f"spo-{self.requests_sent}"
-            self.requests_sent += 1
+            request_id, self.requests_sent = f"spo-{self.requests_sent}", self.requests_sent + 1
             llm_engine.add_request(request_id, tokens_input(ids), params)
             return request_id
 
