@@ -184,12 +184,21 @@ def _nucleus_logprob(logits, token, top_k, top_p):
 
 @pytest.mark.slow
 def test_a_short_training_run_with_the_hf_engine_learns(small_toy, tmp_path):
-    proc = ok(torchrun(2, *toy_args(small_toy, tmp_path, "--engine", "hf", "--steps", "12", "--eval_every", "12",
-                                    "--eval_max_prompts", "40", "--eval_samples", "4", "--lr", "1e-3")))
+    """Two ranks, --engine hf, a verifier that rewards an even boxed answer (the small toy is right about 2% of the
+    time: too rare a reward for a few steps to move). The held-out share of even answers rises by 0.33 in 15 steps
+    on the machine this was written on (0.53 -> 0.86); sampling noise on 160 samples is about 0.04."""
+    verifier = tmp_path / "even.py"
+    verifier.write_text("import re\n\n\ndef even(text, ground_truth):\n"
+                        "    match = re.search(r'\\\\boxed\\{(\\d+)\\}', text)\n"
+                        "    return match is not None and int(match.group(1)) % 2 == 0\n")
+    run = tmp_path / "run"
+    proc = ok(torchrun(2, *toy_args(small_toy, run, "--engine", "hf", "--steps", "15", "--eval_every", "15",
+                                    "--eval_max_prompts", "40", "--eval_samples", "4", "--reward", f"{verifier}:even")))
     assert "rollout engine: hf (--engine hf)" in proc.stdout
-    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
-    assert rows[-1]["policy/logprob_gap_max"] < 1e-4  # every push landed in the engine's copy
-    assert rows[-1]["eval/accuracy"] >= rows[0]["eval/accuracy"] + 0.15, [r["eval/accuracy"] for r in rows[::12]]
+    rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    assert all(r["policy/logprob_gap_max"] < 1e-4 for r in rows[1:])  # every push landed in the engine's copy
+    before, after = rows[0]["eval/accuracy"], rows[-1]["eval/accuracy"]
+    assert after >= before + 0.15, (before, after)
 
 
 # ---- the worker, run under torchrun by `both`
