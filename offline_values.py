@@ -196,7 +196,7 @@ def estimate_offline_values(engine, data, out_path, *, n0=8, temperature=1.0, to
         if missing:
             print(f"offline values: stopped with {missing} prompts to go; rerun the same command to resume", flush=True)
         else:
-            tokenizer = engine.llm.get_tokenizer()
+            tokenizer = engine.tokenizer
             result = {"header": {**header, "created": time.strftime("%Y-%m-%d %H:%M:%S")},
                       "prompts": {key: {"prompt": tokenizer.decode(ids), "scores": done[key]}
                                   for key, ids in zip(data.keys, data.prompt_ids)}}

@@ -168,7 +168,8 @@ def test_sampled_logprobs_are_the_trainers_within_1e5(both, small_toy, engine):
             ours = np.array([_nucleus_logprob(row, token, SAMPLED["top_k"], SAMPLED["top_p"])
                              for row, token in zip(logits, ids[rows, cols + 1].tolist())])
         theirs = np.concatenate([r.logprobs for r in rollouts])
-        assert len(theirs) == len(ours) > 300 and np.abs(theirs - ours).max() < 1e-5
+        assert len(theirs) == len(ours) > 200
+        assert np.abs(theirs - ours).max() < 1e-5, (setting, np.abs(theirs - ours).max())
 
 
 def _nucleus_logprob(logits, token, top_k, top_p):
