@@ -11,7 +11,7 @@ the Rollout objects are the vLLM engine's own code. What it does itself, one mod
 - stop strings kept in the text, as vLLM's include_stop_str_in_output; end of turn at the model's EOS ids.
 Requests started between two steps are decoded together: left-padded into one batch (attention mask and position
 ids per row), each row leaving the batch and the KV cache when it ends. vLLM's continuous batching, paged KV cache,
-CUDA graphs and sleep mode are not here: the engine is for where vLLM is absent, not for speed (docs/benchmarks.md).
+CUDA graphs and sleep mode are not here: the engine is for where vLLM is absent, not for speed.
 
     engine = start_engine(choose_engine("auto", is_main=True), model_dir, seed=0, max_model_len=512,
                           device=torch.device("cpu"))
