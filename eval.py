@@ -1,4 +1,5 @@
-"""Evaluation: avg@k, pass@k and maj@k, and the command that samples a model with vLLM and scores it.
+"""Evaluation: avg@k, pass@k and maj@k, and the command that samples a model (--engine: vLLM or transformers)
+and scores it.
 
 1. Metrics: avg@k, the unbiased pass@k of Chen et al. (2021) in its stable product form, maj@k as a single vote
    (ties go to the answer whose first sample comes earliest; an empty or unparsed answer never wins) and as a
@@ -364,15 +365,17 @@ def main(argv=None):
     from machinery.errors import fail
     args = parse_args(argv)
     rank, world, device = trainer.setup_distributed()
+    from hf_engine import choose_engine, start_engine
     from rollout import prepare_vllm
     from tasks import toy
     prepare_vllm(args.cpu_kv_cache_gib)  # as spo.py
+    args.engine = choose_engine(args.engine, rank == 0)
     toy.fill_in(args, "data", "test")
     args.data = [args.data] if isinstance(args.data, str) else args.data  # --data takes several files
     args.model = resolve_model(args.model)
     if rank == 0:
         print("config: " + json.dumps(vars(args)), flush=True)
-    from rollout import TOOL_INSTRUCTION, Engine, tools_from_flags
+    from rollout import TOOL_INSTRUCTION, tools_from_flags
     tokenizer = load_tokenizer(args.model)
     benchmarks = {}
     for path in args.data:  # names from file stems; a repeated stem gets a suffix
@@ -387,8 +390,8 @@ def main(argv=None):
     if longest > limit:  # vLLM's own error is a long traceback
         fail(f"--max_response_len + the longest prompt = {longest} tokens, more than --model's {limit} "
                      f"positions")
-    engine = Engine(args.model, seed=args.seed, max_model_len=longest, device=device,
-                    gpu_memory_utilization=args.gpu_memory_utilization)
+    engine = start_engine(args.engine, args.model, seed=args.seed, max_model_len=longest, device=device,
+                          gpu_memory_utilization=args.gpu_memory_utilization)
     tools = tools_from_flags(args)
     os.makedirs(args.out_dir, exist_ok=True)
     n = args.n_samples

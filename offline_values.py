@@ -39,6 +39,7 @@ import numpy as np
 import torch.distributed as dist
 
 from eval import request_seeds
+from hf_engine import choose_engine, start_engine
 from machinery.memory import add_engine_flags
 from reward import DEFAULT_REWARD, add_reward_flags, check_reward_flag, rewards
 from rollout import (TOOL_INSTRUCTION, add_budget_flag, add_tool_flags, apply_tool_defaults, prepare_vllm,
@@ -195,7 +196,7 @@ def estimate_offline_values(engine, data, out_path, *, n0=8, temperature=1.0, to
         if missing:
             print(f"offline values: stopped with {missing} prompts to go; rerun the same command to resume", flush=True)
         else:
-            tokenizer = engine.llm.get_tokenizer()
+            tokenizer = engine.tokenizer
             result = {"header": {**header, "created": time.strftime("%Y-%m-%d %H:%M:%S")},
                       "prompts": {key: {"prompt": tokenizer.decode(ids), "scores": done[key]}
                                   for key, ids in zip(data.keys, data.prompt_ids)}}
@@ -315,6 +316,7 @@ def main(argv=None):
     args = parse_args(argv)
     rank, world, device = trainer.setup_distributed()
     prepare_vllm(args.cpu_kv_cache_gib)  # as spo.py
+    args.engine = choose_engine(args.engine, rank == 0)
     toy.fill_in(args, "data", "train")
     if rank == 0:
         print("config: " + json.dumps(vars(args)), flush=True)
@@ -336,9 +338,9 @@ def main(argv=None):
     data = load_dataset(args.data, tokenizer, args.max_prompt_len, rank == 0, header.get("system_prompt"))
     if args.max_prompts:
         data = data[: args.max_prompts]
-    from rollout import Engine
-    engine = Engine(args.model, seed=args.seed, max_model_len=args.max_prompt_len + args.max_response_len,
-                    device=device, gpu_memory_utilization=args.gpu_memory_utilization, temperature=args.temperature)
+    engine = start_engine(args.engine, args.model, seed=args.seed, device=device, temperature=args.temperature,
+                          max_model_len=args.max_prompt_len + args.max_response_len,
+                          gpu_memory_utilization=args.gpu_memory_utilization)
     estimate_offline_values(engine, data, args.out, header=header, chunk_prompts=args.chunk_prompts,
                             max_chunks=args.max_chunks, tools=tools, **sampling)
     if tools:

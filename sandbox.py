@@ -33,13 +33,13 @@ root, no dedicated uid (a snippet that calls setsid can then outlive the run).
 What it does NOT protect against: kernel exploits (it is not a security boundary; use a VM or gVisor
 for hostile code); reading world-readable host files; CPU contention with the trainer; memory beyond
 max_processes * memory_mb (RLIMIT_AS is per process; a memory cgroup would be the fix); snippets
-still running if the calling process itself is killed (RLIMIT_CPU bounds the busy ones). Linux only.
+still running if the calling process itself is killed (RLIMIT_CPU bounds the busy ones). Linux only
+(rollout.tools_from_flags refuses --tools elsewhere in one line).
 The interpreter should be readable by the dedicated uid: one under /root (mode 700) still starts, but
 with the system's stdlib of the same minor version (the probe checks that much) and the snippet cannot
 start it again itself; `chmod o+x /root` or a python under /opt or /usr avoids that.
 """
 import ast
-import fcntl
 import functools
 import os
 import re
@@ -104,6 +104,7 @@ class _HeadTail:
 
 def _claim_uid() -> tuple[int, int]:
     """A dedicated uid no other run (thread or process) holds now; the lock dies with the fd."""
+    import fcntl  # Unix only: imported here so that rollout.py, which imports this file, loads on Windows too
     os.makedirs(_LOCK_DIR, mode=0o700, exist_ok=True)
     for uid in range(UID_BASE, UID_BASE + UID_SLOTS):
         fd = os.open(os.path.join(_LOCK_DIR, str(uid)), os.O_CREAT | os.O_RDWR, 0o600)

@@ -2,8 +2,8 @@
 
 One training step (Algorithm 1) reads top to bottom in `main`:
   1. draw B prompts, favouring those whose outcome is uncertain (Eq. 11; sampler.py);
-  2. one response per prompt from the colocated vLLM engine (rollout.py); GRPO instead draws B/G prompts and
-     G responses each, so both algorithms generate B responses per step;
+  2. one response per prompt from the colocated engine (vLLM: rollout.py; transformers: hf_engine.py); GRPO
+     instead draws B/G prompts and G responses each, so both algorithms generate B responses per step;
   3. the binary reward r from the verifier (reward.py);
   4. SPO re-scores the previous response of every prompt it revisits, for D(x) (with --ppo_steps > 1 the same
      no-grad pass gives PPO's old log-probs; with one optimiser step per batch the update's forward gives them);
@@ -11,7 +11,7 @@ One training step (Algorithm 1) reads top to bottom in `main`:
      the whole global batch (Eq. 9); then D(x) sets the forgetting factor rho(x) (Eq. 5), the tracker absorbs r
      (tracker.py) and the sampler's weights follow. GRPO: the z-score within each group;
   6. PPO-clip with clip-higher and dual-clip (Eq. 10), token mean over the global mini-batch, k optimiser steps;
-  7. the new weights are pushed into vLLM.
+  7. the new weights are pushed into the engine.
 The estimators, losses and sampling SPO is compared against (RLOO, Dr. GRPO, REINFORCE++, GSPO, CISPO, DAPO's
 dynamic sampling, Batch SPO, ...) are one flag away (variants.py): one branch in step 5, one loss in step 6.
 
@@ -43,9 +43,10 @@ from machinery.collectives import all_gather_np, all_gather_objects, all_reduce_
 from machinery.data import load_dataset, load_tokenizer
 from machinery.errors import fail
 from machinery.metrics import Logger, PromptReach, oversample_metrics, spo_metrics, step_metrics
+from hf_engine import choose_engine, start_engine
 from offline_values import check_values_header, init_tracker_from_file, toy_values, training_v0_settings
 from reward import add_reward_flags, rewards
-from rollout import (TOOL_INSTRUCTION, Engine, add_budget_flag, add_tool_flags, apply_tool_defaults, prepare_vllm,
+from rollout import (TOOL_INSTRUCTION, add_budget_flag, add_tool_flags, apply_tool_defaults, prepare_vllm,
                      tools_from_flags)
 from sampler import PromptSampler, priority_weights
 from tasks import toy
@@ -53,7 +54,7 @@ from tracker import ValueTracker
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="SPO / GRPO training with FSDP2 and colocated vLLM")
+    p = argparse.ArgumentParser(description="SPO / GRPO training with FSDP2 and a colocated rollout engine")
     # ---- data and model
     p.add_argument("--model", default=None, help="HF model name or local path (default: the built-in toy)")
     p.add_argument("--train", default=None, help="training prompts: parquet or JSONL (default: the toy)")
@@ -122,7 +123,7 @@ def parse_args(argv=None):
     p.add_argument("--max_nonfinite", type=int, default=3, help="abort after N consecutive non-finite losses")
     p.add_argument("--wandb", default=None, help="wandb project name (only if wandb is installed)")
     p.add_argument("--tensorboard", action="store_true", help="also log to TensorBoard (if installed)")
-    # ---- memory: micro-batches, gradient checkpointing, the engine's share, the estimate (machinery/memory.py)
+    # ---- memory: micro-batches, gradient checkpointing, the engine (--engine) and its share, the estimate
     memory.add_memory_flags(p)
     p.add_argument("--engine_compile", choices=["auto", "on", "off"], default="auto",
                    help="torch.compile vLLM's model (auto: on GPU only; docs/benchmarks.md)")
@@ -240,6 +241,7 @@ def start(args):
         args = checkpoint.resume_args(args)
     variants.check_args(args, world)  # one clear line for a bad flag or combination
     prepare_vllm(args.cpu_kv_cache_gib)  # quiet INFO lines (they would bury the progress bar), the CPU KV cache
+    args.engine = choose_engine(args.engine, rank == 0)  # auto: vllm where it imports, else hf (said in one line)
     args.run_dir = checkpoint.open_run_dir(args, "spo.py")
     tools = tools_from_flags(args)  # None without --tools; else the tool loop and this rank's sandbox pool
     on_toy = toy.fill_in(args, "train", "train", test="test")  # on the toy, 'auto' offline values are built here
@@ -280,10 +282,10 @@ def build_policy_and_engine(args, world, device, run_dir, data, is_main):
                                              memory.use_gradient_checkpointing(args.gradient_checkpointing, on_gpu),
                                              memory.use_layer_units(args.fsdp_units, on_gpu))
     checkpoint.check_disk(run_dir, policy, export_bytes_per_parameter=2 if on_gpu else 4)
-    engine = Engine(model_path, seed=args.seed, max_model_len=args.max_prompt_len + args.max_response_len,
-                    device=device, gpu_memory_utilization=args.gpu_memory_utilization,
-                    temperature=args.temperature,
-                    compile_model={"auto": None, "on": True, "off": False}[args.engine_compile])
+    engine = start_engine(args.engine, model_path, seed=args.seed, device=device, temperature=args.temperature,
+                          max_model_len=args.max_prompt_len + args.max_response_len,
+                          gpu_memory_utilization=args.gpu_memory_utilization,
+                          compile_model=None if args.engine_compile == "auto" else args.engine_compile == "on")
     if state:
         checkpoint.restore_training_state(policy, optimizer, state["shards"])
     return policy, optimizer, engine, state

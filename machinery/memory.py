@@ -259,8 +259,11 @@ def add_memory_flags(p):
 
 
 def add_engine_flags(p, gpu_share):
-    """The engine's memory, defined once for every program that starts one. gpu_share: the default share of each
-    GPU, 0.5 beside the trainer (spo.py), 0.9 for an engine alone (eval.py, offline_values.py)."""
+    """The engine and its memory, defined once for every program that starts one. gpu_share: the default share of
+    each GPU, 0.5 beside the trainer (spo.py), 0.9 for an engine alone (eval.py, offline_values.py)."""
+    p.add_argument("--engine", choices=["auto", "vllm", "hf"], default="auto",
+                   help="rollout engine: vllm, hf (transformers, where vLLM cannot run: slower, no vLLM-only "
+                        "setting applies) or auto (vllm where it imports, else hf)")
     p.add_argument("--cpu_kv_cache_gib", type=int, default=None,
                    help="vLLM KV cache per rank on CPU (GiB; default: VLLM_CPU_KVCACHE_SPACE if set, else 1)")
     p.add_argument("--gpu_memory_utilization", type=float, default=gpu_share, help="vLLM share of each GPU")

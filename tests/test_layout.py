@@ -15,12 +15,13 @@ from common import ROOT
 
 CARD = {"spo.py", "tracker.py", "sampler.py", "rollout.py", "sandbox.py", "offline_values.py", "eval.py",
         "test_spo.py", "requirements.txt", "README.md"}
-BESIDE = {"reward.py", "variants.py"}  # the verifier and the ablation family: concepts a student reads
+# the verifier, the ablation family and the engine where vLLM cannot run: concepts a student reads (and runs)
+BESIDE = {"reward.py", "variants.py", "hf_engine.py"}
 FOLDERS = {"machinery", "tasks", "bench", "experiments", "tests", "docs"}
 # Layers, lowest first: a module may import its own layer or a lower one. Within a layer the graph must still be
 # acyclic. The top-level parts of the algorithm sit above the machinery; the tasks are built through them; the
 # programs run everything; benchmarks, experiments and tests sit on top.
-LAYERS = [("machinery",), ("tracker", "sampler", "reward", "sandbox", "rollout", "variants"), ("tasks",),
+LAYERS = [("machinery",), ("tracker", "sampler", "reward", "sandbox", "rollout", "hf_engine", "variants"), ("tasks",),
           ("eval", "offline_values", "spo"), ("bench", "experiments")]
 
 

