@@ -239,6 +239,19 @@ def test_bad_flags_get_one_clear_line(argv, match, capsys):
     assert match in err and len(err.strip().splitlines()) == 1, err
 
 
+def test_a_preset_fills_only_the_flags_left_unset():
+    """--preset paper_regime: its values where the command line said nothing, the command line's where it did, and
+    no probe for an estimator without a tracker (check_args would refuse it)."""
+    preset = variants.PRESETS["paper_regime"]
+    args = spo.parse_args(["--preset", "paper_regime", "--lr", "3e-5"])
+    assert args.lr == 3e-5 and args.steps == preset["steps"] and args.train_prompts == preset["train_prompts"]
+    assert args.probe_every == preset["probe_every"]
+    grpo = spo.parse_args(["--preset", "paper_regime", "--algo", "grpo"])
+    assert grpo.probe_every == 0 and grpo.steps == preset["steps"]
+    variants.check_args(grpo, world=2)  # no error line
+    assert spo.parse_args([]).steps == 150 and spo.parse_args([]).train_prompts == 0
+
+
 @pytest.mark.parametrize("argv", [["--algo", "grpo"], ["--algo", "grpo", "--offline_values", "none"],
                                   ["--algo", "reinforce_pp"], ["--reward", "reward:numeric_match"]])
 def test_the_default_offline_values_pass_the_flag_check(argv):
