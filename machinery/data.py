@@ -17,9 +17,6 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
-
 from machinery.errors import fail
 
 
@@ -51,6 +48,8 @@ def prompt_key(messages: list[dict]) -> str:
 def _read_rows(path: Path) -> tuple[list[dict], list[str]]:
     """Rows as dicts and the column names, from parquet or JSON lines (.jsonl / .ndjson / .json)."""
     if path.suffix == ".parquet":
+        import pyarrow as pa  # here: JSON lines need no pyarrow (a bare torch + transformers machine has none)
+        import pyarrow.parquet as pq
         try:
             table = pq.read_table(path)
         except (pa.ArrowException, OSError) as e:

@@ -35,8 +35,6 @@ import shutil
 import time
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
 
 TOY_VERSION = 1  # bump when the recipe below changes, so cached toys are rebuilt
@@ -57,6 +55,8 @@ def make_problems(seed, n_train, n_test):
 
 def write_parquet(path, problems, split):
     """The verl / DAPO schema: prompt as chat messages, the answer in reward_model.ground_truth."""
+    import pyarrow as pa  # here: only building a toy writes parquet
+    import pyarrow.parquet as pq
     table = pa.table({
         "data_source": ["toy_add"] * len(problems),
         "prompt": [[{"role": "user", "content": f"{a}+{b}="}] for a, b in problems],
@@ -322,6 +322,8 @@ def make_tool_problems(seed, n_train, n_test):
 def write_tool_parquet(path, problems, split):
     """The verl / DAPO schema, like write_parquet. The prompt carries no tool instruction: the warm start
     teaches the format (a real model gets rollout.TOOL_INSTRUCTION instead)."""
+    import pyarrow as pa  # here: only building a toy writes parquet
+    import pyarrow.parquet as pq
     table = pa.table({
         "data_source": ["toy_mul_tool"] * len(problems),
         "prompt": [[{"role": "user", "content": f"{a}*{b}="}] for a, b in problems],
