@@ -263,7 +263,6 @@ def toy_paths(toy_dir=None, tools=False):
     """(model_dir, train, test) of the toy (tools: the tool toy) for a torchrun job: rank 0 builds it on first
     use, the others wait; then every rank checks the files against SHA256SUMS (ensure_toy)."""
     import torch.distributed as dist
-    toy_dir = toy_dir or default_toy_dir(tools)
     if dist.get_rank() == 0:
         # torchrun gives each rank one thread, but the other ranks only wait here: build on every core (the
         # toy's bytes do not depend on the thread count; checked for both toys at 1 and 2 threads).
@@ -278,9 +277,8 @@ def toy_paths(toy_dir=None, tools=False):
 
 
 def fill_in(args, data, split, test=None):
-    """The toy where a program was given no --model or no data file: the flags left unset point at the built-in
-    toy (built on first use, toy_paths). `data` names the program's data flag and `split` the toy file it takes
-    ("train" or "test"); `test`, if given, names a held-out flag that takes the toy's test file too. Returns True
+    """The toy (toy_paths) for the flags a program left unset: no --model, or no data flag `data` (which takes the
+    toy's `split` file, "train" or "test"; `test` names a held-out flag that takes the test file). Returns True
     where the data flag now names the toy's file."""
     if args.model is not None and getattr(args, data) is not None:
         return False
@@ -462,8 +460,7 @@ def measure_with_tools(toy_dir=None, n_prompts=500, max_tokens=160, temperature=
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--toy_dir", default=None, help="where to build the toy (default: the shipped one, "
-                        "tasks/built/toy, or tasks/built/toy_tools with --tools)")
+    parser.add_argument("--toy_dir", default=None, help="where to build the toy (default: the shipped one)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the data split and the warm start")
     parser.add_argument("--steps", type=int, default=None, help="warm-start optimiser steps (800; tools: 700)")
     parser.add_argument("--noise", type=float, default=0.3, help="share of warm-start answers with a wrong digit")
