@@ -22,6 +22,7 @@ Per-step curves (2, 3, 5) are trailing means over SMOOTH steps; a plot without d
     python -m experiments.sweep plot runs/spo-20261130-184232 runs/grpo --out plots  # your runs, one group each
     python -m experiments.sweep plot experiments/toy --out plots                    # a sweep's runs, by variant
 """
+import gzip
 import json
 import os
 
@@ -80,11 +81,18 @@ def paired_difference(values, reference):
 
 
 # ------------------------------------------------------------------------------------------------ reading runs
+def open_log(path):
+    """A run's JSONL log for reading: PATH, or PATH.gz where a sweep's record keeps it compressed; None if neither."""
+    if os.path.exists(path):
+        return open(path)
+    return gzip.open(path + ".gz", "rt") if os.path.exists(path + ".gz") else None
+
+
 def _jsonl_by_step(path):
     """{step: row}; a resumed run may repeat steps (probe.jsonl keeps old lines): the last line of a step wins."""
     rows = {}
-    if os.path.exists(path):
-        with open(path) as f:
+    if (f := open_log(path)) is not None:
+        with f:
             for line in f:
                 if line.strip():
                     row = json.loads(line)
@@ -93,13 +101,21 @@ def _jsonl_by_step(path):
 
 
 def read_run(run_dir):
-    """An spo.py run directory: its config, metrics rows and probe rows (each {step: row})."""
+    """An spo.py run directory, or a sweep's record of one: its config, metrics rows and probe rows (each
+    {step: row})."""
     config = {}
     if os.path.exists(os.path.join(run_dir, "config.json")):
         with open(os.path.join(run_dir, "config.json")) as f:
             config = json.load(f)
     return {"dir": run_dir, "config": config, "rows": _jsonl_by_step(os.path.join(run_dir, "metrics.jsonl")),
             "probe": _jsonl_by_step(os.path.join(run_dir, "probe.jsonl"))}
+
+
+def finished_run_dir(out, name):
+    """Where a sweep's finished run is read from: its run directory where it exists (this machine ran it), else
+    its record (OUT/records/NAME: config and gzipped logs, committed, so a sweep carries across machines)."""
+    run_dir = os.path.join(out, "runs", name)
+    return run_dir if os.path.isdir(run_dir) else os.path.join(out, "records", name)
 
 
 def eval_curve(run):
@@ -271,7 +287,7 @@ def groups_from_paths(paths):
                 sweep = json.load(f)
             for run in sweep["runs"].values():
                 if run["status"] == "finished":
-                    groups.setdefault(run["variant"], []).append(read_run(os.path.join(path, "runs", run["name"])))
+                    groups.setdefault(run["variant"], []).append(read_run(finished_run_dir(path, run["name"])))
         else:
             groups[os.path.basename(path)] = [read_run(path)]
     return groups

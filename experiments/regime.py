@@ -24,13 +24,15 @@ import os
 
 import numpy as np
 
+from experiments.plots import open_log
+
 BIAS_BOUND, MAE_RATIO_BOUND = 0.05, 1.5
 
 
 def read_jsonl(path):
     """Rows of a JSONL file; for a step logged twice (a resumed run) the last row wins."""
     rows = {}
-    with open(path) as f:
+    with open_log(path) as f:
         for line in f:
             if line.strip():
                 row = json.loads(line)
@@ -89,7 +91,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", nargs="+", help="spo.py run directories made with --probe_every")
     for run_dir in p.parse_args().runs:
-        if not os.path.exists(os.path.join(run_dir, "probe.jsonl")):
+        if not any(os.path.exists(os.path.join(run_dir, name)) for name in ("probe.jsonl", "probe.jsonl.gz")):
             raise SystemExit(f"error: {run_dir}: no probe.jsonl (run spo.py with --probe_every)")
         print(report(run_dir, regime(run_dir)))
 

@@ -5,6 +5,9 @@ several seeds, an interval over them, and paired differences (runs with the same
 seeds and, for SPO, the offline values). This runs the grid, one torchrun at a time, and writes:
 
   OUT/runs/<variant>-s<seed>/   spo.py run directories
+  OUT/records/<variant>-s<seed>/   a finished run's record: config.json, metrics.jsonl.gz, probe.jsonl.gz (commit
+                   these: the summary reads a record where the run directory is absent, and a rerun on another
+                   machine counts a run with a record of its last step as finished)
   OUT/logs/<variant>-s<seed>.log   everything the run printed (its latest attempt)
   OUT/sweep.json   per run: variant, seed, command, status (finished / failed), exit code, seconds, error lines
   OUT/summary.json, OUT/summary.md   per variant and evaluation step the held-out accuracy, mean and 95%
@@ -39,8 +42,8 @@ import time
 
 import numpy as np
 
-from experiments.plots import (eval_curve, groups_from_paths, make_plots, mean_ci, paired_difference,
-                               prediction_interval, read_run)
+from experiments.plots import (eval_curve, finished_run_dir, groups_from_paths, make_plots, mean_ci,
+                               paired_difference, prediction_interval, read_run)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: spo.py runs from there
 
@@ -100,12 +103,15 @@ def plan(args, extra):
     return sorted(runs, key=lambda run: run[2])  # seed by seed: a sweep cut short still has whole, paired seeds
 
 
-def run_state(run_dir, steps_wanted):
-    """'new', 'finished' (latest checkpoint at the run's last step, which is the --steps asked for), 'resume'
-    (an earlier checkpoint) or 'restart' (a directory without a checkpoint: the run died before its first)."""
+def run_state(run_dir, steps_wanted, record_dir=None):
+    """'new', 'finished' (latest checkpoint at the run's last step, which is the --steps asked for; or, without
+    the run directory, a record of a run that logged that step), 'resume' (an earlier checkpoint) or 'restart' (a
+    directory without a checkpoint: the run died before its first)."""
     from machinery.checkpoint import latest_step
     if not os.path.isdir(run_dir):
-        return "new"
+        record = read_run(record_dir) if record_dir and os.path.isdir(record_dir) else None
+        done = record and record["config"].get("steps") == steps_wanted and steps_wanted in record["rows"]
+        return "finished" if done else "new"
     latest = latest_step(run_dir)
     if latest is None:
         return "restart"
@@ -119,6 +125,22 @@ def steps_of(flags):
     --preset's), never a copy of it."""
     import spo
     return spo.parse_args(list(flags)).steps
+
+
+def write_record(run_dir, record_dir):
+    """A finished run's record: its config.json and its logs gzipped (about a fifth of their size; no checkpoints),
+    small enough to commit, so the sweep's summary and plots, and its resume, work on a machine without the runs."""
+    import gzip
+    os.makedirs(record_dir, exist_ok=True)
+    shutil.copyfile(os.path.join(run_dir, "config.json"), os.path.join(record_dir, "config.json"))
+    for name in ("metrics.jsonl", "probe.jsonl"):
+        if os.path.exists(os.path.join(run_dir, name)):
+            with open(os.path.join(run_dir, name), "rb") as f:
+                data = f.read()
+            with open(os.path.join(record_dir, name + ".gz.tmp"), "wb") as raw:
+                with gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as g:  # mtime 0: the same bytes every time
+                    g.write(data)
+            os.replace(os.path.join(record_dir, name + ".gz.tmp"), os.path.join(record_dir, name + ".gz"))
 
 
 def free_port():
@@ -168,13 +190,15 @@ def run_sweep(args, extra):
     sweep["reference"] = args.reference
     todo = []
     for name, variant, seed, flags in runs:
-        run_dir = os.path.join(args.out, "runs", name)
+        run_dir, record_dir = os.path.join(args.out, "runs", name), os.path.join(args.out, "records", name)
         wanted = steps_of(tuple(flags))
-        state = run_state(run_dir, wanted)
+        state = run_state(run_dir, wanted, record_dir)
         entry = sweep["runs"].setdefault(name, {})
         entry.update(name=name, variant=variant, seed=seed, flags=flags)
         if state == "finished":
             entry["status"] = "finished"
+            if os.path.isdir(run_dir) and not os.path.isdir(record_dir):
+                write_record(run_dir, record_dir)
             print(f"{name}: finished, skipped", flush=True)
         else:
             todo.append((name, flags, run_dir, state))
@@ -200,6 +224,7 @@ def run_sweep(args, extra):
             entry.update(command=cmd, returncode=code, seconds=round(time.time() - t0, 1),
                          log=os.path.relpath(log_path, args.out), resumed=state == "resume")
             if code == 0 and run_state(run_dir, steps_of(tuple(flags))) == "finished":
+                write_record(run_dir, os.path.join(args.out, "records", name))
                 entry.update(status="finished", error=None)
                 bar.write(f"{name}: finished in {entry['seconds']:.0f} s")
             else:
@@ -223,7 +248,7 @@ def summarize(out, sweep, only=None):
     curves = {}  # variant -> {seed: {step: (generated, accuracy)}}
     for e in entries:
         if e.get("status") == "finished":
-            curves.setdefault(e["variant"], {})[e["seed"]] = eval_curve(read_run(os.path.join(out, "runs", e["name"])))
+            curves.setdefault(e["variant"], {})[e["seed"]] = eval_curve(read_run(finished_run_dir(out, e["name"])))
     variants = list(dict.fromkeys(e["variant"] for e in entries))
     reference = sweep.get("reference", "spo")
     ref = curves.get(reference, {})
@@ -317,7 +342,7 @@ def write_summary(out, sweep, only=None):
     groups = {}
     for e in sweep["runs"].values():
         if e.get("status") == "finished" and (only is None or e["name"] in only):
-            groups.setdefault(e["variant"], []).append(read_run(os.path.join(out, "runs", e["name"])))
+            groups.setdefault(e["variant"], []).append(read_run(finished_run_dir(out, e["name"])))
     written, skipped = make_plots(groups, os.path.join(out, "plots"))
     print(f"plots: {', '.join(written.values()) or 'none'}" + (f" (no data for: {', '.join(skipped)})"
                                                                  if skipped else ""), flush=True)

@@ -114,6 +114,27 @@ def test_run_state(tmp_path):
     assert sweep.run_state(str(tmp_path / "done"), 8) == "resume"  # the sweep now asks for more steps
 
 
+def test_a_record_stands_in_for_its_run(tmp_path):
+    """A finished run's record (config + gzipped logs, committed) is read like the run: on a machine without the
+    run directory the sweep counts it finished and the summary is the same; a record of a shorter run is not."""
+    out = str(tmp_path)
+    run_dir, record = os.path.join(out, "runs", "spo-s0"), os.path.join(out, "records", "spo-s0")
+    fake_run(run_dir, {0: 0.1, 2: 0.3, 4: 0.5})
+    with open(os.path.join(run_dir, "probe.jsonl"), "w") as f:
+        f.write(json.dumps({"step": 4, "value": [0.5], "success": [0.5], "probe/mae": 0.0}) + "\n")
+    state = {"reference": "spo", "runs": {"spo-s0": {"name": "spo-s0", "variant": "spo", "seed": 0,
+                                                      "status": "finished"}}}
+    from_run = sweep.summarize(out, state)
+    sweep.write_record(run_dir, record)
+    first = open(os.path.join(record, "metrics.jsonl.gz"), "rb").read()
+    sweep.write_record(run_dir, record)
+    assert open(os.path.join(record, "metrics.jsonl.gz"), "rb").read() == first  # the same bytes: commits stay quiet
+    shutil.rmtree(run_dir)
+    assert sweep.run_state(run_dir, 4, record) == "finished" and sweep.run_state(run_dir, 8, record) == "new"
+    assert json.dumps(sweep.summarize(out, state)) == json.dumps(from_run)  # (NaN intervals: compare as text)
+    assert plots.read_run(record)["probe"][4]["success"] == [0.5]
+
+
 def test_summary_and_plots_on_hand_written_runs(tmp_path):
     out = str(tmp_path)
     signal = {"signal/adv_var_raw": 0.2, "signal/adv_var_effective": 0.3, "zero_signal/abs_adv_le_0.02": 0.1,
