@@ -1,20 +1,25 @@
-"""The device check: the trainer path spo.py runs on a GPU, measured without vLLM (which a GPU machine may lack).
+"""The device check: spo.py's GPU path measured with only torch and transformers (a GPU machine may lack vLLM).
 
 (a) The trainer path: a Qwen3-shaped model with random weights is saved and loaded by trainer.build_policy (FSDP2,
 bf16 compute with fp32 master weights, gradient checkpointing), then the old-log-prob pass and one PPO step run
 over long responses in token-budget micro-batches, after `--warmup` untimed rounds of both. It prints the
 micro-batches each rank really runs, tokens/s, MFU and HFU against the device's dense bf16 peak, peak memory and
 the gap between the bf16 log-probs and those of the same weights in fp32.
+(b) The whole loop: spo.py `--engine hf` as a plain script (a world of one), on the toy (its prompts written as
+JSON lines: no pyarrow needed) and on a random-weight Qwen3 shape with long responses, checkpointed, then stopped
+halfway and resumed against the straight run. Per run: s/step, generation tokens/s, the update's MFU, peak memory
+and the trainer-vs-engine log-prob gap; and the resume's largest metric and weight differences.
 (6) Where vLLM imports on a GPU: spo.py for two steps on the toy under each of vLLM's model runners (V1 and V2,
 VLLM_USE_V2_MODEL_RUNNER 0 / 1), side by side: the trainer-vs-engine log-prob gap of each. Skipped with one line
 where vLLM is absent.
 Kept apart from bench/parts.py: that file measures this CPU machine side by side; this one is the single command a
-GPU lease runs. `--shape tiny` keeps Qwen3's vocabulary on a model small enough for a CPU (tests/test_trainer.py).
-A shape that cannot fit (`--shape 8b` on one GPU: fp32 master weights, gradients and AdamW moments alone take
-122 GiB) is refused in one line before anything is built.
+GPU lease runs. The "tiny" shapes keep Qwen3's vocabulary on a model small enough for a CPU
+(tests/test_device_check.py). A shape that cannot fit (`--shape 8b` on one GPU: fp32 master weights, gradients and
+AdamW moments alone take 122 GiB) is refused in one line before anything is built.
 
-    python -m bench gpu                                          # one GPU: Qwen3-1.7B shape, 4 x 8704 tokens
-    python -m bench gpu --shape tiny --response_len 96 --sequences 3 --max_tokens_per_micro_batch 700   # CPU
+    python -m bench gpu          # one GPU: (a) Qwen3-1.7B shape, 4 x 8704 tokens; (b) toy, Qwen3-0.6B 64 x 1024
+    python -m bench gpu --parts trainer --shape tiny --response_len 96 --sequences 3 --max_tokens_per_micro_batch 700
+    python -m bench gpu --parts loop --loop_shape tiny --loop_response_len 16 --loop_batch 4 --toy_steps 2   # CPU
 """
 import argparse
 import collections
@@ -36,6 +41,8 @@ from machinery.errors import fail
 
 QWEN3_SHAPES = {  # Qwen3's published shapes; "tiny" keeps the vocabulary (the log-prob chunks) for a CPU test
     "1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+                 num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
+    "0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
                  num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
     "8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
                num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
@@ -199,6 +206,143 @@ def bench_gpu(shape="1.7b", response_len=8192, prompt_len=512, n_sequences=4, ma
             "stats": out["stats"]}
 
 
+# ------------------------------------------------------------------------------------------------ (b) the whole loop
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SAME_FIELDS = ("reward/", "advantage/", "response/", "policy/", "signal/", "tracker/", "sampling/")  # resume check
+
+
+def write_toy_jsonl(folder):
+    """The shipped toy's prompts and answers as JSON lines (tasks/toy.py:make_problems: the rows of its parquet
+    files, so the same prompt keys), for a machine without pyarrow. Returns (train, test) paths."""
+    from tasks.toy import make_problems
+    paths = []
+    for split, problems in zip(("train", "test"), make_problems(0, 2000, 500)):
+        paths.append(os.path.join(folder, f"{split}.jsonl"))
+        with open(paths[-1], "w") as f:
+            for a, b in problems:
+                f.write(json.dumps({"prompt": [{"role": "user", "content": f"{a}+{b}="}], "answer": str(a + b)}) + "\n")
+    return paths
+
+
+def random_qwen3(folder, shape, max_len, device):
+    """A Qwen3-shaped model with random weights (bf16, Qwen3's vocabulary) and the toy's tokenizer: its samples
+    are noise (never an end of turn: every response runs to its token budget), which is what a throughput and
+    memory check wants. Returns the folder."""
+    import torch
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(REPO, "tasks", "built", "toy", "model"))
+    config = Qwen3Config(vocab_size=151_936, max_position_embeddings=max_len, rope_theta=1e6,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                         **QWEN3_SHAPES[shape])
+    torch.manual_seed(0)
+    with torch.device(device):
+        Qwen3ForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def _child_env(**extra):
+    """This process's environment without torch.distributed's variables (part (a) set them for its own world of
+    one, and its port may still be held): each spo.py starts a world of one of its own."""
+    drop = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
+    return {**{k: v for k, v in os.environ.items() if k not in drop}, **extra}
+
+
+def _spo(run_dir, flags, resume=False):
+    """spo.py in a world of one (nccl on a GPU, gloo on a CPU), its output kept; exit on failure with its tail."""
+    command = [sys.executable, "spo.py", *flags, "--resume" if resume else "--run_dir", run_dir]
+    t0 = time.time()
+    proc = subprocess.run(command, cwd=REPO, env=_child_env(), capture_output=True, text=True)
+    if proc.returncode != 0:
+        print(proc.stdout[-2000:] + proc.stderr[-4000:], flush=True)
+        fail(f"whole loop: `{' '.join(command)}` failed (exit {proc.returncode}); its output is above", once=True)
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        rows = {row["step"]: row for row in map(json.loads, f)}
+    return rows, time.time() - t0
+
+
+def _loop_numbers(rows, config, prompt_len, batch, peak_tflops):
+    """Per-step means over the steps after the first (compilation, allocator growth): generation tokens/s, the
+    update's MFU (model FLOPs: forward + backward = 3 forwards, recompute not counted), peak device memory, and the
+    trainer-vs-engine log-prob gap."""
+    steps = [row for step, row in rows.items() if step > 1] or [row for step, row in rows.items() if step > 0]
+    mean = lambda key: float(np.mean([row[key] for row in steps if key in row]))  # noqa: E731
+    length = mean("response/length_mean")
+    flops = 3 * _forward_flops(config, [round(prompt_len + length)] * batch, round(prompt_len))
+    mfu = flops / mean("time/update") / (peak_tflops * 1e12) if peak_tflops else None
+    return {"generate_tokens_per_s": mean("throughput/tokens_per_second"), "update_s": mean("time/update"),
+            "step_s": mean("time/step"), "mfu": mfu, "peak_gib": max(row.get("memory/peak_gib", 0) for row in steps),
+            "gap_mean": mean("policy/logprob_gap_mean"), "gap_max": max(r["policy/logprob_gap_max"] for r in steps),
+            "response_len": length}
+
+
+def _say_loop(name, numbers, seconds):
+    mfu = f", update MFU {100 * numbers['mfu']:.1f}%" if numbers["mfu"] is not None else ""
+    print(f"{name}: {seconds:.0f} s in all, {numbers['step_s']:.2f} s/step, generation "
+          f"{numbers['generate_tokens_per_s']:.0f} tokens/s (responses {numbers['response_len']:.0f} tokens), "
+          f"update {numbers['update_s']:.2f} s{mfu}, peak memory {numbers['peak_gib']:.2f} GiB, trainer-vs-engine "
+          f"log-prob gap mean {numbers['gap_mean']:.2e} max {numbers['gap_max']:.2e}", flush=True)
+
+
+def _weights(run_dir, step):
+    from safetensors.torch import load_file
+    folder = os.path.join(run_dir, "checkpoints", f"step_{step:06d}", "model")
+    return {k: v for name in sorted(os.listdir(folder)) if name.endswith(".safetensors")
+            for k, v in load_file(os.path.join(folder, name)).items()}
+
+
+def resume_gap(straight, resumed, steps):
+    """How far a run stopped at steps // 2 and resumed is from the run that was never stopped: the largest
+    difference of a training metric over the resumed steps, and of a weight at the end (0 and 0: exact)."""
+    (rows_a, dir_a), (rows_b, dir_b) = straight, resumed
+    metric = max((abs(rows_a[s][k] - rows_b[s].get(k, float("nan"))) for s in range(steps // 2 + 1, steps + 1)
+                  for k in rows_a[s] if k.startswith(SAME_FIELDS)), default=float("nan"))
+    wa, wb = _weights(dir_a, steps), _weights(dir_b, steps)
+    weight = max(float((wa[k].float() - wb[k].float()).abs().max()) for k in wa)
+    return metric, weight
+
+
+def whole_loop(root, shape="0.6b", response_len=1024, batch=64, steps=2, toy_steps=4, peak_tflops=None):
+    """(b) spo.py end to end with the transformers engine (module docstring), in `root`; returns the numbers."""
+    import torch
+    on_gpu = torch.cuda.is_available()
+    name = torch.cuda.get_device_name() if on_gpu else "cpu"
+    peak_tflops = peak_tflops or (dense_bf16_peak(name) if on_gpu else None)
+    train, test = write_toy_jsonl(root)
+    common = ["--train", train, "--test", test, "--engine", "hf", "--offline_values", "none", "--log_every", "1"]
+    from machinery.data import load_dataset, load_tokenizer
+    toy_model = os.path.join(REPO, "tasks", "built", "toy", "model")
+    prompt_len = float(np.mean([len(ids) for ids in
+                                load_dataset(train, load_tokenizer(toy_model), 256, False).prompt_ids]))
+    out = {}
+    # The toy: its model learns, and the held-out evaluation runs on the engine.
+    rows, seconds = _spo(os.path.join(root, "toy"), ["--model", toy_model, *common, "--steps", str(toy_steps),
+                                                     "--eval_every", str(toy_steps), "--eval_max_prompts", "200",
+                                                     "--save_every", "0"])
+    from transformers import AutoConfig
+    out["toy"] = _loop_numbers(rows, AutoConfig.from_pretrained(toy_model), prompt_len, 64, peak_tflops)
+    out["toy"]["held_out"] = (rows[0]["eval/accuracy"], rows[toy_steps]["eval/accuracy"])
+    _say_loop(f"toy, --engine hf, {toy_steps} steps, held-out {out['toy']['held_out'][0]:.1%} -> "
+              f"{out['toy']['held_out'][1]:.1%}", out["toy"], seconds)
+    # A Qwen3 shape with random weights: long responses, bf16 with fp32 master weights, gradient checkpointing,
+    # chunked log-probs, a checkpoint every step; then the same run stopped halfway and resumed.
+    model = random_qwen3(os.path.join(root, f"qwen3-{shape}"), shape, 512 + response_len, "cuda" if on_gpu else "cpu")
+    flags = ["--model", model, *common, "--batch_size", str(batch), "--max_response_len", str(response_len),
+             "--max_prompt_len", "64", "--lr", "1e-6", "--eval_every", "0", "--save_every", str(steps // 2)]
+    straight = _spo(os.path.join(root, "straight"), flags + ["--steps", str(steps)])
+    config = AutoConfig.from_pretrained(model)
+    out["qwen3"] = _loop_numbers(straight[0], config, prompt_len, batch, peak_tflops)
+    _say_loop(f"Qwen3-{shape} shape (random weights), --engine hf, {batch} x {response_len} tokens, {steps} steps",
+              out["qwen3"], straight[1])
+    stopped = os.path.join(root, "stopped")
+    _spo(stopped, flags + ["--steps", str(steps // 2)])
+    resumed = _spo(stopped, flags + ["--steps", str(steps)], resume=True)
+    out["resume"] = resume_gap((straight[0], os.path.join(root, "straight")), (resumed[0], stopped), steps)
+    print(f"stopped at step {steps // 2} and --resume'd to {steps}, against the straight run: largest difference of "
+          f"a training metric {out['resume'][0]:.2e}, of a weight {out['resume'][1]:.2e} (0 and 0: exact)", flush=True)
+    return out
+
+
 RUNNERS = {"V1": "0", "V2": "1"}  # VLLM_USE_V2_MODEL_RUNNER (vllm/envs.py; unset: V2 where supported)
 
 
@@ -215,8 +359,8 @@ def vllm_runners(run_root, steps=2):
         run_dir = os.path.join(run_root, f"runner_{runner}")
         command = [sys.executable, "spo.py", "--steps", str(steps), "--eval_every", "0", "--save_every", "0",
                    "--offline_values", "none", "--engine_compile", "off", "--log_every", "1", "--run_dir", run_dir]
-        proc = subprocess.run(command, env={**os.environ, "VLLM_USE_V2_MODEL_RUNNER": flag}, capture_output=True,
-                              text=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        proc = subprocess.run(command, env=_child_env(VLLM_USE_V2_MODEL_RUNNER=flag), capture_output=True,
+                              text=True, cwd=REPO)
         if proc.returncode != 0:
             print(f"vLLM model runner {runner}: spo.py failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}",
                   flush=True)
@@ -245,10 +389,27 @@ def main(argv=None):
                         help="the device's dense bf16 peak (default: known for H100, H200, A100, L40S, L4, A10)")
     parser.add_argument("--vllm_runners", choices=["auto", "on", "off"], default="auto",
                         help="spo.py on the toy under vLLM's V1 and V2 model runners (auto: on a GPU)")
+    parser.add_argument("--parts", nargs="+", choices=["trainer", "loop"], default=["trainer", "loop"],
+                        help="(a) the trainer path, (b) spo.py's whole loop with the transformers engine")
+    parser.add_argument("--loop_shape", choices=sorted(QWEN3_SHAPES), default="0.6b",
+                        help="(b): the random-weight model's shape (its checkpoints must fit on the disk twice)")
+    parser.add_argument("--loop_response_len", type=int, default=1024, help="(b): tokens per response")
+    parser.add_argument("--loop_batch", type=int, default=64, help="(b): responses per step")
+    parser.add_argument("--loop_steps", type=int, default=2, help="(b): steps of the random-weight runs (even)")
+    parser.add_argument("--toy_steps", type=int, default=4, help="(b): steps of the toy run")
     args = parser.parse_args(argv)
-    bench_gpu(args.shape, args.response_len, n_sequences=args.sequences, max_tokens=args.max_tokens_per_micro_batch,
-              warmup=args.warmup, peak_tflops=args.peak_tflops)
+    if args.loop_steps < 2 or args.loop_steps % 2:
+        fail(f"--loop_steps {args.loop_steps}: give an even number of at least 2 (the resume check stops halfway)")
     import torch
+    if "trainer" in args.parts:
+        bench_gpu(args.shape, args.response_len, n_sequences=args.sequences,
+                  max_tokens=args.max_tokens_per_micro_batch, warmup=args.warmup, peak_tflops=args.peak_tflops)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # part (a)'s cached blocks back to the card, for the spo.py runs below
+    if "loop" in args.parts:
+        with tempfile.TemporaryDirectory() as root:
+            whole_loop(root, args.loop_shape, args.loop_response_len, args.loop_batch, args.loop_steps,
+                       args.toy_steps, args.peak_tflops)
     if args.vllm_runners == "on" or (args.vllm_runners == "auto" and torch.cuda.is_available()):
         with tempfile.TemporaryDirectory() as run_root:
             vllm_runners(run_root)
