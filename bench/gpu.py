@@ -28,6 +28,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -224,10 +225,10 @@ def write_toy_jsonl(folder):
     return paths
 
 
-def random_qwen3(folder, shape, max_len, device):
-    """A Qwen3-shaped model with random weights (bf16, Qwen3's vocabulary) and the toy's tokenizer: its samples
-    are noise (never an end of turn: every response runs to its token budget), which is what a throughput and
-    memory check wants. Returns the folder."""
+def random_qwen3(folder, shape, max_len):
+    """A Qwen3-shaped model with random weights (bf16, Qwen3's vocabulary) and the toy's tokenizer, built on the
+    host (this process leaves the GPU to the spo.py runs): its samples are noise, never an end of turn, so every
+    response runs to its token budget, which is what a throughput and memory check wants. Returns the folder."""
     import torch
     from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
     tokenizer = AutoTokenizer.from_pretrained(os.path.join(REPO, "tasks", "built", "toy", "model"))
@@ -235,27 +236,48 @@ def random_qwen3(folder, shape, max_len, device):
                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                          **QWEN3_SHAPES[shape])
     torch.manual_seed(0)
-    with torch.device(device):
-        Qwen3ForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)
+    Qwen3ForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
 
 
 def _child_env(**extra):
-    """This process's environment without torch.distributed's variables (part (a) set them for its own world of
-    one, and its port may still be held): each spo.py starts a world of one of its own."""
+    """This process's environment without torch.distributed's variables (a world of one set them, and its port
+    may still be held): each spo.py starts a world of one of its own."""
     drop = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
     return {**{k: v for k, v in os.environ.items() if k not in drop}, **extra}
 
 
-def _spo(run_dir, flags, resume=False):
-    """spo.py in a world of one (nccl on a GPU, gloo on a CPU), its output kept; exit on failure with its tail."""
+def _device_name():
+    """The GPU's name, asked in a child process: this one creates no CUDA context, which would sit on the card
+    beside every spo.py run (counted in their memory, or locking them out of a card in exclusive-process mode)."""
+    import torch
+    if not torch.cuda.is_available():  # (asks the driver for a device count: no context)
+        return None
+    return subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.get_device_name())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+
+
+def _spo(run_dir, flags, deadline, resume=False):
+    """spo.py in a world of one (nccl on a GPU, gloo on a CPU), its output in run_dir.log; past the deadline it is
+    killed, and a failure ends the check with the log's tail. Returns ({step: metrics row}, seconds)."""
     command = [sys.executable, "spo.py", *flags, "--resume" if resume else "--run_dir", run_dir]
+    print(f"  +{time.time() - deadline[0]:.0f} s: spo.py {'--resume ' if resume else ''}{os.path.basename(run_dir)}",
+          flush=True)
     t0 = time.time()
-    proc = subprocess.run(command, cwd=REPO, env=_child_env(), capture_output=True, text=True)
-    if proc.returncode != 0:
-        print(proc.stdout[-2000:] + proc.stderr[-4000:], flush=True)
-        fail(f"whole loop: `{' '.join(command)}` failed (exit {proc.returncode}); its output is above", once=True)
+    # expandable segments: the transformers engine's KV cache grows by one token per step, and without them the
+    # caching allocator keeps every outgrown block (memory/peak_gib would read the fragments, not the need).
+    env = _child_env(PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
+    with open(run_dir + ".log", "w") as log:
+        try:
+            code = subprocess.run(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                  timeout=max(1.0, deadline[1] - time.time())).returncode
+        except subprocess.TimeoutExpired:
+            code = "killed at the time budget (--loop_budget_s)"
+    if code != 0:
+        with open(run_dir + ".log", errors="replace") as log:
+            print(log.read()[-5000:], flush=True)
+        fail(f"whole loop: `{' '.join(command)}` failed ({code}); the end of its output is above", once=True)
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         rows = {row["step"]: row for row in map(json.loads, f)}
     return rows, time.time() - t0
@@ -291,26 +313,48 @@ def _weights(run_dir, step):
             for k, v in load_file(os.path.join(folder, name)).items()}
 
 
-def resume_gap(straight, resumed, steps):
+def _metric_gap(rows_a, rows_b, steps):
+    return max((abs(rows_a[s][k] - rows_b[s].get(k, float("nan"))) for s in steps for k in rows_a[s]
+                if k.startswith(SAME_FIELDS)), default=float("nan"))
+
+
+def resume_gap(straight, stopped, resumed, steps):
     """How far a run stopped at steps // 2 and resumed is from the run that was never stopped: the largest
-    difference of a training metric over the resumed steps, and of a weight at the end (0 and 0: exact)."""
+    difference of a training metric over the resumed steps and of a weight at the end (0 and 0: exact), and, as
+    the floor a device's nondeterministic kernels set, the largest metric difference of the two runs' common
+    first steps (both fresh, the same flags)."""
     (rows_a, dir_a), (rows_b, dir_b) = straight, resumed
-    metric = max((abs(rows_a[s][k] - rows_b[s].get(k, float("nan"))) for s in range(steps // 2 + 1, steps + 1)
-                  for k in rows_a[s] if k.startswith(SAME_FIELDS)), default=float("nan"))
+    metric = _metric_gap(rows_a, rows_b, range(steps // 2 + 1, steps + 1))
+    floor = _metric_gap(rows_a, stopped, range(1, steps // 2 + 1))
     wa, wb = _weights(dir_a, steps), _weights(dir_b, steps)
     weight = max(float((wa[k].float() - wb[k].float()).abs().max()) for k in wa)
-    return metric, weight
+    return metric, weight, floor
 
 
-def whole_loop(root, shape="0.6b", response_len=1024, batch=64, steps=2, toy_steps=4, peak_tflops=None):
-    """(b) spo.py end to end with the transformers engine (module docstring), in `root`; returns the numbers."""
-    import torch
-    on_gpu = torch.cuda.is_available()
-    name = torch.cuda.get_device_name() if on_gpu else "cpu"
-    peak_tflops = peak_tflops or (dense_bf16_peak(name) if on_gpu else None)
-    train, test = write_toy_jsonl(root)
-    common = ["--train", train, "--test", test, "--engine", "hf", "--offline_values", "none", "--log_every", "1"]
+def whole_loop(root, shape="0.6b", response_len=512, batch=64, steps=2, toy_steps=4, peak_tflops=None,
+               budget_s=420.0):
+    """(b) spo.py end to end with the transformers engine (module docstring), in `root`, every spo.py killed past
+    budget_s from the start; returns the numbers."""
+    from transformers import AutoConfig
+    from machinery.checkpoint import checkpoint_bytes
     from machinery.data import load_dataset, load_tokenizer
+    deadline = (time.time(), time.time() + budget_s)
+    name = _device_name()
+    peak_tflops = peak_tflops or (dense_bf16_peak(name) if name else None)
+    if name and peak_tflops is None:
+        fail(f"--peak_tflops: no dense bf16 peak is known for {name!r}; pass its datasheet's dense bf16 TFLOPS "
+             f"(without sparsity)", once=True)
+    config = AutoConfig.for_model("qwen3", vocab_size=151_936, **QWEN3_SHAPES[shape])
+    n_parameters = _forward_flops(config, [1], 0) / 2 + config.vocab_size * config.hidden_size  # (about)
+    need = 3 * checkpoint_bytes(n_parameters, 2) + 2 * n_parameters  # straight's, stopped's two, the model
+    if (free := shutil.disk_usage(root).free) < need:
+        fail(f"--loop_shape {shape}: {root} has {free / 2**30:.0f} GiB free, the runs' checkpoints need about "
+             f"{need / 2**30:.0f} GiB; set TMPDIR to a larger disk or use a smaller --loop_shape", once=True)
+    print(f"(b) the whole loop in {root} ({free / 2**30:.0f} GiB free, about {need / 2**30:.0f} needed), "
+          f"device {name or 'cpu'}, each spo.py killed past {budget_s:.0f} s from now", flush=True)
+    train, test = write_toy_jsonl(root)
+    common = ["--train", train, "--test", test, "--engine", "hf", "--offline_values", "none", "--log_every", "1",
+              "--max_tokens_per_micro_batch", "16384"]  # whole long sequences per micro-batch, as part (a)
     toy_model = os.path.join(REPO, "tasks", "built", "toy", "model")
     prompt_len = float(np.mean([len(ids) for ids in
                                 load_dataset(train, load_tokenizer(toy_model), 256, False).prompt_ids]))
@@ -318,28 +362,30 @@ def whole_loop(root, shape="0.6b", response_len=1024, batch=64, steps=2, toy_ste
     # The toy: its model learns, and the held-out evaluation runs on the engine.
     rows, seconds = _spo(os.path.join(root, "toy"), ["--model", toy_model, *common, "--steps", str(toy_steps),
                                                      "--eval_every", str(toy_steps), "--eval_max_prompts", "200",
-                                                     "--save_every", "0"])
-    from transformers import AutoConfig
+                                                     "--save_every", "0"], deadline)
     out["toy"] = _loop_numbers(rows, AutoConfig.from_pretrained(toy_model), prompt_len, 64, peak_tflops)
     out["toy"]["held_out"] = (rows[0]["eval/accuracy"], rows[toy_steps]["eval/accuracy"])
     _say_loop(f"toy, --engine hf, {toy_steps} steps, held-out {out['toy']['held_out'][0]:.1%} -> "
               f"{out['toy']['held_out'][1]:.1%}", out["toy"], seconds)
-    # A Qwen3 shape with random weights: long responses, bf16 with fp32 master weights, gradient checkpointing,
-    # chunked log-probs, a checkpoint every step; then the same run stopped halfway and resumed.
-    model = random_qwen3(os.path.join(root, f"qwen3-{shape}"), shape, 512 + response_len, "cuda" if on_gpu else "cpu")
+    # A Qwen3 shape with random weights: long responses, bf16 with fp32 master weights, gradient checkpointing and
+    # chunked log-probs (spo.py's GPU defaults), a checkpoint at the end; then the same run stopped at a
+    # checkpoint halfway and resumed.
+    model = random_qwen3(os.path.join(root, f"qwen3-{shape}"), shape, 512 + response_len)
     flags = ["--model", model, *common, "--batch_size", str(batch), "--max_response_len", str(response_len),
-             "--max_prompt_len", "64", "--lr", "1e-6", "--eval_every", "0", "--save_every", str(steps // 2)]
-    straight = _spo(os.path.join(root, "straight"), flags + ["--steps", str(steps)])
-    config = AutoConfig.from_pretrained(model)
-    out["qwen3"] = _loop_numbers(straight[0], config, prompt_len, batch, peak_tflops)
+             "--max_prompt_len", "64", "--lr", "1e-6", "--eval_every", "0"]
+    straight = _spo(os.path.join(root, "straight"), flags + ["--steps", str(steps), "--save_every", "0"], deadline)
+    out["qwen3"] = _loop_numbers(straight[0], AutoConfig.from_pretrained(model), prompt_len, batch, peak_tflops)
     _say_loop(f"Qwen3-{shape} shape (random weights), --engine hf, {batch} x {response_len} tokens, {steps} steps",
               out["qwen3"], straight[1])
     stopped = os.path.join(root, "stopped")
-    _spo(stopped, flags + ["--steps", str(steps // 2)])
-    resumed = _spo(stopped, flags + ["--steps", str(steps)], resume=True)
-    out["resume"] = resume_gap((straight[0], os.path.join(root, "straight")), (resumed[0], stopped), steps)
+    half = ["--save_every", str(steps // 2)]
+    first, _ = _spo(stopped, flags + ["--steps", str(steps // 2)] + half, deadline)
+    resumed = _spo(stopped, flags + ["--steps", str(steps)] + half, deadline, resume=True)
+    out["resume"] = resume_gap((straight[0], os.path.join(root, "straight")), first, (resumed[0], stopped), steps)
     print(f"stopped at step {steps // 2} and --resume'd to {steps}, against the straight run: largest difference of "
-          f"a training metric {out['resume'][0]:.2e}, of a weight {out['resume'][1]:.2e} (0 and 0: exact)", flush=True)
+          f"a training metric {out['resume'][0]:.2e}, of a weight {out['resume'][1]:.2e} (0 and 0: exact); the two "
+          f"fresh runs' first {steps // 2} step(s) differ by up to {out['resume'][2]:.2e} (the device's own "
+          f"nondeterminism)", flush=True)
     return out
 
 
@@ -393,23 +439,24 @@ def main(argv=None):
                         help="(a) the trainer path, (b) spo.py's whole loop with the transformers engine")
     parser.add_argument("--loop_shape", choices=sorted(QWEN3_SHAPES), default="0.6b",
                         help="(b): the random-weight model's shape (its checkpoints must fit on the disk twice)")
-    parser.add_argument("--loop_response_len", type=int, default=1024, help="(b): tokens per response")
+    parser.add_argument("--loop_response_len", type=int, default=512, help="(b): tokens per response")
     parser.add_argument("--loop_batch", type=int, default=64, help="(b): responses per step")
     parser.add_argument("--loop_steps", type=int, default=2, help="(b): steps of the random-weight runs (even)")
     parser.add_argument("--toy_steps", type=int, default=4, help="(b): steps of the toy run")
+    parser.add_argument("--loop_budget_s", type=float, default=420.0,
+                        help="(b): every spo.py run is killed this many seconds after (b) starts")
     args = parser.parse_args(argv)
     if args.loop_steps < 2 or args.loop_steps % 2:
         fail(f"--loop_steps {args.loop_steps}: give an even number of at least 2 (the resume check stops halfway)")
-    import torch
-    if "trainer" in args.parts:
-        bench_gpu(args.shape, args.response_len, n_sequences=args.sequences,
-                  max_tokens=args.max_tokens_per_micro_batch, warmup=args.warmup, peak_tflops=args.peak_tflops)
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()  # part (a)'s cached blocks back to the card, for the spo.py runs below
+    # (b) first: its spo.py runs must find the device as a user's would, before this process makes a CUDA context
     if "loop" in args.parts:
         with tempfile.TemporaryDirectory() as root:
             whole_loop(root, args.loop_shape, args.loop_response_len, args.loop_batch, args.loop_steps,
-                       args.toy_steps, args.peak_tflops)
+                       args.toy_steps, args.peak_tflops, args.loop_budget_s)
+    if "trainer" in args.parts:
+        bench_gpu(args.shape, args.response_len, n_sequences=args.sequences,
+                  max_tokens=args.max_tokens_per_micro_batch, warmup=args.warmup, peak_tflops=args.peak_tflops)
+    import torch
     if args.vllm_runners == "on" or (args.vllm_runners == "auto" and torch.cuda.is_available()):
         with tempfile.TemporaryDirectory() as run_root:
             vllm_runners(run_root)

@@ -66,7 +66,8 @@ def test_the_device_checks_whole_loop_trains_checkpoints_and_resumes_exactly(tmp
     """(b) on a CPU: the toy learns nothing in 2 steps but must run and evaluate; on the tiny Qwen3 shape the
     engine's log-probs are the trainer's (fp32 both), and the resumed run equals the straight one exactly."""
     proc = ok(python("-m", "bench", "gpu", "--parts", "loop", "--loop_shape", "tiny", "--loop_response_len", "16",
-                     "--loop_batch", "4", "--loop_steps", "2", "--toy_steps", "2"))
+                     "--loop_batch", "4", "--loop_steps", "2", "--toy_steps", "2",
+                     "--loop_budget_s", "3600", timeout=3600))  # the device's 7-minute budget is not a test's
     toy = re.search(r"toy, --engine hf, 2 steps, held-out ([\d.]+)% -> ([\d.]+)%: .* generation (\d+) tokens/s", proc.stdout)
     assert toy and 0 < float(toy.group(1)) < 40 and int(toy.group(3)) > 0, proc.stdout
     qwen = re.search(r"Qwen3-tiny shape \(random weights\), --engine hf, 4 x 16 tokens, 2 steps: .* \(responses "
@@ -75,6 +76,7 @@ def test_the_device_checks_whole_loop_trains_checkpoints_and_resumes_exactly(tmp
     assert qwen and float(qwen.group(1)) > 0 and float(qwen.group(3)) < 1e-5, proc.stdout  # noise never ends early
     resume = re.search(r"largest difference of a training metric (\S+), of a weight (\S+)", proc.stdout)
     assert resume and float(resume.group(1)) == 0 and float(resume.group(2)) == 0, proc.stdout
+    assert re.search(r"fresh runs' first 1 step\(s\) differ by up to 0\.00e\+00", proc.stdout), proc.stdout
 
 
 def test_the_device_check_asks_for_an_even_step_count_in_one_line():
