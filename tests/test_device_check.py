@@ -52,7 +52,7 @@ def test_the_device_peak_comes_from_the_device_name():
 def test_the_device_checks_toy_data_is_the_shipped_toys(tmp_path):
     """The whole-loop check writes the toy's prompts as JSON lines (a GPU machine may lack pyarrow): the same
     prompts, keys and answers as the shipped parquet files, in the same order."""
-    from bench.gpu import write_toy_jsonl
+    from bench.loop import write_toy_jsonl
     from machinery.data import load_prompts
     from tasks.toy import BUILT
     shipped = [os.path.join(BUILT, "toy", f"{split}.parquet") for split in ("train", "test")]
@@ -67,7 +67,7 @@ def test_the_device_checks_whole_loop_trains_checkpoints_and_resumes_exactly(tmp
     engine's log-probs are the trainer's (fp32 both), and the resumed run equals the straight one exactly."""
     proc = ok(python("-m", "bench", "gpu", "--parts", "loop", "--loop_shape", "tiny", "--loop_response_len", "16",
                      "--loop_batch", "4", "--loop_steps", "2", "--toy_steps", "2",
-                     "--loop_budget_s", "3600", timeout=3600))  # the device's 7-minute budget is not a test's
+                     "--loop_budget_s", "3600", timeout=3600))  # the device's 6-minute budget is not a test's
     toy = re.search(r"toy, --engine hf, 2 steps, held-out ([\d.]+)% -> ([\d.]+)%: .* generation (\d+) tokens/s", proc.stdout)
     assert toy and 0 < float(toy.group(1)) < 40 and int(toy.group(3)) > 0, proc.stdout
     qwen = re.search(r"Qwen3-tiny shape \(random weights\), --engine hf, 4 x 16 tokens, 2 steps: .* \(responses "
