@@ -17,6 +17,7 @@ the probe's own sampling noise (probe/mae_unbiased, eval.py:probe_stats). The bo
 |bias| <= 0.05 at every probe, and MAE <= 1.5 x probe/mae_unbiased.
 
     python -m experiments.regime RUN_DIR [RUN_DIR ...]
+    python -m experiments.regime --brief experiments/paper_regime/records/spo-s*   # one row per run
 """
 import argparse
 import json
@@ -87,12 +88,33 @@ def report(run_dir, r):
     return "\n".join(lines)
 
 
+def brief(runs):
+    """One markdown row per run ({name: regime(...)}): the worst probe against each bound, and the verdict."""
+    lines = ["| run | probes | worst bias (step) | worst MAE / unbiased (step) | visits per prompt | held-out | "
+             "bounds met |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for name, r in runs.items():
+        bias = max(r["probes"], key=lambda p: abs(p["bias"]))
+        ratio = max(r["probes"], key=lambda p: p["mae_ratio"])
+        held = r["held_out"]
+        lines.append(f"| {name} | {len(r['probes'])} | {bias['bias']:+.3f} ({bias['step']}) | "
+                     f"{ratio['mae_ratio']:.2f} ({ratio['step']}) | {r['visits_per_prompt'] or float('nan'):.1f} | "
+                     + (f"{held[0][1]:.1%} -> {held[1][1]:.1%}" if held else "n/a")
+                     + f" | {'yes' if r['passes'] else 'NO'} |")
+    return "\n".join(lines)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("runs", nargs="+", help="spo.py run directories made with --probe_every")
-    for run_dir in p.parse_args().runs:
+    p.add_argument("runs", nargs="+", help="spo.py run directories made with --probe_every (or a sweep's records)")
+    p.add_argument("--brief", action="store_true", help="one row per run instead of each run's tables")
+    args = p.parse_args()
+    for run_dir in args.runs:
         if not any(os.path.exists(os.path.join(run_dir, name)) for name in ("probe.jsonl", "probe.jsonl.gz")):
             raise SystemExit(f"error: {run_dir}: no probe.jsonl (run spo.py with --probe_every)")
+    if args.brief:
+        print(brief({os.path.basename(run_dir.rstrip("/")): regime(run_dir) for run_dir in args.runs}))
+        return
+    for run_dir in args.runs:
         print(report(run_dir, regime(run_dir)))
 
 

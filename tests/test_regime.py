@@ -40,3 +40,13 @@ def test_a_lagging_tracker_fails_the_bias_bound(tmp_path):
                                                    (10, [0.5, 0.7], [0.4, 0.6], [10, 10])]))
     assert abs(r["probes"][1]["bias"] + 0.1) < 1e-12 and not r["passes"]
     assert "NOT met" in regime.report("run", r)
+
+
+def test_the_brief_table_names_each_runs_worst_probe(tmp_path):
+    good = regime.regime(write_run(tmp_path / "good", [(0, [0.2, 0.4], [0.2, 0.4], [0, 0]),
+                                                       (10, [0.4, 0.6], [0.4, 0.6], [10, 10])]))
+    lagging = regime.regime(write_run(tmp_path / "lagging", [(0, [0.2, 0.4], [0.2, 0.4], [0, 0]),
+                                                             (10, [0.5, 0.7], [0.4, 0.6], [10, 10])]))
+    rows = regime.brief({"good": good, "lagging": lagging}).splitlines()[2:]
+    assert rows[0].startswith("| good | 2 | +0.000 (0) |") and rows[0].endswith("| 10.0% -> 20.0% | yes |")
+    assert rows[1].startswith("| lagging | 2 | -0.100 (10) |") and rows[1].endswith("| NO |")
