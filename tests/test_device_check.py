@@ -52,7 +52,7 @@ def test_the_device_peak_comes_from_the_device_name():
 def test_the_device_checks_toy_data_is_the_shipped_toys(tmp_path):
     """The whole-loop check writes the toy's prompts as JSON lines (a GPU machine may lack pyarrow): the same
     prompts, keys and answers as the shipped parquet files, in the same order."""
-    from bench.loop import write_toy_jsonl
+    from bench.gpu import write_toy_jsonl
     from machinery.data import load_prompts
     from tasks.toy import BUILT
     shipped = [os.path.join(BUILT, "toy", f"{split}.parquet") for split in ("train", "test")]
