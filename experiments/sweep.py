@@ -26,6 +26,7 @@ the next invocation. The tracker probe (--probe_every) runs on the SPO variants 
 
     python -m experiments.sweep --variants spo:0-4 grpo:0-4 rloo dr_grpo --seeds 0-2 --out experiments/mine
     python -m experiments.sweep --summary_only --out experiments/toy  # summary and plots again from the runs there
+                                                                      # (or, without sweep.json, from its records)
     python -m experiments.sweep plot RUN_DIR [RUN_DIR ...] --out plots  # the plots for any spo.py run directories
 """
 import argparse
@@ -178,6 +179,19 @@ def save_json(path, obj):
     with open(path + ".tmp", "w") as f:
         json.dump(obj, f, indent=1)
     os.replace(path + ".tmp", path)
+
+
+def read_sweep(out):
+    """sweep.json, or on a machine without it (it is not committed) the finished runs its records stand for."""
+    if os.path.exists(os.path.join(out, "sweep.json")):
+        with open(os.path.join(out, "sweep.json")) as f:
+            return json.load(f)
+    records = os.path.join(out, "records")
+    names = sorted(os.listdir(records)) if os.path.isdir(records) else []
+    if not names:
+        raise SystemExit(f"error: {out}: neither a sweep.json nor records/ to summarise")
+    return {"runs": {name: {"name": name, "variant": name.rsplit("-s", 1)[0], "seed": int(name.rsplit("-s", 1)[1]),
+                            "status": "finished"} for name in names}}
 
 
 def run_sweep(args, extra):
@@ -377,9 +391,7 @@ def main(argv=None):
     p.add_argument("--summary_only", action="store_true", help="run nothing: summary and plots of what is there")
     args = p.parse_args(argv)
     if args.summary_only:
-        with open(os.path.join(args.out, "sweep.json")) as f:
-            sweep = json.load(f)
-        write_summary(args.out, {**sweep, "reference": args.reference})
+        write_summary(args.out, {**read_sweep(args.out), "reference": args.reference})
         return 0
     return run_sweep(args, extra)
 

@@ -133,6 +133,9 @@ def test_a_record_stands_in_for_its_run(tmp_path):
     assert sweep.run_state(run_dir, 4, record) == "finished" and sweep.run_state(run_dir, 8, record) == "new"
     assert json.dumps(sweep.summarize(out, state)) == json.dumps(from_run)  # (NaN intervals: compare as text)
     assert plots.read_run(record)["probe"][4]["success"] == [0.5]
+    assert sweep.read_sweep(out)["runs"] == state["runs"]  # no sweep.json here: the records say what finished
+    with pytest.raises(SystemExit, match="neither a sweep.json nor records"):
+        sweep.read_sweep(str(tmp_path / "empty"))
 
 
 def test_summary_and_plots_on_hand_written_runs(tmp_path):
