@@ -59,9 +59,11 @@ def regime(run_dir):
         visits = np.mean(np.subtract(b["visits"], a["visits"]))
         rho = np.mean([rho_at[s] for s in range(a["step"] + 1, b["step"] + 1) if s in rho_at] or [np.nan])
         delta = np.mean(np.subtract(b["success"], a["success"])) / visits if visits > 0 else np.nan
+        # rho = 1 (--rho none) forgets nothing: an unbounded memory, and a lag that grows with the run (inf)
+        memory = 1 / (1 - rho) if rho < 1 else np.inf
         intervals.append({"steps": f"{a['step']}-{b['step']}" + (" (whole run)" if (a, b) == (probes[0], probes[-1])
                                                                   and len(probes) > 2 else ""), "visits": float(visits), "delta": float(delta),
-                          "rho": float(rho), "memory": float(1 / (1 - rho)), "lag": float(-delta * rho / (1 - rho))})
+                          "rho": float(rho), "memory": float(memory), "lag": float(-delta * rho * memory)})
     held = [(m["step"], m["eval/accuracy"]) for m in metrics if "eval/accuracy" in m]
     last = metrics[-1] if metrics else {}
     passes = bool(rows) and all(abs(r["bias"]) <= BIAS_BOUND and r["mae_ratio"] <= MAE_RATIO_BOUND for r in rows)

@@ -50,3 +50,13 @@ def test_the_brief_table_names_each_runs_worst_probe(tmp_path):
     rows = regime.brief({"good": good, "lagging": lagging}).splitlines()[2:]
     assert rows[0].startswith("| good | 2 | +0.000 (0) |") and rows[0].endswith("| 10.0% -> 20.0% | yes |")
     assert rows[1].startswith("| lagging | 2 | -0.100 (10) |") and rows[1].endswith("| NO |")
+
+
+def test_rho_one_means_an_unbounded_memory_not_a_division_error(tmp_path):
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a divide-by-zero RuntimeWarning fails the test
+        r = regime.regime(write_run(tmp_path / "run", [(0, [0.2, 0.4], [0.2, 0.4], [0, 0]),
+                                                       (10, [0.4, 0.6], [0.3, 0.5], [10, 10])], rho=1.0))
+    (interval,) = r["intervals"]
+    assert interval["memory"] == float("inf") and interval["lag"] == float("-inf")
