@@ -215,12 +215,12 @@ def run_sweep(args, extra):
                 write_record(run_dir, record_dir)
             print(f"{name}: finished, skipped", flush=True)
         else:
-            todo.append((name, flags, run_dir, state))
+            todo.append((name, flags, run_dir, record_dir, state))
     save_json(sweep_path, sweep)
     failed = []
     try:
         bar = tqdm(todo, desc="runs", unit="run", dynamic_ncols=True)
-        for name, flags, run_dir, state in bar:
+        for name, flags, run_dir, record_dir, state in bar:
             bar.set_postfix_str(name)
             if state == "restart":  # died before its first checkpoint: nothing to continue from
                 shutil.rmtree(run_dir)
@@ -238,7 +238,7 @@ def run_sweep(args, extra):
             entry.update(command=cmd, returncode=code, seconds=round(time.time() - t0, 1),
                          log=os.path.relpath(log_path, args.out), resumed=state == "resume")
             if code == 0 and run_state(run_dir, steps_of(tuple(flags))) == "finished":
-                write_record(run_dir, os.path.join(args.out, "records", name))
+                write_record(run_dir, record_dir)
                 entry.update(status="finished", error=None)
                 bar.write(f"{name}: finished in {entry['seconds']:.0f} s")
             else:
