@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from reward import DEFAULT_REWARD, reward_and_answer
+from reward import DEFAULT_REWARD, VERIFIER_TIMEOUT_S, reward_and_answer
 
 # ---------------------------------------------------------------------------------------------- metrics
 def pass_at_k(n, c, k: int):
@@ -155,7 +155,7 @@ def request_seeds(base, prompt_key: str, n: int) -> np.ndarray:
 
 
 def sample_and_score(engine, data, n, seeds_base, *, temperature, top_p, top_k, max_tokens, rank, world,
-                     think_format=False, tools=None, reward=DEFAULT_REWARD):
+                     think_format=False, tools=None, reward=DEFAULT_REWARD, reward_timeout=VERIFIER_TIMEOUT_S):
     """n samples of every problem of `data` (data.Dataset: keys, prompt_ids, answers), sharded over ranks.
 
     Returns (samples, rollouts). samples[p] lists the n (answer or None, correct, truncated) of problem p, for
@@ -172,7 +172,7 @@ def sample_and_score(engine, data, n, seeds_base, *, temperature, top_p, top_k, 
                                   **({"tools": tools} if tools is not None else {}))
     rollouts = {p: outputs[j * n:(j + 1) * n] for j, p in enumerate(mine)}
     local = {p: [(answer, bool(score), r.finish_reason == "length") for r, (score, answer) in
-                 ((r, reward_and_answer(r.text, data.answers[p], think_format, reward)) for r in rs)]
+                 ((r, reward_and_answer(r.text, data.answers[p], think_format, reward, reward_timeout)) for r in rs)]
              for p, rs in rollouts.items()}
     parts = [local]
     if world > 1:
@@ -207,7 +207,8 @@ def heldout_metrics(engine, test, args, tools):
                                          temperature=args.eval_temperature, top_p=args.eval_top_p,
                                          top_k=args.eval_top_k, max_tokens=args.max_response_len,
                                          rank=dist.get_rank(), world=dist.get_world_size(),
-                                         think_format=args.think_format, tools=tools, reward=args.reward)
+                                         think_format=args.think_format, tools=tools, reward=args.reward,
+                                         reward_timeout=args.reward_timeout)
     flat = [sample for problem in samples for sample in problem]  # (answer, correct, truncated)
     metrics = {"eval/accuracy": float(np.mean([correct for _, correct, _ in flat])),
                "eval/unparsed": float(np.mean([answer is None for answer, _, _ in flat])),
@@ -276,7 +277,7 @@ def tracker_probe(engine, data, tracker, args, step, tools):
         rollouts = engine.generate([data.prompt_ids[i] for i in mine for _ in range(n)], seeds,
                                    max_tokens=args.max_response_len, temperature=args.temperature, tools=tools)
         reward = rewards(rollouts, [data.answers[i] for i in mine for _ in range(n)], args.think_format,
-                         args.truncated_reward, args.reward).reshape(len(mine), n)
+                         args.truncated_reward, args.reward, args.reward_timeout).reshape(len(mine), n)
         success = {int(i): float(r.mean()) for i, r in zip(mine, reward)}
     merged = {i: s for part in all_gather_objects([success]) for i, s in part.items()}
     measured = np.array([merged[int(i)] for i in index])  # (K,)
@@ -355,14 +356,16 @@ def parse_args(argv=None):
     apply_tool_defaults(args)
     if args.n_samples < 1 or args.max_response_len < 1:
         p.error("--n_samples and --max_response_len (--max_tokens) must be at least 1")
-    check_reward_flag(args.reward)
+    from machinery.errors import check_finite, check_sampling
+    check_finite(args)
+    check_sampling(args.temperature, args.top_p, args.top_k)
+    check_reward_flag(args.reward, args.reward_timeout)
     return args
 
 
 def main(argv=None):
     from machinery import trainer
-    from machinery.data import load_dataset, load_tokenizer
-    from machinery.errors import fail
+    from machinery.data import check_context, load_dataset, load_tokenizer
     args = parse_args(argv)
     rank, world, device = trainer.setup_distributed()
     from hf_engine import choose_engine, start_engine
@@ -384,12 +387,8 @@ def main(argv=None):
             name, k = f"{Path(path).stem}_{k}", k + 1
         benchmarks[name] = load_dataset(path, tokenizer, args.max_prompt_len, rank == 0,
                                         TOOL_INSTRUCTION if args.tool_instruction else None)
-    from transformers import AutoConfig
     longest = max(len(p) for data in benchmarks.values() for p in data.prompt_ids) + args.max_response_len
-    limit = getattr(AutoConfig.from_pretrained(args.model), "max_position_embeddings", None) or longest
-    if longest > limit:  # vLLM's own error is a long traceback
-        fail(f"--max_response_len + the longest prompt = {longest} tokens, more than --model's {limit} "
-                     f"positions")
+    check_context(args.model, longest, "--max_response_len + the longest prompt")
     engine = start_engine(args.engine, args.model, seed=args.seed, max_model_len=longest, device=device,
                           gpu_memory_utilization=args.gpu_memory_utilization)
     tools = tools_from_flags(args)
@@ -401,7 +400,7 @@ def main(argv=None):
         samples, rollouts = sample_and_score(engine, data, n, args.seed, temperature=args.temperature,
                                              top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_response_len,
                                              rank=rank, world=world, think_format=args.think_format, tools=tools,
-                                             reward=args.reward)
+                                             reward=args.reward, reward_timeout=args.reward_timeout)
         write_samples(os.path.join(args.out_dir, f"{name}.samples.jsonl"), data, samples, rollouts, n, rank, world)
         if rank == 0:
             summaries[name] = summarize(samples, ks=ks, n_boot=args.n_boot, seed=args.seed)

@@ -41,7 +41,7 @@ import torch.distributed as dist
 from eval import request_seeds
 from hf_engine import choose_engine, start_engine
 from machinery.memory import add_engine_flags
-from reward import DEFAULT_REWARD, add_reward_flags, check_reward_flag, rewards
+from reward import DEFAULT_REWARD, VERIFIER_TIMEOUT_S, add_reward_flags, check_reward_flag, rewards
 from rollout import (TOOL_INSTRUCTION, add_budget_flag, add_tool_flags, apply_tool_defaults, prepare_vllm,
                      tools_from_flags)
 
@@ -86,17 +86,33 @@ def training_v0_settings(args, tools, system_prompt):
             "tools": tool_settings(tools), "system_prompt": system_prompt, **reward_setting(args.reward)}
 
 
+def read_values_file(path):
+    """(header, prompts) of an offline-values file, its structure checked ({"header": {...}, "prompts": {key:
+    {"scores": [...]}}}): a file that parses but has another shape is one line naming it and what is wrong."""
+    from machinery.errors import fail
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+    except (OSError, ValueError) as e:
+        fail(f"--offline_values {path}: not an offline-values file ({e.__class__.__name__}: {e})")
+    if not isinstance(saved, dict) or not isinstance(saved.get("header"), dict):
+        fail(f"--offline_values {path}: not an offline-values file (no \"header\" object; this program writes them)")
+    prompts = saved.get("prompts")
+    bad = ("\"prompts\" is not an object of prompt keys" if not isinstance(prompts, dict) else
+           next((f"prompt {key} is not an object with \"scores\"" for key, entry in prompts.items()
+                 if not isinstance(entry, dict) or "scores" not in entry), None))
+    if bad:
+        fail(f"--offline_values {path}: not an offline-values file ({bad})")
+    return saved["header"], prompts
+
+
 def check_values_header(path, wanted, accept_mismatch=False):
     """Compare the v0-changing settings an offline-values file was made with (temperature, top_p, budget,
     truncated reward, think gate, tools, system prompt, verifier) with `wanted` (the training run's). A mismatch is an
     error naming each setting and both values, unless accept_mismatch (then a warning): the tracker would start
     from values measured under another distribution than training samples from."""
     from machinery.errors import fail
-    try:
-        with open(path) as f:
-            header = json.load(f)["header"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        fail(f"--offline_values {path}: not an offline-values file ({e.__class__.__name__}: {e})")
+    header, _ = read_values_file(path)
     diff = [f"{k}: {header.get(k, absent)!r} there, {wanted.get(k, absent)!r} here"
             for k, absent in V0_SETTINGS.items() if header.get(k, absent) != wanted.get(k, absent)]
     if not diff:
@@ -148,12 +164,13 @@ def read_finished(out_path, header):
 
 def estimate_offline_values(engine, data, out_path, *, n0=8, temperature=1.0, top_p=1.0, max_tokens, seed=0,
                             header, truncated_reward="zero", chunk_prompts=64, progress=True, max_chunks=None,
-                            tools=None, think_format=False, reward=DEFAULT_REWARD):
+                            tools=None, think_format=False, reward=DEFAULT_REWARD, reward_timeout=VERIFIER_TIMEOUT_S):
     """n0 scored samples of every prompt of `data` (data.Dataset), sharded over ranks (rank r takes prompts
     r, r + W, ...), resumable. Call on every rank. Returns the output dict on every rank once all prompts are
     done, or None if max_chunks stopped this run early (a debugging aid: rerun to resume).
     tools: a rollout.Tools to sample with the tool loop, as training does; its settings join the header.
-    reward: the --reward spec that scores the samples (recorded in the header unless the default)."""
+    reward: the --reward spec that scores the samples (recorded in the header unless the default), within
+    reward_timeout seconds per sample (--reward_timeout)."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     barrier = dist.barrier if world > 1 else (lambda: None)
     header = run_header(header, n0=n0, temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed,
@@ -180,7 +197,7 @@ def estimate_offline_values(engine, data, out_path, *, n0=8, temperature=1.0, to
             rollouts = engine.generate([data.prompt_ids[p] for p in chunk for _ in range(n0)], seeds,
                                        max_tokens=max_tokens, temperature=temperature, top_p=top_p, tools=tools)
             scores = rewards(rollouts, [data.answers[p] for p in chunk for _ in range(n0)], think_format,
-                             truncated_reward, reward).reshape(len(chunk), n0)
+                             truncated_reward, reward, reward_timeout).reshape(len(chunk), n0)
             f.writelines(json.dumps({"key": data.keys[p], "scores": s.tolist()}) + "\n" for p, s in zip(chunk, scores))
             f.flush()
             os.fsync(f.fileno())
@@ -227,7 +244,8 @@ def toy_values(engine, data, args, tools, v0_settings, progress):
                                 header={"model": args.model, "dataset": args.train,
                                         **({"system_prompt": system_prompt} if system_prompt else {})},
                                 truncated_reward=args.truncated_reward, progress=progress, tools=tools,
-                                think_format=args.think_format, reward=args.reward)
+                                think_format=args.think_format, reward=args.reward,
+                                reward_timeout=args.reward_timeout)
     return path
 
 
@@ -243,11 +261,7 @@ def init_tracker_from_file(tracker, path, data, smoothing, verbose):
     """Algorithm 2: initialise the tracker from this program's output ({"prompts": {id: {"scores": [...]}}}).
     Bad files and files made for another dataset stop with a clear error."""
     from machinery.errors import fail
-    try:
-        with open(path) as f:
-            entries = json.load(f)["prompts"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        fail(f"--offline_values {path}: not an offline-values file ({e.__class__.__name__}: {e})")
+    _, entries = read_values_file(path)
     position = {key: i for i, key in enumerate(data.keys)}
     unknown = [key for key in entries if key not in position]
     if unknown:
@@ -304,13 +318,16 @@ def parse_args(argv=None):
     apply_tool_defaults(args)
     if args.n0 < 1 or args.max_response_len < 1 or args.chunk_prompts < 1:
         p.error("--n0, --max_response_len (--max_tokens) and --chunk_prompts must be at least 1")
-    check_reward_flag(args.reward)
+    from machinery.errors import check_finite, check_sampling
+    check_finite(args)
+    check_sampling(args.temperature, args.top_p, -1)
+    check_reward_flag(args.reward, args.reward_timeout)
     return args
 
 
 def main(argv=None):
     from machinery import trainer
-    from machinery.data import load_dataset, load_tokenizer
+    from machinery.data import check_context, find_model, load_dataset, load_tokenizer
     from machinery.errors import fail
     from tasks import toy
     args = parse_args(argv)
@@ -318,6 +335,7 @@ def main(argv=None):
     prepare_vllm(args.cpu_kv_cache_gib)  # as spo.py
     args.engine = choose_engine(args.engine, rank == 0)
     toy.fill_in(args, "data", "train")
+    args.model = find_model(args.model)  # a hub name without a hub: its cached copy, or one line
     if rank == 0:
         print("config: " + json.dumps(vars(args)), flush=True)
     sampling = {k: getattr(args, k) for k in ("n0", "temperature", "top_p", "seed", "truncated_reward", "think_format",
@@ -335,6 +353,7 @@ def main(argv=None):
     except ValueError as e:
         fail(str(e))
     tokenizer = load_tokenizer(args.model)
+    check_context(args.model, args.max_prompt_len + args.max_response_len, "--max_prompt_len + --max_response_len")
     data = load_dataset(args.data, tokenizer, args.max_prompt_len, rank == 0, header.get("system_prompt"))
     if args.max_prompts:
         data = data[: args.max_prompts]
@@ -342,7 +361,7 @@ def main(argv=None):
                           max_model_len=args.max_prompt_len + args.max_response_len,
                           gpu_memory_utilization=args.gpu_memory_utilization)
     estimate_offline_values(engine, data, args.out, header=header, chunk_prompts=args.chunk_prompts,
-                            max_chunks=args.max_chunks, tools=tools, **sampling)
+                            max_chunks=args.max_chunks, tools=tools, reward_timeout=args.reward_timeout, **sampling)
     if tools:
         tools.pool.close()
     engine.shutdown()  # also tears down the process group

@@ -28,7 +28,9 @@ and the offline-values check count successes; any other value stops the run with
 import functools
 import importlib
 import importlib.util
+import queue
 import re
+import threading
 from fractions import Fraction
 from pathlib import Path
 
@@ -39,6 +41,7 @@ BOX = "\\boxed{"  # `\boxed {x}` (with a space) is valid LaTeX but is NOT an ans
 # Tool calls and their output (rollout.py's loop; unclosed when cut by the budget) are not the model's answer.
 TOOL_BLOCKS = re.compile(r"<(code|interpreter)>.*?(?:</\1>|$)", re.DOTALL)
 DEFAULT_REWARD = "reward:exact_match"  # the authors' strict rule (and the paper's)
+VERIFIER_TIMEOUT_S = 60.0  # per response: generous for a symbolic checker, short against a hang
 
 
 def add_reward_flags(parser, truncation=True):
@@ -53,6 +56,8 @@ def add_reward_flags(parser, truncation=True):
                             help="a response cut off by the token budget gets 0 (zero) or is scored like any other")
     parser.add_argument("--think_format", action="store_true",
                         help="reward 0 unless one </think> with no tool call after it (the authors' gate)")
+    parser.add_argument("--reward_timeout", type=float, default=VERIFIER_TIMEOUT_S,
+                        help="seconds the verifier may take on one response; longer stops the run, naming the input")
 
 
 def extract_boxed(text: str, tail_chars: int | None = None) -> str | None:
@@ -136,13 +141,63 @@ def load_verifier(spec: str):
     return fn
 
 
-def check_reward_flag(spec: str):
-    """Resolve --reward once, before anything heavy starts: a bad spec is one `error:` line (exit code 2)."""
+def check_reward_flag(spec: str, timeout_s: float = VERIFIER_TIMEOUT_S):
+    """Resolve --reward once, before anything heavy starts: a bad spec or --reward_timeout is one `error:` line
+    (exit code 2)."""
+    from machinery.errors import fail
+    if not 0 < timeout_s < float("inf"):
+        fail(f"--reward_timeout must be a positive number of seconds, got {timeout_s}", once=True)
     try:
         load_verifier(spec)
     except ValueError as e:
-        from machinery.errors import fail
         fail(str(e), once=True)
+
+
+_worker = None  # (requests, replies) of the thread that runs verifier calls; replaced after a call times out
+_worker_lock = threading.Lock()
+
+
+def _verifier_worker():
+    """One daemon thread runs every verifier call, fed by a queue: starting a thread per call costs a millisecond
+    on a busy machine, a hand-off tens of microseconds. Daemon: a call that never returns cannot hold the exit."""
+    global _worker
+    if _worker is None:
+        requests, replies = queue.SimpleQueue(), queue.SimpleQueue()
+
+        def serve():
+            while True:
+                fn, text, ground_truth = requests.get()
+                try:
+                    replies.put(("value", fn(text, ground_truth)))
+                except BaseException as e:  # noqa: BLE001 - whatever the user's function raises is reported
+                    replies.put(("error", e))
+
+        threading.Thread(target=serve, daemon=True, name="verifier").start()
+        _worker = requests, replies
+    return _worker
+
+
+def call_verifier(spec: str, text: str, ground_truth: str, timeout_s: float = VERIFIER_TIMEOUT_S):
+    """The --reward verifier's value on one response, within timeout_s. A verifier that raises, or does not return
+    in time, stops the run with one line naming it and the input: a traceback on every rank, or a silent hang at
+    step 0, tells the user nothing. (A verifier stuck inside C code that holds the GIL, e.g. `10 ** 10 ** 10`,
+    cannot be interrupted from Python: give such code its own limit.)"""
+    global _worker
+    fn = load_verifier(spec)
+    with _worker_lock:
+        requests, replies = _verifier_worker()
+        requests.put((fn, text, ground_truth))
+        try:
+            kind, value = replies.get(timeout=timeout_s)
+        except queue.Empty:
+            kind, value, _worker = "timeout", None, None  # the stuck thread is abandoned, never reused
+    if kind == "value":
+        return value
+    from machinery.errors import fail
+    what = (f"raised {type(value).__name__}: {value}" if kind == "error"
+            else f"did not return within --reward_timeout {timeout_s:g} s")
+    fail(f"--reward {spec} {what}, on the response {text[-200:]!r} (its last 200 characters) with ground truth "
+         f"{ground_truth!r}; to score such inputs 0 instead, catch the case in the verifier and return 0")
 
 
 def checked_reward(value, spec: str) -> float:
@@ -166,13 +221,13 @@ def visible_text(response_text: str, think_format: bool = False) -> str | None:
 
 
 def reward_and_answer(response_text: str, ground_truth: str, think_format: bool = False,
-                      reward: str = DEFAULT_REWARD) -> tuple[float, str | None]:
+                      reward: str = DEFAULT_REWARD, timeout_s: float = VERIFIER_TIMEOUT_S) -> tuple[float, str | None]:
     """(reward in {0.0, 1.0} by the --reward verifier, the final boxed answer or None). The answer feeds maj@k
     (whatever the verifier; None never wins a vote). The think gate and the tool-block removal come first."""
     text = visible_text(response_text, think_format)
     if text is None:
         return 0.0, None
-    return checked_reward(load_verifier(reward)(text, ground_truth), reward), final_answer(text)
+    return checked_reward(call_verifier(reward, text, ground_truth, timeout_s), reward), final_answer(text)
 
 
 def boxed_reward(response_text: str, ground_truth: str, think_format: bool = False) -> float:
@@ -180,11 +235,12 @@ def boxed_reward(response_text: str, ground_truth: str, think_format: bool = Fal
     return reward_and_answer(response_text, ground_truth, think_format)[0]
 
 
-def rewards(rollouts, ground_truths, think_format=False, truncated_reward="zero", reward=DEFAULT_REWARD):
+def rewards(rollouts, ground_truths, think_format=False, truncated_reward="zero", reward=DEFAULT_REWARD,
+            timeout_s=VERIFIER_TIMEOUT_S):
     """(B,) rewards of a batch of rollout.Rollout, as training and the offline values pass score them.
     truncated_reward "zero": a rollout that hit the token budget or the turn limit (finish reason "length")
-    scores 0; "score": it is scored like any other. reward: the --reward spec."""
-    scores = np.array([reward_and_answer(r.text, answer, think_format, reward)[0]
+    scores 0; "score": it is scored like any other. reward: the --reward spec; timeout_s: --reward_timeout."""
+    scores = np.array([reward_and_answer(r.text, answer, think_format, reward, timeout_s)[0]
                        for r, answer in zip(rollouts, ground_truths)])
     if truncated_reward == "zero":
         scores *= np.array([r.finish_reason != "length" for r in rollouts])

@@ -19,6 +19,22 @@ How a run is built (`isolation()` probes once which of these the machine allows,
             with a fresh /proc and fresh size-capped tmpfs on /tmp, /var/tmp, /dev/shm, /run/lock:
             the working directory is the private /tmp, gone when the run ends. (If the interpreter or its
             venv lives under one of those dirs, that dir is bound read-only instead of hidden.)
+            New IPC namespace: SysV shm, queues, semaphores and POSIX message queues are the run's
+            own, unseen by other runs and gone with it. As root we also set its limits (shmmax, shmall:
+            all segments together at most memory_mb; shm_rmid_forced: a segment dies with its last
+            user; few queues and semaphores), so IPC holds little beyond the run's limits while it
+            lasts; without root the snippet is root of the namespace's owner and could lift them.
+            No UTS or cgroup namespace: they would guard nothing (a new UTS namespace shows the same
+            hostname, which the snippet cannot change anyway; a cgroup one only renames cgroup paths).
+  seccomp   a filter (set by a short launcher before setpriv, kept through every fork and exec) fails
+            with EPERM: socket(AF_UNIX, ...); socketpair(AF_UNIX, ...) unless SOCK_STREAM (a datagram
+            pair can sendto() any path; a stream pair stays connected, so multiprocessing and asyncio
+            work); io_uring_setup (io_uring makes and connects sockets without syscalls a filter
+            sees); every syscall of another ABI (i386 via int 0x80, x32, arm32); without namespaces
+            also SysV IPC and POSIX message queues, which would outlive the run on the host. So no
+            snippet reaches a Unix socket of the host, wherever it lives (/run/*.sock, docker.sock, a
+            dir bound read-only: connect() needs no write access). multiprocessing.Manager and the
+            forkserver start method listen on AF_UNIX, so they fail.
   setpriv   when we are root: a dedicated unprivileged uid per concurrent run (60000 + slot, claimed
             with flock so parallel trainers never share one), no supplementary groups, no_new_privs.
             Root ignores RLIMIT_NPROC, so this is what stops a fork bomb; it also keeps the snippet off
@@ -28,11 +44,14 @@ TMPDIR and single-threaded BLAS; nothing of ours), stdin closed, a new session; 
 arrives, each stream capped at max_output_bytes (first and last halves kept); at the wall-clock limit
 the whole process group is SIGKILLed and every process of the run (its group, its uid) is hunted down.
 Without unshare, runs get a host temp dir (removed afterwards) and network_isolated=False; without
-root, no dedicated uid (a snippet that calls setsid can then outlive the run).
+root, no dedicated uid (a snippet that calls setsid can then outlive the run); without seccomp (a
+kernel without it, an architecture other than x86_64 and aarch64), unix_sockets_blocked=False.
 
 What it does NOT protect against: kernel exploits (it is not a security boundary; use a VM or gVisor
-for hostile code); reading world-readable host files; CPU contention with the trainer; memory beyond
-max_processes * memory_mb (RLIMIT_AS is per process; a memory cgroup would be the fix); snippets
+for hostile code); reading world-readable host files (and so the host's configuration, the code of
+the project); FIFOs a host process left writable to others; CPU contention with the trainer;
+memory beyond max_processes * memory_mb (RLIMIT_AS is per process; a memory cgroup would be the fix),
+plus the private tmpfs dirs and SysV shm (each up to its cap) while the run lasts; snippets
 still running if the calling process itself is killed (RLIMIT_CPU bounds the busy ones). Linux only
 (rollout.tools_from_flags refuses --tools elsewhere in one line).
 The interpreter should be readable by the dedicated uid: one under /root (mode 700) still starts, but
@@ -55,6 +74,8 @@ import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+from machinery.seccomp import LAUNCHER, seccomp_program
+
 UID_BASE, UID_SLOTS = 60000, 256  # dedicated uids for runs; outside normal user ranges, inside 16 bits
 _LOCK_DIR = os.path.join(tempfile.gettempdir(), "spo_sandbox_uids")
 _PRIVATE_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")  # the world-writable dirs of a usual host
@@ -70,13 +91,15 @@ class SandboxResult:
     out_of_memory: bool  # MemoryError (RLIMIT_AS) or an allocation failure message in stderr
     output_truncated: bool  # a stream exceeded max_output_bytes; its middle was dropped
     network_isolated: bool  # ran in its own network namespace (no interfaces but a downed loopback)
+    unix_sockets_blocked: bool  # socket(AF_UNIX) refused by seccomp: no Unix socket of the host is reachable
     duration_s: float
 
 
 @dataclass(frozen=True)
 class Isolation:
-    namespaces: bool  # network, pid and mount namespaces via unshare (with --user when not root)
+    namespaces: bool  # network, pid, mount and IPC namespaces via unshare (with --user when not root)
     dedicated_uid: bool  # runs as an unprivileged uid of its own (we are root)
+    seccomp: bool  # a seccomp filter refuses AF_UNIX sockets and io_uring (SysV IPC too, without namespaces)
 
 
 class _HeadTail:
@@ -128,21 +151,32 @@ def _workdir() -> str:
     return next(d for d in _PRIVATE_DIRS if d not in _interpreter_dirs() and os.path.isdir(d))
 
 
+# The limits of a run's own IPC namespace that do not depend on the run: few message queues (each holds at
+# most kernel.msgmnb bytes, which only CAP_SYS_RESOURCE raises) and semaphores (the kernel's old defaults:
+# per set, in all, per semop call, sets), and shm segments freed once nobody has them attached.
+_IPC_SYSCTLS = {"msgmni": "32", "sem": "250 32000 32 128", "shm_rmid_forced": "1"}
+
+
 def _command(code: str, iso: Isolation, uid: int | None, limits: dict) -> list[str]:
-    """prlimit -> [unshare -> sh that mounts the private dirs] -> [setpriv] -> python -I -c code."""
+    """prlimit -> [unshare -> sh: private dirs, IPC limits] -> [seccomp launcher] -> [setpriv] -> python -I -c code."""
     argv = ["prlimit", *(f"--{name}={value}" for name, value in limits.items()), "--"]
     if iso.namespaces:
-        argv += ["unshare", "--mount", "--net", "--pid", "--fork", "--kill-child", "--mount-proc"]
+        argv += ["unshare", "--mount", "--net", "--pid", "--ipc", "--fork", "--kill-child", "--mount-proc"]
         argv += [] if os.geteuid() == 0 else ["--user", "--map-root-user"]
         # The shell stays pid 1 of the namespace (no exec), so python keeps ordinary signal
         # semantics and orphans get reaped; when the shell exits, the kernel kills the namespace.
         # A private dir that holds the interpreter itself (a checkout or venv under /tmp, say) cannot be
         # hidden under a tmpfs: it becomes read-only instead, so the snippet can read it but not write there.
-        mounts = "".join(f'[ ! -d {d} ] || {{ mount --bind {d} {d} && mount -o remount,bind,ro {d}; }}; '
+        setup = "".join(f'[ ! -d {d} ] || {{ mount --bind {d} {d} && mount -o remount,bind,ro {d}; }}; '
                          if d in _interpreter_dirs() else
                          f'[ ! -d {d} ] || mount -t tmpfs -o size={limits["fsize"]},mode=1777 tmpfs {d}; '
                          for d in _PRIVATE_DIRS)
-        argv += ["sh", "-c", f'set -e; {mounts}cd {_workdir()}; "$@"', "sh"]
+        if os.geteuid() == 0:  # without root, the snippet is root of the IPC namespace's owner: it could lift them
+            sysctls = {**_IPC_SYSCTLS, "shmmax": limits["as"], "shmall": limits["as"] // os.sysconf("SC_PAGE_SIZE")}
+            setup += "".join(f"echo '{value}' > /proc/sys/kernel/{name}; " for name, value in sysctls.items())
+        argv += ["sh", "-c", f'set -e; {setup}cd {_workdir()}; "$@"', "sh"]
+    if iso.seccomp:
+        argv += [sys.executable, "-I", "-S", "-c", LAUNCHER, seccomp_program(not iso.namespaces).hex()]
     if iso.dedicated_uid:
         # setpriv resolves the interpreter path before its capabilities go, so a python under
         # /root still execs; afterwards the snippet has no capabilities and cannot gain any.
@@ -226,7 +260,8 @@ def _run(code: str, iso: Isolation, timeout_s: float, max_output_bytes: int, lim
         except (OSError, ValueError) as e:  # e.g. a NUL byte in the code, or code over 128 KiB
             return SandboxResult(stdout="", stderr=f"sandbox: could not start the code: {e}", exit_code=-1,
                                  timed_out=False, out_of_memory=False, output_truncated=False,
-                                 network_isolated=iso.namespaces, duration_s=time.perf_counter() - start)
+                                 network_isolated=iso.namespaces, unix_sockets_blocked=iso.seccomp,
+                                 duration_s=time.perf_counter() - start)
         with proc:
             out, err, timed_out = _read_until_exit(proc, timeout_s, max_output_bytes)
             # A finished namespaced run is already empty: the kernel killed it all with its pid 1.
@@ -238,7 +273,8 @@ def _run(code: str, iso: Isolation, timeout_s: float, max_output_bytes: int, lim
             stdout=out.text(), stderr=stderr, exit_code=proc.returncode, timed_out=timed_out,
             out_of_memory=bool(_OOM_PATTERN.search(stderr)),
             output_truncated=max(out.total, err.total) > max_output_bytes,
-            network_isolated=iso.namespaces, duration_s=time.perf_counter() - start)
+            network_isolated=iso.namespaces, unix_sockets_blocked=iso.seccomp,
+            duration_s=time.perf_counter() - start)
     finally:
         if workdir:
             shutil.rmtree(workdir, ignore_errors=True)
@@ -247,7 +283,9 @@ def _run(code: str, iso: Isolation, timeout_s: float, max_output_bytes: int, lim
 
 
 _PROBE = ("import os, socket, sys\n"
-          "print(os.geteuid(), sorted(n for _, n in socket.if_nameindex()), sys.version_info[:2])")
+          "try:\n    socket.socket(socket.AF_UNIX).close()\n    unix = 'open'\n"
+          "except PermissionError:\n    unix = 'blocked'\n"
+          "print(os.geteuid(), sorted(n for _, n in socket.if_nameindex()), sys.version_info[:2], unix, sep=';')")
 _probe_lock = threading.Lock()
 
 
@@ -255,13 +293,18 @@ _probe_lock = threading.Lock()
 def _probe() -> Isolation:
     if shutil.which("prlimit") is None:
         raise RuntimeError("sandbox.py needs prlimit (util-linux); setpriv and unshare make it stronger")
-    candidates = [Isolation(True, True), Isolation(False, True)] if os.geteuid() == 0 else []
-    reasons = []
-    for iso in candidates + [Isolation(True, False), Isolation(False, False)]:
+    strong = [(True, True), (False, True)] if os.geteuid() == 0 else []
+    filters, reasons = (True, False), []
+    if seccomp_program(False) is None:
+        filters = (False,)
+        reasons.append(f"no seccomp filter for {os.uname().machine}")
+    for iso in [Isolation(ns, uid, seccomp) for ns, uid in strong + [(True, False), (False, False)]
+                for seccomp in filters]:
         r = _run(_PROBE, iso, 20.0, 4096, {"as": 1 << 30, "fsize": 1 << 20, "core": 0})
-        euid, _, rest = r.stdout.partition(" ")
-        if (r.exit_code == 0 and rest.strip().endswith(str(sys.version_info[:2]))  # same stdlib minor
-                and (not iso.namespaces or "['lo']" in rest) and (not iso.dedicated_uid or euid != "0")):
+        fields = r.stdout.strip().split(";")
+        if (r.exit_code == 0 and len(fields) == 4 and fields[2] == str(sys.version_info[:2])  # same stdlib minor
+                and (not iso.namespaces or fields[1] == "['lo']") and (not iso.dedicated_uid or fields[0] != "0")
+                and (not iso.seccomp or fields[3] == "blocked")):
             if reasons:
                 warnings.warn(f"sandbox: weaker isolation {iso}; stronger ones failed: {reasons}")
             return iso

@@ -40,7 +40,7 @@ import variants
 from eval import add_probe_flags, evaluations
 from machinery import checkpoint, memory, trainer
 from machinery.collectives import all_gather_np, all_gather_objects, all_reduce_np
-from machinery.data import load_dataset, load_tokenizer
+from machinery.data import check_context, find_model, load_dataset, load_tokenizer
 from machinery.errors import fail
 from machinery.metrics import Logger, PromptReach, oversample_metrics, spo_metrics, step_metrics
 from hf_engine import choose_engine, start_engine
@@ -245,6 +245,7 @@ def start(args):
     args.run_dir = checkpoint.open_run_dir(args, "spo.py")
     tools = tools_from_flags(args)  # None without --tools; else the tool loop and this rank's sandbox pool
     on_toy = toy.fill_in(args, "train", "train", test="test")  # on the toy, 'auto' offline values are built here
+    args.model = find_model(args.model)  # a hub name without a hub: its cached copy, or one line
     return args, rank, world, device, tools, on_toy
 
 
@@ -253,6 +254,8 @@ def load_data(args, tools, prompts_per_step, is_main):
     this run: a values file made otherwise would start the tracker from another distribution than training
     samples from, so its header is checked here. Returns (tokenizer, data, test, v0_settings)."""
     tokenizer = load_tokenizer(args.model)
+    # the engine's context (vLLM's max_model_len) must fit the model's positions
+    check_context(args.model, args.max_prompt_len + args.max_response_len, "--max_prompt_len + --max_response_len")
     system_prompt = TOOL_INSTRUCTION if args.tool_instruction else None
     data = load_dataset(args.train, tokenizer, args.max_prompt_len, is_main, system_prompt)
     if args.train_prompts > len(data.keys):
@@ -261,6 +264,9 @@ def load_data(args, tools, prompts_per_step, is_main):
     test = load_dataset(args.test, tokenizer, args.max_prompt_len, is_main, system_prompt) if args.test else None
     if test is not None and args.eval_max_prompts:
         test = test[: args.eval_max_prompts]
+    if test is not None and is_main and (shared := len(set(test.keys) & set(data.keys))):  # e.g. --test = --train
+        print(f"warning: {shared} of the {len(test.keys)} held-out prompts (--test) are also training prompts "
+              f"(--train): held-out accuracy counts them", flush=True)
     if len(data.keys) < prompts_per_step:
         fail(f"--train {args.train}: {len(data.keys)} prompts, fewer than the {prompts_per_step} distinct prompts "
              f"each step draws (--batch_size / --group_size, x --oversample)", once=True)
@@ -362,7 +368,7 @@ def main(argv=None):
         done = np.array([r is not None for r in rollouts])
         reward = np.full(started, np.nan)
         reward[done] = rewards([r for r in rollouts if r], [data.answers[i] for i in mine[done]], args.think_format,
-                               args.truncated_reward, args.reward)
+                               args.truncated_reward, args.reward, args.reward_timeout)
         kept = variants.first_finished(rollouts, local, group) if started > local else done
         oversampled.update(oversample_metrics(rollouts, reward, kept, mine, reach) if started > local else {})
         t["score"] = t.get("score", 0.0) + time.time() - t0

@@ -32,7 +32,7 @@ import functools
 import numpy as np
 import torch
 
-from machinery.errors import fail
+from machinery.errors import check_finite, check_sampling, fail
 from reward import check_reward_flag
 
 LOSSES = ("ppo_clip", "gspo", "cispo")
@@ -62,7 +62,8 @@ def add_variant_flags(p):
 AT_LEAST = {"batch_size": 1, "group_size": 1, "steps": 1, "max_prompt_len": 1, "max_response_len": 1,
             "micro_batch_size": 1, "ppo_steps": 1, "n0": 1, "eval_samples": 1, "eval_every": 0, "save_every": 0,
             "log_every": 1, "max_nonfinite": 1, "max_sampling_rounds": 0, "eval_max_prompts": 0,
-            "probe_every": 0, "probe_prompts": 1, "probe_samples": 1, "train_prompts": 0}
+            "probe_every": 0, "probe_prompts": 1, "probe_samples": 1, "train_prompts": 0, "seed": 0,
+            "max_tool_output_chars": 1}
 POSITIVE = ("lr", "temperature", "eval_temperature", "d_half", "grad_clip", "dual_clip", "gpu_memory_utilization")
 NON_NEGATIVE = ("weight_decay", "clip_low", "clip_high", "sampling_eps", "sampling_gamma")
 
@@ -85,6 +86,7 @@ def check_args(args, world):
     """One clear line, printed once, for a flag out of range or a combination that has no meaning, before anything
     heavy starts: the batch must split into whole groups per rank and whole mini-batches, and each variant's
     flags must fit its estimator."""
+    check_finite(args)  # nan and inf first: they would pass the range checks below
     for flag, low in AT_LEAST.items():
         if getattr(args, flag) < low:
             fail(f"--{flag} must be at least {low}, got {getattr(args, flag)}", once=True)
@@ -97,6 +99,15 @@ def check_args(args, world):
     if not 0 < args.rho_min <= args.rho_max < 1 or not 0 < args.rho_constant <= 1:  # (rho_min 1: N0 infinite)
         fail(f"--rho_min, --rho_max, --rho_constant must satisfy 0 < rho_min <= rho_max < 1 and 0 < rho_constant "
              f"<= 1, got {args.rho_min}, {args.rho_max}, {args.rho_constant}", once=True)
+    check_sampling(args.temperature, 1.0, -1)  # within the engines' ranges (vLLM refuses at the first request)
+    check_sampling(args.eval_temperature, args.eval_top_p, args.eval_top_k, prefix="eval_")
+    for flag, ok, why in (
+            ("clip_low", args.clip_low < 1, "below 1: the ratio's lower clip 1 - clip_low must stay above 0"),
+            ("dual_clip", args.dual_clip > 1, "above 1: at or below 1 it caps every negative-advantage token's loss "
+                                              "at on-policy ratios, so they get no gradient"),
+            ("gpu_memory_utilization", args.gpu_memory_utilization <= 1, "at most 1 (a share of the GPU)")):
+        if not ok:
+            fail(f"--{flag} must be {why}; got {getattr(args, flag)}", once=True)
     if args.batch_size % (world * args.group_size):
         fail(f"--batch_size {args.batch_size} must be a multiple of world size x group size ({world} x "
              f"{args.group_size}) so that every rank gets whole groups", once=True)
@@ -123,7 +134,7 @@ def check_args(args, world):
     if args.dynamic_sampling and (args.algo == "spo" or args.group_size < 2):
         fail(f"--dynamic_sampling drops groups whose rewards are all equal; it needs a group estimator with "
              f"--group_size >= 2 (got --algo {args.algo}, --group_size {args.group_size})", once=True)
-    check_reward_flag(args.reward)  # --reward names a function that imports: resolved now, not at the first reward
+    check_reward_flag(args.reward, args.reward_timeout)  # resolved now, not at the first reward
 
 
 # ------------------------------------------------------------------------------------------------ group baselines

@@ -14,6 +14,7 @@ ANSWER_COLUMNS. Bad files stop with an error that names the file, the row and wh
 import hashlib
 import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +33,7 @@ class PromptSet:
     keys: list[str]                 # prompt_key(messages): stable across files, reorderings and programs
     messages: list[list[dict]]      # chat messages [{"role", "content"}, ...]
     answers: list[str]              # ground truths, stripped strings
+    rows: list[int]                 # the file row each prompt comes from (its first occurrence), for messages
     path: str
     n_rows: int                     # rows in the file
     n_duplicates: int               # rows dropped because their prompt appeared earlier
@@ -100,7 +102,8 @@ def _answer(value, where: str) -> str:
         value = value.get("ground_truth")
     if isinstance(value, float) and value.is_integer():               # parquet float64 answers: 17.0 -> "17"
         value = int(value)
-    if value is not None and not isinstance(value, (str, int, float)):
+    if isinstance(value, bool) or (value is not None and not isinstance(value, (str, int, float))):
+        # bool first: it is an int to Python, and JSON's true would become the answer "True", which no box matches
         raise ValueError(f"{where}: the answer must be a string or a number, got a {type(value).__name__} "
                          f"({str(value)[:40]})")
     if value is None or (isinstance(value, float) and math.isnan(value)) or not str(value).strip():
@@ -126,7 +129,7 @@ def load_prompts(path) -> PromptSet:
     if prompt_col is None or answer_col is None:
         raise ValueError(f"{path}: unrecognised columns {columns}; need a prompt column (one of "
                          f"{', '.join(PROMPT_COLUMNS)}) and an answer column (one of {', '.join(ANSWER_COLUMNS)})")
-    keys, messages, answers, first_index, n_duplicates, n_conflicting = [], [], [], {}, 0, 0
+    keys, messages, answers, kept_rows, first_index, n_duplicates, n_conflicting = [], [], [], [], {}, 0, 0
     for i, row in enumerate(rows):
         where = f"{path} row {i}"
         msgs, answer = _messages(row.get(prompt_col), where), _answer(row.get(answer_col), where)
@@ -139,17 +142,86 @@ def load_prompts(path) -> PromptSet:
         keys.append(key)
         messages.append(msgs)
         answers.append(answer)
-    return PromptSet(keys, messages, answers, str(path), len(rows), n_duplicates, n_conflicting)
+        kept_rows.append(i)
+    return PromptSet(keys, messages, answers, kept_rows, str(path), len(rows), n_duplicates, n_conflicting)
 
 
 # ---------------------------------------------------------------------------------------------- tokenised
-def load_tokenizer(path):
-    from transformers import AutoTokenizer
+# What loading a local model directory needs; without tokenizer files transformers quietly builds an empty
+# tokenizer from config.json's model type, and without weights the failure comes as a traceback much later.
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+def find_model(name):
+    """A --model value that every loader (tokenizer, trainer, engine) can open: a local directory as it is; a hub
+    name as it is while the hub answers, else its cached snapshot directory, else one line. Asked once here because
+    an unreachable hub costs each loader a minute of retries and warnings before its own error."""
+    import urllib.request
+    if Path(name).expanduser().is_dir() or os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "false", ""):
+        return name  # local, or offline by request: the libraries then read the cache without retrying
+    if name.startswith((".", "/", "~")) or name.count("/") > 1:
+        fail(f"--model {name}: no such directory", once=True)
+    from huggingface_hub import constants, snapshot_download
     try:
-        return AutoTokenizer.from_pretrained(path)
+        urllib.request.urlopen(constants.ENDPOINT, timeout=10).close()
+        return name
+    except urllib.error.HTTPError:  # it answered
+        return name
+    except OSError as e:  # no route, no DNS, a timeout: use the cache
+        offline = str(getattr(e, "reason", e))
+    try:
+        path = snapshot_download(name, local_files_only=True)
+    except Exception:  # noqa: BLE001 - not cached (or not a valid name): either way there is nothing to load
+        fail(f"--model {name}: not a local directory, and the Hugging Face hub cannot be reached ({offline}) nor has "
+             f"the cache ({constants.HF_HUB_CACHE}) a copy of it", once=True)
+    if os.environ.get("RANK", "0") == "0":
+        print(f"--model {name}: the hub cannot be reached ({offline}); using the cached copy {path}", flush=True)
+    return path
+
+
+def check_model_dir(path):
+    """A local --model directory holds a config, weights and a tokenizer: one line naming what is missing, before
+    anything heavy starts. (A hub name is checked by loading it.)"""
+    folder = Path(path)
+    if not folder.is_dir():
+        return
+    needed = {"config.json": ("config.json",), f"weights ({', '.join(WEIGHT_FILES)})": WEIGHT_FILES,
+              f"tokenizer files ({', '.join(TOKENIZER_FILES)})": TOKENIZER_FILES}
+    for what, names in needed.items():
+        if not any((folder / name).is_file() for name in names):
+            fail(f"--model {path}: the directory has no {what}; a model directory is what save_pretrained writes "
+                 f"(a run directory's checkpoints/step_N/model is one)", once=True)
+
+
+def load_tokenizer(path):
+    """The model's tokenizer, once its directory is checked (check_model_dir); it must have a chat template, since
+    prompts are chat messages."""
+    from transformers import AutoTokenizer
+    check_model_dir(path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:
         fail(f"--model {path}: not a model directory and not loadable from the Hugging Face hub "
-             f"({str(e).splitlines()[0][:200]})")
+             f"({str(e).splitlines()[0][:200]})", once=True)
+    if len(tokenizer) < 2:
+        fail(f"--model {path}: its tokenizer has {len(tokenizer)} tokens; are the tokenizer files complete?", once=True)
+    if not tokenizer.chat_template:
+        fail(f"--model {path}: its tokenizer has no chat template (chat_template.jinja, or chat_template in "
+             f"tokenizer_config.json); prompts are chat messages, so a base model needs one added", once=True)
+    return tokenizer
+
+
+def check_context(model, tokens, flags):
+    """tokens (prompt + response budget, as `flags` set it) fit --model's positions (config.json's
+    max_position_embeddings): vLLM refuses a longer context at start-up with a long traceback, and a model run past
+    its positions degrades quietly."""
+    from transformers import AutoConfig
+    limit = getattr(AutoConfig.from_pretrained(model), "max_position_embeddings", None)
+    if limit is not None and tokens > limit:
+        fail(f"{flags} = {tokens} tokens, more than --model {model}'s {limit} positions (max_position_embeddings)",
+             once=True)
 
 
 @dataclass
@@ -177,9 +249,16 @@ def load_dataset(path, tokenizer, max_prompt_len, verbose, system_prompt=None):
     try:
         prompts = load_prompts(path)
     except (ValueError, FileNotFoundError) as e:
-        fail(str(e))
-    texts = [tokenizer.apply_chat_template(with_system(m, system_prompt), add_generation_prompt=True, tokenize=False)
-             for m in prompts.messages]
+        fail(str(e), once=True)  # every rank reads the same file: one line, not one per rank
+    texts = []
+    for i, messages in enumerate(prompts.messages):
+        try:
+            texts.append(tokenizer.apply_chat_template(with_system(messages, system_prompt), add_generation_prompt=True,
+                                                       tokenize=False))
+        except Exception as e:  # noqa: BLE001 - jinja raises its own kinds (e.g. a template that rejects a role)
+            roles = ", ".join(m["role"] for m in with_system(messages, system_prompt))
+            fail(f"{path} row {prompts.rows[i]}: the prompt (roles {roles}) is rejected by the chat template of "
+                 f"--model {tokenizer.name_or_path}: {type(e).__name__}: {str(e).splitlines()[0][:200]}", once=True)
     prompt_ids = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
     keep = [i for i, p in enumerate(prompt_ids) if len(p) <= max_prompt_len]
     if verbose and prompts.n_duplicates:
@@ -189,5 +268,5 @@ def load_dataset(path, tokenizer, max_prompt_len, verbose, system_prompt=None):
         print(f"{path}: {len(prompt_ids) - len(keep)} prompts longer than --max_prompt_len {max_prompt_len} "
               f"tokens left out", flush=True)
     if not keep:
-        fail(f"{path}: no prompt fits in --max_prompt_len {max_prompt_len} tokens")
+        fail(f"{path}: no prompt fits in --max_prompt_len {max_prompt_len} tokens", once=True)
     return Dataset([prompts.keys[i] for i in keep], [prompt_ids[i] for i in keep], [prompts.answers[i] for i in keep])

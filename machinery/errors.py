@@ -22,3 +22,24 @@ def fail(message, once=False):
             and not (vllm_groups and vllm_groups.model_parallel_is_initialized())):
         dist.destroy_process_group()
     raise SystemExit(2)
+
+
+def check_finite(args):
+    """Every float flag is a number: argparse's float() takes "nan" and "inf", which slip through range checks
+    (nan compares false both ways) and fail steps later, in the engine or as a non-finite loss."""
+    import math
+    for name, value in vars(args).items():
+        if isinstance(value, float) and not math.isfinite(value):
+            fail(f"--{name} must be a finite number, got {value}", once=True)
+
+
+def check_sampling(temperature, top_p, top_k, prefix=""):
+    """Sampling flags within what both engines accept (vLLM's SamplingParams, which hf_engine follows):
+    temperature in [0, 2], top_p in (0, 1], top_k -1 or 0 (off) or a count. Checked before the engine starts:
+    vLLM would refuse them only at the first request, possibly the first evaluation hours in."""
+    if not 0 <= temperature <= 2:
+        fail(f"--{prefix}temperature must be in [0, 2] (the engines' range), got {temperature}", once=True)
+    if not 0 < top_p <= 1:
+        fail(f"--{prefix}top_p must be in (0, 1], got {top_p}", once=True)
+    if top_k < -1:
+        fail(f"--{prefix}top_k must be -1 or 0 (off) or at least 1, got {top_k}", once=True)

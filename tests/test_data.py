@@ -100,7 +100,10 @@ def test_missing_path_errors(tmp_path):
                                        ({"problem": "q", "answer": None}, "missing or empty"),
                                        ({"problem": "q"}, "missing or empty"),
                                        ({"problem": None, "answer": "1"}, "missing or empty"),
-                                       ({"problem": "q", "answer": ["1"]}, "the answer must be a string or a number")])
+                                       ({"problem": "q", "answer": ["1"]}, "the answer must be a string or a number"),
+                                       # JSON true became the answer "True", which no box matches: every reward 0
+                                       ({"problem": "q", "answer": True}, "the answer must be a string or a number, "
+                                                                          "got a bool")])
 def test_bad_row_error_names_file_and_row(tmp_path, row, says):
     path = _write_jsonl(tmp_path / "bad.jsonl", [{"problem": "ok", "answer": "1"}, row])
     with pytest.raises(ValueError, match=r"bad\.jsonl row 1: " + says):
@@ -159,3 +162,113 @@ def test_prompt_key_depends_on_roles_and_all_messages():
     assert len(prompt_key(user)) == 16
 
 
+
+
+# ---- the model directory: checked before anything heavy starts ------------------------------------------------
+@pytest.fixture
+def toy_model(tmp_path):
+    """A copy of the shipped toy model, to damage."""
+    import shutil
+    from tasks import toy
+    return shutil.copytree(f"{toy.BUILT}/toy/model", tmp_path / "model")
+
+
+@pytest.mark.parametrize("remove, says", [
+    (["model.safetensors"], "has no weights"),  # was an OSError traceback, later
+    (["tokenizer.json", "tokenizer_config.json"], "has no tokenizer files"),  # was a silent one-token tokenizer
+    (["config.json"], "has no config.json"),
+    (["chat_template.jinja"], "its tokenizer has no chat template"),  # was a traceback from data.py
+])
+def test_a_model_directory_missing_a_part_is_one_line(toy_model, remove, says, capsys):
+    from machinery.data import load_tokenizer
+    for name in remove:
+        (toy_model / name).unlink()
+    with pytest.raises(SystemExit) as stop:
+        load_tokenizer(str(toy_model))
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.startswith(f"error: --model {toy_model}: ") and says in err, err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_a_chat_template_that_rejects_a_role_names_the_row(toy_model, tmp_path, capsys):
+    from machinery.data import load_dataset, load_tokenizer
+    (toy_model / "chat_template.jinja").write_text(
+        "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system role') }}{% endif %}"
+        "{{ m['content'] }}\n{% endfor %}")
+    tokenizer = load_tokenizer(str(toy_model))
+    rows = [{"prompt": [{"role": "user", "content": "1+1?"}], "answer": "2"},
+            {"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}], "answer": "4"}]
+    path = _write_jsonl(tmp_path / "roles.jsonl", rows)
+    with pytest.raises(SystemExit):
+        load_dataset(path, tokenizer, 256, False)
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {path} row 1: the prompt (roles system, user) is rejected by the chat template")
+    assert "no system role" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_data_error_is_printed_by_rank_0_only(toy_model, tmp_path, capsys, monkeypatch):
+    """Every rank reads the same file: the error used to be printed once per rank."""
+    from machinery.data import load_dataset, load_tokenizer
+    tokenizer = load_tokenizer(str(toy_model))
+    path = _write_jsonl(tmp_path / "bad.jsonl", [{"problem": "q"}])
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(SystemExit) as stop:
+        load_dataset(path, tokenizer, 256, False)
+    assert stop.value.code == 2 and capsys.readouterr().err == ""
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(SystemExit):
+        load_dataset(path, tokenizer, 256, False)
+    assert "bad.jsonl: unrecognised columns" in capsys.readouterr().err
+
+
+# ---- a hub name: the hub, or its cached copy when the hub cannot be reached -------------------------------------
+def _hub_cache(home, repo, model_dir):
+    """A Hugging Face cache holding `repo` as snapshot_download leaves it: refs/main names a snapshot directory."""
+    import shutil
+    folder = home / "hub" / f"models--{repo.replace('/', '--')}"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    shutil.copytree(model_dir, folder / "snapshots" / commit)
+    (folder / "refs").mkdir()
+    (folder / "refs" / "main").write_text(commit)
+    return folder / "snapshots" / commit
+
+
+def _find_model(name, home):
+    """find_model in a process of its own (huggingface_hub reads HF_HOME when imported), with a hub that refuses
+    connections at once (a closed local port), as on a machine without network."""
+    import os
+    import subprocess
+    import sys
+    from common import ROOT
+    env = {**os.environ, "HF_HOME": str(home), "HF_ENDPOINT": "http://127.0.0.1:9"}
+    env.pop("HF_HUB_OFFLINE", None)
+    code = (f"from machinery.data import find_model, load_tokenizer\npath = find_model({name!r})\n"
+            f"print('vocab', len(load_tokenizer(path)))")
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_a_hub_name_without_a_hub_loads_its_cached_copy(toy_model, tmp_path):
+    snapshot = _hub_cache(tmp_path / "hf", "someone/tiny-model", toy_model)
+    proc = _find_model("someone/tiny-model", tmp_path / "hf")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    from machinery.data import load_tokenizer
+    assert f"using the cached copy {snapshot}" in proc.stdout
+    assert f"vocab {len(load_tokenizer(str(toy_model)))}\n" in proc.stdout  # the cached model's own tokenizer
+    assert "Retrying" not in proc.stderr + proc.stdout
+
+
+def test_a_hub_name_neither_reachable_nor_cached_is_one_line_without_retries(tmp_path):
+    """It used to take a minute and 20 retry lines before transformers' own error."""
+    proc = _find_model("someone/not-cached", tmp_path / "hf")
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: --model someone/not-cached: not a local directory, and the "
+                                                   "Hugging Face hub cannot be reached"), proc.stderr[-3000:]
+    assert str(tmp_path / "hf" / "hub") in lines[0]
+
+
+def test_a_path_that_does_not_exist_is_not_taken_for_a_hub_name(tmp_path, capsys):
+    from machinery.data import find_model
+    with pytest.raises(SystemExit):
+        find_model(str(tmp_path / "no" / "model"))
+    assert capsys.readouterr().err.strip() == f"error: --model {tmp_path / 'no' / 'model'}: no such directory"

@@ -187,3 +187,40 @@ def test_bad_scores_in_a_values_file_are_one_line(tmp_path, capsys, scores):
                                                                                  ["1", "2"]), "kt", False)
     err = capsys.readouterr().err
     assert "values.json" in err and "scores" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("content, says", [
+    ({"header": {}, "prompts": [{"scores": [1]}]}, '"prompts" is not an object of prompt keys'),  # was a traceback
+    ({"header": {}, "prompts": {"k0": [1, 0]}}, 'prompt k0 is not an object with "scores"'),
+    ({"header": [], "prompts": {}}, 'no "header" object'),
+    ([{"header": {}}], 'no "header" object'),
+    ({"prompts": {}}, 'no "header" object'),
+])
+def test_a_values_file_that_parses_but_has_another_shape_is_one_line(tmp_path, capsys, content, says):
+    """Both readers (spo.py's header check and the tracker's initialisation) check the file's structure."""
+    import offline_values
+    from machinery.data import Dataset
+    from tracker import ValueTracker
+    path = tmp_path / "values.json"
+    path.write_text(json.dumps(content))
+    for read in (lambda: offline_values.check_values_header(str(path), WANTED),
+                 lambda: offline_values.init_tracker_from_file(ValueTracker(1), str(path),
+                                                               Dataset(["k0"], [[1]], ["1"]), "kt", False)):
+        with pytest.raises(SystemExit):
+            read()
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: --offline_values {path}: not an offline-values file") and says in err, err
+        assert len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("argv, says", [(["--top_p", "1.5"], "--top_p must be in (0, 1], got 1.5"),
+                                        (["--temperature", "inf"], "--temperature must be a finite number, got inf"),
+                                        (["--temperature", "2.5"], "--temperature must be in [0, 2]"),
+                                        (["--reward_timeout", "-1"], "--reward_timeout must be a positive number")])
+def test_sampling_flags_the_engine_would_refuse_are_one_line_at_start(argv, says, capsys):
+    """vLLM refuses them only at its first request, after the model and the engine have loaded."""
+    import offline_values
+    with pytest.raises(SystemExit):
+        offline_values.parse_args(argv)
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and says in err and len(err.strip().splitlines()) == 1, err

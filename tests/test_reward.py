@@ -5,8 +5,13 @@ example second verifier `numeric_match`.
 
     .venv/bin/python -m pytest tests/test_reward.py -q
 """
+import subprocess
+import sys
+
 import numpy as np
 import pytest
+
+from tests.common import ROOT
 
 from reward import boxed_reward, exact_match, extract_boxed, reward_and_answer
 
@@ -163,3 +168,49 @@ def test_a_verifier_may_return_a_bool_an_int_or_a_float(value, monkeypatch):
     import reward
     monkeypatch.setattr(reward, "load_verifier", lambda spec: lambda text, truth: value)
     assert reward.reward_and_answer(r"\boxed{1}", "1", reward="mine:f") == (float(value), "1")
+
+
+# ---- a verifier that raises or never returns: one line naming it and the input ------------------------------
+def test_a_verifier_that_raises_is_one_line_naming_it_and_the_input(tmp_path, capsys):
+    """It used to be a traceback on every rank. The line names the function, the exception, the response and the
+    ground truth; inputs it does not raise on still score."""
+    from reward import reward_and_answer
+    verifier = tmp_path / "picky.py"
+    verifier.write_text("def score(text, truth):\n    if '7' in text:\n        raise KeyError('no sevens')\n"
+                        "    return text.endswith('{' + truth + '}')\n")
+    spec = f"{verifier}:score"
+    assert reward_and_answer(r"so \boxed{3}", "3", reward=spec) == (1.0, "3")
+    with pytest.raises(SystemExit) as stop:
+        reward_and_answer(r"so \boxed{17}", "17", reward=spec)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith(f"error: --reward {spec} raised KeyError: 'no sevens'") and r"\\boxed{17}" in err
+    assert "ground truth '17'" in err
+
+
+def test_a_verifier_that_never_returns_stops_the_process_with_one_line(tmp_path):
+    """It used to hang the run at step 0 with no output. In a process of its own (the stuck call keeps running
+    until the process exits, which it must do despite it): exit 2 and one line naming --reward_timeout."""
+    verifier = tmp_path / "stuck.py"
+    verifier.write_text("def score(text, truth):\n    while True:\n        pass\n")
+    code = (f"import reward\nreward.rewards([type('R', (), {{'text': 'x \\\\boxed{{1}}', 'finish_reason': 'stop'}})()],"
+            f" ['1'], reward={str(verifier) + ':score'!r}, timeout_s=2)\nprint('not reached')")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2 and "not reached" not in proc.stdout, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [
+        f"error: --reward {verifier}:score did not return within --reward_timeout 2 s, on the response "
+        f"'x \\\\boxed{{1}}' (its last 200 characters) with ground truth '1'; to score such inputs 0 instead, catch "
+        f"the case in the verifier and return 0"]
+
+
+def test_the_verifier_thread_is_replaced_after_a_timeout(tmp_path, capsys):
+    """A caller that survives the stop (a test, a notebook) gets a fresh worker: the stuck one is never reused."""
+    from reward import reward_and_answer
+    verifier = tmp_path / "slow_once.py"
+    verifier.write_text("import time\ndef score(text, truth):\n    if 'slow' in text:\n        time.sleep(30)\n"
+                        "    return 1\n")
+    spec = f"{verifier}:score"
+    with pytest.raises(SystemExit):
+        reward_and_answer(r"slow \boxed{1}", "1", reward=spec, timeout_s=0.5)
+    assert "did not return within --reward_timeout 0.5 s" in capsys.readouterr().err
+    assert reward_and_answer(r"fast \boxed{1}", "1", reward=spec) == (1.0, "1")  # the default limit: a loaded machine

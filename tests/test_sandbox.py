@@ -4,13 +4,16 @@ environment, the network, daemonised children; and the pool. Snippets expected t
 
     .venv/bin/python -m pytest tests/test_sandbox.py -q
 """
+import contextlib
 import os
 import resource
+import shutil
 import socket
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 import uuid
 from concurrent.futures import Future
 from pathlib import Path
@@ -179,6 +182,228 @@ def test_network_connection_fails_or_result_says_not_isolated():
         server.close()
 
 
+# ---- Unix sockets and SysV IPC of the host
+# Every way a snippet might get an AF_UNIX socket aimed at a host path; each prints "GOT ..." if it reached it.
+UNIX_ATTACKS = r'''
+import ctypes, mmap, os, socket, struct
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+
+def check(fd, what):
+    if fd < 0:
+        raise OSError(ctypes.get_errno(), what)
+    return fd
+
+def raw_socket():  # the syscall itself with the domain's high bits set: the kernel reads only an int
+    nr = {"x86_64": 41, "aarch64": 198}[os.uname().machine]
+    return socket.socket(fileno=check(libc.syscall(nr, 0x100000001, 1, 0), "socket"))
+
+def i386_socket():  # socket(AF_UNIX, SOCK_STREAM) through the 32-bit ABI (int 0x80), from 64-bit code
+    if os.uname().machine != "x86_64":
+        raise OSError("no i386 ABI here")
+    buf = mmap.mmap(-1, 4096, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
+    buf.write(bytes.fromhex("53 b8 67 01 00 00 bb 01 00 00 00 b9 01 00 00 00 31 d2 cd 80 5b c3"))
+    fd = ctypes.CFUNCTYPE(ctypes.c_int)(ctypes.addressof(ctypes.c_char.from_buffer(buf)))()
+    return socket.socket(fileno=check(fd, "int 0x80"))
+
+def uring_socket():  # IORING_OP_SOCKET: io_uring makes the socket, no socket() syscall at all
+    params = ctypes.create_string_buffer(120)  # struct io_uring_params
+    ring = check(libc.syscall(425, 1, params), "io_uring_setup")
+    sq_entries, cq_entries = struct.unpack_from("II", params, 0)
+    sq_tail, sq_mask, sq_array = (struct.unpack_from("I", params, 40 + 4 * i)[0] for i in (1, 2, 6))
+    cq_head, cq_mask, cqes = (struct.unpack_from("I", params, 80 + 4 * i)[0] for i in (0, 2, 5))
+    sq = mmap.mmap(ring, sq_array + 4 * sq_entries, offset=0)
+    cq = mmap.mmap(ring, cqes + 16 * cq_entries, offset=0x8000000)
+    sqes = mmap.mmap(ring, 64 * sq_entries, offset=0x10000000)
+    sqes[0:64] = struct.pack("=BBHiQQII", 45, 0, 0, 1, 1, 0, 0, 0).ljust(64, b"\0")
+    tail = struct.unpack_from("I", sq, sq_tail)[0]
+    struct.pack_into("I", sq, sq_array + 4 * (tail & struct.unpack_from("I", sq, sq_mask)[0]), 0)
+    struct.pack_into("I", sq, sq_tail, tail + 1)
+    libc.syscall(426, ring, 1, 1, 1, None, 0)  # io_uring_enter: submit 1, wait for 1
+    head = struct.unpack_from("I", cq, cq_head)[0]
+    res = struct.unpack_from("i", cq, cqes + 16 * (head & struct.unpack_from("I", cq, cq_mask)[0]) + 8)[0]
+    return socket.socket(fileno=check(res, "IORING_OP_SOCKET"))
+
+def stream(make):
+    s = make()
+    s.settimeout(10)
+    s.connect(STREAM)
+    return s.recv(100)
+
+def datagram(make):
+    make().sendto(b"datagram", DGRAM)
+    return "sent"
+
+for name, attack in {"socket": lambda: stream(lambda: socket.socket(socket.AF_UNIX)),
+                     "raw syscall": lambda: stream(raw_socket), "i386 ABI": lambda: stream(i386_socket),
+                     "io_uring": lambda: stream(uring_socket),
+                     "stream pair": lambda: stream(lambda: socket.socketpair()[0]),  # its peer closed
+                     "datagram": lambda: datagram(lambda: socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)),
+                     "datagram pair": lambda: datagram(lambda: socket.socketpair(type=socket.SOCK_DGRAM)[0])}.items():
+    try:
+        print(name, "GOT", attack())
+    except OSError as e:
+        print(name, "failed", e)
+'''
+
+
+@pytest.mark.parametrize("under", ["host /tmp", "repository"])
+def test_unix_sockets_of_the_host_are_unreachable(under):
+    # A host service on paths anyone may write to, like /run/dbus or /dev/log. Under /tmp the run's private
+    # /tmp hides it (unless the interpreter lives there); the repository stays visible inside the sandbox.
+    directory = tempfile.mkdtemp(prefix=".sandbox_test_", dir="/tmp" if under == "host /tmp" else
+                                 os.path.dirname(os.path.abspath(sandbox.__file__)))
+    os.chmod(directory, 0o755)
+    stream_path, dgram_path = os.path.join(directory, "service.sock"), os.path.join(directory, "log.sock")
+    listener, receiver = socket.socket(socket.AF_UNIX), socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    listener.bind(stream_path)
+    listener.listen(8)
+    receiver.bind(dgram_path)
+    for path in (stream_path, dgram_path):
+        os.chmod(path, 0o666)
+    reached, done = [], threading.Event()  # what reached the host service
+
+    def serve():  # answers every connection with a secret
+        listener.settimeout(0.1)
+        while not done.is_set():
+            with contextlib.suppress(TimeoutError):
+                reached.append(conn := listener.accept()[0])
+                conn.sendall(b"host secret")
+
+    server = threading.Thread(target=serve)
+    server.start()
+    try:
+        code = f"STREAM, DGRAM = {stream_path!r}, {dgram_path!r}\n" + UNIX_ATTACKS
+        r = run_code(code, timeout_s=SNIPPET_TIMEOUT_S)
+        receiver.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            reached.append(receiver.recv(100))
+    finally:
+        done.set()
+        server.join()
+        listener.close()
+        receiver.close()
+        shutil.rmtree(directory)
+    if not r.unix_sockets_blocked:
+        assert not isolation().seccomp  # the result must not claim protection it lacks
+        return
+    assert r.exit_code == 0 and r.stdout.count(" failed ") == 7, r
+    assert reached == [] and "GOT" not in r.stdout and "secret" not in r.stdout
+
+
+def sysv_keys() -> set[int]:
+    """Keys of the SysV shm segments, message queues and semaphore sets the host sees."""
+    keys = set()
+    for kind in ("shm", "msg", "sem"):
+        keys |= {int(line.split()[0]) for line in Path(f"/proc/sysvipc/{kind}").read_text().splitlines()[1:]}
+    return keys
+
+
+SYSV = r'''
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+libc.shmat.restype = ctypes.c_void_p
+def made(name, ident):
+    print(name, "made" if ident >= 0 else "failed " + os.strerror(ctypes.get_errno()))
+    return ident
+'''
+
+
+def remove_sysv(keys):  # what a sandbox without an IPC namespace leaves behind on the host
+    for key in keys:
+        for kind in ("-M", "-Q", "-S"):
+            subprocess.run(["ipcrm", kind, str(key)], capture_output=True)
+
+
+def test_sysv_ipc_does_not_outlive_the_run():
+    key = 0x5B0000 + uuid.uuid4().int % 0xFFFF  # shm keys key..key+3, a queue and a semaphore set at key
+    keys = set(range(key, key + 4))
+    assert not keys & sysv_keys()
+    code = SYSV + (f"for i in range(4):\n    made('shm', libc.shmget({key} + i, 96 << 20, 0o1666))\n"
+                   f"made('queue', libc.msgget({key}, 0o1666))\nmade('semaphore', libc.semget({key}, 1, 0o1666))\n")
+    try:
+        r = run_code(code, timeout_s=SNIPPET_TIMEOUT_S, memory_mb=128)
+        assert r.exit_code == 0 and r.stdout.count("made") + r.stdout.count("failed") == 6, r
+        assert not keys & sysv_keys(), r.stdout
+    finally:
+        remove_sysv(keys)
+
+
+def test_a_run_cannot_open_another_runs_shared_memory():
+    if not (isolation().namespaces or isolation().seccomp):
+        pytest.skip(f"no IPC namespace and no seccomp filter here: {isolation()}")
+    key = 0x5C0000 + uuid.uuid4().int % 0xFFFF
+    # The first run says it is ready, then waits for the test, through files in a dir both runs see.
+    directory = tempfile.mkdtemp(prefix=".sandbox_test_", dir=os.path.dirname(os.path.abspath(sandbox.__file__)))
+    os.chmod(directory, 0o777)
+    ready, go_on = os.path.join(directory, "ready"), os.path.join(directory, "go_on")
+    first_code = SYSV + f"""
+import time
+shm = made("shm", libc.shmget({key}, 4096, 0o1666))
+if shm >= 0:
+    ctypes.memmove(libc.shmat(shm, None, 0), b"first run's data", 16)
+open({ready!r}, "w").close()
+while not os.path.exists({go_on!r}):
+    time.sleep(0.05)
+"""
+    second_code = SYSV + f"""
+shm = libc.shmget({key}, 0, 0)
+if made("opened", shm) >= 0:
+    print(ctypes.string_at(libc.shmat(shm, None, 0), 16))
+"""
+    try:
+        with SandboxPool(workers=1, timeout_s=SNIPPET_TIMEOUT_S) as pool:
+            first = pool.submit(first_code)
+            while not os.path.exists(ready) and not first.done():
+                time.sleep(0.05)
+            second = run_code(second_code, timeout_s=SNIPPET_TIMEOUT_S)
+            Path(go_on).touch()
+            first = first.result()
+    finally:
+        shutil.rmtree(directory)
+        remove_sysv([key])
+    assert first.exit_code == 0 and ("shm made" in first.stdout or not isolation().namespaces), first
+    assert second.exit_code == 0 and "opened failed" in second.stdout and "data" not in second.stdout, second
+
+
+def test_sysv_ipc_cannot_hold_more_than_the_memory_limit():
+    if os.geteuid() != 0 and isolation().namespaces:
+        pytest.skip("without root the IPC namespace's limits are not set (the snippet could raise them)")
+    key = 0x5D0000 + uuid.uuid4().int % 0xFFFF
+    code = SYSV + (f"for i in range(4):\n    made('shm', libc.shmget({key} + i, 96 << 20, 0o1600))\n"
+                   f"made('big semaphore set', libc.semget({key}, 10000, 0o1600))\n")
+    try:
+        r = run_code(code, timeout_s=SNIPPET_TIMEOUT_S, memory_mb=128)
+    finally:
+        remove_sysv(range(key, key + 4))
+    assert r.exit_code == 0 and r.stdout.count("shm ") == 4, r
+    assert r.stdout.count("shm made") <= 1 and "big semaphore set failed" in r.stdout, r.stdout
+
+
+def test_socketpair_and_multiprocessing_still_work():
+    code = """
+import asyncio, multiprocessing, socket
+a, b = socket.socketpair()
+a.sendall(b"pair")
+print(b.recv(4).decode())
+def square(x):
+    return x * x
+with multiprocessing.Pool(2) as pool:
+    print(pool.map(square, range(5)))
+parent, child = multiprocessing.Pipe()
+p = multiprocessing.Process(target=child.send, args=("pipe",))
+p.start()
+print(parent.recv())
+p.join()
+async def main():  # the event loop wakes itself through a socketpair
+    await asyncio.sleep(0)
+    return "asyncio"
+print(asyncio.run(main()))
+"""
+    r = run_code(code, timeout_s=SNIPPET_TIMEOUT_S)
+    assert r.exit_code == 0 and r.stdout == "pair\n[0, 1, 4, 9, 16]\npipe\nasyncio\n", r
+
+
 def test_cannot_kill_parent_process():
     code = f"""
 import os, signal
@@ -286,15 +511,17 @@ def _is_interpreter(pid: int) -> bool:
 
 def test_format_tool_output_cuts_middle_and_keeps_notes():
     r = SandboxResult(stdout="H" * 200 + "T" * 200, stderr="", exit_code=-9, timed_out=True, out_of_memory=False,
-                      output_truncated=False, network_isolated=True, duration_s=30.2)
+                      output_truncated=False, network_isolated=True, unix_sockets_blocked=True, duration_s=30.2)
     text = format_tool_output(r, max_chars=256)
     head, _, rest = text.partition("\n...\n")
     assert head == "H" * 128 and rest.startswith("T" * 128) and "TimeoutError" in rest
     ok = SandboxResult(stdout="4\n", stderr="", exit_code=0, timed_out=False, out_of_memory=False,
-                       output_truncated=False, network_isolated=True, duration_s=0.02)
+                       output_truncated=False, network_isolated=True, unix_sockets_blocked=True,
+                       duration_s=0.02)
     assert format_tool_output(ok) == "4\n"
     failed = SandboxResult(stdout="", stderr="", exit_code=2, timed_out=False, out_of_memory=False,
-                           output_truncated=False, network_isolated=True, duration_s=0.02)
+                           output_truncated=False, network_isolated=True, unix_sockets_blocked=True,
+                           duration_s=0.02)
     assert format_tool_output(failed) == "[exit code 2]"
 
 
@@ -339,6 +566,6 @@ def test_interpreter_text_turns_every_failure_into_text():
     assert text.startswith("<interpreter>\nsandbox error: RuntimeError") and text.endswith("</interpreter>\n\n")
     assert error and not timed_out
     done = Future()
-    done.set_result(SandboxResult("x" * 1000, "", 0, False, False, False, True, 0.1))
+    done.set_result(SandboxResult("x" * 1000, "", 0, False, False, False, True, True, 0.1))
     text, error, timed_out = interpreter_text(done, 64)
     assert not error and len(text) < 64 + 40 and "\n...\n" in text  # cut keeping head and tail

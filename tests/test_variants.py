@@ -226,7 +226,18 @@ def test_signal_metrics_by_hand():
     (["--batch_size", "0"], "--batch_size must be at least 1, got 0"),
     (["--micro_batch_size", "0"], "--micro_batch_size must be at least 1, got 0"),
     (["--steps", "0"], "--steps must be at least 1, got 0"),
-    (["--temperature", "nan"], "--temperature must be positive, got nan"),
+    (["--temperature", "nan"], "--temperature must be a finite number, got nan"),
+    # values the engine, the model or the math would refuse later (at the first evaluation, at step 4...)
+    (["--eval_top_p", "1.5"], "--eval_top_p must be in (0, 1], got 1.5"),
+    (["--eval_top_k", "-2"], "--eval_top_k must be -1 or 0 (off) or at least 1, got -2"),
+    (["--temperature", "2.5"], "--temperature must be in [0, 2]"),
+    (["--lr", "inf"], "--lr must be a finite number, got inf"),
+    (["--seed", "-1"], "--seed must be at least 0, got -1"),
+    (["--dual_clip", "1"], "--dual_clip must be above 1"),
+    (["--clip_low", "1.2"], "--clip_low must be below 1"),
+    (["--gpu_memory_utilization", "1.5"], "--gpu_memory_utilization must be at most 1"),
+    (["--max_tool_output_chars", "0"], "--max_tool_output_chars must be at least 1, got 0"),
+    (["--reward_timeout", "0"], "--reward_timeout must be a positive number of seconds, got 0.0"),
     (["--rho_min", "0.99"], "rho_min <= rho_max"),
     (["--rho_max", "1"], "rho_max < 1"),
     (["--algo", "grpo", "--adv_norm", "token"], "normalises within each group instead"),
@@ -237,6 +248,19 @@ def test_bad_flags_get_one_clear_line(argv, match, capsys):
         variants.check_args(spo.parse_args(argv), world=2)
     err = capsys.readouterr().err
     assert match in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_no_float_flag_takes_a_non_number(value, capsys):
+    """argparse's float() takes nan and inf; every float flag of spo.py must refuse them before start-up (nan passes
+    a range check written as `x < low`)."""
+    floats = [name for name, default in vars(spo.parse_args([])).items() if isinstance(default, float)]
+    assert len(floats) >= 15  # the check below must really cover the float flags
+    for name in floats:
+        with pytest.raises(SystemExit):
+            variants.check_args(spo.parse_args([f"--{name}={value}"]), world=2)
+        err = capsys.readouterr().err
+        assert f"--{name} must be a finite number" in err and len(err.strip().splitlines()) == 1, (name, err)
 
 
 def test_a_preset_fills_only_the_flags_left_unset():
@@ -284,6 +308,25 @@ def test_spo_py_stops_on_a_bad_reward_before_the_engine_starts():
     proc = python("spo.py", "--reward", "reward:exact")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines() == ["error: --reward reward:exact: reward has no function exact"]
+
+
+def test_spo_py_refuses_a_context_beyond_the_models_positions_before_the_engine_starts(tmp_path):
+    """The toy has 512 positions: 256 prompt + 400 response tokens would be refused by vLLM with a traceback."""
+    proc = python("spo.py", "--max_response_len", "400", "--run_dir", str(tmp_path / "run"))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith(
+        "error: --max_prompt_len + --max_response_len = 656 tokens, more than --model "), proc.stderr
+    assert "512 positions" in proc.stderr
+
+
+def test_spo_py_says_when_held_out_prompts_are_training_prompts(tmp_path):
+    """--test equal to --train used to pass silently. (The run then stops on purpose: too large a batch.)"""
+    from tasks import toy
+    train = f"{toy.BUILT}/toy/train.parquet"
+    proc = python("spo.py", "--train", train, "--test", train, "--eval_max_prompts", "100", "--batch_size", "4096",
+                  "--run_dir", str(tmp_path / "run"))
+    assert "warning: 100 of the 100 held-out prompts (--test) are also training prompts (--train)" in proc.stdout
+    assert proc.returncode == 2 and "fewer than the 4096 distinct prompts" in proc.stderr, proc.stderr[-3000:]
 
 
 def test_spo_py_stops_on_a_bad_combination_before_the_engine_starts():

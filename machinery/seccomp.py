@@ -1,0 +1,67 @@
+"""A seccomp filter for sandbox.py: a classic-BPF program, built here in readable Python, that makes a few system
+calls fail with EPERM, and the short launcher that installs it before exec'ing the rest of a command.
+
+Why each call is refused is in sandbox.py's docstring (the `seccomp` step): AF_UNIX sockets (the network namespace
+does not cover path sockets), datagram socketpairs (they can sendto() any path), io_uring (it makes sockets
+without a syscall the filter sees), every syscall of another ABI, and, for runs without an IPC namespace, SysV IPC
+and POSIX message queues.
+
+    argv = [sys.executable, "-I", "-S", "-c", LAUNCHER, seccomp_program(deny_ipc=False).hex(), *command]
+"""
+import os
+import struct
+
+# The syscall numbers the filter needs differ between the two ABIs (io_uring_setup is 425 on both).
+_AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
+_SYSCALL_NR = {"x86_64": {"socket": 41, "socketpair": 53, "io_uring_setup": 425,
+                          "shmget": 29, "semget": 64, "msgget": 68, "mq_open": 240},
+               "aarch64": {"socket": 198, "socketpair": 199, "io_uring_setup": 425,
+                           "shmget": 194, "semget": 190, "msgget": 186, "mq_open": 180}}
+
+
+def seccomp_program(deny_ipc: bool) -> bytes | None:
+    """The filter as a classic-BPF program (struct sock_filter[]); None on an architecture we have no numbers for.
+    deny_ipc also refuses SysV IPC and POSIX message queues (for runs without an IPC namespace of their own)."""
+    machine = os.uname().machine
+    if machine not in _AUDIT_ARCH:
+        return None
+    nr, af_unix, sock_stream = _SYSCALL_NR[machine], 1, 1  # AF_UNIX and SOCK_STREAM on both architectures
+    ld, jeq, jge, and_, ret = 0x20, 0x15, 0x35, 0x54, 0x06  # BPF_LD|W|ABS, JMP|JEQ|K, JMP|JGE|K, ALU|AND|K, RET|K
+    denied = ["io_uring_setup"] + (["shmget", "semget", "msgget", "mq_open"] if deny_ipc else [])
+    # (code, k, jump if true, jump if false): a jump names a label (a string in the list), None is the next one.
+    # Offsets into struct seccomp_data: nr 0, arch 4, args[i] 16 + 8 i; an argument's low 32 bits are what the
+    # kernel reads for an int, so socket(0x100000001, ...) is socket(AF_UNIX, ...) and is caught too.
+    program = [(ld, 4, None, None), (jeq, _AUDIT_ARCH[machine], None, "deny"),  # another ABI: i386, arm32
+               (ld, 0, None, None), (jge, 0x40000000, "deny", None),  # the x32 ABI (that bit set) on x86_64
+               *[(jeq, nr[name], "deny", None) for name in denied],
+               (jeq, nr["socket"], "socket", None), (jeq, nr["socketpair"], "socketpair", "allow"),
+               "socket", (ld, 16, None, None), (jeq, af_unix, "deny", "allow"),
+               "socketpair", (ld, 16, None, None), (jeq, af_unix, None, "allow"),
+               (ld, 24, None, None), (and_, 0xF, None, None), (jeq, sock_stream, "allow", "deny"),  # flags aside
+               "allow", (ret, 0x7FFF0000, None, None),  # SECCOMP_RET_ALLOW
+               "deny", (ret, 0x00050000 | 1, None, None)]  # SECCOMP_RET_ERRNO | EPERM
+    labels, ops = {}, []
+    for item in program:
+        if isinstance(item, str):
+            labels[item] = len(ops)
+        else:
+            ops.append(item)
+
+    def jump(label, i):  # BPF jumps are forward, relative to the next instruction
+        return 0 if label is None else labels[label] - i - 1
+
+    return b"".join(struct.pack("=HBBI", code, jump(jt, i), jump(jf, i), k) for i, (code, k, jt, jf) in enumerate(ops))
+
+
+# Installs the filter given in hex, then execs the rest of its argv. It runs just before setpriv, still as
+# root where we are root, so it can read an interpreter under /root; the filter holds for every later exec
+# and fork, and no_new_privs (which seccomp requires of the unprivileged) is what setpriv sets anyway.
+LAUNCHER = """import ctypes, os, sys
+class Fprog(ctypes.Structure):  # struct sock_fprog
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_char_p)]
+program = bytes.fromhex(sys.argv[1])
+fprog, libc = Fprog(len(program) // 8, program), ctypes.CDLL(None, use_errno=True)
+if libc.prctl(38, 1, 0, 0, 0) or libc.prctl(22, 2, ctypes.byref(fprog), 0, 0):  # NO_NEW_PRIVS; SECCOMP, FILTER
+    sys.exit("sandbox: cannot install the seccomp filter: " + os.strerror(ctypes.get_errno()))
+os.execvp(sys.argv[2], sys.argv[2:])
+"""
