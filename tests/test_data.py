@@ -233,38 +233,34 @@ def _hub_cache(home, repo, model_dir):
     return folder / "snapshots" / commit
 
 
-def _find_model(name, home):
-    """find_model in a process of its own (huggingface_hub reads HF_HOME when imported), with a hub that refuses
-    connections at once (a closed local port), as on a machine without network."""
-    import os
-    import subprocess
-    import sys
-    from common import ROOT
-    env = {**os.environ, "HF_HOME": str(home), "HF_ENDPOINT": "http://127.0.0.1:9"}
-    env.pop("HF_HUB_OFFLINE", None)
-    code = (f"from machinery.data import find_model, load_tokenizer\npath = find_model({name!r})\n"
-            f"print('vocab', len(load_tokenizer(path)))")
-    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+@pytest.fixture
+def no_hub(tmp_path, monkeypatch):
+    """An empty Hugging Face cache and a hub that refuses connections at once (a closed local port), as on a machine
+    without network; returns the cache's home (HF_HOME)."""
+    from huggingface_hub import constants
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    return tmp_path / "hf"
 
 
-def test_a_hub_name_without_a_hub_loads_its_cached_copy(toy_model, tmp_path):
-    snapshot = _hub_cache(tmp_path / "hf", "someone/tiny-model", toy_model)
-    proc = _find_model("someone/tiny-model", tmp_path / "hf")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    from machinery.data import load_tokenizer
-    assert f"using the cached copy {snapshot}" in proc.stdout
-    assert f"vocab {len(load_tokenizer(str(toy_model)))}\n" in proc.stdout  # the cached model's own tokenizer
-    assert "Retrying" not in proc.stderr + proc.stdout
+def test_a_hub_name_without_a_hub_loads_its_cached_copy(toy_model, no_hub, capsys):
+    from machinery.data import find_model, load_tokenizer
+    snapshot = _hub_cache(no_hub, "someone/tiny-model", toy_model)
+    path = find_model("someone/tiny-model")
+    assert path == str(snapshot) and f"using the cached copy {snapshot}" in capsys.readouterr().out
+    assert len(load_tokenizer(path)) == len(load_tokenizer(str(toy_model)))  # the cached model's own tokenizer
 
 
-def test_a_hub_name_neither_reachable_nor_cached_is_one_line_without_retries(tmp_path):
+def test_a_hub_name_neither_reachable_nor_cached_is_one_line_without_retries(no_hub, capsys):
     """It used to take a minute and 20 retry lines before transformers' own error."""
-    proc = _find_model("someone/not-cached", tmp_path / "hf")
-    assert proc.returncode == 2 and proc.stdout == "", proc.stdout
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: --model someone/not-cached: not a local directory, and the "
-                                                   "Hugging Face hub cannot be reached"), proc.stderr[-3000:]
-    assert str(tmp_path / "hf" / "hub") in lines[0]
+    from machinery.data import find_model
+    with pytest.raises(SystemExit):
+        find_model("someone/not-cached")
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("error: --model someone/not-cached: not a local directory, and the Hugging Face hub cannot "
+                          "be reached") and str(no_hub / "hub") in err
 
 
 def test_a_path_that_does_not_exist_is_not_taken_for_a_hub_name(tmp_path, capsys):
