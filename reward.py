@@ -18,7 +18,8 @@ Your own verifier (`--reward module:function` or `--reward path/to/file.py:funct
 the think gate, which scores 0 without calling it) and the data's answer as a stripped string, and returns 0 or 1
 (bool, int or float). Binary, because SPO's tracker is a Beta posterior over successes (Eq. 5) and pass@k, maj@k
 and the offline-values check count successes; any other value stops the run with one line naming --reward.
-`numeric_match` is a second verifier, as an example: numbers compare by value.
+`numeric_match` is a second verifier, as an example: numbers compare by value. `math_verify` compares the final
+box with the ground truth by mathematical equivalence (`\\frac{1}{2}` = `0.5`), with the optional math-verify package.
 
     from reward import boxed_reward, rewards
     boxed_reward("so the sum is \\\\boxed{17}", "17")                       # 1.0
@@ -28,8 +29,11 @@ and the offline-values check count successes; any other value stops the run with
 import functools
 import importlib
 import importlib.util
+import json
 import queue
 import re
+import subprocess
+import sys
 import threading
 from fractions import Fraction
 from pathlib import Path
@@ -49,8 +53,8 @@ def add_reward_flags(parser, truncation=True):
     they are: truncation=False leaves --truncated_reward out)."""
     parser.add_argument("--reward", default=DEFAULT_REWARD,
                         help="the verifier, module:function or file.py:function, fn(response_text, ground_truth) "
-                             "-> 0 or 1 (docs/own-model-and-data.md; e.g. reward:numeric_match); default: the "
-                             "authors' strict boxed rule")
+                             "-> 0 or 1 (docs/own-model-and-data.md; e.g. reward:numeric_match, reward:math_verify); "
+                             "default: the authors' strict boxed rule")
     if truncation:
         parser.add_argument("--truncated_reward", choices=["zero", "score"], default="zero",
                             help="a response cut off by the token budget gets 0 (zero) or is scored like any other")
@@ -117,6 +121,86 @@ def numeric_match(text: str, ground_truth: str) -> float:
     return float(answer == truth)
 
 
+# math-verify's own time limits use SIGALRM, which Python handles only in a process's main thread, and our verifier
+# calls run on a worker thread. Worse, `\boxed{10^{10^{10}}}` makes sympy compute a ten-billion-digit integer in C
+# code that holds the GIL and checks only for signals: on a worker thread nothing can stop it and the whole process
+# hangs. So math-verify runs in a child process, in its main thread with its limits on (a parse or comparison that
+# runs out of time is no match), and the parent kills the child if even those fail.
+MATH_VERIFY_CHILD = r"""
+import json, sys
+reply, sys.stdout = sys.stdout, sys.stderr  # whatever the libraries print must not mix with the replies
+try:
+    from math_verify import parse, verify
+except Exception as e:
+    print(f"{type(e).__name__}: {e}", file=reply, flush=True)
+    raise SystemExit
+print("ready", file=reply, flush=True)
+for line in sys.stdin:
+    answer, truth = json.loads(line)
+    try:  # gold first: verify is not symmetric (an equation as gold, intervals)
+        same = verify(parse("\\boxed{" + truth + "}"), parse("\\boxed{" + answer + "}"))
+    except Exception:  # it catches its own errors; this is for any it lets through
+        same = False
+    print(int(bool(same)), file=reply, flush=True)
+"""
+MATH_VERIFY_LIMIT_S = 40.0  # per answer; math-verify's own limits are 5 s per parse and per comparison
+_math_child = None  # (process, queue of its reply lines, None at its end)
+_math_lock = threading.Lock()
+
+
+def _math_verify_child():
+    """The running math-verify child, started on first use (or after it was killed). Raises ValueError with one
+    line when math-verify does not import: math_verify.check_before_start, run when --reward is resolved."""
+    global _math_child
+    if _math_child is None or _math_child[0].poll() is not None:
+        process = subprocess.Popen([sys.executable, "-c", MATH_VERIFY_CHILD], stdin=subprocess.PIPE,
+                                   stdout=subprocess.PIPE, text=True)
+        replies = queue.SimpleQueue()
+
+        def read():  # a thread, so the wait for a reply can time out on any platform
+            for line in process.stdout:
+                replies.put(line.strip())
+            replies.put(None)
+
+        threading.Thread(target=read, daemon=True, name="math-verify").start()
+        started = replies.get()
+        if started != "ready":
+            process.kill()
+            process.wait()
+            raise ValueError(f"the math-verify package does not import ({started}): pip install math-verify")
+        _math_child = process, replies
+    return _math_child
+
+
+def math_verify(text: str, ground_truth: str) -> float:
+    """`--reward reward:math_verify`: the same final box as exact_match, compared with the ground truth by the
+    math-verify package (parse, then verify, gold first): `\\frac{1}{2}` = `0.5`, `2^{n-1}` = `2^(n-1)`,
+    `1,000` = `1000`, `[1, 2)` = `[1,2)`. An exact match scores 1 without it; no box, an answer it cannot parse
+    or one it cannot decide within its limits (or MATH_VERIFY_LIMIT_S) scores 0."""
+    global _math_child
+    answer, truth = final_answer(text), str(ground_truth).strip()
+    if answer is None:
+        return 0.0
+    if answer == truth:  # exact_match's 1 stands: it needs no parse, and no time limit can take it back
+        return 1.0
+    with _math_lock:  # one request in flight: a reply must answer its own request
+        process, replies = _math_verify_child()
+        try:
+            process.stdin.write(json.dumps([answer, truth]) + "\n")
+            process.stdin.flush()
+            reply = replies.get(timeout=MATH_VERIFY_LIMIT_S)
+        except (BrokenPipeError, queue.Empty):
+            reply = None
+        if reply is None:  # stuck past its own limits, or died: a fresh child takes the next answer
+            process.kill()
+            process.wait()
+            _math_child = None
+    return float(reply == "1")
+
+
+math_verify.check_before_start = _math_verify_child
+
+
 @functools.lru_cache(maxsize=None)
 def load_verifier(spec: str):
     """The function a --reward spec names: `module:function` (imported as Python imports it: the repository,
@@ -138,6 +222,10 @@ def load_verifier(spec: str):
     fn = getattr(module, name, None)
     if not callable(fn):
         raise ValueError(f"--reward {spec}: {module_name} has no function {name}")
+    try:
+        getattr(fn, "check_before_start", lambda: None)()  # math_verify: its optional package imports
+    except ValueError as e:
+        raise ValueError(f"--reward {spec}: {e}") from None
     return fn
 
 

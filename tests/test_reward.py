@@ -1,10 +1,11 @@
 """The verifier (reward.py): the default rule (the authors' strict boxed answer: the last box within the tail
 window, compared as a string; the think gate; tool output is not the model's answer), then your own verifier
-(`--reward module:function`): how a spec is resolved and refused, what a verifier sees and may return, and the
-example second verifier `numeric_match`.
+(`--reward module:function`): how a spec is resolved and refused, what a verifier sees and may return, the
+example second verifier `numeric_match`, and `math_verify` (the optional math-verify package).
 
     .venv/bin/python -m pytest tests/test_reward.py -q
 """
+import os
 import subprocess
 import sys
 
@@ -214,3 +215,101 @@ def test_the_verifier_thread_is_replaced_after_a_timeout(tmp_path, capsys):
         reward_and_answer(r"slow \boxed{1}", "1", reward=spec, timeout_s=0.5)
     assert "did not return within --reward_timeout 0.5 s" in capsys.readouterr().err
     assert reward_and_answer(r"fast \boxed{1}", "1", reward=spec) == (1.0, "1")  # the default limit: a loaded machine
+
+
+# ---- reward:math_verify (the math-verify package, in a child process) ------------------------------------------
+def math_reward(text, truth):
+    """Through reward_and_answer, as training scores: the call runs on the verifier thread (call_verifier)."""
+    return reward_and_answer(text, truth, reward="reward:math_verify")[0]
+
+
+@pytest.mark.parametrize("answer, truth", [
+    (r"\frac{1}{2}", "0.5"), ("2^{n-1}", "2^(n-1)"), (r"\sqrt{2}/2", r"\frac{\sqrt{2}}{2}"), ("[1, 2)", "[1,2)"),
+    (r"(0, \infty)", r"(0,\infty)"), ("1,000", "1000"), (r"\dfrac{3}{4}", "3/4"), ("2x+1", "1+2x"),
+])
+def test_math_verify_scores_equivalent_answers_1_both_ways(answer, truth):
+    assert math_reward(rf"so \boxed{{{answer}}}", truth) == 1.0
+    assert math_reward(rf"so \boxed{{{truth}}}", answer) == 1.0
+
+
+@pytest.mark.parametrize("answer, truth", [
+    ("3", "4"), ("(1,2]", "[1,2]"), ("(2,3)", "(3,2)"), ("2x+1", "2x-1"), ("0.33", r"\frac{1}{3}"),
+    (r"\sqrt{2}", "1.41"), ("2^{n+1}", "2^(n-1)"),
+])
+def test_math_verify_scores_different_answers_0_both_ways(answer, truth):
+    assert math_reward(rf"so \boxed{{{answer}}}", truth) == 0.0
+    assert math_reward(rf"so \boxed{{{truth}}}", answer) == 0.0
+
+
+def test_math_verify_reads_the_same_final_answer_as_exact_match():
+    assert reward_and_answer("the answer is 0.5", "0.5", reward="reward:math_verify") == (0.0, None)  # no box
+    assert math_reward(r"\boxed{\frac{1}{2}} and" + " more words" * 20, "0.5") == 0.0    # outside the tail
+    assert math_reward(r"\boxed{0.5} no, finally \boxed{0.4}", "0.5") == 0.0              # the last box decides
+    assert reward_and_answer(r"<code>print('\\boxed{1/2}')</code> \boxed{0.5}", "1/2",
+                             reward="reward:math_verify") == (1.0, "0.5")
+
+
+def test_math_verify_is_given_the_ground_truth_as_gold():
+    """verify() is not symmetric: a set answers a relation in the gold, not the other way round."""
+    assert math_reward(r"\boxed{(1,2)}", "1<x<2") == 1.0
+    assert math_reward(r"\boxed{1<x<2}", "(1,2)") == 0.0
+
+
+def test_exact_match_and_math_verify_disagree_where_they_should():
+    """math_verify accepts what the strict rule refuses, and never refuses what it accepts: an identical answer
+    scores 1 without asking math-verify (which parses `\\text{}` to nothing and scores it 0 against itself)."""
+    for answer, truth in [(r"\frac{1}{2}", "0.5"), ("1,000", "1000"), ("2^{n-1}", "2^(n-1)")]:
+        text = rf"so \boxed{{{answer}}}"
+        assert (exact_match(text, truth), math_reward(text, truth)) == (0.0, 1.0)
+    for same in [r"\text{}", "@@!"]:
+        text = rf"so \boxed{{{same}}}"
+        assert (exact_match(text, same), math_reward(text, same)) == (1.0, 1.0)
+
+
+@pytest.mark.parametrize("answer, truth", [
+    (r"\frac{1}{}", "1"), (r"\left( 2", "1"), ("^^_", "1"), ("$", "1"), ("\\", "1"), (r"\frac{1}{0}", "1"),
+    (r"\begin{pmatrix}", "1"), (r"\sqrt[", "1"), ("1", r"\frac{"), ("1", "\\"), (r"\text{\x}", "2"), ("'\"\n", "1"),
+])
+def test_math_verify_never_raises_on_malformed_latex(answer, truth):
+    assert math_reward(rf"so \boxed{{{answer}}}", truth) == 0.0
+
+
+def test_math_verify_survives_a_huge_number():
+    """`\\boxed{10^{10^{10}}}` makes sympy build a ten-billion-digit integer in C code that holds the GIL: run on
+    the verifier thread, nothing could stop it and the process hung (in a process of its own here, so a hang
+    fails the test). In the child, math-verify's own limit ends it: 0, and the run goes on."""
+    code = ("import reward\nspec = 'reward:math_verify'\n"
+            "print(reward.reward_and_answer('so \\\\boxed{10^{10^{10}}}', '1', reward=spec),"
+            " reward.reward_and_answer('so \\\\boxed{1/2}', '0.5', reward=spec))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "(0.0, '10^{10^{10}}') (1.0, '1/2')"
+
+
+def test_math_verify_kills_a_child_stuck_past_its_limit(monkeypatch):
+    """The parent's limit is the backstop: a child that does not answer in time is killed, the answer scores 0 and
+    a fresh child takes the next one (math-verify's own limit on this answer is 5 s, well past 1 s)."""
+    import reward
+    assert math_reward(r"\boxed{1/2}", "0.5") == 1.0                # the child is up
+    stuck = reward._math_child[0]
+    monkeypatch.setattr(reward, "MATH_VERIFY_LIMIT_S", 1.0)
+    assert math_reward(r"\boxed{10^{10^{10}}}", "1") == 0.0
+    assert stuck.poll() is not None and reward._math_child is None  # killed, and forgotten
+    monkeypatch.undo()
+    assert math_reward(r"\boxed{1/2}", "0.5") == 1.0
+    assert reward._math_child[0].pid != stuck.pid
+
+
+def test_math_verify_without_the_package_is_one_line_before_start(tmp_path):
+    """A --reward whose function resolves but whose package is missing is refused when the flag is checked, in one
+    line saying what to install (here a math_verify that does not import stands in for a missing one)."""
+    (tmp_path / "math_verify").mkdir()
+    missing = "raise ModuleNotFoundError(\"No module named 'math_verify'\")\n"
+    (tmp_path / "math_verify" / "__init__.py").write_text(missing)
+    code = "import reward\nreward.check_reward_flag('reward:math_verify')\nprint('not reached')"
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2 and "not reached" not in proc.stdout, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [
+        "error: --reward reward:math_verify: the math-verify package does not import (ModuleNotFoundError: No module "
+        "named 'math_verify'): pip install math-verify"]
