@@ -13,9 +13,14 @@ A checkpoint is a directory written atomically (into step_N.tmp, renamed when co
 - model/: a plain Hugging Face model (config, weights, tokenizer) that transformers, vLLM and eval.py load as it
   is, gathered in buckets (in bf16 on GPU) and written by rank 0 tensor by tensor (`export_hf`);
 - state.pt: the run's own state: step, world size, the training set's prompt keys, the tracker, the sampler's
-  RNG, SPO's previous responses and the run's flags.
+  RNG, SPO's previous responses and the run's flags;
+- manifest.json: every file's size as written, so a truncated or missing file is named before anything reads it
+  (`damaged`).
 Every file is fsynced before the rename; a failed write (no space, read-only) removes the partial directory and says
-why. Resume checks the world size and the training set, builds the policy from model/ and loads shards/ over it.
+why. Resume takes the newest published checkpoint (`resume_point`), checks its files, the world size and the training
+set, builds the policy from model/ and loads shards/ over it. A damaged newest checkpoint is never stepped back from
+silently: the error names the damaged file and the newest intact checkpoint, to resume from by deleting the damaged
+one. A directory whose run saved no checkpoint is not a run to continue: a fresh run takes it over.
 Not run on its own: spo.py calls it; tests/test_end_to_end.py resumes runs and compares them with straight ones.
 """
 import atexit
@@ -61,10 +66,13 @@ def resume_args(args):
     """--resume: the run's own settings (its config.json) with the flags given now that may change; one line
     naming each flag that may not, and a --steps that would not go past the checkpoint, are errors."""
     import argparse
+    path, error = resume_point(args.resume)  # before the config: "no checkpoint" is the error that says what to do
+    if error:
+        fail(error, once=True)
     saved = read_config(args.resume)
     settings, errors = resumed_settings(saved, {flag: getattr(args, flag) for flag in args.given})
-    step = latest_step(args.resume)
-    if step is not None and settings["steps"] <= step:
+    step = int(os.path.basename(path).removeprefix("step_"))
+    if settings["steps"] <= step:
         errors.append(f"--steps {settings['steps']}: the run's latest checkpoint is at step {step}; pass a larger "
                       f"--steps to continue it")
     if errors:
@@ -75,12 +83,50 @@ def resume_args(args):
 
 
 def latest_step(run_dir):
-    """The step of run_dir's latest complete checkpoint (from `latest`'s name), or None."""
+    """The step `latest` names (the sweep's quick look; resume and eval.py read `checkpoint_dirs`), or None."""
     try:
         with open(os.path.join(run_dir, "checkpoints", "latest")) as f:
             return int(f.read().strip().removeprefix("step_"))
     except (OSError, ValueError):
         return None
+
+
+def checkpoint_dirs(run_dir):
+    """run_dir's published checkpoints (step_N directories, renamed from step_N.tmp once complete), oldest first.
+    Not `latest`: it may name a step directory the user deleted (a damaged one), or lag a crash behind."""
+    root = os.path.join(run_dir, "checkpoints")
+    try:
+        names = [n for n in os.listdir(root) if n.startswith("step_") and n[5:].isdigit()]
+    except OSError:
+        return []
+    return [os.path.join(root, n) for n in sorted(names, key=lambda n: int(n[5:]))
+            if os.path.isdir(os.path.join(root, n))]
+
+
+def _no_checkpoint(run_dir):
+    return (f"--resume {run_dir}: no checkpoint there to continue from (a run that stopped before its first "
+            f"checkpoint saved nothing); start it afresh with --run_dir {run_dir}")
+
+
+def resume_point(run_dir):
+    """The checkpoint --resume continues from: the newest published one, its files checked (`damaged`) before
+    anything heavy starts. Returns (path, None) or (None, one error line). A damaged newest checkpoint is an error
+    naming the damaged file and the newest intact checkpoint, to resume from by deleting the damaged ones: going
+    back is the user's choice, never silent (steps after it are trained again)."""
+    found = checkpoint_dirs(run_dir)
+    if not found:
+        return None, _no_checkpoint(run_dir)
+    problem = damaged(found[-1])
+    if problem is None:
+        return found[-1], None
+    bad = [found[-1]]
+    for path in reversed(found[:-1]):
+        if damaged(path) is None:
+            return None, (f"--resume {run_dir}: its latest checkpoint is damaged ({problem}); the newest intact one "
+                          f"is {os.path.basename(path)}: delete {' and '.join(bad)} to resume from it")
+        bad.append(path)
+    return None, (f"--resume {run_dir}: its latest checkpoint is damaged ({problem}) and no earlier one is intact: "
+                  f"start a new run with another --run_dir")
 
 
 def open_run_dir(args, name):
@@ -109,9 +155,19 @@ def check_disk(run_dir, model, export_bytes_per_parameter):
              f"(weights, optimiser state, HF export)", once=True)
 
 
-def _run_holds(run_dir):
-    return [name for name in ("config.json", "metrics.jsonl", "checkpoints")
-            if os.path.exists(os.path.join(run_dir, name))]
+def _take_over(run_dir, name):
+    """A fresh run in a directory whose run stopped before its first checkpoint: that run's files (config, logs,
+    unfinished checkpoints/) go to earlier_attempt_K/, kept to read but out of the new run's logs; one line says so."""
+    files = sorted(f for f in os.listdir(run_dir) if f in ("config.json", "metrics.jsonl", "probe.jsonl",
+                                                           "checkpoints", "wandb") or f.startswith("events.out."))
+    if files:
+        k = next(k for k in itertools.count(1) if not os.path.exists(os.path.join(run_dir, f"earlier_attempt_{k}")))
+        aside = os.path.join(run_dir, f"earlier_attempt_{k}")
+        os.makedirs(aside)
+        for f in files:
+            os.replace(os.path.join(run_dir, f), os.path.join(aside, f))
+        print(f"{name}: --run_dir {run_dir}: the run there saved no checkpoint; starting afresh, its files "
+              f"({', '.join(files)}) moved to {aside}", flush=True)
 
 
 def _lock_owner(lock):
@@ -147,16 +203,25 @@ def _alive(pid):
     return True
 
 
+def live_job(run_dir):
+    """The job holding run_dir's lock ("pid P on HOST"), or None: is a run there still writing?"""
+    lock = os.path.join(run_dir, ".lock")
+    owner = _lock_owner(lock)
+    return (f"pid {owner[1]} on {owner[0]}" if owner else "one starting") if _held(lock, owner) else None
+
+
 def claim_run_dir(run_dir, resume, name):
     """Rank 0's check that this run may write run_dir, then its lock (removed at exit). Returns an error line or
-    None. A fresh run needs a directory that holds no run; --resume needs one that does. The lock is a file
-    created exclusively; a lock left by a process that is gone (same host) is stale and replaced."""
-    holds = _run_holds(run_dir) if os.path.isdir(run_dir) else []
-    if not resume and holds:
-        return (f"--run_dir {run_dir} already holds a run ({', '.join(holds)}): continue it with --resume {run_dir}, "
-                f"or choose another --run_dir")
-    if resume and "checkpoints" not in holds:
-        return f"--resume {run_dir}: no run with checkpoints there"
+    None. A run is continued only from a checkpoint: a fresh run refuses a directory that holds one, and takes
+    over one that holds none (a run that stopped before its first checkpoint, or a directory the user made);
+    --resume needs one. So neither refusal sends the user to the other. The lock is a file created exclusively;
+    a lock left by a process that is gone (same host) is stale and replaced."""
+    saved = checkpoint_dirs(run_dir)
+    if not resume and saved:
+        return (f"--run_dir {run_dir} already holds a run with checkpoints (newest: {os.path.basename(saved[-1])}): "
+                f"continue it with --resume {run_dir}, or choose another --run_dir")
+    if resume and not saved:
+        return _no_checkpoint(run_dir)
     lock, existed = os.path.join(run_dir, ".lock"), os.path.isdir(run_dir)
     try:
         os.makedirs(run_dir, exist_ok=True)
@@ -181,6 +246,8 @@ def claim_run_dir(run_dir, resume, name):
         with open(probe, "w") as f:
             f.write("ok")
         os.remove(probe)
+        if not resume:
+            _take_over(run_dir, name)  # only now: a live job's files are never moved (its lock refused us above)
     except OSError as e:
         return f"--run_dir {run_dir}: cannot write there ({e.strerror or e})"
     atexit.register(_release, lock, run_dir, existed)
@@ -226,6 +293,100 @@ def _fsync_tree(root):
 
 
 # ------------------------------------------------------------------------------------------------ checkpoints
+MANIFEST = "manifest.json"
+
+
+def _write_manifest(folder):
+    """manifest.json: every file's size under folder (a checkpoint being written, every rank's shards in),
+    what `damaged` compares the checkpoint with."""
+    sizes = {os.path.relpath(os.path.join(d, n), folder).replace(os.sep, "/"): os.path.getsize(os.path.join(d, n))
+             for d, _, names in os.walk(folder) for n in names}
+    with open(os.path.join(folder, MANIFEST), "w") as f:
+        json.dump({"files": dict(sorted(sizes.items()))}, f, indent=0)
+
+
+def _size(path):
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return None
+
+
+def _safetensors_problem(path):
+    """Why a safetensors file is not whole (its header's extent against its length), or None: a cut-off export
+    is found without reading the weights."""
+    size = _size(path)
+    try:
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if size < 8 or n > size - 8:
+                return f"{path}: {size} bytes, shorter than its header says"
+            header = json.loads(f.read(n))
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    except (OSError, ValueError, TypeError, KeyError, IndexError) as e:
+        return f"{path}: unreadable safetensors header ({e.__class__.__name__})"
+    return None if size == 8 + n + end else f"{path}: {size} bytes, its header describes {8 + n + end}"
+
+
+def _older_format(state):
+    """A state.pt of the unsharded format (optimiser inside) or from before prompt keys: not resumable here."""
+    return "prompt_keys" not in state or "optimizer" in state
+
+
+def _unlisted_problems(path, part):
+    """A checkpoint from before manifests: state.pt loads (the older format's is not damaged: load_checkpoint
+    refuses it), model/config.json and shards/.metadata are there, each DCP shard reaches as far as .metadata says."""
+    import torch.distributed.checkpoint as dcp
+    shards, state = os.path.join(path, "shards"), os.path.join(path, "state.pt")
+    if part == "":
+        try:  # mmap: the older format's optimiser state stays on disk
+            if _older_format(torch.load(state, mmap=True, weights_only=False)):
+                return []
+        except Exception as e:  # noqa: BLE001 - a cut-off pickle raises anything from EOFError to UnpicklingError
+            return [f"{state}: {'missing' if _size(state) is None else 'unreadable'} ({e.__class__.__name__})"]
+    needed = [os.path.join(path, "model", "config.json")] + ([os.path.join(shards, ".metadata")] if part == "" else [])
+    if part or any(_size(f) is None for f in needed):
+        return [f"{f}: missing" for f in needed if _size(f) is None]
+    reach = {}
+    try:
+        for info in dcp.FileSystemReader(shards).read_metadata().storage_data.values():
+            reach[info.relative_path] = max(reach.get(info.relative_path, 0), info.offset + info.length)
+    except Exception as e:  # noqa: BLE001 - a cut-off pickle
+        return [f"{needed[-1]}: unreadable ({e.__class__.__name__})"]
+    sizes = {name: _size(os.path.join(shards, name)) for name in reach}
+    return [f"{os.path.join(shards, name)}: {'missing' if sizes[name] is None else f'{sizes[name]} bytes'}, its "
+            f"tensors reach byte {end}" for name, end in sorted(reach.items()) if (sizes[name] or 0) < end]
+
+
+def damaged(path, part=""):
+    """Why the checkpoint in path (a step_N directory) cannot be read, naming the first damaged file, or None.
+    part: only the files under it ("model/": what eval.py reads). Cheap, before anything heavy starts: each
+    file's size against manifest.json (a checkpoint from before manifests: `_unlisted_problems`), then each
+    safetensors file's header against its length. Sizes catch a cut-off or missing file, not a flipped bit."""
+    try:
+        with open(os.path.join(path, MANIFEST)) as f:
+            written = json.load(f)["files"]
+    except FileNotFoundError:
+        written = None
+    except (OSError, ValueError, KeyError) as e:
+        return f"{os.path.join(path, MANIFEST)}: unreadable ({e.__class__.__name__})"
+    if written is None:
+        problems = _unlisted_problems(path, part)
+    else:
+        problems = []
+        for name, size in written.items():
+            have = _size(os.path.join(path, name)) if name.startswith(part) else size
+            if have != size:
+                problems.append(f"{os.path.join(path, name)}: "
+                                f"{'missing' if have is None else f'{have} bytes'}, {size} were written")
+    if not problems:
+        model = os.path.join(path, "model")
+        names = sorted(n for n in os.listdir(model) if n.endswith(".safetensors")) if os.path.isdir(model) else []
+        problems = [p for p in (_safetensors_problem(os.path.join(model, n)) for n in names) if p]
+    if not problems:
+        return None
+    return problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
+
 
 
 # The HF export's safetensors files hold at most this many bytes each: rank 0 holds one file's tensors at a time.
@@ -334,6 +495,7 @@ def save_checkpoint(run_dir, step, model, optimizer, tokenizer, world, prompt_ke
             torch.save({"step": step, "world_size": world, "prompt_keys": prompt_keys, "tracker": tracker_state,
                         "sampler": sampler_state, "previous": previous, "config": config, "reach": reach},
                        os.path.join(tmp, "state.pt"))
+            _write_manifest(tmp)  # last: every rank's shards are in (dcp.save returned on every rank)
             _fsync_tree(tmp)
         except OSError as e:
             error = e.strerror or str(e)
@@ -353,15 +515,16 @@ def save_checkpoint(run_dir, step, model, optimizer, tokenizer, world, prompt_ke
 
 
 def load_checkpoint(run_dir, world, prompt_keys):
-    """The latest complete checkpoint of run_dir, checked against this run's world size and dataset."""
-    root = os.path.join(run_dir, "checkpoints")
+    """The newest published checkpoint of run_dir (`resume_point`: its files checked), checked against this run's
+    world size and dataset."""
+    path, error = resume_point(run_dir)
+    if error:
+        fail(error, once=True)
     try:
-        with open(os.path.join(root, "latest")) as f:
-            path = os.path.join(root, f.read().strip())
         state = torch.load(os.path.join(path, "state.pt"), weights_only=False)  # our own file: numpy inside
-    except (OSError, EOFError, RuntimeError) as e:
-        fail(f"--resume {run_dir}: no complete checkpoint found ({e.__class__.__name__}: {e})")
-    if "prompt_keys" not in state or not os.path.isdir(os.path.join(path, "shards")):  # docs/design.md, Checkpoints
+    except Exception as e:  # noqa: BLE001 - sizes checked; this is a file changed since (a cut pickle raises anything)
+        fail(f"--resume {run_dir}: {os.path.join(path, 'state.pt')} unreadable ({e.__class__.__name__}: {e})")
+    if _older_format(state):  # docs/design.md, Checkpoints
         fail(f"--resume {run_dir}: the checkpoint was written by an older spo.py and cannot be resumed by this one; "
              f"its model directory still loads (--model {os.path.join(path, 'model')})")
     if state["prompt_keys"] != prompt_keys:

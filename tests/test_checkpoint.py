@@ -1,6 +1,8 @@
-"""Checkpoints and run directories (machinery/checkpoint.py): an old checkpoint is refused in one line, one run per
-directory and one job at a time, a resume keeps the run's settings and cuts metrics back to the checkpoint, and a
-full disk is found before the engine starts. The exact-resume runs are in tests/test_end_to_end.py.
+"""Checkpoints and run directories (machinery/checkpoint.py): an old checkpoint is refused in one line, a damaged one
+is named with the newest intact one before anything reads it, one run per directory and one job at a time, a run
+that saved no checkpoint leaves a directory a fresh run takes over, a resume keeps the run's settings and cuts
+metrics back to the checkpoint, and a full disk is found before the engine starts. The exact-resume runs are in
+tests/test_end_to_end.py.
 
     .venv/bin/python -m pytest tests/test_checkpoint.py -q
 """
@@ -14,21 +16,174 @@ def test_a_checkpoint_from_an_older_spo_is_refused_in_one_line(tmp_path, capsys,
     step = tmp_path / "checkpoints" / "step_000002"
     step.mkdir(parents=True)
     (tmp_path / "checkpoints" / "latest").write_text("step_000002")
-    torch.save({"step": 2, "world_size": 1, keys_field: ["0123456789abcdef"]}, step / "state.pt")  # no shards/
+    torch.save({"step": 2, "world_size": 1, keys_field: ["0123456789abcdef"], "optimizer": {}},  # no shards/
+               step / "state.pt")
     with pytest.raises(SystemExit):
         checkpoint.load_checkpoint(str(tmp_path), 1, ["0123456789abcdef"])
     err = capsys.readouterr().err
     assert "older spo.py" in err and str(step / "model") in err and len(err.strip().splitlines()) == 1
 
 
+# ---- damaged checkpoints: named, with the newest intact one, before anything heavy reads them
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory):
+    """A run directory with two real checkpoints (steps 2 and 4, written by save_checkpoint in a world of one):
+    DCP shards, the HF export, state.pt, manifest.json."""
+    from common import ENV, ROOT, ok
+    import subprocess
+    import sys
+    run = tmp_path_factory.mktemp("saved") / "run"
+    ok(subprocess.run([sys.executable, "tests/test_checkpoint.py", "checkpoint_worker", str(run)], cwd=ROOT, env=ENV,
+                      capture_output=True, text=True, timeout=600))
+    return run
+
+
+def checkpoint_worker(run):
+    """Run by the fixture above: a tiny policy, checkpointed at steps 2 and 4."""
+    import os
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from machinery import checkpoint, trainer
+    from tasks import toy
+    _, world, device = trainer.setup_distributed()
+    initial = os.path.join(run, "initial")
+    tokenizer = toy.build_tokenizer(initial)
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(Qwen3Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=2, num_key_value_heads=1, head_dim=16)).save_pretrained(initial)
+    model, optimizer = trainer.build_policy(initial, device, lr=1e-3, weight_decay=0.0)
+    for step in (2, 4):
+        model(torch.tensor([[1, 2, 3]])).logits.sum().backward()  # Adam moments in the optimiser state
+        optimizer.step()
+        checkpoint.save_checkpoint(run, step, model, optimizer, tokenizer, world, ["k0", "k1"], {}, {}, {},
+                                   {"steps": 8})
+    torch.distributed.destroy_process_group()
+
+
+def _damage(run, how):
+    """A copy of the run whose step-4 checkpoint is damaged `how`; the damaged file."""
+    import shutil
+    step = run / "checkpoints" / "step_000004"
+    target = {"shard": step / "shards" / "__0_0.distcp", "export": step / "model" / "model.safetensors",
+              "state": step / "state.pt", "shards/": step / "shards", "manifest": step / "manifest.json"}[how]
+    if how == "shards/":
+        shutil.rmtree(target)
+    else:
+        with open(target, "r+b") as f:
+            f.truncate(target.stat().st_size // 2)
+    return target
+
+
+def _one_error(capsys, call):
+    with pytest.raises(SystemExit):
+        call()
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: "), err
+    return err
+
+
+@pytest.mark.parametrize("how", ["shard", "export", "state", "shards/", "manifest"])
+def test_a_damaged_checkpoint_is_named_with_the_newest_intact_one(saved_run, tmp_path, capsys, how):
+    """A cut-off DCP shard or HF export used to be a traceback on --resume, a deleted shards/ was blamed on an
+    older spo.py: now one line names the damaged file and the checkpoint to resume from; deleting the damaged one,
+    as it says, resumes from that one."""
+    import shutil
+    from machinery import checkpoint
+    run = tmp_path / "run"
+    shutil.copytree(saved_run, run)
+    damaged = _damage(run, how)
+    err = _one_error(capsys, lambda: checkpoint.load_checkpoint(str(run), 1, ["k0", "k1"]))
+    assert str(damaged) in err and "older spo.py" not in err, err
+    assert f"the newest intact one is step_000002: delete {run / 'checkpoints' / 'step_000004'}" in err
+    shutil.rmtree(run / "checkpoints" / "step_000004")  # what the line says; `latest` still names it
+    state = checkpoint.load_checkpoint(str(run), 1, ["k0", "k1"])
+    assert state["step"] == 2 and state["shards"] == str(run / "checkpoints" / "step_000002" / "shards")
+
+
+@pytest.mark.parametrize("how", ["shard", "export"])
+def test_a_checkpoint_from_before_manifests_resumes_and_is_checked_by_its_structure(saved_run, tmp_path, capsys,
+                                                                                       how):
+    """Checkpoints written before manifest.json: intact, they resume; a cut-off shard (against its .metadata) or
+    export (against its header) is named."""
+    import shutil
+    from machinery import checkpoint
+    run = tmp_path / "run"
+    shutil.copytree(saved_run, run)
+    for step in ("step_000002", "step_000004"):
+        (run / "checkpoints" / step / "manifest.json").unlink(missing_ok=True)
+    assert checkpoint.load_checkpoint(str(run), 1, ["k0", "k1"])["step"] == 4
+    damaged = _damage(run, how)
+    err = _one_error(capsys, lambda: checkpoint.load_checkpoint(str(run), 1, ["k0", "k1"]))
+    assert str(damaged) in err and "step_000002" in err, err
+
+
+def test_the_manifest_lists_every_file_of_the_checkpoint_with_its_size(saved_run):
+    import json
+    step = saved_run / "checkpoints" / "step_000004"
+    written = json.loads((step / "manifest.json").read_text())["files"]
+    on_disk = {str(f.relative_to(step)): f.stat().st_size for f in step.rglob("*") if f.is_file()}
+    assert written == {name: size for name, size in on_disk.items() if name != "manifest.json"}
+    assert {"state.pt", "shards/.metadata", "model/model.safetensors", "model/config.json"} <= set(written)
+
+
 # ---- run directories (checkpoint.py): one run per directory, one job at a time
 def test_a_fresh_run_refuses_a_directory_that_holds_a_run(tmp_path):
     from machinery import checkpoint
-    (tmp_path / "metrics.jsonl").write_text('{"step": 20}\n')
+    (tmp_path / "checkpoints" / "step_000020").mkdir(parents=True)
     error = checkpoint.claim_run_dir(str(tmp_path), resume=False, name="spo.py")
-    assert "already holds a run (metrics.jsonl)" in error and f"--resume {tmp_path}" in error
+    assert "already holds a run" in error and "step_000020" in error and f"--resume {tmp_path}" in error
     assert not (tmp_path / ".lock").exists()  # refused before anything was written
-    assert "no run with checkpoints" in checkpoint.claim_run_dir(str(tmp_path / "new"), resume=True, name="spo.py")
+    assert "no checkpoint there" in checkpoint.claim_run_dir(str(tmp_path / "new"), resume=True, name="spo.py")
+
+
+RUN_DIRS = {  # what a directory holds -> its files
+    "made by the user": {}, "the user's notes": {"notes.txt": "mine"},
+    "died before its first step": {"config.json": "{}", "metrics.jsonl": ""},
+    "died after logging, before its first checkpoint": {"config.json": "{}", "metrics.jsonl": '{"step": 0}\n',
+                                                        "probe.jsonl": "{}\n"},
+    "killed while writing its first checkpoint": {"config.json": "{}", "metrics.jsonl": '{"step": 1}\n',
+                                                  "checkpoints/step_000002.tmp/state.pt": ""},
+    "with checkpoints": None}  # saved_run's
+
+
+def _make(run, holds, saved_run=None):
+    import shutil
+    if RUN_DIRS[holds] is None:
+        return shutil.copytree(saved_run, run)
+    for name, text in RUN_DIRS[holds].items():
+        (run / name).parent.mkdir(parents=True, exist_ok=True)
+        (run / name).write_text(text)
+    return run
+
+
+@pytest.mark.parametrize("holds", list(RUN_DIRS))
+def test_a_run_directory_always_has_a_way_out(tmp_path, saved_run, holds):
+    """A run that failed before its first checkpoint left config.json and metrics.jsonl: a fresh run there said
+    "continue it with --resume", and --resume said "no run with checkpoints there" (or, killed during its first
+    checkpoint, "no complete checkpoint found"). Now a refusal of either names the other, and the other is
+    accepted. --resume is refused by resume_args (resume_point) first, then by claim_run_dir."""
+    from machinery import checkpoint
+
+    def refusal(run, resume):
+        return ((resume and checkpoint.resume_point(str(run))[1])
+                or checkpoint.claim_run_dir(str(run), resume=resume, name="spo.py"))
+    for resume, way_out in ((False, "continue it with --resume"), (True, "start it afresh with --run_dir")):
+        run = _make(tmp_path / str(resume), holds, saved_run)
+        error = refusal(run, resume)
+        if error:
+            assert way_out in error, error
+            assert refusal(run, not resume) is None
+
+
+def test_a_fresh_run_takes_over_a_run_that_saved_no_checkpoint_and_keeps_its_files(tmp_path, capsys):
+    from machinery import checkpoint
+    _make(tmp_path, "killed while writing its first checkpoint")
+    (tmp_path / "notes.txt").write_text("mine")
+    assert checkpoint.claim_run_dir(str(tmp_path), resume=False, name="spo.py") is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "earlier_attempt_1", "notes.txt"]
+    aside = tmp_path / "earlier_attempt_1"
+    assert (aside / "metrics.jsonl").read_text() == '{"step": 1}\n' and (aside / "checkpoints").is_dir()
+    assert f"moved to {aside}" in capsys.readouterr().out
 
 
 def test_a_live_lock_keeps_a_second_job_out_and_a_stale_one_is_taken_over(tmp_path):
@@ -162,6 +317,6 @@ def export_worker(out, tied):
     end_worker()
 
 
-if __name__ == "__main__":  # torchrun tests/test_checkpoint.py WORKER OUT [ARGS...]
+if __name__ == "__main__":  # [torchrun] tests/test_checkpoint.py WORKER OUT [ARGS...]
     import sys
     globals()[sys.argv[1]](*sys.argv[2:])

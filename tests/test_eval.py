@@ -164,6 +164,87 @@ def test_resolve_model_finds_a_checkpoint_model(spo_run_dir):
     assert resolve_model("Qwen/Qwen3-8B") == "Qwen/Qwen3-8B"
 
 
+# ---- --model on a run directory: the newest checkpoint, held against the run's rotation
+def _checkpointed_run(run, steps=(2, 4)):
+    """A run directory as spo.py leaves it, with real (tiny) model/ exports and manifests (no shards: eval.py
+    reads only model/)."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from machinery import checkpoint
+    from tasks import toy
+    (run / "config.json").parent.mkdir(parents=True, exist_ok=True)
+    (run / "config.json").write_text("{}")
+    (run / "metrics.jsonl").write_text('{"step": 0}\n')
+    for step in steps:
+        path = run / "checkpoints" / f"step_{step:06d}"
+        toy.build_tokenizer(str(path / "model"))
+        torch.manual_seed(step)
+        Qwen3ForCausalLM(Qwen3Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                     num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+                         ).save_pretrained(path / "model")
+        checkpoint._write_manifest(str(path))
+        (run / "checkpoints" / "latest").write_text(path.name)
+    return run
+
+
+def test_resolve_model_takes_the_newest_checkpoint_not_a_deleted_latest(tmp_path):
+    """`latest` names a step directory the user deleted (a damaged one, as --resume's error tells them to)."""
+    from eval import resolve_model
+    run = _checkpointed_run(tmp_path / "run")
+    (run / "checkpoints" / "latest").write_text("step_000006")
+    model = str(run / "checkpoints" / "step_000004" / "model")
+    assert resolve_model(str(run)) == model and resolve_model(str(run / "checkpoints")) == model
+
+
+def test_a_live_runs_checkpoint_is_held_against_its_rotation(tmp_path):
+    """eval.py on a run still training read a checkpoint its rotation deleted meanwhile ("not a model directory"):
+    the checkpoint's model is now held (hard links) until eval.py exits, and loads after the run deleted it."""
+    import shutil
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoTokenizer
+    from eval import checkpoint_model
+    run = _checkpointed_run(tmp_path / "run")
+    stale = run / "checkpoints" / ".eval-host-0"  # the hold of an evaluation that was killed
+    stale.mkdir()
+    (stale / ".lock").write_text(f"{__import__('socket').gethostname()} {2 ** 22 + 1}\n")  # no such pid
+    step = run / "checkpoints" / "step_000004"
+    weights = load_file(step / "model" / "model.safetensors")
+    model, source, error = checkpoint_model(str(run))
+    assert error is None and model == str(step / "model") and source != model
+    assert not stale.exists()
+    for old in ("step_000002", "step_000004"):  # two more checkpoints: the run's rotation deletes both
+        shutil.rmtree(run / "checkpoints" / old)
+    held = load_file(os.path.join(source, "model.safetensors"))
+    assert held.keys() == weights.keys() and all((held[k] == weights[k]).all() for k in weights)
+    assert AutoConfig.from_pretrained(source).hidden_size == 32 and AutoTokenizer.from_pretrained(source)("1+1")
+
+
+def test_a_run_without_a_checkpoint_says_whether_it_is_still_running(tmp_path):
+    import socket
+    import subprocess
+    from eval import checkpoint_model
+    run = _checkpointed_run(tmp_path / "run", steps=())
+    assert "stopped before its first" in checkpoint_model(str(run))[2]
+    with subprocess.Popen(["sleep", "60"]) as live:
+        (run / ".lock").write_text(f"{socket.gethostname()} {live.pid}\n")
+        error = checkpoint_model(str(run))[2]
+        live.kill()
+    assert f"still running (pid {live.pid}" in error and "after its first checkpoint" in error
+
+
+def test_a_damaged_checkpoint_is_named_with_the_newest_intact_one(tmp_path):
+    from eval import checkpoint_model
+    run = _checkpointed_run(tmp_path / "run")
+    export = run / "checkpoints" / "step_000004" / "model" / "model.safetensors"
+    with open(export, "r+b") as f:
+        f.truncate(export.stat().st_size - 1)
+    _, _, error = checkpoint_model(str(run))
+    assert str(export) in error and f"--model {run / 'checkpoints' / 'step_000002'}" in error
+    assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith(".eval-")]  # no hold left
+    _, _, error = checkpoint_model(str(run / "checkpoints" / "step_000006"))
+    assert "no such checkpoint" in error
+
+
 @pytest.fixture(scope="session")
 def eval_run(small_toy, spo_run_dir, tmp_path_factory):
     """eval.py on two ranks, on a real spo.py checkpoint (a plain HF dir), over two files: the toy test set and
