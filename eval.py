@@ -12,8 +12,8 @@ and scores it.
 3. The tracker probe spo.py runs with --probe_every (`tracker_probe`): the value tracker's v(x) against the current
    policy's success rate, measured with fresh samples on a fixed subset of training prompts (does it track?).
 4. The command line (paper defaults: n 32, temperature 0.6, top_p 0.95, top_k 20); --model also takes an spo.py
-   run or checkpoint directory, of a run still training too (`checkpoint_model`); --tools samples through the
-   multi-turn tool loop (rollout.py), as training does.
+   run or checkpoint directory, of a run still training too (machinery/run_dir.py:checkpoint_model); --tools samples
+   through the multi-turn tool loop (rollout.py), as training does.
 
     torchrun --nproc_per_node=2 eval.py --model runs/<run> --data aime24.parquet aime25.parquet
     python eval.py                                            # the toy's test set, one process
@@ -291,92 +291,6 @@ def tracker_probe(engine, data, tracker, args, step, tools):
     return stats
 
 
-def resolve_model(path: str) -> str:
-    """A model directory from what a user naturally passes: an HF dir or hub name as is, or spo.py output: a run
-    directory or its checkpoints/ directory (the newest published checkpoint: `latest` may name one deleted since),
-    or a step_N directory (its model/)."""
-    from machinery.checkpoint import checkpoint_dirs
-    run = os.path.normpath(path)
-    found = checkpoint_dirs(os.path.dirname(run) if os.path.basename(run) == "checkpoints" else run)
-    if found:
-        path = found[-1]
-    if os.path.isdir(os.path.join(path, "model")) and not os.path.isfile(os.path.join(path, "config.json")):
-        path = os.path.join(path, "model")
-    return path
-
-
-def _hold(step):
-    """step_N's model/ and manifest hard-linked into checkpoints/.eval-<host>-<pid>/ (with a lock naming this
-    process), after removing the holds of evaluations that are gone. None where links cannot be made (a read-only
-    copy of a run: nothing rotates it); FileNotFoundError: its run deleted it while it was linked."""
-    import shutil
-    import socket
-    from machinery.checkpoint import MANIFEST, live_job
-    root = os.path.dirname(step)
-    for name in os.listdir(root):
-        if name.startswith(".eval-") and live_job(os.path.join(root, name)) is None:
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-    hold = os.path.join(root, f".eval-{socket.gethostname()}-{os.getpid()}")
-    try:
-        os.makedirs(hold)
-        with open(os.path.join(hold, ".lock"), "w") as f:
-            f.write(f"{socket.gethostname()} {os.getpid()}\n")
-        if os.path.exists(os.path.join(step, MANIFEST)):  # (none in a checkpoint from before manifests)
-            os.link(os.path.join(step, MANIFEST), os.path.join(hold, MANIFEST))
-        for folder, _, files in os.walk(os.path.join(step, "model")):
-            os.makedirs(os.path.join(hold, os.path.relpath(folder, step)))
-            for f in files:
-                os.link(os.path.join(folder, f), os.path.join(hold, os.path.relpath(folder, step), f))
-    except OSError as e:
-        shutil.rmtree(hold, ignore_errors=True)
-        if isinstance(e, FileNotFoundError):
-            raise
-        return None
-    return hold
-
-
-def checkpoint_model(given: str, tries: int = 3):
-    """--model, on rank 0: (the model directory it names, the directory to load it from, an error line or None).
-    A run still training deletes all but its newest checkpoints, maybe while the engine loads one: a checkpoint's
-    model/ is held (`_hold`: hard links, no copy; removed at exit) and checked there (machinery/checkpoint.py:
-    damaged, against the sizes written). One deleted before it was held: the run's newest is taken again."""
-    import atexit
-    import shutil
-    from machinery.checkpoint import checkpoint_dirs, damaged, live_job
-    run = os.path.normpath(given)
-    run = os.path.dirname(run) if os.path.basename(run) == "checkpoints" else run
-    if os.path.isfile(os.path.join(run, "metrics.jsonl")) and not checkpoint_dirs(run):
-        job = live_job(run)
-        return None, None, (f"--model {given}: an spo.py run without a checkpoint: " +
-                            (f"it is still running ({job}); evaluate it after its first checkpoint" if job else
-                             "it stopped before its first"))
-    for _ in range(tries):
-        model = resolve_model(given)
-        step = os.path.dirname(model) if os.path.basename(model) == "model" else model
-        if os.path.basename(os.path.dirname(step)) != "checkpoints" or not os.path.basename(step).startswith("step_"):
-            return model, model, None  # a Hugging Face directory or hub name
-        if not os.path.isdir(step):
-            return None, None, f"--model {given}: no such checkpoint (a run keeps only its newest checkpoints)"
-        model = os.path.join(step, "model")
-        try:
-            hold = _hold(step)
-        except FileNotFoundError:
-            continue  # deleted by its run while it was linked
-        problem = damaged(hold or step, "model/")
-        if problem is None:
-            if hold:
-                atexit.register(shutil.rmtree, hold, True)
-            return model, os.path.join(hold or step, "model"), None
-        if hold:
-            shutil.rmtree(hold, ignore_errors=True)
-        if os.path.isdir(step) and (problem := damaged(step, "model/")):  # damaged, not deleted meanwhile
-            intact = [p for p in checkpoint_dirs(os.path.dirname(os.path.dirname(step)))
-                      if damaged(p, "model/") is None]
-            return None, None, (f"--model {given}: checkpoint {step} is damaged ({problem})" +
-                                (f"; the newest intact one: --model {intact[-1]}" if intact else ""))
-    return None, None, f"--model {given}: its run deleted its checkpoints while they were read; try again"
-
-
 def write_samples(path, data, samples, rollouts, n, rank, world):
     """One JSONL line per sample, problems in data order. Each rank writes its shard, then rank 0 interleaves
     the shards (problem p is the (p // world)-th problem of rank p % world) without holding them in memory."""
@@ -439,7 +353,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     from machinery import trainer
-    from machinery.data import check_context, load_dataset, load_tokenizer
+    from machinery.data import check_context, find_model, load_dataset, load_tokenizer
     args = parse_args(argv)
     rank, world, device = trainer.setup_distributed()
     from hf_engine import choose_engine, start_engine
@@ -451,9 +365,11 @@ def main(argv=None):
     args.data = [args.data] if isinstance(args.data, str) else args.data  # --data takes several files
     from machinery.collectives import all_gather_objects
     from machinery.errors import fail
+    from machinery.run_dir import checkpoint_model
     args.model, source, error = all_gather_objects([checkpoint_model(args.model) if rank == 0 else None])[0]
     if error:  # source: where the model loads from (a checkpoint's hold), args.model: what it is
         fail(error, once=True)
+    source = find_model(source)  # a hub name without a hub: its cached copy, or one line
     if rank == 0:
         print("config: " + json.dumps(vars(args)), flush=True)
     from rollout import TOOL_INSTRUCTION, tools_from_flags

@@ -43,6 +43,7 @@ from machinery.collectives import all_gather_np, all_gather_objects, all_reduce_
 from machinery.data import check_context, find_model, load_dataset, load_tokenizer
 from machinery.errors import fail
 from machinery.metrics import Logger, PromptReach, oversample_metrics, spo_metrics, step_metrics
+from machinery.run_dir import check_disk, open_run_dir
 from hf_engine import choose_engine, start_engine
 from offline_values import check_values_header, init_tracker_from_file, toy_values, training_v0_settings
 from reward import add_reward_flags, rewards
@@ -242,7 +243,7 @@ def start(args):
     variants.check_args(args, world)  # one clear line for a bad flag or combination
     prepare_vllm(args.cpu_kv_cache_gib)  # quiet INFO lines (they would bury the progress bar), the CPU KV cache
     args.engine = choose_engine(args.engine, rank == 0)  # auto: vllm where it imports, else hf (said in one line)
-    args.run_dir = checkpoint.open_run_dir(args, "spo.py")
+    args.run_dir = open_run_dir(args, "spo.py")
     tools = tools_from_flags(args)  # None without --tools; else the tool loop and this rank's sandbox pool
     on_toy = toy.fill_in(args, "train", "train", test="test")  # on the toy, 'auto' offline values are built here
     args.model = find_model(args.model)  # a hub name without a hub: its cached copy, or one line
@@ -287,7 +288,7 @@ def build_policy_and_engine(args, world, device, run_dir, data, is_main):
     policy, optimizer = trainer.build_policy(model_path, device, args.lr, args.weight_decay,
                                              memory.use_gradient_checkpointing(args.gradient_checkpointing, on_gpu),
                                              memory.use_layer_units(args.fsdp_units, on_gpu))
-    checkpoint.check_disk(run_dir, policy, export_bytes_per_parameter=2 if on_gpu else 4)
+    check_disk(run_dir, policy, export_bytes_per_parameter=2 if on_gpu else 4)
     engine = start_engine(args.engine, model_path, seed=args.seed, device=device, temperature=args.temperature,
                           max_model_len=args.max_prompt_len + args.max_response_len,
                           gpu_memory_utilization=args.gpu_memory_utilization,

@@ -340,7 +340,7 @@ def whole_loop(root, shape="0.6b", response_len=512, batch=64, steps=2, toy_step
     """(b) spo.py end to end with the transformers engine (module docstring), in `root`, every spo.py killed past
     budget_s from the start; returns the numbers."""
     from transformers import AutoConfig
-    from machinery.checkpoint import checkpoint_bytes
+    from machinery.run_dir import checkpoint_bytes
     from machinery.data import load_dataset, load_tokenizer
     deadline = (time.time(), time.time() + budget_s)
     name = _device_name()

@@ -1,8 +1,6 @@
-"""Run directories and checkpoints: nothing lost, nothing silent, resume exact.
+"""Checkpoints: nothing lost, nothing silent, resume exact. (Who may write a run directory: machinery/run_dir.py.)
 
-A run directory belongs to one run (`claim_run_dir`): a fresh run refuses a directory that already holds one,
-default names are unique, and a lock file (host and pid of rank 0) keeps a second job out while the first lives; a
-lock whose process is gone on this host is stale and taken over. `--resume` restores the run's own settings from
+`--resume` restores the run's own settings from
 its config.json (`resumed_settings`): only flags in RESUME_MAY_CHANGE may differ, any other flag given with
 another value is an error naming both values.
 
@@ -23,14 +21,10 @@ silently: the error names the damaged file and the newest intact checkpoint, to 
 one. A directory whose run saved no checkpoint is not a run to continue: a fresh run takes it over.
 Not run on its own: spo.py calls it; tests/test_end_to_end.py resumes runs and compares them with straight ones.
 """
-import atexit
-import contextlib
 import itertools
 import json
 import os
 import shutil
-import socket
-import time
 
 import torch
 import torch.distributed as dist
@@ -38,7 +32,7 @@ import torch.distributed as dist
 from machinery.errors import fail
 
 
-# ------------------------------------------------------------------------------------------------ run directories
+# ------------------------------------------------------------------------------------------------ resume
 # Flags that may differ on --resume: how long to run, what to log and how often, and memory knobs that change how
 # work is split but not what is computed (micro-batches only regroup a sum: the same result up to float rounding).
 RESUME_MAY_CHANGE = {"steps", "resume", "run_dir", "log_every", "eval_every", "save_every", "max_nonfinite", "wandb",
@@ -103,7 +97,7 @@ def checkpoint_dirs(run_dir):
             if os.path.isdir(os.path.join(root, n))]
 
 
-def _no_checkpoint(run_dir):
+def no_checkpoint(run_dir):
     return (f"--resume {run_dir}: no checkpoint there to continue from (a run that stopped before its first "
             f"checkpoint saved nothing); start it afresh with --run_dir {run_dir}")
 
@@ -115,7 +109,7 @@ def resume_point(run_dir):
     back is the user's choice, never silent (steps after it are trained again)."""
     found = checkpoint_dirs(run_dir)
     if not found:
-        return None, _no_checkpoint(run_dir)
+        return None, no_checkpoint(run_dir)
     problem = damaged(found[-1])
     if problem is None:
         return found[-1], None
@@ -129,155 +123,17 @@ def resume_point(run_dir):
                   f"start a new run with another --run_dir")
 
 
-def open_run_dir(args, name):
-    """The run directory every rank agrees on (rank 0 names a default one), claimed by rank 0 for this run;
-    any error stops every rank with one line."""
-    from machinery.collectives import all_gather_objects
-    run_dir, error = None, None
-    if dist.get_rank() == 0:
-        run_dir = args.resume or args.run_dir or default_run_dir(args.algo)
-        error = claim_run_dir(run_dir, bool(args.resume), name)
-    run_dir, error = all_gather_objects([(run_dir, error)])[0]
-    if error:
-        fail(error, once=True)
-    return run_dir
-
-
-def check_disk(run_dir, model, export_bytes_per_parameter):
-    """Before the engine starts: room in run_dir for one more checkpoint (the previous one stays until the new
-    one is complete), else one line saying how much is free and needed."""
-    from machinery.collectives import all_gather_objects
-    need = checkpoint_bytes(sum(p.numel() for p in model.parameters()), export_bytes_per_parameter)
-    free = shutil.disk_usage(run_dir).free if dist.get_rank() == 0 else None
-    free = all_gather_objects([free])[0]
-    if free < need:
-        fail(f"--run_dir {run_dir}: {free / 2**30:.1f} GiB free, a checkpoint needs about {need / 2**30:.1f} GiB "
-             f"(weights, optimiser state, HF export)", once=True)
-
-
-def _take_over(run_dir, name):
-    """A fresh run in a directory whose run stopped before its first checkpoint: that run's files (config, logs,
-    unfinished checkpoints/) go to earlier_attempt_K/, kept to read but out of the new run's logs; one line says so."""
-    files = sorted(f for f in os.listdir(run_dir) if f in ("config.json", "metrics.jsonl", "probe.jsonl",
-                                                           "checkpoints", "wandb") or f.startswith("events.out."))
-    if files:
-        k = next(k for k in itertools.count(1) if not os.path.exists(os.path.join(run_dir, f"earlier_attempt_{k}")))
-        aside = os.path.join(run_dir, f"earlier_attempt_{k}")
-        os.makedirs(aside)
-        for f in files:
-            os.replace(os.path.join(run_dir, f), os.path.join(aside, f))
-        print(f"{name}: --run_dir {run_dir}: the run there saved no checkpoint; starting afresh, its files "
-              f"({', '.join(files)}) moved to {aside}", flush=True)
-
-
-def _lock_owner(lock):
-    """(host, pid) written in a lock file, or None if unreadable."""
-    try:
-        with open(lock) as f:
-            host, pid = f.read().split()
-        return host, int(pid)
-    except (OSError, ValueError):
-        return None
-
-
-def _held(lock, owner):
-    """Whether a lock file belongs to a live job: one on another host (not checkable from here), or a live process
-    here other than this one (a restarted container can hand this process the pid of a job that is gone). A lock
-    with no owner yet is a job between creating and writing it, unless it is older than a few seconds."""
-    if owner is None:
-        try:
-            return time.time() - os.path.getmtime(lock) < 10
-        except OSError:
-            return False
-    host, pid = owner
-    return host != socket.gethostname() or (pid != os.getpid() and _alive(pid))
-
-
-def _alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's live process
-    return True
-
-
-def live_job(run_dir):
-    """The job holding run_dir's lock ("pid P on HOST"), or None: is a run there still writing?"""
-    lock = os.path.join(run_dir, ".lock")
-    owner = _lock_owner(lock)
-    return (f"pid {owner[1]} on {owner[0]}" if owner else "one starting") if _held(lock, owner) else None
-
-
-def claim_run_dir(run_dir, resume, name):
-    """Rank 0's check that this run may write run_dir, then its lock (removed at exit). Returns an error line or
-    None. A run is continued only from a checkpoint: a fresh run refuses a directory that holds one, and takes
-    over one that holds none (a run that stopped before its first checkpoint, or a directory the user made);
-    --resume needs one. So neither refusal sends the user to the other. The lock is a file created exclusively;
-    a lock left by a process that is gone (same host) is stale and replaced."""
-    saved = checkpoint_dirs(run_dir)
-    if not resume and saved:
-        return (f"--run_dir {run_dir} already holds a run with checkpoints (newest: {os.path.basename(saved[-1])}): "
-                f"continue it with --resume {run_dir}, or choose another --run_dir")
-    if resume and not saved:
-        return _no_checkpoint(run_dir)
-    lock, existed = os.path.join(run_dir, ".lock"), os.path.isdir(run_dir)
-    try:
-        os.makedirs(run_dir, exist_ok=True)
-        for _ in range(2):
-            try:
-                fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-                break
-            except FileExistsError:
-                owner = _lock_owner(lock)
-                if _held(lock, owner):
-                    job = f"pid {owner[1]} on {owner[0]}" if owner else "one starting now"
-                    return (f"--run_dir {run_dir} is in use by another job ({job}, {lock}); if that job is gone, "
-                            f"delete the lock file")
-                print(f"{name}: removing a stale lock {lock} (its process {owner} is gone)", flush=True)
-                with contextlib.suppress(FileNotFoundError):  # another job may have removed it first
-                    os.remove(lock)
-        else:
-            return f"--run_dir {run_dir}: another job keeps taking its lock {lock}; try again"
-        with os.fdopen(fd, "w") as f:
-            f.write(f"{socket.gethostname()} {os.getpid()}\n")
-        probe = os.path.join(run_dir, ".write_test")
-        with open(probe, "w") as f:
-            f.write("ok")
-        os.remove(probe)
-        if not resume:
-            _take_over(run_dir, name)  # only now: a live job's files are never moved (its lock refused us above)
-    except OSError as e:
-        return f"--run_dir {run_dir}: cannot write there ({e.strerror or e})"
-    atexit.register(_release, lock, run_dir, existed)
-    return None
-
-
-def _release(lock, run_dir, existed):
-    """At exit: our lock goes; a directory this run created and never wrote to (a run refused early) goes too."""
-    if _lock_owner(lock) == (socket.gethostname(), os.getpid()):
-        os.remove(lock)
-        if not existed and not os.listdir(run_dir):
-            os.rmdir(run_dir)
-
-
-def default_run_dir(algo):
-    """runs/<algo>-<date>-<time>-<pid>: unique per job on a host (one-second names collided)."""
-    return os.path.join("runs", f"{algo}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
-
-
-def checkpoint_bytes(n_parameters, export_bytes_per_parameter):
-    """About what one checkpoint takes on disk: fp32 weights + Adam's two moments (shards) and the HF export."""
-    return n_parameters * (4 + 8 + export_bytes_per_parameter)
-
-
 def read_config(run_dir):
+    """The run's flags as spo.py wrote them (a JSON object): anything else is one line, not a traceback later."""
     try:
         with open(os.path.join(run_dir, "config.json")) as f:
-            return json.load(f)
+            config = json.load(f)
     except (OSError, ValueError) as e:
         fail(f"--resume {run_dir}: cannot read its config.json ({e})", once=True)
+    if not isinstance(config, dict) or not isinstance(config.get("steps"), int):
+        fail(f"--resume {run_dir}: its config.json is not a run's configuration (a JSON object of spo.py's flags, "
+             f"with steps); was it edited?", once=True)
+    return config
 
 
 def _fsync_tree(root):

@@ -8,6 +8,8 @@ tests/test_end_to_end.py.
 """
 import pytest
 
+from machinery import run_dir
+
 
 @pytest.mark.parametrize("keys_field", ["prompt_ids", "prompt_keys"])  # before the renames; before shards
 def test_a_checkpoint_from_an_older_spo_is_refused_in_one_line(tmp_path, capsys, keys_field):
@@ -128,12 +130,11 @@ def test_the_manifest_lists_every_file_of_the_checkpoint_with_its_size(saved_run
 
 # ---- run directories (checkpoint.py): one run per directory, one job at a time
 def test_a_fresh_run_refuses_a_directory_that_holds_a_run(tmp_path):
-    from machinery import checkpoint
     (tmp_path / "checkpoints" / "step_000020").mkdir(parents=True)
-    error = checkpoint.claim_run_dir(str(tmp_path), resume=False, name="spo.py")
+    error = run_dir.claim_run_dir(str(tmp_path), resume=False, name="spo.py")
     assert "already holds a run" in error and "step_000020" in error and f"--resume {tmp_path}" in error
     assert not (tmp_path / ".lock").exists()  # refused before anything was written
-    assert "no checkpoint there" in checkpoint.claim_run_dir(str(tmp_path / "new"), resume=True, name="spo.py")
+    assert "no checkpoint there" in run_dir.claim_run_dir(str(tmp_path / "new"), resume=True, name="spo.py")
 
 
 RUN_DIRS = {  # what a directory holds -> its files
@@ -166,7 +167,7 @@ def test_a_run_directory_always_has_a_way_out(tmp_path, saved_run, holds):
 
     def refusal(run, resume):
         return ((resume and checkpoint.resume_point(str(run))[1])
-                or checkpoint.claim_run_dir(str(run), resume=resume, name="spo.py"))
+                or run_dir.claim_run_dir(str(run), resume=resume, name="spo.py"))
     for resume, way_out in ((False, "continue it with --resume"), (True, "start it afresh with --run_dir")):
         run = _make(tmp_path / str(resume), holds, saved_run)
         error = refusal(run, resume)
@@ -176,10 +177,9 @@ def test_a_run_directory_always_has_a_way_out(tmp_path, saved_run, holds):
 
 
 def test_a_fresh_run_takes_over_a_run_that_saved_no_checkpoint_and_keeps_its_files(tmp_path, capsys):
-    from machinery import checkpoint
     _make(tmp_path, "killed while writing its first checkpoint")
     (tmp_path / "notes.txt").write_text("mine")
-    assert checkpoint.claim_run_dir(str(tmp_path), resume=False, name="spo.py") is None
+    assert run_dir.claim_run_dir(str(tmp_path), resume=False, name="spo.py") is None
     assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "earlier_attempt_1", "notes.txt"]
     aside = tmp_path / "earlier_attempt_1"
     assert (aside / "metrics.jsonl").read_text() == '{"step": 1}\n' and (aside / "checkpoints").is_dir()
@@ -190,22 +190,21 @@ def test_a_live_lock_keeps_a_second_job_out_and_a_stale_one_is_taken_over(tmp_pa
     import os
     import socket
     import subprocess
-    from machinery import checkpoint
     run, host = tmp_path / "run", socket.gethostname()
-    assert checkpoint.claim_run_dir(str(run), resume=False, name="spo.py") is None
+    assert run_dir.claim_run_dir(str(run), resume=False, name="spo.py") is None
     assert (run / ".lock").read_text().split() == [host, str(os.getpid())]
     with subprocess.Popen(["sleep", "60"]) as live:  # another job, alive
         (run / ".lock").write_text(f"{host} {live.pid}\n")
-        error = checkpoint.claim_run_dir(str(run), resume=False, name="spo.py")  # still fresh: no run files yet
+        error = run_dir.claim_run_dir(str(run), resume=False, name="spo.py")  # still fresh: no run files yet
         live.kill()
     assert "in use by another job" in error and str(live.pid) in error
     (run / ".lock").write_text("")  # a job between creating its lock and writing it: in use...
-    assert "in use by another job (one starting now" in checkpoint.claim_run_dir(str(run), False, "spo.py")
+    assert "in use by another job (one starting now" in run_dir.claim_run_dir(str(run), False, "spo.py")
     os.utime(run / ".lock", (0, 0))  # ...unless the empty lock is old
-    assert checkpoint.claim_run_dir(str(run), resume=False, name="spo.py") is None
+    assert run_dir.claim_run_dir(str(run), resume=False, name="spo.py") is None
     for pid in (live.pid, os.getpid()):  # gone; ours (a restarted container handed this process a dead job's pid)
         (run / ".lock").write_text(f"{host} {pid}\n")
-        assert checkpoint.claim_run_dir(str(run), resume=False, name="spo.py") is None
+        assert run_dir.claim_run_dir(str(run), resume=False, name="spo.py") is None
         assert (run / ".lock").read_text().split() == [host, str(os.getpid())]
 
 
@@ -240,10 +239,10 @@ def test_no_room_for_a_checkpoint_is_found_before_the_engine_starts(tmp_path):
     import subprocess
     import sys
     from common import ENV, ROOT
-    code = ("import torch, torch.distributed as dist\nfrom machinery import checkpoint\n"
+    code = ("import torch, torch.distributed as dist\nfrom machinery import run_dir\n"
             "dist.init_process_group('gloo', init_method='tcp://127.0.0.1:0', rank=0, world_size=1)\n"
             "model = torch.nn.Linear(10**6, 10**6, bias=False, device='meta')\n"
-            f"checkpoint.check_disk({str(tmp_path)!r}, model, export_bytes_per_parameter=4)\n")
+            f"run_dir.check_disk({str(tmp_path)!r}, model, export_bytes_per_parameter=4)\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip().startswith(f"error: --run_dir {tmp_path}:")
@@ -320,3 +319,15 @@ def export_worker(out, tied):
 if __name__ == "__main__":  # [torchrun] tests/test_checkpoint.py WORKER OUT [ARGS...]
     import sys
     globals()[sys.argv[1]](*sys.argv[2:])
+
+
+@pytest.mark.parametrize("content", ["[1, 2]", '"spo"', '{"lr": 0.1}'])
+def test_a_config_that_parses_but_is_not_a_runs_is_one_line(tmp_path, capsys, content):
+    """A config.json that is a list (or lacks the run's steps) was a traceback on --resume."""
+    from machinery import checkpoint
+    (tmp_path / "config.json").write_text(content)
+    with pytest.raises(SystemExit):
+        checkpoint.read_config(str(tmp_path))
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --resume {tmp_path}: its config.json is not a run's configuration")
+    assert len(err.strip().splitlines()) == 1

@@ -155,7 +155,7 @@ def spo_run_dir(spo_run):
 
 @pytest.mark.slow
 def test_resolve_model_finds_a_checkpoint_model(spo_run_dir):
-    from eval import resolve_model
+    from machinery.run_dir import resolve_model
     model = str(spo_run_dir / "checkpoints" / "step_000004" / "model")
     assert resolve_model(str(spo_run_dir)) == model
     assert resolve_model(str(spo_run_dir / "checkpoints")) == model
@@ -189,7 +189,7 @@ def _checkpointed_run(run, steps=(2, 4)):
 
 def test_resolve_model_takes_the_newest_checkpoint_not_a_deleted_latest(tmp_path):
     """`latest` names a step directory the user deleted (a damaged one, as --resume's error tells them to)."""
-    from eval import resolve_model
+    from machinery.run_dir import resolve_model
     run = _checkpointed_run(tmp_path / "run")
     (run / "checkpoints" / "latest").write_text("step_000006")
     model = str(run / "checkpoints" / "step_000004" / "model")
@@ -202,7 +202,7 @@ def test_a_live_runs_checkpoint_is_held_against_its_rotation(tmp_path):
     import shutil
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoTokenizer
-    from eval import checkpoint_model
+    from machinery.run_dir import checkpoint_model
     run = _checkpointed_run(tmp_path / "run")
     stale = run / "checkpoints" / ".eval-host-0"  # the hold of an evaluation that was killed
     stale.mkdir()
@@ -222,7 +222,7 @@ def test_a_live_runs_checkpoint_is_held_against_its_rotation(tmp_path):
 def test_a_run_without_a_checkpoint_says_whether_it_is_still_running(tmp_path):
     import socket
     import subprocess
-    from eval import checkpoint_model
+    from machinery.run_dir import checkpoint_model
     run = _checkpointed_run(tmp_path / "run", steps=())
     assert "stopped before its first" in checkpoint_model(str(run))[2]
     with subprocess.Popen(["sleep", "60"]) as live:
@@ -233,7 +233,7 @@ def test_a_run_without_a_checkpoint_says_whether_it_is_still_running(tmp_path):
 
 
 def test_a_damaged_checkpoint_is_named_with_the_newest_intact_one(tmp_path):
-    from eval import checkpoint_model
+    from machinery.run_dir import checkpoint_model
     run = _checkpointed_run(tmp_path / "run")
     export = run / "checkpoints" / "step_000004" / "model" / "model.safetensors"
     with open(export, "r+b") as f:
@@ -351,3 +351,16 @@ def test_sample_and_score_flags_unparsed_and_truncated_responses():
     assert samples == [[("4", True, False), (None, False, False), ("4", True, True), (None, False, True)]]
     s = summarize(samples, ks=(1,), n_boot=10)
     assert (s["avg@4"], s["unparsed"], s["truncated"]) == (0.5, 0.5, 0.5)
+
+
+@pytest.mark.parametrize("argv, says", [(["--top_p", "1.5"], "--top_p must be in (0, 1], got 1.5"),
+                                        (["--top_k", "-3"], "--top_k must be -1 or 0 (off) or at least 1, got -3"),
+                                        (["--temperature", "nan"], "--temperature must be a finite number, got nan"),
+                                        (["--reward_timeout", "0"], "--reward_timeout must be a positive number")])
+def test_sampling_flags_the_engine_would_refuse_are_one_line_at_start(argv, says, capsys):
+    """vLLM refused them only at its first request, after the model and the engine had loaded."""
+    import eval as evaluation
+    with pytest.raises(SystemExit):
+        evaluation.parse_args(argv)
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and says in err and len(err.strip().splitlines()) == 1, err
