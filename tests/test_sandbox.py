@@ -329,20 +329,35 @@ def test_sysv_ipc_does_not_outlive_the_run():
         remove_sysv(keys)
 
 
+def _a_process_named(name):
+    """Whether a live process has this name (its /proc/PID/comm), whatever namespace it runs in."""
+    for pid in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{pid}/comm") as f:
+                if f.read().strip() == name:
+                    return True
+        except OSError:  # not a pid, or gone
+            pass
+    return False
+
+
 def test_a_run_cannot_open_another_runs_shared_memory():
     if not (isolation().namespaces or isolation().seccomp):
         pytest.skip(f"no IPC namespace and no seccomp filter here: {isolation()}")
     key = 0x5C0000 + uuid.uuid4().int % 0xFFFF
-    # The first run says it is ready, then waits for the test, through files in a dir both runs see.
+    # The first run says it is ready by its process name (the host sees it in /proc; a file would need a dir the
+    # snippet may write, and a checkout under /tmp is read-only inside), then waits for a file the test makes in a
+    # dir both runs can read.
+    ready = f"ready{key:x}"
     directory = tempfile.mkdtemp(prefix=".sandbox_test_", dir=os.path.dirname(os.path.abspath(sandbox.__file__)))
-    os.chmod(directory, 0o777)
-    ready, go_on = os.path.join(directory, "ready"), os.path.join(directory, "go_on")
+    os.chmod(directory, 0o755)
+    go_on = os.path.join(directory, "go_on")
     first_code = SYSV + f"""
 import time
 shm = made("shm", libc.shmget({key}, 4096, 0o1666))
 if shm >= 0:
     ctypes.memmove(libc.shmat(shm, None, 0), b"first run's data", 16)
-open({ready!r}, "w").close()
+libc.prctl(15, {ready.encode()!r}, 0, 0, 0)  # PR_SET_NAME
 while not os.path.exists({go_on!r}):
     time.sleep(0.05)
 """
@@ -354,7 +369,7 @@ if made("opened", shm) >= 0:
     try:
         with SandboxPool(workers=1, timeout_s=SNIPPET_TIMEOUT_S) as pool:
             first = pool.submit(first_code)
-            while not os.path.exists(ready) and not first.done():
+            while not _a_process_named(ready) and not first.done():
                 time.sleep(0.05)
             second = run_code(second_code, timeout_s=SNIPPET_TIMEOUT_S)
             Path(go_on).touch()
