@@ -47,7 +47,7 @@ def prompt_key(messages: list[dict]) -> str:
     return hashlib.sha1(canonical.encode("utf-8")).hexdigest()[:16]
 
 
-def _read_rows(path: Path) -> tuple[list[dict], list[str]]:
+def read_rows(path: Path) -> tuple[list[dict], list[str]]:
     """Rows as dicts and the column names, from parquet or JSON lines (.jsonl / .ndjson / .json)."""
     if path.suffix == ".parquet":
         import pyarrow as pa  # here: JSON lines need no pyarrow (a bare torch + transformers machine has none)
@@ -121,7 +121,7 @@ def load_prompts(path) -> PromptSet:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such file")
-    rows, columns = _read_rows(path)
+    rows, columns = read_rows(path)
     if not rows:
         raise ValueError(f"{path}: the dataset is empty (no rows)")
     prompt_col = next((c for c in PROMPT_COLUMNS if c in columns), None)

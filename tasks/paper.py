@@ -54,7 +54,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from machinery.data import _read_rows, prompt_key
+from machinery.data import prompt_key, read_rows
 from machinery.errors import fail
 from reward import BOX, extract_boxed
 
@@ -175,7 +175,7 @@ def convert(source: Source, folder: Path, files: list[str], eval_prompt: str) ->
     n_in = duplicates = conflicting = normalised = 0
     for file in files:
         try:
-            rows, columns = _read_rows(folder / file)
+            rows, columns = read_rows(folder / file)
         except ValueError as e:
             fail(f"{source.name} ({source.repo}): {e}")
         missing = [c for c in (source.problem, source.answer) if c not in columns]
