@@ -68,12 +68,14 @@ class HFEngine:
     .tokenizer. State: its own copy of the policy."""
 
     def __init__(self, model_path, *, seed, max_model_len, device, temperature=1.0, gpu_memory_utilization=None,
-                 compile_model=None):
-        """seed: unused (every request has its own); gpu_memory_utilization, compile_model: vLLM's, unused."""
+                 compile_model=None, bf16=None):
+        """seed: unused (every request has its own); gpu_memory_utilization, compile_model: vLLM's, unused. bf16:
+        the model's dtype (None: bf16 on GPU, fp32 on CPU), as vLLM's."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
         self.device, self.on_gpu = device, device.type == "cuda"
         self.temperature, self.max_model_len = temperature, max_model_len
-        dtype = torch.bfloat16 if self.on_gpu else torch.float32  # as vLLM's, and as the trainer pushes
+        bf16 = self.on_gpu if bf16 is None else bf16
+        dtype = torch.bfloat16 if bf16 else torch.float32  # as vLLM's, and as the trainer pushes
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         eos = self.model.generation_config.eos_token_id  # an id, a list of ids, or None

@@ -288,9 +288,9 @@ class Engine:
     while the trainer runs (GPU)."""
 
     def __init__(self, model_path, *, seed, max_model_len, device, gpu_memory_utilization=0.5,
-                 temperature=1.0, compile_model=None):
+                 temperature=1.0, compile_model=None, bf16=None):
         """compile_model: torch.compile vLLM's model (None: on GPU only; on CPU it costs start-up:
-        docs/benchmarks.md)."""
+        docs/benchmarks.md). bf16: the model's dtype (None: bf16 on GPU, fp32 on CPU), the trainer's compute dtype."""
         from vllm import LLM  # imported here: importing vllm is slow and only the rollout needs it
         self.on_gpu = device.type == "cuda"
         if not self.on_gpu and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
@@ -303,7 +303,7 @@ class Engine:
             model=model_path,
             distributed_executor_backend="external_launcher",  # one in-process engine per torchrun rank
             tensor_parallel_size=1,
-            dtype="bfloat16" if self.on_gpu else "float32",
+            dtype="bfloat16" if (self.on_gpu if bf16 is None else bf16) else "float32",
             seed=seed,
             max_model_len=max_model_len,
             enforce_eager=not (self.on_gpu if compile_model is None else compile_model),

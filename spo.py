@@ -241,6 +241,7 @@ def start(args):
     if args.resume:  # the run's own settings; only some flags may change (checkpoint.RESUME_MAY_CHANGE)
         args = checkpoint.resume_args(args)
     variants.check_args(args, world)  # one clear line for a bad flag or combination
+    args.bf16 = memory.use_bf16(args.bf16, device.type == "cuda")  # auto: on GPU only; "on" needs bf16 units
     prepare_vllm(args.cpu_kv_cache_gib)  # quiet INFO lines (they would bury the progress bar), the CPU KV cache
     args.engine = choose_engine(args.engine, rank == 0)  # auto: vllm where it imports, else hf (said in one line)
     args.run_dir = open_run_dir(args, "spo.py")
@@ -287,12 +288,13 @@ def build_policy_and_engine(args, world, device, run_dir, data, is_main):
     model_path = state["model_dir"] if state else args.model
     policy, optimizer = trainer.build_policy(model_path, device, args.lr, args.weight_decay,
                                              memory.use_gradient_checkpointing(args.gradient_checkpointing, on_gpu),
-                                             memory.use_layer_units(args.fsdp_units, on_gpu))
+                                             memory.use_layer_units(args.fsdp_units, on_gpu), args.bf16 == "on")
     check_disk(run_dir, policy, export_bytes_per_parameter=2 if on_gpu else 4)
     engine = start_engine(args.engine, model_path, seed=args.seed, device=device, temperature=args.temperature,
                           max_model_len=args.max_prompt_len + args.max_response_len,
                           gpu_memory_utilization=args.gpu_memory_utilization,
-                          compile_model=None if args.engine_compile == "auto" else args.engine_compile == "on")
+                          compile_model=None if args.engine_compile == "auto" else args.engine_compile == "on",
+                          bf16=args.bf16 == "on")
     if state:
         checkpoint.restore_training_state(policy, optimizer, state["shards"])
     return policy, optimizer, engine, state
@@ -441,7 +443,7 @@ def main(argv=None):
                              f"lower --lr or check the data (metrics in {run_dir}/metrics.jsonl)")
         # 7. weight push: the next rollouts come from the updated policy.
         t0 = time.time()
-        engine.push_weights(trainer.full_parameters(policy, torch.bfloat16 if on_gpu else None))
+        engine.push_weights(trainer.full_parameters(policy, torch.bfloat16 if args.bf16 == "on" else None))
         t["weight_push"] = time.time() - t0
 
         metrics = {**step_metrics(reward, raw_advantage, advantage, rollouts, old, stats, t, group=group,

@@ -40,12 +40,12 @@ import contextlib
 import dataclasses
 import json
 import os
-import re
 import time
 
 import numpy as np
 
 from machinery.errors import fail
+from machinery.memory import native_bf16
 
 # When no run is given: the shapes of tasks/toy.py:build_model and of SmolLM2-135M (tasks/smollm.py), as configs.
 SHAPES = {
@@ -56,7 +56,6 @@ SHAPES = {
                                    tie_word_embeddings=True)),
 }
 BYTES = 4  # fp32: the CPU engines' and the CPU weight push's element size
-BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")
 CUBE = "1024-cube"
 
 
@@ -100,16 +99,6 @@ def memory_rates(n_bytes, n_threads, repeats):
         x = torch.ones(n_bytes // 4)  # written, so its pages exist before the timing
         y = torch.zeros_like(x)
         return best_rate(x.sum, x.numel() * 4, repeats), best_rate(lambda: y.copy_(x), x.numel() * 4, repeats)
-
-
-def native_bf16():
-    """The bf16 instruction flags /proc/cpuinfo lists (empty: torch emulates bf16 matmuls)."""
-    try:
-        flags = set(re.findall(r"\S+", " ".join(line for line in open("/proc/cpuinfo")
-                                                if line.startswith(("flags", "Features")))))
-    except OSError:
-        return []
-    return [f for f in BF16_FLAGS if f in flags]
 
 
 def shapes_of(name, config, tokens):

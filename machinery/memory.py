@@ -175,6 +175,30 @@ def use_gradient_checkpointing(choice, on_gpu):
     return on_gpu if choice == "auto" else choice == "on"
 
 
+BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")  # x86 (AVX-512 BF16, AMX), Arm (FEAT_BF16)
+
+
+def native_bf16():
+    """The bf16 instruction flags /proc/cpuinfo lists (empty: torch emulates bf16 matmuls, or no /proc)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(" ".join(line for line in f if line.startswith(("flags", "Features"))).split())
+    except OSError:
+        return []
+    return [f for f in BF16_FLAGS if f in flags]
+
+
+def use_bf16(choice, on_gpu):
+    """--bf16 auto/on/off -> "on" or "off", resolved once (auto: on GPU only: the default run's numbers are fp32 on
+    CPU). On a CPU without bf16 instructions "on" is one line and exit 2: torch would emulate every bf16 matmul,
+    about 100x slower than fp32 (bench/limits.py measures both)."""
+    if choice == "on" and not on_gpu and not native_bf16():
+        from machinery.errors import fail
+        fail("--bf16 on: this CPU has no bf16 instructions (none of " + ", ".join(BF16_FLAGS) + " in /proc/cpuinfo), "
+             "so bf16 matmuls would be emulated, far slower than fp32; leave --bf16 at auto", once=True)
+    return ("on" if on_gpu else "off") if choice == "auto" else choice
+
+
 def use_layer_units(choice, on_gpu):
     """--fsdp_units auto/layers/model -> bool: each decoder layer its own FSDP2 unit (auto: on GPU only,
     trainer.build_policy's default), resolved once so that the estimate and the policy agree."""
@@ -253,6 +277,9 @@ def add_memory_flags(p):
     p.add_argument("--fsdp_units", choices=["auto", "layers", "model"], default="auto",
                    help="FSDP2 units: each decoder layer (one layer's full weights at a time) or the whole model "
                         "(one gather per pass; auto: layers on GPU, model on CPU)")
+    p.add_argument("--bf16", choices=["auto", "on", "off"], default="auto",
+                   help="compute in bf16: the trainer (FSDP2 mixed precision, fp32 master weights) and the engine "
+                        "(auto: on GPU only; on a CPU with bf16 instructions 'on' is faster: docs/benchmarks.md)")
     p.add_argument("--ignore_memory_estimate", action="store_true",
                    help="start even when the per-rank memory estimate exceeds what a rank has (it errs high)")
     add_engine_flags(p, gpu_share=0.5)

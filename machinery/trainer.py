@@ -56,12 +56,15 @@ def setup_distributed():
 
 
 # ------------------------------------------------------------------------------------------------ the policy
-def build_policy(path, device, lr, weight_decay, gradient_checkpointing=None, layer_units=None):
+def build_policy(path, device, lr, weight_decay, gradient_checkpointing=None, layer_units=None, bf16=None):
     """The policy: a Hugging Face causal LM in training mode, sharded with FSDP2, and its AdamW optimiser.
     gradient_checkpointing: recompute each decoder layer's activations in the backward pass (None: on GPU only,
     where long responses make the saved activations the largest memory item).
     layer_units: each decoder layer its own FSDP2 unit (None: on GPU only, where FSDP2 overlaps the next layer's
     gather with compute); on CPU a rank's one thread pays every unit's gathers in turn, so one unit is faster.
+    bf16: forward and backward in bf16 with FSDP2's mixed precision (the fp32 parameters stay the master copy the
+    optimiser updates; gradients are reduced in fp32). None: on GPU only; on CPU it pays only where the cores have
+    bf16 instructions (memory.use_bf16 refuses it elsewhere).
 
     Only rank 0 reads the weights (in fp32, on the host: 33 GB for an 8B model); the other ranks build the model
     on the meta device, and each rank receives its own shard by broadcast (set_model_state_dict with
@@ -76,7 +79,8 @@ def build_policy(path, device, lr, weight_decay, gradient_checkpointing=None, la
     on_gpu = device.type == "cuda"
     prepare_for_training(model, on_gpu if gradient_checkpointing is None else gradient_checkpointing)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if on_gpu else None
+    bf16 = on_gpu if bf16 is None else bf16
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
     for layer in model.model.layers if (on_gpu if layer_units is None else layer_units) else []:
         fully_shard(layer, mesh=mesh, **({"mp_policy": mp} if mp else {}))
     fully_shard(model, mesh=mesh, **({"mp_policy": mp} if mp else {}))

@@ -176,3 +176,16 @@ def test_cpu_kv_cache_space_from_flag_or_environment(monkeypatch, flag, env, exp
     assert (message is None) if error is None else message.startswith(error)
     if expected is not None:
         assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == expected
+
+
+def test_bf16_auto_is_gpu_only_and_on_without_bf16_units_is_one_line(monkeypatch, capsys):
+    from machinery import memory
+    assert (memory.use_bf16("auto", True), memory.use_bf16("auto", False)) == ("on", "off")
+    monkeypatch.setattr(memory, "native_bf16", lambda: ["avx512_bf16"])
+    assert memory.use_bf16("on", False) == "on"
+    monkeypatch.setattr(memory, "native_bf16", lambda: [])
+    assert memory.use_bf16("on", True) == "on" and memory.use_bf16("off", False) == "off"  # a GPU has bf16
+    with pytest.raises(SystemExit):
+        memory.use_bf16("on", False)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--bf16 on: this CPU has no bf16 instructions" in err
