@@ -32,6 +32,9 @@ tokenised prompts), L and L_max: response/length_mean and response/length_max.
 - weight push: all the model's parameters (tied ones once) * 4 bytes (fp32 on CPU: trainer.full_parameters(policy,
   None)) over time/weight_push, against the copy rate (the push copies every weight at least once).
 
+A run made with --bf16 on (its config.json says so) is set against the bf16 matmul ceiling (measured on every
+shape where the CPU has bf16 instructions), with 2 bytes per weight for generation and the push.
+
     python -m bench limits                                   # the ceilings, on the toy's and SmolLM2-135M's shapes
     python -m bench limits --run RUN_DIR [RUN_DIR ...] --ranks 2   # and each phase of those spo.py runs
 """
@@ -110,16 +113,17 @@ def shapes_of(name, config, tokens):
             f"{name} head {chunk}x{h}x{config.vocab_size}": (chunk, h, config.vocab_size)}
 
 
-def measure(shapes, thread_counts, memory_bytes, repeats):
+def measure(shapes, thread_counts, memory_bytes, repeats, bf16_shapes=False):
     """{"matmul": {(label, "float32" or "bfloat16", threads): FLOP/s}, "read" / "copy": {threads: bytes/s}}. bf16
-    on the cube only: without bf16 instructions it is emulated, far slower than fp32, and a model's head in it
-    would take minutes (neither the trainer nor the engines use bf16 on a CPU)."""
+    on the cube only unless bf16_shapes (a CPU with bf16 instructions: runs with --bf16 on compute in it): without
+    them it is emulated, far slower than fp32, and a model's head in it would take minutes."""
     import torch
     out = {"matmul": {}, "read": {}, "copy": {}}
     for n in sorted(set(thread_counts)):
         for label, (m, k, n_) in shapes.items():
             out["matmul"][label, "float32", n] = matmul_rate(m, k, n_, torch.float32, n, repeats)
-        out["matmul"][CUBE, "bfloat16", n] = matmul_rate(*shapes[CUBE], torch.bfloat16, n, repeats)
+            if bf16_shapes or label == CUBE:
+                out["matmul"][label, "bfloat16", n] = matmul_rate(m, k, n_, torch.bfloat16, n, repeats)
         out["read"][n], out["copy"][n] = memory_rates(memory_bytes, n, repeats)
     return out
 
@@ -132,13 +136,13 @@ class Ceilings:
     copy: float
 
 
-def rank_ceilings(measured, rank_threads, all_threads, ranks):
-    """The lower of a rank's threads alone and 1 / ranks of all cores; matmul: the best fp32 shape."""
+def rank_ceilings(measured, rank_threads, all_threads, ranks, dtype="float32"):
+    """The lower of a rank's threads alone and 1 / ranks of all cores; matmul: the best shape in dtype."""
     def share(rates):
         return min(rates[rank_threads], rates[all_threads] / ranks)
     matmul = {}
-    for (label, dtype, n), rate in measured["matmul"].items():
-        if dtype == "float32":
+    for (label, kind, n), rate in measured["matmul"].items():
+        if kind == dtype:
             matmul.setdefault(n, {})[label] = rate
     best = share({n: max(rates.values()) for n, rates in matmul.items()})
     return Ceilings(best, share(measured["read"]), share(measured["copy"]))
@@ -173,8 +177,9 @@ def phase_means(rows, warmup):
     return {k: float(np.mean([row.get(k, 0.0) for row in steps])) for k in keys}, len(steps)
 
 
-def phase_table(means, config, prompt_len, batch_size, ranks, checkpointing, ceilings, weights):
-    """[(phase, achieved, ceiling)] per rank (module docstring's formulas). weights: matrix_weights(config)."""
+def phase_table(means, config, prompt_len, batch_size, ranks, checkpointing, ceilings, weights, element=BYTES):
+    """[(phase, achieved, ceiling)] per rank (module docstring's formulas). weights: matrix_weights(config);
+    element: bytes per weight in the engine and the push (4: fp32; 2: a --bf16 on run)."""
     from bench.gpu import _forward_flops
     linear, n_params = weights
     length = round(prompt_len + means["response/length_mean"])
@@ -192,9 +197,9 @@ def phase_table(means, config, prompt_len, batch_size, ranks, checkpointing, cei
                      ceilings.matmul / 1e9))
     tokens_per_s = means["throughput/tokens_per_second"]
     per_decode_step = tokens_per_s * means["time/generate"] / max(means["response/length_max"], 1.0)
-    bound = min(ceilings.read / (linear * BYTES) * per_decode_step, ceilings.matmul / (2 * linear))
+    bound = min(ceilings.read / (linear * element) * per_decode_step, ceilings.matmul / (2 * linear))
     rows.append((f"generate, tokens/s ({per_decode_step:.1f} per decoding step)", tokens_per_s, bound))
-    rows.append(("weight push, GB/s", n_params * BYTES / max(means["time/weight_push"], 1e-9) / 1e9,
+    rows.append(("weight push, GB/s", n_params * element / max(means["time/weight_push"], 1e-9) / 1e9,
                  ceilings.copy / 1e9))
     return rows
 
@@ -258,7 +263,7 @@ def main(argv=None):
     print(f"torch {torch.__version__}, {all_threads} cores, {rank_threads} thread(s) per rank with {args.ranks} "
           f"rank(s); bf16 instructions: {', '.join(bf16) if bf16 else 'none (torch emulates bf16)'}",
           flush=True)
-    measured = measure(shapes, (rank_threads, all_threads), args.memory_mib * 2**20, args.repeats)
+    measured = measure(shapes, (rank_threads, all_threads), args.memory_mib * 2**20, args.repeats, bool(bf16))
     columns = [(d, n) for n in sorted({rank_threads, all_threads}) for d in ("float32", "bfloat16")]
     print(f"\nmatmul GFLOP/s, fastest of {args.repeats}")
     print(f"{'shape (m x k x n)':>40} " + " ".join(f"{f'{d[0]}{d[-2:]}, {n} thread(s)':>18}" for d, n in columns))
@@ -268,21 +273,27 @@ def main(argv=None):
     for n in sorted({rank_threads, all_threads}):
         print(f"memory, {n} thread(s): read {measured['read'][n] / 1e9:.2f} GB/s, copy {measured['copy'][n] / 1e9:.2f} "
               f"GB/s ({args.memory_mib} MiB fp32)", flush=True)
-    ceilings = rank_ceilings(measured, rank_threads, all_threads, args.ranks)
+    ceilings = {d: rank_ceilings(measured, rank_threads, all_threads, args.ranks, d)
+                for d in ("float32", "bfloat16") if any(k[1] == d and k[0] != CUBE for k in measured["matmul"])}
     print(f"one rank's ceilings (the lower of {rank_threads} thread(s) alone and 1/{args.ranks} of {all_threads}): "
-          f"matmul {ceilings.matmul / 1e9:.2f} GFLOP/s, read {ceilings.read / 1e9:.2f} GB/s, copy "
-          f"{ceilings.copy / 1e9:.2f} GB/s", flush=True)
+          + ", ".join(f"matmul {d} {c.matmul / 1e9:.2f} GFLOP/s" for d, c in ceilings.items())
+          + f", read {ceilings['float32'].read / 1e9:.2f} GB/s, copy {ceilings['float32'].copy / 1e9:.2f} GB/s",
+          flush=True)
     from machinery.memory import use_gradient_checkpointing
     for i, ((run_dir, run_config, rows), (_, config)) in enumerate(zip(runs, configs)):
         means, n_steps = phase_means(rows, args.warmup)
         prompt_len = mean_prompt_len(run_config)
         checkpointing = use_gradient_checkpointing(run_config.get("gradient_checkpointing", "auto"), False)
+        bf16_run = run_config.get("bf16") == "on"  # its matmuls against the bf16 ceiling, 2 bytes per weight
+        if bf16_run and "bfloat16" not in ceilings:
+            fail(f"--run {run_dir}: a --bf16 on run, and this CPU has no bf16 instructions to set it against")
         table = phase_table(means, config, prompt_len, run_config["batch_size"], args.ranks, checkpointing,
-                            ceilings, matrix_weights(config))
+                            ceilings["bfloat16" if bf16_run else "float32"], matrix_weights(config),
+                            2 if bf16_run else BYTES)
         print_table(f"\nrun {i + 1}, {run_dir}: {n_steps} steps after {args.warmup}, per rank ({args.ranks} ranks, "
                     f"{run_config['batch_size'] / args.ranks:g} sequences of {prompt_len:.1f} + "
                     f"{means['response/length_mean']:.1f} tokens; gradient checkpointing "
-                    f"{'on' if checkpointing else 'off'})", table)
+                    f"{'on' if checkpointing else 'off'}; {'bf16' if bf16_run else 'fp32'})", table)
 
 
 if __name__ == "__main__":
