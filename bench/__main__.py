@@ -4,7 +4,7 @@ Speed lives here, never in the tests. Run from the repository root:
     python -m bench                           # the parts: tracker, throughput, logprobs, steps, sandbox, eval,
                                               # tools, collectives
     python -m bench tracker steps             # some of them (bench/parts.py, bench/throughput.py)
-    python -m bench peer --trl_python PYTHON  # spo.py against TRL's GRPOTrainer on the toy (bench/peer.py)
+    python -m bench peer --trl_python PYTHON  # spo.py against TRL's GRPOTrainer (bench/peer.py; --task smollm)
     python -m bench gpu                       # the GPU device check: the trainer path without vLLM (bench/gpu.py)
     python -m bench limits --run RUN_DIR      # this CPU's ceilings and each phase's distance to them (bench/limits.py)
 

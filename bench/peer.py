@@ -3,25 +3,27 @@
 Two tasks (--task): the toy (0.8M parameters, 11-token answers: fixed costs decide) and SmolLM2-135M-Instruct on
 tasks/smollm.py's arithmetic (a real model: generation and the update decide; build it with `python -m
 tasks.smollm`). The same model, training prompts, budget (steps x responses per step) and seed, run one after
-another in one process tree: TRL's GRPOTrainer (plain Hugging Face generation, one
-process), then spo.py --algo grpo and spo.py (SPO) under torchrun, on 1 rank and on 2 (--spo_ranks), each with
-vLLM eager and compiled (--engine_compile: spo.py's flag; compiled starts seconds later). Printed: the
-median wall time per training step (start-up excluded: the first `warmup` steps; evaluation excluded: spo.py
-evaluates only at step 0 and at the end, TRL not at all during training), the held-out accuracy at the end, and the
-ratios to TRL, each row's phases and its peak resident memory (per process: TRL's one, spo.py's largest rank).
+another in one process tree: TRL's GRPOTrainer (plain Hugging Face generation, one process), then spo.py --algo
+grpo and spo.py (SPO) under torchrun, on 1 rank and on 2 (--spo_ranks), each with vLLM eager and compiled
+(--engine_compile: spo.py's flag; compiled starts seconds later). Printed: the median wall time per training step
+(start-up excluded: the first `warmup` steps; evaluation excluded: spo.py evaluates only at step 0 and at the end,
+TRL not at all during training), the held-out accuracy at the end, the ratios to TRL, each row's phases and its
+peak resident memory (per process: TRL's one, spo.py's largest rank).
 
 Held-out accuracy (the toy only: a few SmolLM2 steps do not move it, and evaluating it would double the run; its
-rows show the mean training reward instead, the same verifier on both sides) is the same code for all three: eval.heldout_metrics (spo.py's own held-out evaluation: avg@2
-over the toy's test prompts at temperature 1.0, seeds that depend on the prompt, not the step, scored by
-reward.py) on the final weights. For TRL the saved model is loaded into the same vLLM engine class in a world of 1
-(the samples do not depend on the world size: eval.sample_and_score).
+rows show the mean training reward instead, the same verifier on both sides) is the same code for all three:
+eval.heldout_metrics (spo.py's own held-out evaluation: avg@2 over the toy's test prompts at temperature 1.0, seeds
+that depend on the prompt, not the step, scored by reward.py) on the final weights. For TRL the saved model is
+loaded into the same vLLM engine class in a world of 1 (the samples do not depend on the world size:
+eval.sample_and_score).
 
-What is the same: the model (fp32), prompts (spo's chat-templated prompt text; re-tokenised by TRL to the
-same ids, checked), the responses per step (toy 64, SmolLM2 16; GRPO as prompts x 8), temperature 1.0 (top-p 1,
-no top-k), the response budget (toy 32 tokens, SmolLM2 48), AdamW lr (toy 2e-4, SmolLM2 1e-5; constant), weight decay 0.01, betas (0.9, 0.999), gradient clip
-1.0, one optimiser step per batch, PPO clip 0.2 / 0.28 (clip-higher), no KL (beta 0), the reward (reward.py's
-boxed answer; a response cut off by the budget scores 0, as spo's default), the group z-score advantage.
-What differs (SETTINGS_THAT_DIFFER, printed with the table): listed there.
+What is the same: the model (fp32; --bf16: bf16 compute on both sides), prompts (spo's chat-templated prompt text;
+re-tokenised by TRL to the same ids, checked), the responses per step (toy 64, SmolLM2 16; GRPO as prompts x 8),
+temperature 1.0 (top-p 1, no top-k), the response budget (toy 32 tokens, SmolLM2 48), AdamW lr (toy 2e-4, SmolLM2
+1e-5; constant), weight decay 0.01, betas (0.9, 0.999), gradient clip 1.0, one optimiser step per batch, PPO clip
+0.2 / 0.28 (clip-higher), no KL (beta 0), the reward (reward.py's boxed answer; a response cut off by the budget
+scores 0, as spo's default), the group z-score advantage. What differs (SETTINGS_THAT_DIFFER, printed with the
+table): listed there.
 
 TRL is a benchmark-only dependency, best kept in its own virtual environment (it pins its own transformers):
 
@@ -62,6 +64,8 @@ SETTINGS_THAT_DIFFER = [
     ("dual clip", "10 (negative advantages: loss at most -10 A)", "none (inactive here: ratio = 1 with one "
      "optimiser step per batch)"),
     ("KL", "none", "beta=0.0 (none)"),
+    ("--bf16", "spo.py --bf16 on: bf16 forward and backward (FSDP2 mixed precision, fp32 master weights) and a bf16 "
+     "engine", "bf16=True: the Trainer's bf16 autocast around the update; generate() stays fp32"),
     ("advantage", "GRPO: (r - group mean) / (group std + 1e-6)", "scale_rewards='group': the same with + 1e-4"),
     ("SPO", "spo.py --algo spo: B prompts x 1, tracker baseline, prioritised sampling; offline values: the toy's "
      "cached ones, none on SmolLM2 (a start-up cost, not a per-step one)", "not available in TRL"),
@@ -92,7 +96,8 @@ def task_files(task, data_dir):
 # ---------------------------------------------------------------------------------------------- TRL (its own venv)
 def trl_worker(out_dir, spec):
     """GRPOTrainer on a task; writes step_times.json (wall seconds per optimiser step, by phase; peak memory) and
-    the final model. spec: model, train, steps, seed, max_tokens, threads, batch, lr."""
+    the final model. spec: model, train, steps, seed, max_tokens, threads, batch, lr, bf16 (the Trainer's bf16
+    autocast for the update; generation stays fp32)."""
     sys.path.insert(0, ROOT)
     import torch
     from datasets import Dataset
@@ -144,7 +149,8 @@ def trl_worker(out_dir, spec):
         adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, beta=0.0, loss_type="dapo", epsilon=0.2,
         epsilon_high=0.28, scale_rewards="group", temperature=1.0, top_p=1.0, top_k=0,
         max_completion_length=spec["max_tokens"], mask_truncated_completions=False, use_vllm=False, logging_steps=1,
-        save_strategy="no", report_to=[], bf16=False, use_cpu=True, dataloader_num_workers=0, disable_tqdm=True,
+        save_strategy="no", report_to=[], bf16=spec.get("bf16", False), use_cpu=True, dataloader_num_workers=0,
+        disable_tqdm=True,
         gradient_checkpointing=False)  # TRL turns it on by default; spo.py does not on CPU (and it only costs here)
     model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=dataset,
@@ -203,13 +209,13 @@ def _kept_dir(keep, tmp, name):
     return path
 
 
-def _trl_row(python, tmp, task, data_dir, steps, seed, warmup, threads, env, spo_args=(), keep=None):
+def _trl_row(python, tmp, task, data_dir, steps, seed, warmup, threads, env, spo_args=(), keep=None, bf16=False):
     """TRL (GRPO), then (the toy) the held-out evaluation of its final weights with spo's code: one table row."""
     t = TASKS[task]
     model, train, _ = task_files(task, data_dir)
     trl_dir = _kept_dir(keep, tmp, f"{task}-trl-seed{seed}")
     spec = dict(model=model, train=train, steps=steps, seed=seed, max_tokens=t["max_tokens"], threads=threads,
-                batch=t["batch"], lr=t["lr"])
+                batch=t["batch"], lr=t["lr"], bf16=bf16)
     t0 = time.time()
     proc = subprocess.run([python, "-m", "bench.peer", "_trl", trl_dir, json.dumps(spec)], cwd=ROOT, env=env,
                           capture_output=True, text=True)
@@ -242,7 +248,8 @@ def step_seconds(metrics, evaluated_last):
     return per_step[:-1 if evaluated_last else None] or [training[-1]["time/step"]]
 
 
-def _spo_row(algo, ranks, compiled, tmp, task, data_dir, steps, seed, warmup, env, spo_args=(), keep=None):
+def _spo_row(algo, ranks, compiled, tmp, task, data_dir, steps, seed, warmup, env, spo_args=(), keep=None,
+             bf16=False):
     """spo.py: (the toy) evaluation only at step 0 and at the end; per-step wall time from metrics.jsonl. One table
     row. keep: a folder for the run directory (for `bench limits --run`), else a temporary one. spo_args: more
     spo.py flags, last (they win)."""
@@ -252,7 +259,7 @@ def _spo_row(algo, ranks, compiled, tmp, task, data_dir, steps, seed, warmup, en
            "--steps", str(steps), *task_files(task, data_dir)[2], "--seed", str(seed),
            "--eval_every", str(steps if t["heldout"] else 0), "--save_every", "0", "--batch_size", str(t["batch"]),
            "--lr", str(t["lr"]), "--max_response_len", str(t["max_tokens"]), "--run_dir", run,
-           "--engine_compile", compiled, *spo_args]
+           "--engine_compile", compiled, *(["--bf16", "on"] if bf16 else []), *spo_args]
     t0 = time.time()
     subprocess.run(cmd, check=True, cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
     wall = time.time() - t0
@@ -267,7 +274,7 @@ def _spo_row(algo, ranks, compiled, tmp, task, data_dir, steps, seed, warmup, en
 
 
 def bench_peer(task="toy", steps=None, trl_python=None, data_dir=None, seed=0, warmup=None, trl_threads=None,
-               spo_ranks=(1, 2), engine_compile=("off", "on"), rounds=1, keep=None, spo_args=()):
+               spo_ranks=(1, 2), engine_compile=("off", "on"), rounds=1, keep=None, spo_args=(), bf16=False):
     """TRL GRPO, spo.py GRPO and spo.py SPO on a task, one after another, `rounds` times (every other round in
     reverse order, so that a machine growing slower or faster over the run weighs on every row alike); prints the
     table; returns its rows. Per row: every round's steps pooled into one median, the ratio to TRL's pooled
@@ -298,7 +305,7 @@ def bench_peer(task="toy", steps=None, trl_python=None, data_dir=None, seed=0, w
             for label in (list(runs) if k % 2 == 0 else list(runs)[::-1]):
                 measured[label].append(runs[label](tmp=tmp, task=task, data_dir=data_dir, steps=steps, seed=seed,
                                                    warmup=warmup, env=env, keep=keep,
-                                                   spo_args=spo_args))
+                                                   spo_args=spo_args, bf16=bf16))
     trl = measured[trl_label][0]
     trl_step = statistics.median(s for row in measured[trl_label] for s in row["steps"])
     rows = {}
@@ -312,7 +319,8 @@ def bench_peer(task="toy", steps=None, trl_python=None, data_dir=None, seed=0, w
                        "reward": statistics.mean(row["reward"] for row in per_round),
                        "phases": _median_phases([p for row in per_round for p in row["phases"]])}
     model = "the toy" if task == "toy" else "SmolLM2-135M"
-    print(f"\n{model}, {steps} steps x {t['batch']} responses (at most {t['max_tokens']} tokens), seed {seed}, "
+    print(f"\n{model}{', bf16 on both sides' * bf16}, {steps} steps x {t['batch']} responses (at most "
+          f"{t['max_tokens']} tokens), seed {seed}, "
           f"{rounds} round{'s' * (rounds > 1)}; per-step time: median wall seconds per step over all rounds, the "
           f"first {warmup} (start-up){' and the evaluated last' * t['heldout']} of each run left out"
           f"{f'; held-out: eval.heldout_metrics at step {steps}' * t['heldout']}\nTRL {trl['versions']['trl']} "
@@ -354,6 +362,8 @@ def main(argv=None):
                    help="spo.py's --engine_compile, each measured (on: faster steps, longer start-up)")
     p.add_argument("--rounds", type=int, default=1, help="run everything this many times, every other round "
                                                          "in reverse order (a drifting machine's speed cancels)")
+    p.add_argument("--bf16", action="store_true", help="bf16 on both sides: spo.py --bf16 on (trainer and "
+                                                           "engine), TRL's bf16=True (autocast in its update)")
     p.add_argument("--spo_args", default="", help="more spo.py flags for every spo.py row, one quoted string "
                                                   "(e.g. \"--max_tokens_per_micro_batch 1024\")")
     p.add_argument("--keep", default=None, help="keep spo.py's run directories in this folder (for `python -m "
@@ -362,7 +372,7 @@ def main(argv=None):
     if a.keep:
         os.makedirs(a.keep, exist_ok=True)
     bench_peer(a.task, a.steps, a.trl_python, a.data_dir, a.seed, a.warmup, a.trl_threads, a.spo_ranks,
-               a.engine_compile, a.rounds, a.keep and os.path.abspath(a.keep), shlex.split(a.spo_args))
+               a.engine_compile, a.rounds, a.keep and os.path.abspath(a.keep), shlex.split(a.spo_args), a.bf16)
 
 
 if __name__ == "__main__":  # the worker processes; run the benchmark itself through `python -m bench peer`
