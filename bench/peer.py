@@ -106,6 +106,7 @@ def trl_worker(out_dir, spec):
 
     torch.set_num_threads(spec["threads"])
     from machinery.data import load_dataset, load_tokenizer
+    from machinery.memory import peak_resident_bytes
     from reward import boxed_reward
     tokenizer = load_tokenizer(spec["model"])
     data = load_dataset(spec["train"], tokenizer, 256, False)
@@ -161,8 +162,7 @@ def trl_worker(out_dir, spec):
     trainer.save_model(os.path.join(out_dir, "model"))
     tokenizer.save_pretrained(os.path.join(out_dir, "model"))
     rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
-    with open("/proc/self/status") as f:  # peak resident memory of this one process (model, optimiser, generation)
-        peak = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    peak = peak_resident_bytes()  # this one process: model, optimiser, generation
     with open(os.path.join(out_dir, "step_times.json"), "w") as f:
         json.dump({"steps": steps, "reward": rewards, "threads": torch.get_num_threads(), "peak_gib": peak / 2**30,
                    "versions": {"trl": __import__("trl").__version__, "torch": torch.__version__,

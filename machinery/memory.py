@@ -311,15 +311,19 @@ def phase_end(on_gpu, phase):
         _gpu["phases"][phase] = total - free
 
 
+def peak_resident_bytes():
+    """This process's peak resident memory (Linux VmHWM), in bytes."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
 def peak_metrics(on_gpu):
     """memory/peak_gib: the largest peak over the ranks so far, to set against the estimate printed at start. CPU:
     the process's peak resident memory (VmHWM: trainer, engine and libraries). GPU: the most device memory in use
     at the end of a phase (phase_end) so far, and this step's per phase (memory/<phase>_gib), max over ranks."""
     from machinery.collectives import all_reduce_np
     if not on_gpu:
-        with open("/proc/self/status") as f:
-            peak = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
-        return {"memory/peak_gib": float(all_reduce_np([peak], op="max")[0]) / GIB}
+        return {"memory/peak_gib": float(all_reduce_np([peak_resident_bytes()], op="max")[0]) / GIB}
     names = sorted(_gpu["phases"])
     used = all_reduce_np([_gpu["phases"].pop(name) for name in names] + [0.0], op="max") / GIB  # every rank alike
     _gpu["peak"] = max(_gpu["peak"], float(used.max()))
