@@ -59,3 +59,22 @@ def all_gather_objects(items):
     overflow = all_gather_np(np.pad(data[room:], (0, spill - len(data[room:])))[None]) if spill > 0 else None
     return [item for r, n in enumerate(lengths) for item in pickle.loads(
         gathered[r, 8: 8 + min(n, room)].tobytes() + (overflow[r, : n - room].tobytes() if n > room else b""))]
+
+
+class InPlaceReduceScatter:
+    """FSDP2's gradient reduce-scatter on gloo (trainer.build_policy gives it to every FSDP2 unit through
+    FSDPModule.set_custom_reduce_scatter): an all-reduce of FSDP2's own input buffer, in place, then this rank's
+    chunk copied into the output. gloo's reduce_scatter_tensor runs the same all-reduce on a fresh copy of the whole
+    input, the model's full gradient, and a fresh copy costs a page fault per 4 KiB page on first touch: several
+    times a copy into memory already in use (docs/benchmarks.md). FSDP2 discards the input after this call, so it
+    may be overwritten. The same bytes as reduce_scatter_tensor (tests/test_trainer.py). FSDP2's interface for a
+    custom comm (allocate, __call__) is duck-typed here: its base class is private to torch."""
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        dist.all_reduce(input_tensor, op=op, group=group)
+        n, rank = output_tensor.numel(), dist.get_rank(group)
+        output_tensor.view(-1).copy_(input_tensor.view(-1)[rank * n: (rank + 1) * n])
+        return None  # (FSDP2 ignores what the call returns: the work must be done)

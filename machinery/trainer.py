@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
-from machinery.collectives import all_gather_np, all_gather_objects, all_reduce_np
+from machinery.collectives import InPlaceReduceScatter, all_gather_np, all_gather_objects, all_reduce_np
 from machinery.errors import fail
 from machinery.batching import LOGIT_CHUNK_BYTES, deal_by_tokens, micro_batches
 
@@ -81,9 +81,10 @@ def build_policy(path, device, lr, weight_decay, gradient_checkpointing=None, la
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     bf16 = on_gpu if bf16 is None else bf16
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
-    for layer in model.model.layers if (on_gpu if layer_units is None else layer_units) else []:
-        fully_shard(layer, mesh=mesh, **({"mp_policy": mp} if mp else {}))
-    fully_shard(model, mesh=mesh, **({"mp_policy": mp} if mp else {}))
+    for unit in [*(model.model.layers if (on_gpu if layer_units is None else layer_units) else []), model]:
+        fully_shard(unit, mesh=mesh, **({"mp_policy": mp} if mp else {}))
+        if dist.get_backend() == "gloo":  # (nccl's reduce-scatter makes no copy of its input)
+            unit.set_custom_reduce_scatter(InPlaceReduceScatter())
     attach_logprob_forward(model)
     model.to_empty(device=device)  # storage for this rank's shards (and the buffers), contents undefined
     set_model_state_dict(model, loaded.state_dict() if loaded is not None else {},

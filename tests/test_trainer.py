@@ -17,7 +17,8 @@ from common import end_worker, ok, torchrun
 def test_two_rank_fsdp2_gradients_and_normalisation_equal_one_process(small_toy, tmp_path):
     """Same global batch, one SGD step (lr 1, no clipping): the weights after the step are the gradients.
     World 2 must equal world 1, and Eq. 9's normalisation over two ranks must equal the single-process one.
-    FSDP2's units (CPU's default: the whole model; GPU's: each decoder layer) change no number at all."""
+    FSDP2's units (CPU's default: the whole model; GPU's: each decoder layer) change no number at all. The
+    gradients cross the ranks through collectives.InPlaceReduceScatter (gloo's reduce-scatter without a copy)."""
     out = {}
     for run, world, max_tokens, units in (("w1", 1, "none", "model"), ("w2", 2, "none", "model"),
                                           ("w2_tokens", 2, "20", "model"), ("w2_layers", 2, "none", "layers")):
@@ -33,6 +34,9 @@ def test_two_rank_fsdp2_gradients_and_normalisation_equal_one_process(small_toy,
         torch.testing.assert_close(out["w2_tokens"]["params"][name], p1, atol=2e-6, rtol=1e-5)
         moved = max(moved, (p1 - out["w1"]["before"][name]).abs().max().item())
     assert moved > 1e-4  # the step really moved the weights, so the comparison means something
+    # the two-rank gradients above came through collectives.InPlaceReduceScatter: once per micro-batch per unit
+    assert out["w1"]["reduce_scatters"] == 0 and out["w2"]["reduce_scatters"] >= out["w2"]["micro_batches"]
+    assert out["w2_layers"]["reduce_scatters"] > out["w2"]["reduce_scatters"]  # (a unit per layer, and the root)
     advantage = out["w1"]["raw_advantage"]
     expected = (advantage - advantage.mean()) / (advantage.std(ddof=1) + 1e-8)
     np.testing.assert_allclose(out["w2"]["normalised"], expected, rtol=1e-6, atol=1e-7)
@@ -90,6 +94,15 @@ def test_the_bucketed_weight_gather_equals_full_tensor_with_uneven_shards(tmp_pa
     DTensor.full_tensor() and as the unsharded weights, also cast to bf16 before the gather. all_gather_objects
     returns what torch's all_gather_object does, with pickles under, over and far over its first buffer."""
     ok(torchrun(3, "tests/test_trainer.py", "gather_worker", str(tmp_path / "ok")))
+    assert (tmp_path / "ok").exists()
+
+
+@pytest.mark.slow
+def test_the_in_place_reduce_scatter_gives_gloos_bytes_and_fsdp2s_gradients(tmp_path):
+    """collectives.InPlaceReduceScatter, FSDP2's gradient reduce-scatter on gloo: on 3 ranks the same bytes as
+    reduce_scatter_tensor, summed and averaged, and as FSDP2's own comm the same gradients bit for bit, FSDP2
+    calling it once per backward."""
+    ok(torchrun(3, "tests/test_trainer.py", "reduce_scatter_worker", str(tmp_path / "ok")))
     assert (tmp_path / "ok").exists()
 
 
@@ -257,6 +270,7 @@ def grad_worker(out, model_path, max_tokens, units):
     build = functools.partial(trainer.build_policy, model_path, lr=1.0, weight_decay=0.0,
                               layer_units=units == "layers")
     rank, world, device = trainer.setup_distributed()
+    trainer.InPlaceReduceScatter = Counted = _counted()  # what build_policy gives FSDP2 on gloo, counted
     policy, _ = build(device)
     optimizer = torch.optim.SGD(policy.parameters(), lr=1.0)
     before = {k: v.clone() for k, v in trainer.full_parameters(policy)}
@@ -270,6 +284,7 @@ def grad_worker(out, model_path, max_tokens, units):
     _update(policy, optimizer, rollouts[mine], old, advantage[mine], micro_batch_size=2, grad_clip=1e9,
             max_tokens=max_tokens)
     params = {k: v.clone() for k, v in trainer.full_parameters(policy)}
+    reduce_scatters = Counted.calls  # world 1: FSDP2 has nothing to reduce
     normalised = collectives.all_gather_np(global_normalise(advantage[mine]))
     micro_batches = len(batching.micro_batches([len(r.prompt_ids) + len(r.response_ids) for r in rollouts[mine]],
                                                2, max_tokens))
@@ -309,7 +324,7 @@ def grad_worker(out, model_path, max_tokens, units):
     if rank == 0:
         torch.save({"params": params, "before": before, "raw_advantage": advantage, "normalised": normalised,
                     "micro_batches": micro_batches, "old": old_all, "entropy": entropy / world, "reuse": reuse,
-                    "clip": clip}, out)
+                    "clip": clip, "reduce_scatters": reduce_scatters}, out)
     end_worker()
 
 
@@ -345,6 +360,48 @@ def gather_worker(out):
     if rank == 0:
         open(out, "w").close()
     end_worker()
+
+
+def reduce_scatter_worker(out):
+    import torch.distributed as dist
+    from machinery import collectives, trainer
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    rank, world, _ = trainer.setup_distributed()
+    mesh = init_device_mesh("cpu", (world,))
+    Counted = _counted()
+    for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+        full = torch.randn(world * 13, generator=torch.Generator().manual_seed(rank))  # (world * 13,) per rank
+        expected, got = torch.empty(13), torch.full((13,), float("nan"))
+        dist.reduce_scatter_tensor(expected, full.clone(), op=op)
+        collectives.InPlaceReduceScatter()(got, full, dist.group.WORLD, op)
+        assert torch.equal(got, expected), op
+    grads = {}
+    for comm in ("default", "in place"):
+        torch.manual_seed(1)
+        net = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
+        fully_shard(net, mesh=mesh)
+        if comm == "in place":
+            net.set_custom_reduce_scatter(Counted())
+        net(torch.randn(4, 5, generator=torch.Generator().manual_seed(rank))).square().sum().backward()
+        grads[comm] = [p.grad.to_local().clone() for p in net.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(grads["default"], grads["in place"], strict=True))
+    assert Counted.calls == 1  # FSDP2 really reduced through it
+    if rank == 0:
+        open(out, "w").close()
+    end_worker()
+
+
+def _counted():
+    from machinery.collectives import InPlaceReduceScatter
+
+    class Counted(InPlaceReduceScatter):
+        calls = 0
+
+        def __call__(self, *args, **kwargs):
+            type(self).calls += 1
+            return super().__call__(*args, **kwargs)
+    return Counted
 
 
 def push_worker(out, model_path):
