@@ -14,12 +14,10 @@ One training step (Algorithm 1) reads top to bottom in `main`:
   7. the new weights are pushed into the engine.
 The estimators, losses and sampling SPO is compared against (RLOO, Dr. GRPO, REINFORCE++, GSPO, CISPO, DAPO's
 dynamic sampling, Batch SPO, ...) are one flag away (variants.py): one branch in step 5, one loss in step 6.
-
 The algorithm's own math sits here as small pure functions, each named for what it computes: `spo_advantage`
-(Eq. 8), `global_normalise` (Eq. 9), `divergence` (D(x) of Eq. 5), `ppo_clip_loss` (Eq. 10), and SPO's memory
-of each prompt's last response (`PreviousResponse`, `remember`: D(x) re-scores it under the current policy with
-one extra forward pass; docs/algorithm.md). The tracker and the sampler own the per-prompt state (tracker.py,
-sampler.py); machinery/ holds the FSDP2 trainer, checkpoints, memory estimate and metrics.
+(Eq. 8), `global_normalise` (Eq. 9), `divergence` (D(x) of Eq. 5), `ppo_clip_loss` (Eq. 10), and SPO's memory of
+each prompt's last response (`PreviousResponse`, `remember`: D(x) re-scores it under the current policy, one more
+forward pass). The per-prompt state: tracker.py, sampler.py. machinery/: the FSDP2 trainer and the rest.
 
 The same program runs the CPU toy and an 8-GPU node; only device-dependent settings change (gloo / nccl,
 fp32 / bf16, vLLM's KV cache space / GPU memory fraction and sleep mode):
@@ -30,11 +28,14 @@ fp32 / bf16, vLLM's KV cache space / GPU memory fraction and sleep mode):
 import argparse
 import functools
 import math
+import os
 import time
 from dataclasses import dataclass
 
-import numpy as np
-import torch
+# big CPU tensors on 2 MiB huge pages: torch reads this at its first allocation, hence here (docs/algorithm.md)
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
 
 import variants
 from eval import add_probe_flags, evaluations

@@ -24,11 +24,14 @@ tokenised prompts), L and L_max: response/length_mean and response/length_max.
   checkpointing, 4F (every decoder layer runs forward again: 8N). Sequences at their mean length: the attention
   term of a spread of lengths is slightly larger.
 - old log-probs: F over policy/rescored_sequences / ranks sequences (SPO's D(x) pass), of P + L tokens.
-- generate: throughput/tokens_per_second (policy tokens of the step over ranks, over time/generate) against
-  min(read / (W * 4 bytes) * c, matmul / (2 W)). W: the weights a decoding step multiplies by (every nn.Linear of
-  the model, the output projection included), fp32 on CPU (both engines); c: tokens each decoding step makes, the
-  rank's tokens of the step over L_max (the longest response sets how many steps run). Left out, so the bound is
-  loose: attention and its KV-cache reads, the prompts' prefill, the sampler, tool calls.
+- generate: throughput/tokens_per_second (policy tokens of the step over ranks, over time/generate) against the
+  rate of the fastest generation the ceilings allow: the rank's N tokens over the prefill's time plus L_max
+  decoding steps, N / (F_prefill / matmul + L_max * max(W * 4 bytes / read, 2 W c / matmul)). F_prefill: one
+  forward over the rank's B / ranks prompts of P tokens, the output projection at the last one (vLLM computes
+  each prompt once: no prefix cache on CPU); W: the weights a decoding step multiplies by (every nn.Linear of the
+  model, the output projection included), fp32 on CPU (both engines); c = N / L_max, tokens per decoding step
+  (the longest response sets how many steps run). Left out, so the bound is loose: the decoding steps' attention
+  and KV-cache reads, the sampler, tool calls.
 - weight push: all the model's parameters (tied ones once) * 4 bytes (fp32 on CPU: trainer.full_parameters(policy,
   None)) over time/weight_push, against the copy rate (the push copies every weight at least once).
 
@@ -195,9 +198,13 @@ def phase_table(means, config, prompt_len, batch_size, ranks, checkpointing, cei
         rows.append(("old log-probs, 1 forward, GFLOP/s",
                      forward(means["policy/rescored_sequences"] / ranks) / means["time/old_logprobs"] / 1e9,
                      ceilings.matmul / 1e9))
-    tokens_per_s = means["throughput/tokens_per_second"]
-    per_decode_step = tokens_per_s * means["time/generate"] / max(means["response/length_max"], 1.0)
-    bound = min(ceilings.read / (linear * element) * per_decode_step, ceilings.matmul / (2 * linear))
+    tokens_per_s, steps = means["throughput/tokens_per_second"], max(means["response/length_max"], 1.0)
+    tokens = tokens_per_s * means["time/generate"]  # the rank's tokens of the step
+    per_decode_step = tokens / steps
+    prompt = round(prompt_len)  # the prefill: each prompt once (no prefix cache on CPU), logits at its last token
+    prefill = _forward_flops(config, [prompt] * max(1, round(batch_size / ranks)), prompt - 1) / ceilings.matmul
+    decode = steps * max(linear * element / ceilings.read, 2 * linear * per_decode_step / ceilings.matmul)
+    bound = tokens / (prefill + decode)
     rows.append((f"generate, tokens/s ({per_decode_step:.1f} per decoding step)", tokens_per_s, bound))
     rows.append(("weight push, GB/s", n_params * element / max(means["time/weight_push"], 1e-9) / 1e9,
                  ceilings.copy / 1e9))

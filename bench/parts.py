@@ -15,7 +15,8 @@
 - logprobs: peak memory of the log-prob pass at Qwen3's vocabulary, chunked over response positions
   (trainer.token_logprobs) against the full-vocabulary log-softmax, with and without gradients.
 - collectives: the median time of each small collective the step uses on gloo (all-reduce against all-gather,
-  16 bytes against 64 KiB, torch's all_gather_object against collectives.all_gather_objects).
+  16 bytes against 64 KiB, torch's all_gather_object against collectives.all_gather_objects), and of the update's
+  gradient reduce-scatter, gloo's against collectives.InPlaceReduceScatter.
 Run through `python -m bench` (bench/__main__.py), which also starts bench/peer.py and bench/gpu.py.
 """
 import argparse
@@ -235,11 +236,12 @@ def bench_tools(toy_dir=None, n_prompts=256, max_tokens=160, workers=4, repeats=
 
 
 # ------------------------------------------------------------------------------------------------ collectives
-def _collectives_worker(repeats):
-    """torchrun worker: the median wall time of each small collective spo.py's step uses, on gloo."""
+def _collectives_worker(repeats, gradient_numel, gradient_repeats):
+    """torchrun worker: the median wall time of each small collective spo.py's step uses, on gloo, and of FSDP2's
+    gradient reduce-scatter by gloo's reduce_scatter_tensor and by collectives.InPlaceReduceScatter, alternated."""
     import torch
     import torch.distributed as dist
-    from machinery.collectives import all_gather_objects
+    from machinery.collectives import InPlaceReduceScatter, all_gather_objects
     dist.init_process_group("gloo")
     world = dist.get_world_size()
 
@@ -262,20 +264,36 @@ def _collectives_worker(repeats):
             "all_gather of 64 KiB": timed(lambda: dist.all_gather(bucket_out, bucket)),
             "torch all_gather_object (small dict)": timed(lambda: dist.all_gather_object([None] * world, {"a": 1})),
             "collectives.all_gather_objects (same)": timed(lambda: all_gather_objects([{"a": 1}]))}
+    ways = {"gloo reduce_scatter_tensor": lambda out, full: dist.reduce_scatter_tensor(out, full, dist.ReduceOp.AVG),
+            "collectives.InPlaceReduceScatter": lambda out, full: InPlaceReduceScatter()(out, full, dist.group.WORLD,
+                                                                                         dist.ReduceOp.AVG)}
+    times = {name: [] for name in ways}
+    for _ in range(gradient_repeats):
+        for name, way in ways.items():
+            full, out = torch.ones(gradient_numel), torch.empty(gradient_numel // world)  # fresh, as FSDP2's are
+            dist.barrier()
+            start = time.perf_counter()
+            way(out, full)
+            times[name].append(time.perf_counter() - start)
+    rows.update({f"{name}, {gradient_numel * 4 >> 20} MiB": 1e3 * float(np.median(t)) for name, t in times.items()})
     if dist.get_rank() == 0:
         print(json.dumps(rows))
     dist.destroy_process_group()
 
 
-def bench_collectives(nproc=2, repeats=2000):
-    """Median ms of one small collective on gloo (the fixed cost machinery/collectives.py is built around)."""
+def bench_collectives(nproc=2, repeats=2000, gradient_numel=2 ** 27, gradient_repeats=5):
+    """Median ms of one small collective on gloo (the fixed cost machinery/collectives.py is built around), and of
+    the update's gradient reduce-scatter (default 512 MiB of fp32, about SmolLM2-135M's) two ways."""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "-m", "bench.parts",
-           "_collectives", str(repeats)]
+           "_collectives", str(repeats), str(gradient_numel), str(gradient_repeats)]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=ROOT).stdout
     rows = json.loads(out.strip().splitlines()[-1])
-    print(f"small collectives on gloo, {nproc} ranks, median of {repeats} (ms)")
+    print(f"collectives on gloo, {nproc} ranks, median of {repeats} (the small ones) or {gradient_repeats} (ms)")
     for name, ms in rows.items():
-        print(f"{name:>40} {ms:8.3f}")
+        print(f"{name:>50} {ms:9.3f}")
+    default, in_place = list(rows.values())[-2:]
+    label = "reduce-scatter time, in place over gloo's"
+    print(f"{label:>50} {in_place / default:9.3f}x")
     return rows
 
 
@@ -372,6 +390,6 @@ if __name__ == "__main__":  # the worker processes; run the benchmarks through `
     if sys.argv[1:2] == ["_logprob_memory"]:
         _logprob_memory_worker(sys.argv[2], bool(int(sys.argv[3])), *map(int, sys.argv[4:7]))
     elif sys.argv[1:2] == ["_collectives"]:
-        _collectives_worker(int(sys.argv[2]))
+        _collectives_worker(*map(int, sys.argv[2:5]))
     else:
         sys.exit("run `python -m bench` (this file holds the benchmarks of the project's parts)")

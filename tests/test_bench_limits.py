@@ -48,12 +48,14 @@ def test_the_old_logprob_row_is_one_forward_of_the_rescored_sequences_and_absent
     assert rows["old log-probs, 1 forward"][0] == pytest.approx(1072 / 1e-6 / 1e9)
 
 
-def test_the_generation_bound_is_the_lower_of_bandwidth_and_compute():
-    # 50 tokens/s for 2 s over 10 decoding steps: 10 tokens per step. Bandwidth: 4000 B/s over 100 weights x 4 B
-    # = 10 steps/s, 100 tokens/s; compute: 1e6 FLOP/s over 2 x 100 FLOPs per token = 5000 tokens/s.
-    assert table()["generate"] == (50.0, pytest.approx(100.0))
-    slow = limits.Ceilings(matmul=1e4, read=4000.0, copy=8e6)  # compute: 50 tokens/s, now the lower one
-    assert table(ceilings=slow)["generate"] == (50.0, pytest.approx(50.0))
+def test_the_generation_bound_is_the_prefill_at_the_matmul_peak_then_each_decoding_step_at_its_slower_limit():
+    # 50 tokens/s for 2 s: 100 tokens over 10 decoding steps, 10 per step. The prefill: the rank's 2 prompts of 2
+    # tokens, each 2 x 80 + causal attention 2 x 2 x 2^2 + the head at its last token 2 x 2 x 3 = 188 FLOPs, 376
+    # at 1e6 FLOP/s. A decoding step: reading 100 weights x 4 B at 4000 B/s takes 0.1 s; its 10 tokens x 2 x 100
+    # FLOPs 0.002 s. Fastest: 100 tokens in 376e-6 + 10 x 0.1 s.
+    assert table()["generate"] == (50.0, pytest.approx(100 / (376e-6 + 10 * 0.1)))
+    slow = limits.Ceilings(matmul=1e4, read=4000.0, copy=8e6)  # compute now the slower: 0.2 s a step
+    assert table(ceilings=slow)["generate"] == (50.0, pytest.approx(100 / (376e-4 + 10 * 0.2)))
 
 
 def test_the_push_moves_every_parameter_in_fp32_against_the_copy_rate():
