@@ -1,6 +1,7 @@
-"""The small collectives every rank runs: numpy arrays and picklable objects gathered from all ranks, in rank order.
+"""The small collectives every rank runs: numpy arrays and picklable objects gathered from all ranks, in rank order;
+and FSDP2's gradient reduce-scatter on gloo without gloo's copy of the whole gradient (InPlaceReduceScatter).
 
-Everything is built on all-gather. On gloo each collective has a fixed cost that dominates the toy's small
+The small ones are built on all-gather. On gloo each collective has a fixed cost that dominates the toy's small
 messages (its all-reduce of a few numbers costs more than its all-gather, and an all-gather of 64 KiB about
 what one of 16 bytes does: docs/design.md), so a reduction is an all-gather and a sum, several arrays travel in
 one collective, and objects travel in one fixed-size buffer. On nccl the same calls move GPU tensors.
