@@ -15,8 +15,9 @@
 - logprobs: peak memory of the log-prob pass at Qwen3's vocabulary, chunked over response positions
   (trainer.token_logprobs) against the full-vocabulary log-softmax, with and without gradients.
 - collectives: the median time of each small collective the step uses on gloo (all-reduce against all-gather,
-  16 bytes against 64 KiB, torch's all_gather_object against collectives.all_gather_objects), and of the update's
-  gradient reduce-scatter, gloo's against collectives.InPlaceReduceScatter.
+  16 bytes against 64 KiB, torch's all_gather_object against collectives.all_gather_objects), and of FSDP2's two big
+  ones, the weight all-gather and the gradient reduce-scatter, gloo's against collectives.SharedAllGather and
+  SharedReduceScatter.
 Run through `python -m bench` (bench/__main__.py), which also starts bench/peer.py and bench/gpu.py.
 """
 import argparse
@@ -238,12 +239,12 @@ def bench_tools(toy_dir=None, n_prompts=256, max_tokens=160, workers=4, repeats=
 # ------------------------------------------------------------------------------------------------ collectives
 def _collectives_worker(repeats, gradient_numel, gradient_repeats):
     """torchrun worker: the median wall time of each small collective spo.py's step uses, on gloo, and of FSDP2's
-    gradient reduce-scatter by gloo's reduce_scatter_tensor and by collectives.InPlaceReduceScatter, alternated."""
+    weight all-gather and gradient reduce-scatter by gloo and through shared memory (collectives.py), alternated."""
     import torch
     import torch.distributed as dist
-    from machinery.collectives import InPlaceReduceScatter, all_gather_objects
+    from machinery.collectives import SharedAllGather, SharedReduceScatter, all_gather_objects
     dist.init_process_group("gloo")
-    world = dist.get_world_size()
+    world, rank = dist.get_world_size(), dist.get_rank()
 
     def timed(op):
         for _ in range(20):
@@ -264,18 +265,40 @@ def _collectives_worker(repeats, gradient_numel, gradient_repeats):
             "all_gather of 64 KiB": timed(lambda: dist.all_gather(bucket_out, bucket)),
             "torch all_gather_object (small dict)": timed(lambda: dist.all_gather_object([None] * world, {"a": 1})),
             "collectives.all_gather_objects (same)": timed(lambda: all_gather_objects([{"a": 1}]))}
-    ways = {"gloo reduce_scatter_tensor": lambda out, full: dist.reduce_scatter_tensor(out, full, dist.ReduceOp.AVG),
-            "collectives.InPlaceReduceScatter": lambda out, full: InPlaceReduceScatter()(out, full, dist.group.WORLD,
-                                                                                         dist.ReduceOp.AVG)}
+    # FSDP2's two big collectives as FSDP2 drives them: allocate, copy the bytes in (FSDP2's copy-in), communicate
+    numel, group, avg = gradient_numel, dist.group.WORLD, dist.ReduceOp.AVG
+    source = torch.ones(numel)  # (a rank's full gradient; its shard of the weights is the first numel / world)
+    gather, scatter = SharedAllGather(group), SharedReduceScatter(group)
+
+    def gloo_gather():  # gloo's all-gather into a fresh output, as FSDP2's default allocate gives
+        out = torch.empty(numel)
+        mine = out[rank * (numel // world): (rank + 1) * (numel // world)]
+        mine.copy_(source[: numel // world])
+        dist.all_gather_into_tensor(out, mine)  # (FSDP2's input is its slice of the output)
+
+    def shared_gather():
+        out = gather.allocate((numel,), dtype=torch.float32, device="cpu")
+        mine = out[rank * (numel // world): (rank + 1) * (numel // world)]
+        mine.copy_(source[: numel // world])
+        gather(out, mine, group)
+
+    def gloo_scatter():
+        full = torch.empty(numel).copy_(source)
+        dist.reduce_scatter_tensor(torch.empty(numel // world), full, avg)
+
+    def shared_scatter():
+        full = scatter.allocate((numel,), dtype=torch.float32, device="cpu").copy_(source)
+        scatter(scatter.allocate((numel // world,), dtype=torch.float32, device="cpu"), full, group, avg)
+    ways = {"gloo all_gather_into_tensor": gloo_gather, "collectives.SharedAllGather": shared_gather,
+            "gloo reduce_scatter_tensor": gloo_scatter, "collectives.SharedReduceScatter": shared_scatter}
     times = {name: [] for name in ways}
     for _ in range(gradient_repeats):
         for name, way in ways.items():
-            full, out = torch.ones(gradient_numel), torch.empty(gradient_numel // world)  # fresh, as FSDP2's are
             dist.barrier()
             start = time.perf_counter()
-            way(out, full)
+            way()
             times[name].append(time.perf_counter() - start)
-    rows.update({f"{name}, {gradient_numel * 4 >> 20} MiB": 1e3 * float(np.median(t)) for name, t in times.items()})
+    rows.update({f"{name}, {numel * 4 >> 20} MiB": 1e3 * float(np.median(t)) for name, t in times.items()})
     if dist.get_rank() == 0:
         print(json.dumps(rows))
     dist.destroy_process_group()
@@ -291,9 +314,10 @@ def bench_collectives(nproc=2, repeats=2000, gradient_numel=2 ** 27, gradient_re
     print(f"collectives on gloo, {nproc} ranks, median of {repeats} (the small ones) or {gradient_repeats} (ms)")
     for name, ms in rows.items():
         print(f"{name:>50} {ms:9.3f}")
-    default, in_place = list(rows.values())[-2:]
-    label = "reduce-scatter time, in place over gloo's"
-    print(f"{label:>50} {in_place / default:9.3f}x")
+    gloo_gather, shared_gather, gloo_scatter, shared_scatter = list(rows.values())[-4:]
+    for label, ratio in (("all-gather time, shared over gloo's", shared_gather / gloo_gather),
+                         ("reduce-scatter time, shared over gloo's", shared_scatter / gloo_scatter)):
+        print(f"{label:>50} {ratio:9.3f}x")
     return rows
 
 

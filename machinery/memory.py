@@ -19,7 +19,8 @@ nothing is loaded), the rest from the flags. Per rank:
   libraries; on GPU vLLM's share of the card while it generates (`--gpu_memory_utilization`; the trainer then
   holds its shards and the root unit the weight push left gathered), asleep while the trainer works;
 - on GPU also what stays on the card in every phase: the CUDA context, the NCCL communicator, vLLM's runtime at
-  sleep level 2 (CUDA-graph pools, persistent buffers), and FSDP2's fp32 reduce-scatter buffers while training.
+  sleep level 2 (CUDA-graph pools, persistent buffers), and FSDP2's fp32 reduce-scatter buffers while training;
+  on CPU with several ranks the shared buffers FSDP2's gather and reduce-scatter keep (collectives.py).
 The per-token constant was measured on this project's CPU machine (docs/own-model-and-data.md); it errs
 high. GPU numbers are the same arithmetic in bf16 plus estimates read from the sources named at each constant;
 they have never been checked on a GPU (docs/scale.md).
@@ -136,6 +137,9 @@ def rank_memory(shape, *, world, tokens, on_gpu, gradient_checkpointing, layer_u
         return items
     # Counted twice: a SmolLM2 rank at 1024 tokens per forward peaked 1.4% under the estimate with one copy, and
     # the engine holds more than its fp32 weights (the tied output projection packed separately, load buffers).
+    if world > 1:  # gloo's gather and reduce-scatter through shared memory (collectives.py), kept between steps:
+        # this rank's slot of fp32 gradients and its share of the one gathered copy of the weights
+        items["FSDP2 shared buffers"] = shape.parameters * 4 + shape.parameters * compute / world
     if engine:
         items["engine weights (fp32, x2)"] = 2 * shape.parameters * 4
         if layer_units:  # the CPU push holds every gathered tensor at once (rollout.Engine.push_weights); one unit:

@@ -4,7 +4,8 @@ spo.py tells the algorithm's story and holds its math (the advantages, D(x), the
 file holds the mechanics that any policy-gradient trainer on torch FSDP2 needs:
 - `setup_distributed`: torch.distributed on gloo (CPU) or nccl (GPU); `python spo.py` works as a world of 1.
 - `build_policy`: a Hugging Face causal LM sharded with FSDP2 (`fully_shard` per decoder layer, then the root, or
-  the whole model as one unit); on GPU bf16 compute with fp32 master weights and fp32 gradient reduction.
+  the whole model as one unit); on GPU bf16 compute with fp32 master weights and fp32 gradient reduction; on
+  gloo FSDP2's weight gather and gradient reduce-scatter through shared memory (collectives.py).
 - `token_logprobs` (via `response_logprobs`): the decoder once per micro-batch, the output projection only at
   response positions, with fp32 logits (from a bf16 GEMM accumulating in fp32 under bf16) and in chunks, so no
   (B, T, V) logits tensor exists at any vocabulary size.
@@ -28,7 +29,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
-from machinery.collectives import InPlaceReduceScatter, all_gather_np, all_gather_objects, all_reduce_np
+from machinery.collectives import SharedAllGather, SharedReduceScatter, all_gather_np, all_gather_objects, all_reduce_np
 from machinery.errors import fail
 from machinery.batching import LOGIT_CHUNK_BYTES, deal_by_tokens, micro_batches
 
@@ -81,10 +82,16 @@ def build_policy(path, device, lr, weight_decay, gradient_checkpointing=None, la
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     bf16 = on_gpu if bf16 is None else bf16
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+    # gloo, every rank on this host: FSDP2's gather and reduce-scatter through shared memory (collectives.py), one
+    # pair for all units (they run one after another); nccl, or gloo across hosts: FSDP2's own
+    world = dist.get_world_size()
+    shared = dist.get_backend() == "gloo" and world > 1 and int(os.environ.get("LOCAL_WORLD_SIZE", world)) == world
+    comms = (SharedAllGather(mesh.get_group()), SharedReduceScatter(mesh.get_group())) if shared else None
     for unit in [*(model.model.layers if (on_gpu if layer_units is None else layer_units) else []), model]:
         fully_shard(unit, mesh=mesh, **({"mp_policy": mp} if mp else {}))
-        if dist.get_backend() == "gloo":  # (nccl's reduce-scatter makes no copy of its input)
-            unit.set_custom_reduce_scatter(InPlaceReduceScatter())
+        if comms:
+            unit.set_custom_all_gather(comms[0])
+            unit.set_custom_reduce_scatter(comms[1])
     attach_logprob_forward(model)
     model.to_empty(device=device)  # storage for this rank's shards (and the buffers), contents undefined
     set_model_state_dict(model, loaded.state_dict() if loaded is not None else {},

@@ -18,7 +18,7 @@ def test_two_rank_fsdp2_gradients_and_normalisation_equal_one_process(small_toy,
     """Same global batch, one SGD step (lr 1, no clipping): the weights after the step are the gradients.
     World 2 must equal world 1, and Eq. 9's normalisation over two ranks must equal the single-process one.
     FSDP2's units (CPU's default: the whole model; GPU's: each decoder layer) change no number at all. The
-    gradients cross the ranks through collectives.InPlaceReduceScatter (gloo's reduce-scatter without a copy)."""
+    weights and gradients cross the ranks through collectives.SharedAllGather and SharedReduceScatter."""
     out = {}
     for run, world, max_tokens, units in (("w1", 1, "none", "model"), ("w2", 2, "none", "model"),
                                           ("w2_tokens", 2, "20", "model"), ("w2_layers", 2, "none", "layers")):
@@ -34,7 +34,7 @@ def test_two_rank_fsdp2_gradients_and_normalisation_equal_one_process(small_toy,
         torch.testing.assert_close(out["w2_tokens"]["params"][name], p1, atol=2e-6, rtol=1e-5)
         moved = max(moved, (p1 - out["w1"]["before"][name]).abs().max().item())
     assert moved > 1e-4  # the step really moved the weights, so the comparison means something
-    # the two-rank gradients above came through collectives.InPlaceReduceScatter: once per micro-batch per unit
+    # the two-rank gradients above came through collectives.SharedReduceScatter: once per micro-batch per unit
     assert out["w1"]["reduce_scatters"] == 0 and out["w2"]["reduce_scatters"] >= out["w2"]["micro_batches"]
     assert out["w2_layers"]["reduce_scatters"] > out["w2"]["reduce_scatters"]  # (a unit per layer, and the root)
     advantage = out["w1"]["raw_advantage"]
@@ -98,11 +98,12 @@ def test_the_bucketed_weight_gather_equals_full_tensor_with_uneven_shards(tmp_pa
 
 
 @pytest.mark.slow
-def test_the_in_place_reduce_scatter_gives_gloos_bytes_and_fsdp2s_gradients(tmp_path):
-    """collectives.InPlaceReduceScatter, FSDP2's gradient reduce-scatter on gloo: on 3 ranks the same bytes as
-    reduce_scatter_tensor, summed and averaged, and as FSDP2's own comm the same gradients bit for bit, FSDP2
-    calling it once per backward."""
-    ok(torchrun(3, "tests/test_trainer.py", "reduce_scatter_worker", str(tmp_path / "ok")))
+def test_the_shared_memory_gather_and_reduce_scatter_give_gloos_bytes_and_fsdp2s_numbers(tmp_path):
+    """collectives.SharedAllGather and SharedReduceScatter, FSDP2's big collectives on gloo through shared memory:
+    on 3 ranks gloo's bytes (all_gather_into_tensor; reduce_scatter_tensor summed and averaged), through a buffer
+    that grows and shrinks; under FSDP2 the same outputs and gradients as FSDP2's own comms (up to the sum's order),
+    FSDP2 calling them; no shared file left behind."""
+    ok(torchrun(3, "tests/test_trainer.py", "shared_comms_worker", str(tmp_path / "ok")))
     assert (tmp_path / "ok").exists()
 
 
@@ -270,7 +271,7 @@ def grad_worker(out, model_path, max_tokens, units):
     build = functools.partial(trainer.build_policy, model_path, lr=1.0, weight_decay=0.0,
                               layer_units=units == "layers")
     rank, world, device = trainer.setup_distributed()
-    trainer.InPlaceReduceScatter = Counted = _counted()  # what build_policy gives FSDP2 on gloo, counted
+    trainer.SharedReduceScatter = Counted = _counted(trainer.SharedReduceScatter)  # what build_policy gives FSDP2
     policy, _ = build(device)
     optimizer = torch.optim.SGD(policy.parameters(), lr=1.0)
     before = {k: v.clone() for k, v in trainer.full_parameters(policy)}
@@ -362,40 +363,57 @@ def gather_worker(out):
     end_worker()
 
 
-def reduce_scatter_worker(out):
+def shared_comms_worker(out):
+    import glob
     import torch.distributed as dist
     from machinery import collectives, trainer
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     rank, world, _ = trainer.setup_distributed()
     mesh = init_device_mesh("cpu", (world,))
-    Counted = _counted()
-    for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
-        full = torch.randn(world * 13, generator=torch.Generator().manual_seed(rank))  # (world * 13,) per rank
-        expected, got = torch.empty(13), torch.full((13,), float("nan"))
-        dist.reduce_scatter_tensor(expected, full.clone(), op=op)
-        collectives.InPlaceReduceScatter()(got, full, dist.group.WORLD, op)
-        assert torch.equal(got, expected), op
-    grads = {}
-    for comm in ("default", "in place"):
+    gather, scatter = _counted(collectives.SharedAllGather)(dist.group.WORLD), \
+        _counted(collectives.SharedReduceScatter)(dist.group.WORLD)
+    for n in (13, 1000, 5):  # the buffer grows, then serves a smaller call
+        for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+            # whole numbers: every order of the sum is exact, so gloo's bytes whatever its order on 3 ranks
+            full = torch.randint(-50, 50, (world * n,), generator=torch.Generator().manual_seed(rank + n)).float()
+            expected = torch.empty(n)
+            dist.reduce_scatter_tensor(expected, full.clone(), op=op)
+            slot = scatter.allocate((world * n,), dtype=torch.float32, device="cpu")
+            slot.copy_(full)  # (FSDP2's copy-in)
+            got = scatter.allocate((n,), dtype=torch.float32, device="cpu").fill_(float("nan"))
+            scatter(got, slot, dist.group.WORLD, op)
+            assert torch.equal(got, expected), (n, op)
+        shard = torch.randn(n, generator=torch.Generator().manual_seed(rank))
+        expected = torch.empty(world * n)
+        dist.all_gather_into_tensor(expected, shard)
+        gathered = gather.allocate((world * n,), dtype=torch.float32, device="cpu")
+        gather(gathered, shard, dist.group.WORLD)  # (a separate input: copied into this rank's slice)
+        assert torch.equal(gathered, expected), n
+    results = {}
+    for comm in ("default", "shared"):
         torch.manual_seed(1)
         net = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
         fully_shard(net, mesh=mesh)
-        if comm == "in place":
-            net.set_custom_reduce_scatter(Counted())
-        net(torch.randn(4, 5, generator=torch.Generator().manual_seed(rank))).square().sum().backward()
-        grads[comm] = [p.grad.to_local().clone() for p in net.parameters()]
-    assert all(torch.equal(a, b) for a, b in zip(grads["default"], grads["in place"], strict=True))
-    assert Counted.calls == 1  # FSDP2 really reduced through it
+        if comm == "shared":
+            net.set_custom_all_gather(gather)
+            net.set_custom_reduce_scatter(scatter)
+        y = net(torch.randn(4, 5, generator=torch.Generator().manual_seed(rank)))
+        y.square().sum().backward()
+        results[comm] = (y.detach(), [p.grad.to_local().clone() for p in net.parameters()])
+    assert torch.equal(results["default"][0], results["shared"][0])  # the gather moves bytes: the same outputs
+    for a, b in zip(results["default"][1], results["shared"][1], strict=True):  # the sum's order: the last bit
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7)
+    assert gather.calls >= 3 + 1 and scatter.calls == 6 + 1  # FSDP2 really went through them
+    dist.barrier()
+    assert not glob.glob("/dev/shm/spo-fsdp-*")  # every shared file's name is gone; the memory goes with the ranks
     if rank == 0:
         open(out, "w").close()
     end_worker()
 
 
-def _counted():
-    from machinery.collectives import InPlaceReduceScatter
-
-    class Counted(InPlaceReduceScatter):
+def _counted(comm):
+    class Counted(comm):
         calls = 0
 
         def __call__(self, *args, **kwargs):
