@@ -71,11 +71,14 @@ def all_gather_objects(items):
 
 def _shared_buffer(nbytes, group):
     """(uint8 tensor, its mmap) of nbytes that every rank of `group` maps, the ranks of one host: rank 0 creates a
-    file in /dev/shm (the temporary directory where there is none), the others map it by name, and the name is
+    file in /dev/shm (the temporary directory where there is none, or where it has less room: a container's is
+    often 64 MiB, and a write past a full tmpfs kills the process), the others map it by name, and the name is
     removed once all have mapped it, so nothing outlives the processes."""
     rank, path = dist.get_rank(group), [None]
     if rank == 0:
-        fd, path[0] = tempfile.mkstemp(prefix="spo-fsdp-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        room = os.statvfs("/dev/shm") if os.path.isdir("/dev/shm") else None
+        shm = room is not None and room.f_bavail * room.f_frsize > nbytes
+        fd, path[0] = tempfile.mkstemp(prefix="spo-fsdp-", dir="/dev/shm" if shm else None)
         os.ftruncate(fd, nbytes)
         os.close(fd)
     dist.broadcast_object_list(path, src=dist.get_global_rank(group, 0), group=group)

@@ -4,6 +4,7 @@ as one process, the weight push makes vLLM sample from the trained policy, and a
     .venv/bin/python -m pytest tests/test_trainer.py -q
 """
 import functools
+import os
 import sys
 
 import numpy as np
@@ -102,7 +103,7 @@ def test_the_shared_memory_gather_and_reduce_scatter_give_gloos_bytes_and_fsdp2s
     """collectives.SharedAllGather and SharedReduceScatter, FSDP2's big collectives on gloo through shared memory:
     on 3 ranks gloo's bytes (all_gather_into_tensor; reduce_scatter_tensor summed and averaged), through a buffer
     that grows and shrinks; under FSDP2 the same outputs and gradients as FSDP2's own comms (up to the sum's order),
-    FSDP2 calling them; no shared file left behind."""
+    FSDP2 calling them; no shared file left behind; without room in /dev/shm, a file in the temporary directory."""
     ok(torchrun(3, "tests/test_trainer.py", "shared_comms_worker", str(tmp_path / "ok")))
     assert (tmp_path / "ok").exists()
 
@@ -407,6 +408,22 @@ def shared_comms_worker(out):
     assert gather.calls >= 3 + 1 and scatter.calls == 6 + 1  # FSDP2 really went through them
     dist.barrier()
     assert not glob.glob("/dev/shm/spo-fsdp-*")  # every shared file's name is gone; the memory goes with the ranks
+    # a /dev/shm without room (a container's 64 MiB): the buffer is a file in the temporary directory instead
+    import tempfile
+    statvfs = collectives.os.statvfs
+    collectives.os.statvfs = lambda path: os.statvfs_result((4096, 4096, 0, 0, 0, 0, 0, 0, 0, 255))
+    buffer, mapped = collectives._shared_buffer(1 << 20, dist.group.WORLD)
+    collectives.os.statvfs = statvfs
+    if rank == 0:
+        buffer[-1] = 7
+    dist.barrier()
+    assert buffer[-1].item() == 7  # written by rank 0, read here: one memory
+    at = buffer.data_ptr()
+    mapping = [line for line in open("/proc/self/maps")
+               if int(line.split("-")[0], 16) <= at < int(line.split()[0].split("-")[1], 16)]
+    assert len(mapping) == 1 and "spo-fsdp-" in mapping[0], mapping
+    assert mapping[0].split()[5].startswith(tempfile.gettempdir()), mapping  # not /dev/shm
+    dist.barrier()
     if rank == 0:
         open(out, "w").close()
     end_worker()
