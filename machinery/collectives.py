@@ -99,7 +99,7 @@ class _SharedComm:
     order, so a growth (a collective) happens on all ranks at once."""
 
     def __init__(self, group):
-        self.group, self.buffer, self.mapped = group, None, None
+        self.group, self.buffer, self.mapped = group, None, None  # (the mmap held as long as its tensor)
 
     def _view(self, byte_offset, numel, dtype):  # (numel,) of dtype at byte_offset of the shared buffer
         end = byte_offset + numel * dtype.itemsize

@@ -79,12 +79,12 @@ def build_policy(path, device, lr, weight_decay, gradient_checkpointing=None, la
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.float32)
     on_gpu = device.type == "cuda"
     prepare_for_training(model, on_gpu if gradient_checkpointing is None else gradient_checkpointing)
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    world = dist.get_world_size()
+    mesh = init_device_mesh(device.type, (world,))
     bf16 = on_gpu if bf16 is None else bf16
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
     # gloo, every rank on this host: FSDP2's gather and reduce-scatter through shared memory (collectives.py), one
     # pair for all units (they run one after another); nccl, or gloo across hosts: FSDP2's own
-    world = dist.get_world_size()
     shared = dist.get_backend() == "gloo" and world > 1 and int(os.environ.get("LOCAL_WORLD_SIZE", world)) == world
     comms = (SharedAllGather(mesh.get_group()), SharedReduceScatter(mesh.get_group())) if shared else None
     for unit in [*(model.model.layers if (on_gpu if layer_units is None else layer_units) else []), model]:
