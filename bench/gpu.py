@@ -118,7 +118,7 @@ def bench_gpu(shape="1.7b", response_len=8192, prompt_len=512, n_sequences=4, ma
     import torch.distributed as dist
     from transformers import Qwen3Config, Qwen3ForCausalLM
     import spo
-    from machinery import trainer
+    from machinery import batching, trainer
     from machinery.memory import tokens_per_forward
     from rollout import Rollout
     rank, world, device = trainer.setup_distributed()
@@ -158,7 +158,7 @@ def bench_gpu(shape="1.7b", response_len=8192, prompt_len=512, n_sequences=4, ma
         reference = trainer.attach_logprob_forward(Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32)
                                                    .to(device))
         n_params = sum(p.numel() for p in reference.parameters())
-        ids, mask = trainer.pack([(r.prompt_ids, r.response_ids, r.response_mask) for r in rollouts[:1]], device)
+        ids, mask = batching.pack([(r.prompt_ids, r.response_ids, r.response_mask) for r in rollouts[:1]], device)
         with torch.no_grad():
             fp32, _ = trainer.token_logprobs(reference, ids, mask, 1.0)
         bf16 = trainer.old_logprobs(policy, rollouts, [], 1.0, 64, max_tokens)["batch"][0]

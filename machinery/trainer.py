@@ -6,9 +6,10 @@ file holds the mechanics that any policy-gradient trainer on torch FSDP2 needs:
 - `build_policy`: a Hugging Face causal LM sharded with FSDP2 (`fully_shard` per decoder layer, then the root, or
   the whole model as one unit); on GPU bf16 compute with fp32 master weights and fp32 gradient reduction; on
   gloo FSDP2's weight gather and gradient reduce-scatter through shared memory (collectives.py).
-- `token_logprobs` (via `response_logprobs`): the decoder once per micro-batch, the output projection only at
-  response positions, with fp32 logits (from a bf16 GEMM accumulating in fp32 under bf16) and in chunks, so no
-  (B, T, V) logits tensor exists at any vocabulary size.
+- `token_logprobs` (via `response_logprobs`): the decoder once per micro-batch, its sequences packed into one row
+  without padding (batching.packed_row, packed_attention), the output projection only at response positions,
+  with fp32 logits (from a bf16 GEMM accumulating in fp32 under bf16) and in chunks, so no (B, T, V) logits
+  tensor exists at any vocabulary size.
 - `old_logprobs` / `ppo_update`: per-token log-probs of prompt + response sequences in micro-batches, and the
   optimiser steps around a loss function given by the caller, normalised by the GLOBAL token count (with one
   optimiser step per batch the update's own forward gives the old log-probs: no separate pass). FSDP2
@@ -31,7 +32,8 @@ from torch.utils.checkpoint import checkpoint
 
 from machinery.collectives import SharedAllGather, SharedReduceScatter, all_gather_np, all_gather_objects, all_reduce_np
 from machinery.errors import fail
-from machinery.batching import LOGIT_CHUNK_BYTES, deal_by_tokens, micro_batches
+from machinery.batching import (IDLE, LOGIT_CHUNK_BYTES, PACKED_ATTENTION, deal_by_tokens, micro_batches, pack,
+                                packed_row, use_packed_attention)
 
 
 # ------------------------------------------------------------------------------------------------ setup
@@ -191,19 +193,6 @@ def _gather_bucket(bucket):
         offset = [o + m for o, m in zip(offset, n)]
 
 
-def pack(sequences, device):
-    """Right-padded (B, T) ids and the (B, T-1) mask of predicted response tokens that count in the loss.
-
-    Right padding needs no attention mask: with causal attention real tokens never see the pads after them."""
-    T = max(len(p) + len(r) for p, r, _ in sequences)
-    ids = torch.zeros(len(sequences), T, dtype=torch.long)
-    mask = torch.zeros(len(sequences), T - 1)
-    for i, (p, r, m) in enumerate(sequences):
-        ids[i, : len(p) + len(r)] = torch.tensor(list(p) + list(r))
-        mask[i, len(p) - 1: len(p) - 1 + len(r)] = torch.as_tensor(m, dtype=torch.float)
-    return ids.to(device), mask.to(device)
-
-
 HALF = (torch.bfloat16, torch.float16)
 
 
@@ -258,13 +247,20 @@ def _chunk_logprobs(hidden, weight, weight32, bias, targets, temperature, with_e
 
 def response_logprobs(model, ids, rows, cols, temperature, with_entropy=False, chunk=None):
     """(N,) log pi(ids[rows, cols + 1] | ids[rows, :cols + 1]) at the sampling temperature, and the (N,) entropies
-    (or None): the decoder runs once over the (B, T) ids, the output projection only at the N positions asked for
+    (or None): the decoder runs once over the sequences (packed into one row without padding, batching.packed_row,
+    where the model takes packed_attention: attach_logprob_forward; else over the padded (B, T) rows), the output
+    projection only at the N positions asked for
     (the response tokens), `chunk` positions at a time (default: LOGIT_CHUNK_BYTES of fp32 logits). No (B, T, V)
     tensor ever exists (Qwen3, V = 151,936: 12 GB per fp32 copy of the logits of 2 x 10k tokens). With gradients
     each chunk is checkpointed (recomputed in the backward), so the backward too holds one chunk's logits at a time.
     Call it as `model.response_logprobs(...)` after attach_logprob_forward (build_policy does), so that FSDP2
     gathers the parameters around it as it would around `forward`."""
-    hidden = model.base_model(input_ids=ids, use_cache=False).last_hidden_state[rows, cols]  # (N, H)
+    if model.config._attn_implementation == PACKED_ATTENTION:  # one row without padding (attach_logprob_forward)
+        flat, positions, bounds, index = packed_row(ids, rows, cols)
+        hidden = model.base_model(input_ids=flat, position_ids=positions, cu_seq_lens_q=bounds,
+                                  use_cache=False).last_hidden_state[0, index]  # (N, H)
+    else:
+        hidden = model.base_model(input_ids=ids, use_cache=False).last_hidden_state[rows, cols]  # (N, H)
     head = model.get_output_embeddings()
     weight = head.weight  # (V, H): the gathered bf16 copy under bf16 mixed precision, else the fp32 parameter
     # fp32 weights that sum the chunks' weight gradients: under bf16 a copy (with gradients only), else the parameter
@@ -296,6 +292,7 @@ def attach_logprob_forward(model):
         if getattr(config, name, None) not in (None, 1, 1.0):
             fail(f"--model: {config.model_type} scales its logits ({name}={getattr(config, name)}), which "
                  f"trainer.response_logprobs does not apply; this model is not supported yet")
+    use_packed_attention(model)  # the decoder on one row without padding (batching.packed_row)
     model.response_logprobs = functools.partial(response_logprobs, model)
     register_fsdp_forward_method(model, "response_logprobs")
     return model
@@ -312,9 +309,6 @@ def token_logprobs(model, ids, mask, temperature, with_entropy=False):
     logp, entropy = model.response_logprobs(ids, rows, cols, temperature, with_entropy)
     scatter = functools.partial(torch.zeros(mask.shape, device=ids.device).index_put, (rows, cols))
     return scatter(logp), (scatter(entropy) if with_entropy else None)
-
-
-IDLE = ([0], [0], [0])  # a one-token dummy sequence with mask 0, for a rank with no work in a micro-batch
 
 
 def _scored(items, token_logp, entropy, mask):

@@ -155,14 +155,17 @@ def test_sampled_logprobs_are_the_trainers_within_1e5(both, small_toy, engine):
     top-p too they are the processed ones: the trainer's logits / temperature renormalised over the tokens top-k,
     then top-p keep (computed here independently, in numpy)."""
     from transformers import AutoModelForCausalLM
-    from machinery import trainer
+    from machinery import batching, trainer
     model = AutoModelForCausalLM.from_pretrained(small_toy["model"], dtype=torch.float32)
+    # the trainer's model as build_policy makes it: the decoder on one packed row
+    policy = trainer.attach_logprob_forward(AutoModelForCausalLM.from_pretrained(small_toy["model"],
+                                                                                 dtype=torch.float32))
     for setting in ("temperature", "processed"):
         rollouts = both[engine][setting]
-        ids, mask = trainer.pack([(r.prompt_ids, r.response_ids, r.response_mask) for r in rollouts], "cpu")
+        ids, mask = batching.pack([(r.prompt_ids, r.response_ids, r.response_mask) for r in rollouts], "cpu")
         rows, cols = mask.nonzero(as_tuple=True)
         with torch.no_grad(), one_thread():
-            ours = trainer.response_logprobs(model, ids, rows, cols, 0.7)[0].numpy()
+            ours = policy.response_logprobs(ids, rows, cols, 0.7)[0].numpy()
             logits = model(input_ids=ids).logits[rows, cols].double().numpy() / 0.7  # (N, V)
         if setting == "processed":
             ours = np.array([_nucleus_logprob(row, token, SAMPLED["top_k"], SAMPLED["top_p"])

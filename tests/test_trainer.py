@@ -309,7 +309,7 @@ def grad_worker(out, model_path, max_tokens, units):
              "gap": (olds["reused"]["logprob_gap_max"], olds["separate pass"]["logprob_gap_max"])}
     reuse = collectives.all_gather_objects([reuse])
     # trainer.clip_grad_norm against torch's clip_grad_norm_ on these sharded gradients, clipping and not
-    ids, mask = trainer.pack([(r.prompt_ids, r.response_ids, r.response_mask) for r in rollouts[mine]], device)
+    ids, mask = batching.pack([(r.prompt_ids, r.response_ids, r.response_mask) for r in rollouts[mine]], device)
     (trainer.token_logprobs(policy, ids, mask, 1.0)[0] * torch.tensor(advantage[mine])[:, None]).sum().backward()
     grads = [p.grad.to_local().clone() for p in policy.parameters()]
     clip = []
