@@ -20,10 +20,14 @@ tokenised prompts), L and L_max: response/length_mean and response/length_max.
   weight of the decoder's matrices per token, causal attention included, the output projection at response
   positions only, as the trainer's log-prob pass), H its output projection's share. Two rows, against the matmul
   ceiling: model FLOPs 3F / time/update (the backward costs two forwards: 6N per token in the usual notation), and
-  what the cores ran: 3F + H (the log-prob chunks are always recomputed in the backward) or, with gradient
-  checkpointing, 4F (every decoder layer runs forward again: 8N). Sequences at their mean length: the attention
-  term of a spread of lengths is slightly larger.
-- old log-probs: F over policy/rescored_sequences / ranks sequences (SPO's D(x) pass), of P + L tokens.
+  what the cores ran: 3F' + 4H, F' the decoder's share of F at the tokens it really ran (policy/decoder_tokens:
+  packed rows, each shared prefix once; runs from before that metric: every token), the log-prob chunks always
+  recomputed in the backward; with gradient checkpointing 4(F' + H) (every decoder layer runs forward again: 8N).
+  Model FLOPs count every token of every sequence, so that row passes the ceiling where shared prefixes spare
+  more than the rest costs. Sequences at their mean length: the attention term of a spread of lengths is
+  slightly larger.
+- old log-probs: model FLOPs, F over policy/rescored_sequences / ranks sequences (SPO's D(x) pass), of P + L
+  tokens (shared prefixes computed once there too).
 - generate: throughput/tokens_per_second (policy tokens of the step over ranks, over time/generate) against the
   rate of the fastest generation the ceilings allow: the rank's N tokens over the prefill's time plus L_max
   decoding steps, N / (F_prefill / matmul + L_max * max(W * 4 bytes / read, 2 W c / matmul)). F_prefill: one
@@ -176,7 +180,8 @@ def phase_means(rows, warmup):
     """Means over the step rows after `warmup` (rows without time/update, like step 0's evaluation, skipped)."""
     steps = [row for row in rows if row.get("step", 0) > warmup and "time/update" in row]
     keys = ("time/update", "time/old_logprobs", "time/generate", "time/weight_push", "response/length_mean",
-            "response/length_max", "throughput/tokens_per_second", "policy/rescored_sequences")
+            "response/length_max", "throughput/tokens_per_second", "policy/rescored_sequences",
+            "policy/decoder_tokens")
     return {k: float(np.mean([row.get(k, 0.0) for row in steps])) for k in keys}, len(steps)
 
 
@@ -191,9 +196,14 @@ def phase_table(means, config, prompt_len, batch_size, ranks, checkpointing, cei
         return _forward_flops(config, [length] * max(1, round(n_sequences)), head_from)
     update_s = max(means["time/update"], 1e-9)
     full, head = forward(batch_size / ranks), forward(batch_size / ranks) - forward(batch_size / ranks, length)
+    # the decoder's share of F at the tokens it really ran (packed rows, shared prefixes once; runs before
+    # policy/decoder_tokens existed: every token of every sequence)
+    ran = means["policy/decoder_tokens"] or length * max(1, round(batch_size / ranks))
+    decoder = (full - head) * ran / (length * max(1, round(batch_size / ranks)))
     rows = [("update, model FLOPs 3F (6N), GFLOP/s", 3 * full / update_s / 1e9, ceilings.matmul / 1e9),
-            ("update, hardware FLOPs " + ("4F (8N)" if checkpointing else "3F + head") + ", GFLOP/s",
-             (4 * full if checkpointing else 3 * full + head) / update_s / 1e9, ceilings.matmul / 1e9)]
+            ("update, hardware FLOPs " + ("4F' (8N)" if checkpointing else "3F' + head") + ", GFLOP/s",
+             (4 * (decoder + head) if checkpointing else 3 * decoder + 4 * head) / update_s / 1e9,
+             ceilings.matmul / 1e9)]
     if means["policy/rescored_sequences"] > 0 and means["time/old_logprobs"] > 0:
         rows.append(("old log-probs, 1 forward, GFLOP/s",
                      forward(means["policy/rescored_sequences"] / ranks) / means["time/old_logprobs"] / 1e9,

@@ -7,10 +7,13 @@
 - `micro_batches`: the plan padded to one count on every rank (FSDP2's passes are collectives);
 - `LOGIT_CHUNK_BYTES`: the output projection's share, computed a chunk of positions at a time;
 - `pack`: a micro-batch as right-padded rows, the layout of the loss; `packed_row`: the same sequences as ONE row
-  without padding, the layout the decoder runs on (`packed_attention`: each sequence attends to itself only).
+  without padding and with each shared prefix once (`shared_prefix_groups`), the layout the decoder runs on
+  (`packed_attention`: each sequence attends to its own tokens only).
 The loss is a token sum over a global count, so none of these choices changes the gradient, only the memory a
 pass needs and how long the slowest rank takes. memory.py estimates a rank's peak from the same numbers.
 """
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -96,54 +99,144 @@ def pack(sequences, device):
 IDLE = ([0], [0], [0])  # a one-token dummy sequence with mask 0, for a rank with no work in a micro-batch
 
 
+def shared_prefix_groups(sequences):
+    """Groups of sequences (lists of token ids) that share a prefix, to compute that prefix once: [(shared prefix
+    length, [positions into `sequences`])], every position once. Sorted lexicographically, sequences with long
+    common prefixes sit next to each other; the groups are runs of that order, chosen (dynamic programming over
+    the runs) to spare the most tokens: a run of k sequences whose common prefix is L tokens spares (k - 1) L.
+    The same prompt sampled several times (GRPO's groups, SPO's revisits) or a long shared system prompt or
+    few-shot example makes most of a prompt's tokens spared."""
+    order = sorted(range(len(sequences)), key=lambda i: sequences[i])
+    common = []  # common[j]: the common prefix length of order[j] and order[j + 1]
+    for a, b in zip(order[:-1], order[1:]):
+        x, y = sequences[a], sequences[b]
+        n = min(len(x), len(y))
+        differ = np.flatnonzero(np.asarray(x[:n]) != np.asarray(y[:n]))
+        common.append(int(differ[0]) if len(differ) else n)
+    best, cut = [0] * (len(order) + 1), [0] * (len(order) + 1)  # over the first b sequences of the order
+    for b in range(1, len(order) + 1):
+        best[b], cut[b], shared = best[b - 1], b - 1, None  # order[b - 1] alone
+        for a in range(b - 2, -1, -1):  # the run order[a:b]
+            shared = common[a] if shared is None else min(shared, common[a])
+            if best[a] + (b - a - 1) * shared > best[b]:
+                best[b], cut[b] = best[a] + (b - a - 1) * shared, a
+    groups, b = [], len(order)
+    while b > 0:
+        a = cut[b]
+        groups.append((min(common[a: b - 1]) if b - a > 1 else 0, order[a: b]))
+        b = a
+    return groups[::-1]
+
+
+@dataclass
+class PackedLayout:
+    """How packed_attention reads one packed row. calls: (k, L) row positions per attention call, k sequences
+    attended side by side, each row a shared prefix then one sequence's own tokens, right-padded by repeating its
+    last position (causal: no real token sees a pad); pick: (S,) for each row position, where its output sits among
+    the calls' (k x L) outputs, flattened and concatenated."""
+    calls: list
+    pick: torch.Tensor
+
+
+# An attention call takes sequences side by side while their padded tokens stay within this factor of their real
+# ones (the prefix counted for each): a few calls per layer instead of one per sequence, little padding.
+CALL_PADDING = 1.25
+
+
+def _attention_calls(prefix, members):
+    """packed_row's calls for one group: its prefix's row positions and its members' own (start, end), longest
+    first, cut where another member would take the call's padding past CALL_PADDING. [(k, L) positions]."""
+    members = sorted(members, key=lambda m: m[0] - m[1])  # longest first (stable)
+    calls, current = [], []
+    for m in members:
+        width = len(prefix) + members[0][1] - members[0][0] if not current else len(prefix) + current[0][1] - current[0][0]
+        real = sum(len(prefix) + hi - lo for lo, hi in current + [m])
+        if current and (len(current) + 1) * width > CALL_PADDING * real:
+            calls.append(current)
+            current = []
+        current.append(m)
+    calls.append(current)
+    out = []
+    for call in calls:
+        width = len(prefix) + call[0][1] - call[0][0]
+        rows = [prefix + list(range(lo, hi)) for lo, hi in call]
+        out.append([row + [row[-1]] * (width - len(row)) for row in rows])
+    return out
+
+
 def packed_row(ids, rows, cols):
-    """The rows of (B, T) ids that hold the N positions (rows, cols) asked for, concatenated into ONE row without
-    padding: (1, S) ids, (1, S) positions (each sequence from 0), (k+1,) int32 sequence bounds on the host (the
-    cumulative lengths, flash-attention's cu_seq_lens) and (N,) the index of each asked position in the row.
+    """The rows of (B, T) ids that hold the N positions (rows, cols) asked for, packed into ONE row without padding,
+    each prefix that several rows share once (shared_prefix_groups): (1, S) ids, (1, S) positions (each sequence
+    counting from 0, a row's own tokens continuing its shared prefix), the PackedLayout packed_attention reads, and
+    (N,) the index in the row of each asked position (inside a shared prefix: the prefix's).
 
     A row is cut after its last asked position + 1 (the target): with causal attention the tokens after it change
-    nothing asked for. Padding costs a micro-batch's decoder (longest x count) / (sum of lengths) in FLOPs: 1.23x
-    for 8 SmolLM2 sequences of 99 prompt tokens and up to 48 response tokens."""
+    nothing asked for. Padding costs a micro-batch's decoder (longest x count) / (sum of lengths) in FLOPs, 1.23x for
+    8 SmolLM2 sequences of 99 prompt tokens and up to 48 response tokens; their shared 77-token prefix, once instead
+    of 8 times, spares more than half of the rest."""
     needed = torch.zeros(ids.shape[0], dtype=torch.long, device=ids.device).scatter_reduce_(
         0, rows, cols + 2, "amax")  # (B,) tokens each row needs; 0 for rows nothing is asked of
     kept = needed.nonzero().squeeze(1).tolist()
-    lengths = needed[kept].tolist()
-    bounds = torch.tensor(np.cumsum([0] + lengths), dtype=torch.int32)  # (k+1,)
-    start = torch.zeros(ids.shape[0], dtype=torch.long)
-    start[kept] = bounds[:-1].long()
-    flat = torch.cat([ids[row, :n] for row, n in zip(kept, lengths)])[None]  # (1, S)
-    positions = torch.cat([torch.arange(n, device=ids.device) for n in lengths])[None]  # (1, S)
-    return flat, positions, bounds, start.to(ids.device)[rows] + cols
+    host = ids.cpu()
+    sequences = [host[row, :n].tolist() for row, n in zip(kept, needed[kept].tolist())]
+    tokens, positions, calls, pick = [], [], [], []
+    prefix_at, own_at, shared_of = [0] * ids.shape[0], [0] * ids.shape[0], [0] * ids.shape[0]
+    for shared, members in shared_prefix_groups(sequences):
+        prefix = list(range(len(tokens), len(tokens) + shared))  # its row positions
+        tokens += sequences[members[0]][:shared]
+        positions += range(shared)
+        owns = []
+        for m in members:
+            row, own = kept[m], sequences[m][shared:]
+            prefix_at[row], own_at[row], shared_of[row] = prefix[0] if shared else 0, len(tokens), shared
+            owns.append((len(tokens), len(tokens) + len(own)))
+            tokens += own
+            positions += range(shared, shared + len(own))
+        where = {}  # row position -> its output's place among all calls' flattened outputs
+        base = sum(len(c) * len(c[0]) for c in calls)
+        for call in _attention_calls(prefix, owns):
+            for k, row in enumerate(call):
+                for t, at in enumerate(row):
+                    where.setdefault(at, base + k * len(row) + t)  # (a prefix from the call's first member)
+            calls.append(call)
+            base += len(call) * len(call[0])
+        pick += [where[at] for at in prefix] + [where[at] for lo, hi in owns for at in range(lo, hi)]
+    device = ids.device
+    layout = PackedLayout([torch.tensor(c, device=device) for c in calls], torch.tensor(pick, device=device))
+    prefix_at, own_at, shared_of = (torch.tensor(x, device=device)[rows] for x in (prefix_at, own_at, shared_of))
+    index = torch.where(cols < shared_of, prefix_at + cols, own_at + cols - shared_of)  # (N,)
+    return torch.tensor(tokens, device=device)[None], torch.tensor(positions, device=device)[None], layout, index
 
 
 # The name under which packed_attention is registered with transformers' AttentionInterface.
 PACKED_ATTENTION = "spo_packed"
 
 
-def packed_attention(module, query, key, value, attention_mask, cu_seq_lens_q=None, sliding_window=None, **kwargs):
+def packed_attention(module, query, key, value, attention_mask, packed_layout=None, sliding_window=None, **kwargs):
     """transformers' attention-function interface over ONE packed row (packed_row): torch's scaled-dot-product
-    attention (transformers' sdpa integration, GQA included) on each sequence's own slice of the (1, heads, S, d)
-    query, key and value, causal within it, so no sequence sees another and none pays for another's padding.
-    cu_seq_lens_q: the row's sequence bounds, passed down from the decoder's call. A sliding window (Mistral,
-    some Qwen layers) becomes an explicit mask where a sequence is longer than it. Anything else that lives in
-    the mask transformers would have built is not here: called without bounds, or with attention sinks, it
-    refuses rather than attend across sequences."""
+    attention (transformers' sdpa integration, GQA included), causal, each sequence over its shared prefix and its
+    own tokens only, so no sequence sees another's. The sequences of a group go side by side into a few calls
+    (PackedLayout: each repeats the prefix, right-padded within CALL_PADDING; the attention's share of a forward,
+    small beside the weights', is the only repeated work). packed_layout: packed_row's, passed down from the
+    decoder's call. A sliding window (Mistral, some Qwen layers) becomes an explicit mask where a call is longer
+    than it. Anything else that lives in the mask transformers would have built is not here: called without a
+    layout, or with attention sinks, it refuses rather than attend across sequences."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    if cu_seq_lens_q is None or query.shape[0] != 1:
-        raise RuntimeError("packed_attention: the model's attention is set for one packed row with its sequence "
-                           "bounds (batching.packed_row, trainer.response_logprobs); this call passed none")
+    if packed_layout is None or query.shape[0] != 1:
+        raise RuntimeError("packed_attention: the model's attention is set for one packed row with its layout "
+                           "(batching.packed_row, trainer.response_logprobs); this call passed none")
     if kwargs.get("s_aux") is not None:
         raise NotImplementedError("packed_attention: attention sinks (s_aux) are not supported")
-    bounds = cu_seq_lens_q.tolist()
     out = []
-    for lo, hi in zip(bounds[:-1], bounds[1:]):
-        mask = None  # causal (sdpa's is_causal)
-        if sliding_window is not None and hi - lo > sliding_window:
-            i = torch.arange(hi - lo, device=query.device)
-            mask = ((i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - sliding_window))[None, None]  # (1,1,n,n)
-        out.append(sdpa_attention_forward(module, query[:, :, lo:hi], key[:, :, lo:hi], value[:, :, lo:hi], mask,
-                                          **kwargs)[0])  # (1, n, heads, d)
-    return torch.cat(out, 1), None
+    for positions in packed_layout.calls:  # (k, L)
+        q, k, v = (x[0].index_select(1, positions.flatten()).unflatten(1, positions.shape).transpose(0, 1)
+                   for x in (query, key, value))  # (k, heads, L, d); (index_select: its backward is index_add)
+        n, mask = positions.shape[1], None  # None: causal (sdpa's is_causal)
+        if sliding_window is not None and n > sliding_window:
+            i = torch.arange(n, device=q.device)
+            mask = ((i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - sliding_window))[None, None]
+        out.append(sdpa_attention_forward(module, q, k, v, mask, **kwargs)[0].flatten(0, 1))  # (k L, heads, d)
+    return torch.cat(out).index_select(0, packed_layout.pick)[None], None  # (1, S, heads, d)
 
 
 def use_packed_attention(model):

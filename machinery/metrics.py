@@ -54,7 +54,9 @@ def step_metrics(reward, raw_advantage, advantage, rollouts, old, stats, times, 
          # the batch when ppo_steps > 1 (with one optimiser step the update's forward gives the old log-probs)
          "policy/rescored_sequences": scalars[2],
          "policy/clip_fraction": stats["clip_fraction"], "policy/approx_kl": stats["approx_kl"],
-         "policy/grad_norm": stats["grad_norm"], "policy/loss": stats["loss"]}
+         "policy/grad_norm": stats["grad_norm"], "policy/loss": stats["loss"],
+         # tokens the trainer's decoder ran in the update, per rank: packed rows, each shared prefix once
+         "policy/decoder_tokens": stats["decoder_tokens"]}
     m.update(signal_metrics(raw, adv, reward, group))
     m.update({f"time/{k}": v for k, v in times.items()})
     m["time/step"] = sum(times.values())

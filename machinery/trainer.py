@@ -7,9 +7,9 @@ file holds the mechanics that any policy-gradient trainer on torch FSDP2 needs:
   the whole model as one unit); on GPU bf16 compute with fp32 master weights and fp32 gradient reduction; on
   gloo FSDP2's weight gather and gradient reduce-scatter through shared memory (collectives.py).
 - `token_logprobs` (via `response_logprobs`): the decoder once per micro-batch, its sequences packed into one row
-  without padding (batching.packed_row, packed_attention), the output projection only at response positions,
-  with fp32 logits (from a bf16 GEMM accumulating in fp32 under bf16) and in chunks, so no (B, T, V) logits
-  tensor exists at any vocabulary size.
+  without padding and shared prefixes once (batching.packed_row, packed_attention), the output projection only
+  at response positions, with fp32 logits (from a bf16 GEMM accumulating in fp32 under bf16) and in chunks, so
+  no (B, T, V) logits tensor exists at any vocabulary size.
 - `old_logprobs` / `ppo_update`: per-token log-probs of prompt + response sequences in micro-batches, and the
   optimiser steps around a loss function given by the caller, normalised by the GLOBAL token count (with one
   optimiser step per batch the update's own forward gives the old log-probs: no separate pass). FSDP2
@@ -247,20 +247,23 @@ def _chunk_logprobs(hidden, weight, weight32, bias, targets, temperature, with_e
 
 def response_logprobs(model, ids, rows, cols, temperature, with_entropy=False, chunk=None):
     """(N,) log pi(ids[rows, cols + 1] | ids[rows, :cols + 1]) at the sampling temperature, and the (N,) entropies
-    (or None): the decoder runs once over the sequences (packed into one row without padding, batching.packed_row,
-    where the model takes packed_attention: attach_logprob_forward; else over the padded (B, T) rows), the output
-    projection only at the N positions asked for
-    (the response tokens), `chunk` positions at a time (default: LOGIT_CHUNK_BYTES of fp32 logits). No (B, T, V)
+    (or None): the decoder runs once over the sequences (packed into one row without padding, a prefix they share
+    once: batching.packed_row, where the model takes packed_attention: attach_logprob_forward; else over the
+    padded (B, T) rows), the output projection only at the N positions asked for (the response tokens), `chunk`
+    positions at a time (default: LOGIT_CHUNK_BYTES of fp32 logits). No (B, T, V)
     tensor ever exists (Qwen3, V = 151,936: 12 GB per fp32 copy of the logits of 2 x 10k tokens). With gradients
     each chunk is checkpointed (recomputed in the backward), so the backward too holds one chunk's logits at a time.
     Call it as `model.response_logprobs(...)` after attach_logprob_forward (build_policy does), so that FSDP2
     gathers the parameters around it as it would around `forward`."""
     if model.config._attn_implementation == PACKED_ATTENTION:  # one row without padding (attach_logprob_forward)
-        flat, positions, bounds, index = packed_row(ids, rows, cols)
-        hidden = model.base_model(input_ids=flat, position_ids=positions, cu_seq_lens_q=bounds,
+        flat, positions, layout, index = packed_row(ids, rows, cols)
+        hidden = model.base_model(input_ids=flat, position_ids=positions, packed_layout=layout,
                                   use_cache=False).last_hidden_state[0, index]  # (N, H)
     else:
+        flat = ids
         hidden = model.base_model(input_ids=ids, use_cache=False).last_hidden_state[rows, cols]  # (N, H)
+    # the tokens the decoder really ran, for ppo_update's policy/decoder_tokens (bench limits' hardware FLOPs)
+    model.decoder_tokens = getattr(model, "decoder_tokens", 0) + flat.numel()
     head = model.get_output_embeddings()
     weight = head.weight  # (V, H): the gathered bf16 copy under bf16 mixed precision, else the fp32 parameter
     # fp32 weights that sum the chunks' weight gradients: under bf16 a copy (with gradients only), else the parameter
@@ -408,7 +411,9 @@ def ppo_update(model, optimizer, rollouts, old, advantage, loss_fn, *, ppo_steps
     scored = []  # with old=None: _scored's rows of the batch
     per = len(rollouts) // ppo_steps
     sums = {"loss": 0.0, "grad_norm": 0.0}
-    totals = np.zeros(3)  # over all ranks and mini-batches: clipped tokens, k3 KL summed over tokens, tokens
+    totals = np.zeros(4)  # over all ranks and mini-batches: clipped tokens, k3 KL summed over tokens, tokens,
+    # and the tokens the decoder ran (response_logprobs counts them: packed, each shared prefix once)
+    model.decoder_tokens = 0
     nonfinite = False
     for k in range(ppo_steps):
         # this rank's part of mini-batch k: (prompt ids, response ids, response mask, old log-probs, advantage)
@@ -419,7 +424,8 @@ def ppo_update(model, optimizer, rollouts, old, advantage, loss_fn, *, ppo_steps
                                                   max_tokens is not None)
         global_tokens = (float(sum(np.sum(item[2]) for item in everything)) if everything is not None  # exact
                          else all_reduce_np([sum(float(np.sum(item[2])) for item in mini)])[0])
-        loss_total, counts = 0.0, np.zeros(3)  # this rank's: loss, and clipped tokens, k3 KL, tokens
+        loss_total, counts = 0.0, np.zeros(4)  # this rank's: loss, and clipped tokens, k3 KL, tokens, decoder's
+        before = model.decoder_tokens
         for group in micro_batches([len(p) + len(r) for p, r, *_ in mini], micro_batch_size, max_tokens, shares):
             rows = [mini[j] for j in group]
             ids, mask = pack([row[:3] for row in rows] or [IDLE], device)  # (b, T); an idle rank: mask 0, loss 0
@@ -439,7 +445,8 @@ def ppo_update(model, optimizer, rollouts, old, advantage, loss_fn, *, ppo_steps
                 log_ratio = (logp - old_logp) * mask
                 counts += [float((clipped.float() * mask).sum()),
                            float(((torch.exp(log_ratio) - 1 - log_ratio) * mask).sum()),  # k3, KL(old||new)
-                           float(mask.sum())]
+                           float(mask.sum()), 0.0]
+        counts[3] = model.decoder_tokens - before
         grad_norm = clip_grad_norm(model.parameters(), grad_clip)
         reduced = all_reduce_np([loss_total, *counts])  # one collective for the loss and the counts
         global_loss, totals = reduced[0], totals + reduced[1:]
@@ -452,7 +459,8 @@ def ppo_update(model, optimizer, rollouts, old, advantage, loss_fn, *, ppo_steps
         sums["loss"] += global_loss
         sums["grad_norm"] += grad_norm
     stats = {"loss": sums["loss"] / ppo_steps, "grad_norm": sums["grad_norm"] / ppo_steps,
-             "clip_fraction": totals[0] / totals[2], "approx_kl": totals[1] / totals[2], "nonfinite": nonfinite}
+             "clip_fraction": totals[0] / totals[2], "approx_kl": totals[1] / totals[2], "nonfinite": nonfinite,
+             "decoder_tokens": totals[3] / world}  # per rank
     if reuse:  # the batch's old log-probs, as old_logprobs returns them, each back to the rank that owns it
         batch, entropy = _to_owners(scored, len(rollouts), max_tokens, lambda i: True)
         stats["old"] = {"batch": batch, "entropy": entropy, **vllm_gap(batch, rollouts)}

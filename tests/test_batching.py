@@ -41,10 +41,11 @@ def _qwen3(**sliding):
     return trainer.prepare_for_training(Qwen3ForCausalLM(config), gradient_checkpointing=False)
 
 
-def _sequences(seed, lengths):
-    """(B, T) right-padded ids and the (B, T-1) response mask of prompt + response pairs of these lengths."""
+def _sequences(seed, lengths, shared=()):
+    """(B, T) right-padded ids and the (B, T-1) response mask of prompt + response pairs of these lengths, each
+    prompt starting with the tokens `shared`."""
     rng = np.random.default_rng(seed)
-    return batching.pack([(rng.integers(1, 64, p).tolist(), rng.integers(1, 64, r).tolist(), [1] * r)
+    return batching.pack([(list(shared) + rng.integers(1, 64, p).tolist(), rng.integers(1, 64, r).tolist(), [1] * r)
                           for p, r in lengths], "cpu")
 
 
@@ -58,26 +59,51 @@ def _logprobs_and_grads(model, ids, mask):
     return logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
+def test_shared_prefix_groups_spare_each_shared_prefix_once():
+    """Two prompts sampled three times each behind one system prompt (GRPO's groups): each prompt's group spares
+    its whole prompt, not just the system prompt that all six share; every sequence in exactly one group, no group
+    claiming more than its members really share; a lone sequence shares nothing."""
+    system, a, b = [9] * 6, [1, 2, 3, 4], [1, 2, 7, 7]
+    sequences = [system + a + [5], system + b + [5, 6], system + a + [6], system + b + [8], system + a + [5, 5],
+                 system + b]
+    groups = batching.shared_prefix_groups(sequences)
+    assert sorted(i for _, members in groups for i in members) == list(range(6))
+    assert sorted((shared, sorted(members)) for shared, members in groups) == [(10, [0, 2, 4]), (10, [1, 3, 5])]
+    for shared, members in groups:
+        assert all(sequences[m][:shared] == sequences[members[0]][:shared] for m in members)
+    assert batching.shared_prefix_groups([[3, 1], [4, 1], [3]]) == [(1, [2, 0]), (0, [1])]  # [3] is [3, 1]'s prefix
+
+
 def test_packed_row_keeps_each_sequence_up_to_its_last_target_and_finds_every_position():
     import torch
-    ids, mask = _sequences(0, [(5, 3), (2, 9), (4, 0), (7, 1)])  # the third asks for nothing
-    mask[1, 6:] = 0  # the second's last 4 response tokens are not asked for: cut after position 5's target
+    ids, mask = _sequences(0, [(5, 3), (2, 9), (4, 0), (7, 1)], shared=[1, 2, 3])  # the third asks for nothing
+    mask[1, 9:] = 0  # the second's last 4 response tokens are not asked for: cut after position 8's target
     rows, cols = mask.nonzero(as_tuple=True)
-    flat, positions, bounds, index = batching.packed_row(ids, rows, cols)
-    assert bounds.tolist() == [0, 8, 15, 23]  # 5 + 3 whole; 7: up to position 5's target; the third left out; 7 + 1
+    flat, positions, layout, index = batching.packed_row(ids, rows, cols)
+    # the 3 shared tokens once, then each row's own: 11 - 3, 10 - 3 (cut), 11 - 3 tokens; the third left out
+    assert flat.shape == (1, 26)
+    # one attention call: each of its rows a whole sequence (its prefix and own tokens, then pads), and each row
+    # position's output taken from a query at that very position
+    (call,) = layout.calls
+    lengths = [11, 10, 11]
+    assert sorted(flat[0, row][:n].tolist() for row, n in zip(call, sorted(lengths, reverse=True))) == sorted(
+        ids[b, :n].tolist() for b, n in zip([0, 1, 3], lengths))
+    assert torch.equal(call.flatten()[layout.pick], torch.arange(26))
     assert torch.equal(flat[0, index], ids[rows, cols]) and torch.equal(flat[0, index + 1], ids[rows, cols + 1])
-    assert torch.equal(positions[0, index], cols)  # each sequence counts its positions from 0
+    assert torch.equal(positions[0, index], cols)  # each sequence counts its positions from 0, through the prefix
 
 
 def test_packed_log_probs_and_gradients_are_the_padded_ones_and_no_sequence_sees_another():
-    """The decoder on one packed row (packed_attention) against the same model on right-padded rows (torch's own
-    causal sdpa): the same log-probs and gradients up to the attention's sum order. And a sequence's log-probs do
-    not move, bit for bit, when the other sequences of its micro-batch change (same lengths: same shapes), which
-    attention across sequences would break."""
+    """The decoder on one packed row (packed_attention; a prefix three sequences share, one sequence whole inside
+    another, so with nothing of its own) against the same model on right-padded rows (torch's own causal sdpa):
+    the same log-probs and gradients up to the sum's order. And a sequence's log-probs stay put when the other
+    sequences of its micro-batch change, which attention across sequences would break."""
     import torch
     from machinery import trainer
-    lengths = [(6, 9), (3, 2), (11, 5), (4, 12)]
-    ids, mask = _sequences(1, lengths)
+    lengths = [(6, 9), (3, 2), (11, 5), (4, 12), (1, 3)]
+    ids, mask = _sequences(1, lengths, shared=[5, 6, 7, 8])
+    ids[4, :7], mask[4] = ids[0, :7], 0  # the fifth: the first's first 7 tokens...
+    mask[4, 4:6] = 1  # ...asked at two of them
     model = _qwen3()
     padded = _logprobs_and_grads(model, ids, mask)
     trainer.attach_logprob_forward(model)
@@ -86,13 +112,14 @@ def test_packed_log_probs_and_gradients_are_the_padded_ones_and_no_sequence_sees
     torch.testing.assert_close(packed[0], padded[0], atol=1e-5, rtol=0)
     for name, grad in padded[1].items():
         torch.testing.assert_close(packed[1][name], grad, atol=1e-5, rtol=1e-4)
-    others, _ = _sequences(2, lengths)  # every sequence's tokens different...
+    others, _ = _sequences(2, lengths, shared=[9, 9, 9, 9])  # every sequence's tokens different...
     others[2] = ids[2]  # ...but the third's
     rows, cols = mask.nonzero(as_tuple=True)
     with torch.no_grad():
         again, _ = trainer.response_logprobs(model, others, rows, cols, 1.0)
     third = rows == 2
-    assert torch.equal(again[third], packed[0][third]) and not torch.equal(again[~third], packed[0][~third])
+    torch.testing.assert_close(again[third], packed[0][third], atol=1e-6, rtol=0)
+    assert (again[~third] - packed[0][~third]).abs().max() > 1e-2
 
 
 def test_packed_attention_keeps_a_sliding_window_and_refuses_an_unpacked_call():

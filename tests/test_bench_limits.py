@@ -20,7 +20,7 @@ def tiny_config():
 
 MEANS = {"time/update": 1e-6, "time/old_logprobs": 0.0, "time/generate": 2.0, "time/weight_push": 1e-3,
          "response/length_mean": 3.0, "response/length_max": 10.0, "throughput/tokens_per_second": 50.0,
-         "policy/rescored_sequences": 0.0}
+         "policy/rescored_sequences": 0.0, "policy/decoder_tokens": 0.0}  # 0: a run from before the metric
 
 
 def table(means=None, checkpointing=False, ceilings=limits.Ceilings(matmul=1e6, read=4000.0, copy=8e6)):
@@ -36,10 +36,19 @@ def test_the_update_counts_three_forwards_of_the_ranks_share_and_what_the_recomp
     # 1e-6 s. The hardware ran the head's chunks again in the backward; with checkpointing the whole forward.
     rows = table()
     assert rows["update, model FLOPs 3F (6N)"] == pytest.approx((3 * 1072 / 1e-6 / 1e9, 1e6 / 1e9))
-    assert rows["update, hardware FLOPs 3F + head"][0] == pytest.approx((3 * 1072 + 72) / 1e-6 / 1e9)
+    assert rows["update, hardware FLOPs 3F' + head"][0] == pytest.approx((3 * 1072 + 72) / 1e-6 / 1e9)
     rows = table(checkpointing=True)
     assert rows["update, model FLOPs 3F (6N)"][0] == pytest.approx(3 * 1072 / 1e-6 / 1e9)
-    assert rows["update, hardware FLOPs 4F (8N)"][0] == pytest.approx(4 * 1072 / 1e-6 / 1e9)
+    assert rows["update, hardware FLOPs 4F' (8N)"][0] == pytest.approx(4 * 1072 / 1e-6 / 1e9)
+
+
+def test_the_hardware_row_counts_the_tokens_the_decoder_really_ran():
+    # The rank's 2 sequences of 5 tokens, packed with a shared 2-token prefix: 2 + 3 + 3 = 8 tokens of 10. The
+    # decoder's share of F (1072 - 72 = 1000) scales to 800; the head (72) is unchanged: 3 x 800 + 4 x 72.
+    # Model FLOPs still count every token.
+    rows = table({"policy/decoder_tokens": 8.0})
+    assert rows["update, hardware FLOPs 3F' + head"][0] == pytest.approx((3 * 800 + 4 * 72) / 1e-6 / 1e9)
+    assert rows["update, model FLOPs 3F (6N)"][0] == pytest.approx(3 * 1072 / 1e-6 / 1e9)
 
 
 def test_the_old_logprob_row_is_one_forward_of_the_rescored_sequences_and_absent_without_any():
