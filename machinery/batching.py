@@ -149,8 +149,8 @@ def _attention_calls(prefix, members):
     members = sorted(members, key=lambda m: m[0] - m[1])  # longest first (stable)
     calls, current = [], []
     for m in members:
-        width = len(prefix) + members[0][1] - members[0][0] if not current else len(prefix) + current[0][1] - current[0][0]
-        real = sum(len(prefix) + hi - lo for lo, hi in current + [m])
+        longest = current[0] if current else m
+        width, real = len(prefix) + longest[1] - longest[0], sum(len(prefix) + hi - lo for lo, hi in current + [m])
         if current and (len(current) + 1) * width > CALL_PADDING * real:
             calls.append(current)
             current = []

@@ -55,7 +55,8 @@ def checkpoint_worker(run):
                                  num_attention_heads=2, num_key_value_heads=1, head_dim=16)).save_pretrained(initial)
     model, optimizer = trainer.build_policy(initial, device, lr=1e-3, weight_decay=0.0)
     for step in (2, 4):
-        model(torch.tensor([[1, 2, 3]])).logits.sum().backward()  # Adam moments in the optimiser state
+        # Adam moments in the optimiser state (the policy's forward is its log-probs: the decoder on packed rows)
+        trainer.token_logprobs(model, torch.tensor([[1, 2, 3]]), torch.ones(1, 2), 1.0)[0].sum().backward()
         optimizer.step()
         checkpoint.save_checkpoint(run, step, model, optimizer, tokenizer, world, ["k0", "k1"], {}, {}, {},
                                    {"steps": 8})
