@@ -144,8 +144,9 @@ CALL_PADDING = 1.25
 
 
 def _attention_calls(prefix, members):
-    """packed_row's calls for one group: its prefix's row positions and its members' own (start, end), longest
-    first, cut where another member would take the call's padding past CALL_PADDING. [(k, L) positions]."""
+    """packed_row's calls for one group: its prefix's row positions ((P,) array) and its members' own (start, end),
+    longest first, cut where another member would take the call's padding past CALL_PADDING.
+    [(the call's members, (k, L) row positions)]."""
     members = sorted(members, key=lambda m: m[0] - m[1])  # longest first (stable)
     calls, current = [], []
     for m in members:
@@ -159,8 +160,8 @@ def _attention_calls(prefix, members):
     out = []
     for call in calls:
         width = len(prefix) + call[0][1] - call[0][0]
-        rows = [prefix + list(range(lo, hi)) for lo, hi in call]
-        out.append([row + [row[-1]] * (width - len(row)) for row in rows])
+        rows = [np.concatenate([prefix, np.arange(lo, hi)]) for lo, hi in call]
+        out.append((call, np.stack([np.pad(row, (0, width - len(row)), mode="edge") for row in rows])))
     return out
 
 
@@ -179,30 +180,29 @@ def packed_row(ids, rows, cols):
     kept = needed.nonzero().squeeze(1).tolist()
     host = ids.cpu()
     sequences = [host[row, :n].tolist() for row, n in zip(kept, needed[kept].tolist())]
-    tokens, positions, calls, pick = [], [], [], []
+    tokens, positions, calls, pick, base = [], [], [], [], 0  # base: outputs of the calls so far, flattened
     prefix_at, own_at, shared_of = [0] * ids.shape[0], [0] * ids.shape[0], [0] * ids.shape[0]
     for shared, members in shared_prefix_groups(sequences):
-        prefix = list(range(len(tokens), len(tokens) + shared))  # its row positions
+        prefix = np.arange(len(tokens), len(tokens) + shared)  # its row positions
         tokens += sequences[members[0]][:shared]
         positions += range(shared)
         owns = []
         for m in members:
             row, own = kept[m], sequences[m][shared:]
-            prefix_at[row], own_at[row], shared_of[row] = prefix[0] if shared else 0, len(tokens), shared
+            prefix_at[row], own_at[row], shared_of[row] = int(prefix[0]) if shared else 0, len(tokens), shared
             owns.append((len(tokens), len(tokens) + len(own)))
             tokens += own
             positions += range(shared, shared + len(own))
-        where = {}  # row position -> its output's place among all calls' flattened outputs
-        base = sum(len(c) * len(c[0]) for c in calls)
-        for call in _attention_calls(prefix, owns):
-            for k, row in enumerate(call):
-                for t, at in enumerate(row):
-                    where.setdefault(at, base + k * len(row) + t)  # (a prefix from the call's first member)
-            calls.append(call)
-            base += len(call) * len(call[0])
-        pick += [where[at] for at in prefix] + [where[at] for lo, hi in owns for at in range(lo, hi)]
+        start = {}  # a member's own (start, end) -> where its outputs begin among the calls' flattened outputs
+        pick.append(np.arange(base, base + shared))  # the prefix's outputs: the first call's first member's
+        for call, at in _attention_calls(prefix, owns):
+            start.update({own: base + j * at.shape[1] + shared for j, own in enumerate(call)})
+            calls.append(at)
+            base += at.size
+        pick += [np.arange(start[(lo, hi)], start[(lo, hi)] + hi - lo) for lo, hi in owns]
     device = ids.device
-    layout = PackedLayout([torch.tensor(c, device=device) for c in calls], torch.tensor(pick, device=device))
+    layout = PackedLayout([torch.from_numpy(c).to(device) for c in calls],
+                          torch.from_numpy(np.concatenate(pick)).to(device))
     prefix_at, own_at, shared_of = (torch.tensor(x, device=device)[rows] for x in (prefix_at, own_at, shared_of))
     index = torch.where(cols < shared_of, prefix_at + cols, own_at + cols - shared_of)  # (N,)
     return torch.tensor(tokens, device=device)[None], torch.tensor(positions, device=device)[None], layout, index

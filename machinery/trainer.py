@@ -250,9 +250,9 @@ def response_logprobs(model, ids, rows, cols, temperature, with_entropy=False, c
     (or None): the decoder runs once over the sequences (packed into one row without padding, a prefix they share
     once: batching.packed_row, where the model takes packed_attention: attach_logprob_forward; else over the
     padded (B, T) rows), the output projection only at the N positions asked for (the response tokens), `chunk`
-    positions at a time (default: LOGIT_CHUNK_BYTES of fp32 logits). No (B, T, V)
-    tensor ever exists (Qwen3, V = 151,936: 12 GB per fp32 copy of the logits of 2 x 10k tokens). With gradients
-    each chunk is checkpointed (recomputed in the backward), so the backward too holds one chunk's logits at a time.
+    positions at a time (default: LOGIT_CHUNK_BYTES of fp32 logits). No (B, T, V) tensor ever exists (Qwen3, V =
+    151,936: 12 GB per fp32 copy of the logits of 2 x 10k tokens). With gradients each chunk is checkpointed
+    (recomputed in the backward), so the backward too holds one chunk's logits at a time.
     Call it as `model.response_logprobs(...)` after attach_logprob_forward (build_policy does), so that FSDP2
     gathers the parameters around it as it would around `forward`."""
     if model.config._attn_implementation == PACKED_ATTENTION:  # one row without padding (attach_logprob_forward)
@@ -411,9 +411,9 @@ def ppo_update(model, optimizer, rollouts, old, advantage, loss_fn, *, ppo_steps
     scored = []  # with old=None: _scored's rows of the batch
     per = len(rollouts) // ppo_steps
     sums = {"loss": 0.0, "grad_norm": 0.0}
-    totals = np.zeros(4)  # over all ranks and mini-batches: clipped tokens, k3 KL summed over tokens, tokens,
-    # and the tokens the decoder ran (response_logprobs counts them: packed, each shared prefix once)
-    model.decoder_tokens = 0
+    # over all ranks and mini-batches: clipped tokens, k3 KL summed over tokens, tokens, and the tokens the decoder
+    # ran (response_logprobs counts them on the model: packed rows, each shared prefix once)
+    totals, model.decoder_tokens = np.zeros(4), 0
     nonfinite = False
     for k in range(ppo_steps):
         # this rank's part of mini-batch k: (prompt ids, response ids, response mask, old log-probs, advantage)
