@@ -156,21 +156,30 @@ def request_seeds(base, prompt_key: str, n: int) -> np.ndarray:
 
 
 def sample_and_score(engine, data, n, seeds_base, *, temperature, top_p, top_k, max_tokens, rank, world,
-                     think_format=False, tools=None, reward=DEFAULT_REWARD, reward_timeout=VERIFIER_TIMEOUT_S):
+                     think_format=False, tools=None, reward=DEFAULT_REWARD, reward_timeout=VERIFIER_TIMEOUT_S,
+                     progress=True):
     """n samples of every problem of `data` (data.Dataset: keys, prompt_ids, answers), sharded over ranks.
 
     Returns (samples, rollouts). samples[p] lists the n (answer or None, correct, truncated) of problem p, for
     EVERY problem in data order and on every rank (gathered: call it on all ranks), ready for summarize().
     rollouts maps this rank's problems p to their n Rollouts (responses to write out). tools: a rollout.Tools for
     the tool loop; reward: the --reward verifier (correct: it returned 1). A truncated sample is scored as it is
-    (the verifier reads what is there): evaluation does not apply training's --truncated_reward."""
+    (the verifier reads what is there): evaluation does not apply training's --truncated_reward.
+    progress: a bar on rank 0 counting its finished samples while they generate (False: none)."""
     mine = list(range(rank, len(data.keys), world))
     outputs = []
     if mine:  # a rank with no problem (more ranks than problems) still joins the gather below
         seeds = np.concatenate([request_seeds(seeds_base, data.keys[p], n) for p in mine])
+        bar = None
+        if progress and rank == 0:
+            from tqdm import tqdm
+            bar = tqdm(total=len(mine) * n, desc=f"sampling (rank 0 of {world})", unit="sample", dynamic_ncols=True)
         outputs = engine.generate([data.prompt_ids[p] for p in mine for _ in range(n)], seeds,
                                   max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                                  **({"tools": tools} if tools is not None else {}))
+                                  **({"tools": tools} if tools is not None else {}),
+                                  **({"progress": bar.update} if bar is not None else {}))
+        if bar is not None:
+            bar.close()
     rollouts = {p: outputs[j * n:(j + 1) * n] for j, p in enumerate(mine)}
     local = {p: [(answer, bool(score), r.finish_reason == "length") for r, (score, answer) in
                  ((r, reward_and_answer(r.text, data.answers[p], think_format, reward, reward_timeout)) for r in rs)]
@@ -201,7 +210,7 @@ def heldout_metrics(engine, test, args, tools):
     """spo.py's held-out evaluation: accuracy (avg@n at the evaluation temperature) over all ranks, by
     sample_and_score, the shares of samples with no parsed answer and cut by the budget, and with tools the share
     of samples that called the tool. The seeds do not depend on the step: every evaluation scores the same
-    draws, so differences are the model's."""
+    draws, so differences are the model's. No bar: it runs between training steps, under spo.py's own bar."""
     import torch.distributed as dist
     from machinery.collectives import all_reduce_np
     samples, rollouts = sample_and_score(engine, test, args.eval_samples, [args.seed, 1],
@@ -209,7 +218,7 @@ def heldout_metrics(engine, test, args, tools):
                                          top_k=args.eval_top_k, max_tokens=args.max_response_len,
                                          rank=dist.get_rank(), world=dist.get_world_size(),
                                          think_format=args.think_format, tools=tools, reward=args.reward,
-                                         reward_timeout=args.reward_timeout)
+                                         reward_timeout=args.reward_timeout, progress=False)
     flat = [sample for problem in samples for sample in problem]  # (answer, correct, truncated)
     metrics = {"eval/accuracy": float(np.mean([correct for _, correct, _ in flat])),
                "eval/unparsed": float(np.mean([answer is None for answer, _, _ in flat])),
@@ -224,8 +233,16 @@ def heldout_metrics(engine, test, args, tools):
 # Does the tracker track? Its v(x) is meant to be the current policy's success rate on x (Eq. 5 with rho
 # forgetting what older policies did). The probe measures that rate directly on a fixed random subset of training
 # prompts with fresh samples, so the gap between the two (and its noise floor) is visible over training.
-def add_probe_flags(p):
-    """spo.py's probe flags (eval.py's own command does not use them)."""
+def add_eval_flags(p):
+    """spo.py's flags for its evaluations between steps (eval.py's own command does not use them): held-out accuracy
+    and the tracker probe."""
+    p.add_argument("--eval_every", type=int, default=25, help="held-out evaluation every N steps and at the end "
+                   "(0: off)")
+    p.add_argument("--eval_samples", type=int, default=2, help="samples per held-out prompt (avg@n's n)")
+    p.add_argument("--eval_temperature", type=float, default=1.0, help="evaluation temperature")
+    p.add_argument("--eval_top_p", type=float, default=1.0, help="evaluation top-p (paper: 0.95)")
+    p.add_argument("--eval_top_k", type=int, default=-1, help="evaluation top-k (-1: off; paper: 20)")
+    p.add_argument("--eval_max_prompts", type=int, default=500, help="held-out prompts used, the first N (0: all)")
     p.add_argument("--probe_every", type=int, default=0,
                    help="tracker probe every N steps and at the end (0: off; spo only): v(x) of a fixed subset of "
                         "training prompts against the policy's success rate from fresh samples (probe.jsonl)")
@@ -329,39 +346,35 @@ def parse_args(argv=None):
     g.add_argument("--temperature", type=float, default=EVAL_DEFAULTS["temperature"], help="sampling temperature")
     g.add_argument("--top_p", type=float, default=EVAL_DEFAULTS["top_p"], help="nucleus sampling")
     g.add_argument("--top_k", type=int, default=EVAL_DEFAULTS["top_k"], help="top-k sampling (-1: off)")
-    from machinery.memory import add_engine_flags
     from reward import add_reward_flags, check_reward_flag
-    from rollout import add_budget_flag, add_tool_flags, apply_tool_defaults
+    from rollout import add_budget_flag, add_engine_flags, add_tool_flags, response_budget
     add_budget_flag(g)  # --max_response_len (alias --max_tokens), as spo.py's; the paper evaluates with 32768
     g.add_argument("--seed", type=int, default=0, help="per-request seeds derive from (seed, prompt key, sample)")
     add_reward_flags(g, truncation=False)  # --reward, --think_format: score as training does
     g = p.add_argument_group("output and engine")
     g.add_argument("--out_dir", default="eval_out", help="<benchmark>.samples.jsonl, summary.json, summary.md")
     g.add_argument("--n_boot", type=int, default=1000, help="bootstrap resamples for maj@n mean and std")
-    add_engine_flags(g, gpu_share=0.9)  # --cpu_kv_cache_gib, --gpu_memory_utilization (an engine alone)
+    add_engine_flags(g, gpu_share=0.9)  # --engine, --cpu_kv_cache_gib, --gpu_memory_utilization (an engine alone)
     add_tool_flags(p)
     args = p.parse_args(argv)
-    apply_tool_defaults(args)
+    args.max_response_len = response_budget(args.max_response_len, args.tools)
     if args.n_samples < 1 or args.max_response_len < 1:
         p.error("--n_samples and --max_response_len (--max_tokens) must be at least 1")
     from machinery.errors import check_finite, check_sampling
-    check_finite(args)
+    check_finite(vars(args))
     check_sampling(args.temperature, args.top_p, args.top_k)
     check_reward_flag(args.reward, args.reward_timeout)
     return args
 
 
 def main(argv=None):
-    from machinery import trainer
     from machinery.data import check_context, find_model, load_dataset, load_tokenizer
-    args = parse_args(argv)
-    rank, world, device = trainer.setup_distributed()
-    from hf_engine import choose_engine, start_engine
-    from rollout import prepare_vllm
+    from hf_engine import start_engine
+    from rollout import TOOL_INSTRUCTION, make_tools, start_program
     from tasks import toy
-    prepare_vllm(args.cpu_kv_cache_gib)  # as spo.py
-    args.engine = choose_engine(args.engine, rank == 0)
-    toy.fill_in(args, "data", "test")
+    args = parse_args(argv)
+    rank, world, device, args.engine = start_program(args.engine, args.cpu_kv_cache_gib)  # as spo.py
+    args.toy_dir, args.model, args.data, _ = toy.fill_in(args.toy_dir, args.tools, args.model, args.data, "test")
     args.data = [args.data] if isinstance(args.data, str) else args.data  # --data takes several files
     from machinery.collectives import all_gather_objects
     from machinery.errors import fail
@@ -370,9 +383,6 @@ def main(argv=None):
     if error:  # source: where the model loads from (a checkpoint's hold), args.model: what it is
         fail(error, once=True)
     source = find_model(source)  # a hub name without a hub: its cached copy, or one line
-    if rank == 0:
-        print("config: " + json.dumps(vars(args)), flush=True)
-    from rollout import TOOL_INSTRUCTION, tools_from_flags
     tokenizer = load_tokenizer(source)
     benchmarks = {}
     for path in args.data:  # names from file stems; a repeated stem gets a suffix
@@ -384,8 +394,10 @@ def main(argv=None):
     longest = max(len(p) for data in benchmarks.values() for p in data.prompt_ids) + args.max_response_len
     check_context(source, longest, "--max_response_len + the longest prompt")
     engine = start_engine(args.engine, source, seed=args.seed, max_model_len=longest, device=device,
-                          gpu_memory_utilization=args.gpu_memory_utilization)
-    tools = tools_from_flags(args)
+                          gpu_memory_utilization=args.gpu_memory_utilization,
+                          compile_model=None if args.engine_compile == "auto" else args.engine_compile == "on")
+    tools = make_tools(args.tools, args.max_turns, args.sandbox_workers, args.sandbox_timeout, args.sandbox_memory_mb,
+                       args.max_tool_output_chars)
     os.makedirs(args.out_dir, exist_ok=True)
     n = args.n_samples
     ks = sorted({2 ** i for i in range(n.bit_length())} | {n})  # pass@1, 2, 4, ... and pass@n

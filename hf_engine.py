@@ -13,8 +13,7 @@ Requests started between two steps are decoded together: left-padded into one ba
 ids per row), each row leaving the batch and the KV cache when it ends. vLLM's continuous batching, paged KV cache,
 CUDA graphs and sleep mode are not here: the engine is for where vLLM is absent, not for speed.
 
-    engine = start_engine(choose_engine("auto", is_main=True), model_dir, seed=0, max_model_len=512,
-                          device=torch.device("cpu"))
+    engine = start_engine("hf", model_dir, seed=0, max_model_len=512, device=torch.device("cpu"))
 """
 import torch
 
@@ -23,24 +22,10 @@ from rollout import Engine, Segment, run_trajectories, stop_strings
 GREEDY_BELOW = 1e-5  # temperatures below this sample greedily (vLLM's _SAMPLING_EPS)
 
 
-def choose_engine(choice, is_main):
-    """--engine resolved to "vllm" or "hf"; "auto": vLLM where `import vllm` works, else transformers. Said in one
-    line (rank 0). Call it after rollout.prepare_vllm (vLLM's log level is read when it is imported)."""
-    why = f"--engine {choice}"
-    if choice == "auto":
-        try:
-            import vllm  # noqa: F401
-            choice, why = "vllm", "--engine auto: vllm imports"
-        except Exception as e:  # noqa: BLE001 - not installed, or installed but broken
-            choice, why = "hf", f"--engine auto: vllm does not import ({type(e).__name__}: {str(e)[:120]})"
-    if is_main:
-        print(f"rollout engine: {choice} ({why})", flush=True)
-    return choice
-
-
 def start_engine(kind, model_path, **settings):
-    """The rollout engine `kind` ("vllm" or "hf", from choose_engine) with rollout.Engine's settings; the HF engine
-    ignores the vLLM-only ones (gpu_memory_utilization, compile_model)."""
+    """The rollout engine `kind` ("vllm" or "hf", from rollout.choose_engine) with rollout.Engine's settings: here,
+    the one place that knows both engines (rollout.py cannot import this file back). The transformers engine
+    ignores the vLLM-only settings (gpu_memory_utilization, compile_model)."""
     return (Engine if kind == "vllm" else HFEngine)(model_path, **settings)
 
 
@@ -85,9 +70,9 @@ class HFEngine:
         self.requests_sent = 0
 
     def generate(self, prompt_ids, seeds, *, max_tokens, temperature=None, top_p=1.0, top_k=-1, stop=None,
-                 tools=None, keep_first=None, group_size=1):
+                 tools=None, keep_first=None, group_size=1, progress=None):
         """rollout.Engine.generate (rollout.run_trajectories): each step decodes every segment started since the
-        last one, to its end."""
+        last one, to its end; progress: called as each trajectory finishes."""
         temperature = self.temperature if temperature is None else temperature
         stop = stop_strings(stop, tools)
         waiting = {}  # request id -> (ids, room, seed)
@@ -108,7 +93,7 @@ class HFEngine:
                 waiting.pop(request_id, None)
         return run_trajectories(start, step, abort, self.tokenizer, prompt_ids, seeds, max_tokens=max_tokens,
                                 max_model_len=self.max_model_len, tools=tools, keep_first=keep_first,
-                                group_size=group_size)
+                                group_size=group_size, progress=progress)
 
     @torch.inference_mode()
     def decode_segments(self, requests, temperature, top_k, top_p, stop):

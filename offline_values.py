@@ -39,11 +39,10 @@ import numpy as np
 import torch.distributed as dist
 
 from eval import request_seeds
-from hf_engine import choose_engine, start_engine
-from machinery.memory import add_engine_flags
 from reward import DEFAULT_REWARD, VERIFIER_TIMEOUT_S, add_reward_flags, check_reward_flag, rewards
-from rollout import (TOOL_INSTRUCTION, add_budget_flag, add_tool_flags, apply_tool_defaults, prepare_vllm,
-                     tools_from_flags)
+from hf_engine import start_engine
+from rollout import (TOOL_INSTRUCTION, add_budget_flag, add_engine_flags, add_tool_flags, make_tools, response_budget,
+                     start_program)
 
 
 def run_header(header, *, n0, temperature, top_p, max_tokens, seed, truncated_reward, tools=None,
@@ -183,7 +182,9 @@ def estimate_offline_values(engine, data, out_path, *, n0=8, temperature=1.0, to
     if rank == 0 and progress:
         from tqdm import tqdm
         print(f"offline values: {len(data.keys)} prompts, {len(done)} already done, n0 = {n0}", flush=True)
-        bar = tqdm(total=len(todo), desc=f"offline values (rank 0 of {world})", unit="prompt", dynamic_ncols=True)
+        # counts samples as each finishes (engine.generate's progress), not chunks: a chunk can take minutes
+        bar = tqdm(total=len(todo) * n0, desc=f"offline values (rank 0 of {world})", unit="sample",
+                   dynamic_ncols=True)
     with open(partial, "a") as f:
         if f.tell() == 0:
             f.write(json.dumps({"header": {**header, "created": time.strftime("%Y-%m-%d %H:%M:%S")}}) + "\n")
@@ -195,14 +196,13 @@ def estimate_offline_values(engine, data, out_path, *, n0=8, temperature=1.0, to
             chunk = todo[c: c + chunk_prompts]
             seeds = np.concatenate([request_seeds(seed, data.keys[p], n0) for p in chunk])  # (len(chunk) * n0,)
             rollouts = engine.generate([data.prompt_ids[p] for p in chunk for _ in range(n0)], seeds,
-                                       max_tokens=max_tokens, temperature=temperature, top_p=top_p, tools=tools)
+                                       max_tokens=max_tokens, temperature=temperature, top_p=top_p, tools=tools,
+                                       **({"progress": bar.update} if bar is not None else {}))
             scores = rewards(rollouts, [data.answers[p] for p in chunk for _ in range(n0)], think_format,
                              truncated_reward, reward, reward_timeout).reshape(len(chunk), n0)
             f.writelines(json.dumps({"key": data.keys[p], "scores": s.tolist()}) + "\n" for p, s in zip(chunk, scores))
             f.flush()
             os.fsync(f.fileno())
-            if bar is not None:
-                bar.update(len(chunk))
     if bar is not None:
         bar.close()
     barrier()
@@ -249,6 +249,30 @@ def toy_values(engine, data, args, tools, v0_settings, progress):
     return path
 
 
+def init_tracker(tracker, args, engine, data, tools, v0_settings, on_toy, is_main):
+    """spo.py's Algorithm 2: the tracker from --offline_values (on the toy, 'auto' measures v0 here once with the
+    run's own engine and settings, then caches it), or left at the uninformed prior with 'none'."""
+    path = args.offline_values
+    if path == "auto" and on_toy:
+        path = toy_values(engine, data, args, tools, v0_settings, progress=is_main)
+    if path not in ("auto", "none"):
+        init_tracker_from_file(tracker, path, data, args.init_smoothing, is_main)
+    elif is_main:
+        print("no --offline_values: the tracker starts from the uninformed prior (make them with offline_values.py)",
+              flush=True)
+
+
+def add_v0_flags(p):
+    """spo.py's flags for the tracker's initial values v0 (Algorithm 2)."""
+    p.add_argument("--offline_values", default="auto",
+                   help="this program's output file, the tracker's v0; 'auto': on the toy built on first use, else "
+                        "none; 'none': the uninformed prior")
+    p.add_argument("--n0", type=int, default=8, help="offline samples per prompt when v0 is built by spo.py")
+    p.add_argument("--accept_offline_mismatch", action="store_true", help="use a v0 file made with other settings")
+    p.add_argument("--init_smoothing", choices=["kt", "mean"], default="kt", help="v0 from s successes of n "
+                   "samples: (s+0.5)/(n+1) (kt, the authors') or s/n (mean, the paper's)")
+
+
 def toy_values_path(toy_dir, n0, seed, v0_settings, train_prompts=0):
     """Where the toy's offline values for these settings are cached: one file per setting that changes v0 (and per
     --train_prompts subset: a values file must not hold prompts outside the training set)."""
@@ -284,12 +308,11 @@ def init_tracker_from_file(tracker, path, data, smoothing, verbose):
 
 
 def print_histogram(result, n0):
-    """How many prompts the initial model solves k of n0 times: the spread that SPO's sampler feeds on."""
+    """How many prompts the initial model solves k of n0 times (one line): the spread SPO's sampler feeds on."""
     successes = np.array([round(sum(e["scores"])) for e in result["prompts"].values()])  # (P,)
     counts = np.bincount(successes, minlength=n0 + 1)
-    print(f"v0 over {len(successes)} prompts (mean {successes.mean() / n0:.3f}):")
-    for k, count in enumerate(counts):
-        print(f"  {k:>3}/{n0} {count:>7}  " + "#" * round(50 * count / max(counts.max(), 1)))
+    print(f"v0 over {len(successes)} prompts: mean {successes.mean() / n0:.3f}; prompts solved k of {n0} times: "
+          + ", ".join(f"{k}: {c}" for k, c in enumerate(counts)), flush=True)
 
 
 def parse_args(argv=None):
@@ -312,32 +335,27 @@ def parse_args(argv=None):
     g = p.add_argument_group("run and engine")
     g.add_argument("--chunk_prompts", type=int, default=64, help="prompts per generate call and partial flush")
     g.add_argument("--max_chunks", type=int, default=None, help="debugging: stop after N chunks per rank")
-    add_engine_flags(g, gpu_share=0.9)  # --cpu_kv_cache_gib, --gpu_memory_utilization (an engine alone)
+    add_engine_flags(g, gpu_share=0.9)  # --engine, --cpu_kv_cache_gib, --gpu_memory_utilization (an engine alone)
     add_tool_flags(p)
     args = p.parse_args(argv)
-    apply_tool_defaults(args)
+    args.max_response_len = response_budget(args.max_response_len, args.tools)
     if args.n0 < 1 or args.max_response_len < 1 or args.chunk_prompts < 1:
         p.error("--n0, --max_response_len (--max_tokens) and --chunk_prompts must be at least 1")
     from machinery.errors import check_finite, check_sampling
-    check_finite(args)
+    check_finite(vars(args))
     check_sampling(args.temperature, args.top_p, -1)
     check_reward_flag(args.reward, args.reward_timeout)
     return args
 
 
 def main(argv=None):
-    from machinery import trainer
     from machinery.data import check_context, find_model, load_dataset, load_tokenizer
     from machinery.errors import fail
     from tasks import toy
     args = parse_args(argv)
-    rank, world, device = trainer.setup_distributed()
-    prepare_vllm(args.cpu_kv_cache_gib)  # as spo.py
-    args.engine = choose_engine(args.engine, rank == 0)
-    toy.fill_in(args, "data", "train")
+    rank, world, device, args.engine = start_program(args.engine, args.cpu_kv_cache_gib)  # as spo.py
+    args.toy_dir, args.model, args.data, _ = toy.fill_in(args.toy_dir, args.tools, args.model, args.data, "train")
     args.model = find_model(args.model)  # a hub name without a hub: its cached copy, or one line
-    if rank == 0:
-        print("config: " + json.dumps(vars(args)), flush=True)
     sampling = {k: getattr(args, k) for k in ("n0", "temperature", "top_p", "seed", "truncated_reward", "think_format",
                                               "reward")}
     sampling["max_tokens"] = args.max_response_len  # the header's name for the budget
@@ -346,7 +364,8 @@ def main(argv=None):
                                                                              ("dataset", args.data))}
     if args.tool_instruction:
         header["system_prompt"] = TOOL_INSTRUCTION
-    tools = tools_from_flags(args)
+    tools = make_tools(args.tools, args.max_turns, args.sandbox_workers, args.sandbox_timeout, args.sandbox_memory_mb,
+                       args.max_tool_output_chars)
     try:
         # a settings mismatch fails here, before the engine starts
         read_finished(args.out, run_header(header, **sampling, tools=tools))
@@ -359,7 +378,8 @@ def main(argv=None):
         data = data[: args.max_prompts]
     engine = start_engine(args.engine, args.model, seed=args.seed, device=device, temperature=args.temperature,
                           max_model_len=args.max_prompt_len + args.max_response_len,
-                          gpu_memory_utilization=args.gpu_memory_utilization)
+                          gpu_memory_utilization=args.gpu_memory_utilization,
+                          compile_model=None if args.engine_compile == "auto" else args.engine_compile == "on")
     estimate_offline_values(engine, data, args.out, header=header, chunk_prompts=args.chunk_prompts,
                             max_chunks=args.max_chunks, tools=tools, reward_timeout=args.reward_timeout, **sampling)
     if tools:

@@ -3,8 +3,8 @@ on-policy, and the multi-turn tool loop of tool-integrated reasoning (paper sect
 
 Every rank runs its own in-process engine (`distributed_executor_backend="external_launcher"`, tensor parallel
 size 1) on the prompts of its shard, so generation scales with the number of ranks exactly like training does.
-After every optimiser step the trainer's weights are pushed into the engine (CPU: written into vLLM's model and
-re-packed, `load_weights_on_cpu`; GPU: vLLM's `reload_weights`): step t+1 samples from the policy of step t.
+After every optimiser step the trainer's weights are pushed into the engine (vLLM's `reload_weights`, CPU and GPU):
+step t+1 samples from the policy of step t.
 
 Settings by device (docs/algorithm.md, CPU and GPU): CPU fp32, eager unless --engine_compile on, KV cache from
 VLLM_CPU_KVCACHE_SPACE (unset, each engine claims most of RAM); GPU bf16, a `gpu_memory_utilization` share of the
@@ -29,11 +29,11 @@ Used by spo.py, offline_values.py and eval.py; not run on its own:
     with SandboxPool(workers=4) as pool:
         rollouts = engine.generate(prompt_ids, seeds, max_tokens=256, tools=Tools(pool))
 """
-import functools
 import logging
 import os
 import re
 import sys
+import warnings
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -105,45 +105,154 @@ def add_budget_flag(parser):
                              "same flag")
 
 
-def apply_tool_defaults(args):
-    """Defaults that depend on --tools, for flags left unset: the response budget --max_response_len (160 / 32
-    tokens: room for a code call, its output and the answer). (The toy directory: tasks/toy.py:fill_in.)"""
-    if args.max_response_len is None:  # `is None`: a 0 given on purpose must reach the range check
-        args.max_response_len = 160 if args.tools else 32
+def response_budget(max_response_len, tools):
+    """--max_response_len, or where left unset the toys' budget: 160 tokens with --tools (room for a code call, its
+    output and the answer), else 32."""
+    return max_response_len if max_response_len is not None else 160 if tools else 32  # a given 0 reaches the check
 
 
 def quiet_vllm():
     """WARNING and above from vLLM unless VLLM_LOGGING_LEVEL is set: its start-up report and per-push INFO lines
-    would bury the progress bar. Call it before vllm is imported (Engine imports it)."""
+    would bury the progress bar; and vLLM's known-harmless warnings dropped (drop_harmless_warnings). Call it
+    before vllm is imported (Engine imports it)."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    drop_harmless_warnings()
 
 
-def prepare_vllm(cpu_kv_cache_gib):
-    """What every program does before its engine starts: vLLM's INFO lines quieted (quiet_vllm) and the CPU
-    engine's KV cache set from --cpu_kv_cache_gib (memory.set_cpu_kv_cache); a bad value stops with one line."""
+# The warnings vLLM (and torch through it) prints at every engine start that say nothing a user of these programs
+# can act on (docs/design.md, "A quiet console"): logger name -> its exact messages. Other messages of the same
+# loggers, and every other logger, still show.
+SKIPPED_THREADS = "CPU backend doesn't allow to use `torch.set_num_threads` after the thread binding, skip it."
+HARMLESS_VLLM_WARNINGS = {
+    "vllm.triton_utils.importing": ("Triton is installed, but doesn't include CPU backend. Disabling Triton.",),
+    "vllm.platforms.cpu": ("Triton is not installed. triton-cpu is expected on x86 CPUs.",
+                           "Reset SSM cache type to float32 for accelerated GDN mamba backend 'none'."),
+    "vllm.config.vllm": ("Model Runner V2 requires Triton; using the V1 model runner instead.",
+                         "Enforce eager set, disabling torch.compile, CUDAGraphs, and JIT kernel warmup. This is "
+                         "equivalent to setting -cc.mode=none -cc.cudagraph_mode=none and "
+                         "--kernel_config.enable_jit_warmup=False",
+                         "Inductor compilation was disabled by user settings, optimizations settings that are only "
+                         "active during inductor compilation will be ignored."),
+    "vllm.engine.arg_utils": ("This model does not officially support disabling chunked prefill. Disabling this "
+                              "manually may cause the engine to crash or produce incorrect outputs.",),
+    "vllm.v1.worker.cpu_worker": (*(f"{lib} is not found in LD_PRELOAD. For best performance, please follow the "
+                                    "section `set LD_PRELOAD` in https://docs.vllm.ai/en/latest/getting_started/"
+                                    "installation/cpu/ to setup required pre-loaded libraries."
+                                    for lib in ("libtcmalloc", "libiomp")),
+                                  SKIPPED_THREADS),  # only when vLLM's own thread helpers asked: _vllm_own_threads
+    # every push: rotary layers hold a cos/sin cache but no weights, and vLLM puts the cache back by itself
+    "vllm.model_executor.model_loader.reload.layerwise": ("RotaryEmbedding: Failed to load weights",),
+}
+
+
+def _vllm_own_threads():
+    """Whether the torch.set_num_threads call being refused (vLLM's CPU worker swaps torch.set_num_threads for
+    skip_set_num_threads, a warning) came from vLLM's own thread helpers (vllm/utils/torch_utils.py). A call from
+    anywhere else, ours included, still warns: it did not take effect."""
+    frame = sys._getframe()
+    while frame is not None and frame.f_code.co_name != "skip_set_num_threads":
+        frame = frame.f_back
+    caller = frame.f_back if frame is not None else None
+    return caller is not None and caller.f_code.co_filename.endswith(os.path.join("vllm", "utils", "torch_utils.py"))
+
+
+class HarmlessWarnings(logging.Filter):
+    """A logger's filter that drops the warnings (not errors) whose message is exactly one of `messages`."""
+
+    def __init__(self, messages):
+        super().__init__()
+        self.messages = frozenset(messages)
+
+    def filter(self, record):
+        message = record.getMessage()
+        return (record.levelno > logging.WARNING or message not in self.messages
+                or (message == SKIPPED_THREADS and not _vllm_own_threads()))
+
+
+def drop_harmless_warnings():
+    """Filters for HARMLESS_VLLM_WARNINGS on their loggers (once per process), and for the FutureWarning that vLLM's
+    Triton kernel registry raises as it scans every module's attributes (`torch.distributed.reduce_op` is
+    deprecated: it only looks at it). Works before vllm is imported (loggers are looked up by name)."""
+    for name, messages in HARMLESS_VLLM_WARNINGS.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, HarmlessWarnings) for f in logger.filters):
+            logger.addFilter(HarmlessWarnings(messages))
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.reduce_op` is deprecated",
+                            category=FutureWarning, module=r"vllm\.triton_utils\.dispatcher")
+
+
+def start_program(engine, cpu_kv_cache_gib):
+    """What spo.py, eval.py and offline_values.py do first, written once: the process group (trainer.py), vLLM's
+    console quieted (quiet_vllm) and its CPU KV cache set (set_cpu_kv_cache; a bad value stops with one line), and
+    --engine resolved (choose_engine). Returns (rank, world, device, engine kind)."""
     from machinery.errors import fail
-    from machinery.memory import set_cpu_kv_cache
+    from machinery.trainer import setup_distributed
+    rank, world, device = setup_distributed()
     quiet_vllm()
     if error := set_cpu_kv_cache(cpu_kv_cache_gib):
         fail(error, once=True)
+    return rank, world, device, choose_engine(engine, rank == 0)
 
 
-def tools_from_flags(args):
-    """A Tools with its own sandbox pool from add_tool_flags' flags, or None without --tools.
+def set_cpu_kv_cache(gib):
+    """VLLM_CPU_KVCACHE_SPACE (the CPU engine's KV cache per rank, GiB) from --cpu_kv_cache_gib: the flag wins when
+    given, else the variable when set, else 1. Returns an error line for a bad value (vLLM would otherwise fail
+    with GPU advice, or take half the RAM per rank for an empty string), else None."""
+    if gib is not None:
+        if gib < 1:
+            return f"--cpu_kv_cache_gib {gib}: must be at least 1 (GiB)"
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(gib)
+        return None
+    value = os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if not value.strip().isdigit() or int(value) < 1:
+        return (f"VLLM_CPU_KVCACHE_SPACE={value!r}: must be a whole number of GiB, at least 1 "
+                f"(or pass --cpu_kv_cache_gib)")
+    return None
+
+
+def add_engine_flags(p, gpu_share):
+    """The engine and its memory, defined once for every program that starts one. gpu_share: the default share of
+    each GPU, 0.5 beside the trainer (spo.py), 0.9 for an engine alone (eval.py, offline_values.py)."""
+    p.add_argument("--engine", choices=["auto", "vllm", "hf"], default="auto",
+                   help="rollout engine: vllm, hf (transformers, where vLLM cannot run: slower, no vLLM-only "
+                        "setting applies) or auto (vllm where it imports, else hf)")
+    p.add_argument("--cpu_kv_cache_gib", type=int, default=None,
+                   help="vLLM KV cache per rank on CPU (GiB; default: VLLM_CPU_KVCACHE_SPACE if set, else 1)")
+    p.add_argument("--gpu_memory_utilization", type=float, default=gpu_share, help="vLLM's share of each GPU (0-1)")
+    p.add_argument("--engine_compile", choices=["auto", "on", "off"], default="auto",
+                   help="torch.compile vLLM's model (auto: on GPU only; on CPU it costs start-up: docs/benchmarks.md)")
+
+
+def choose_engine(choice, is_main):
+    """--engine resolved to "vllm" or "hf"; "auto": vLLM where `import vllm` works, else transformers. Said in one
+    line (rank 0). Call it after quiet_vllm (vLLM's log level is read when it is imported)."""
+    why = f"--engine {choice}"
+    if choice == "auto":
+        try:
+            import vllm  # noqa: F401
+            choice, why = "vllm", "--engine auto: vllm imports"
+        except Exception as e:  # noqa: BLE001 - not installed, or installed but broken
+            choice, why = "hf", f"--engine auto: vllm does not import ({type(e).__name__}: {str(e)[:120]})"
+    if is_main:
+        print(f"rollout engine: {choice} ({why})", flush=True)
+    return choice
+
+
+def make_tools(tools, max_turns, sandbox_workers, sandbox_timeout, sandbox_memory_mb, max_tool_output_chars):
+    """A Tools with its own sandbox pool from add_tool_flags' values, or None without --tools (`tools` False).
     Close it with tools.pool.close()."""
     from machinery.errors import fail
-    if not args.tools:
+    if not tools:
         return None
     if sys.platform != "linux":  # caught here: inside the loop every call would come back as sandbox error text
         fail(f"--tools needs Linux (the sandbox's prlimit and namespaces), not {sys.platform}", once=True)
-    for flag, value, low in (("max_turns", args.max_turns, 1), ("sandbox_workers", args.sandbox_workers, 1),
-                             ("sandbox_timeout", args.sandbox_timeout, 1e-3),
-                             ("sandbox_memory_mb", args.sandbox_memory_mb, 1)):
+    for flag, value, low in (("max_turns", max_turns, 1), ("sandbox_workers", sandbox_workers, 1),
+                             ("sandbox_timeout", sandbox_timeout, 1e-3), ("sandbox_memory_mb", sandbox_memory_mb, 1)):
         if value < low:  # caught here: inside the loop a bad limit would only come back as tool error text
             fail(f"--{flag} must be at least {low}, got {value}", once=True)
     from sandbox import SandboxPool
-    pool = SandboxPool(workers=args.sandbox_workers, timeout_s=args.sandbox_timeout, memory_mb=args.sandbox_memory_mb)
-    return Tools(pool, max_turns=args.max_turns, max_tool_output_chars=args.max_tool_output_chars)
+    pool = SandboxPool(workers=sandbox_workers, timeout_s=sandbox_timeout, memory_mb=sandbox_memory_mb)
+    return Tools(pool, max_turns=max_turns, max_tool_output_chars=max_tool_output_chars)
 
 
 def turn_seed(seed: int, turn: int) -> int:
@@ -177,14 +286,15 @@ def stop_strings(stop, tools):
 
 
 def run_trajectories(start, step, abort, tokenizer, prompt_ids, seeds, *, max_tokens, max_model_len, tools=None,
-                     keep_first=None, group_size=1):
+                     keep_first=None, group_size=1, progress=None):
     """Engine.generate of either engine, which decodes segments through start(ids, room, seed) -> request id (at
     most `room` tokens after `ids`, its own seed), step() -> [(request id, Segment)] of those that finished, and
     abort(request ids). One response per prompt; `max_tokens`: the response budget (tool tokens included). seeds:
     one per prompt (the engine seed is the same on every rank). tools: a Tools to run the tool loop; None: single
     turn. keep_first: return once this many trajectories have finished, abort the others, None in their slots (not
     reproducible: timing decides); with group_size G only whole groups count, the first keep_first / G to finish
-    (GRPO's counterpart of group-free over-sampling). Returns Rollouts aligned with prompt_ids, with finish_order."""
+    (GRPO's counterpart of group-free over-sampling). progress: None, or a callable called (no arguments) as each
+    trajectory finishes, e.g. a tqdm bar's update. Returns Rollouts aligned with prompt_ids, with finish_order."""
     if len(seeds) != len(prompt_ids):
         raise ValueError(f"Engine.generate: {len(prompt_ids)} prompts but {len(seeds)} seeds")
     if keep_first is not None and not 0 < keep_first <= len(prompt_ids):
@@ -204,6 +314,8 @@ def run_trajectories(start, step, abort, tokenizer, prompt_ids, seeds, *, max_to
         first = i - i % group_size
         if all(r.finish_order >= 0 for r in rollouts[first: first + group_size]):
             complete.append(i // group_size)
+        if progress is not None:
+            progress()
 
     def submit(i):
         """The next model segment of trajectory i: prompt + everything so far, its own seed."""
@@ -291,6 +403,7 @@ class Engine:
                  temperature=1.0, compile_model=None, bf16=None):
         """compile_model: torch.compile vLLM's model (None: on GPU only; on CPU it costs start-up:
         docs/benchmarks.md). bf16: the model's dtype (None: bf16 on GPU, fp32 on CPU), the trainer's compute dtype."""
+        drop_harmless_warnings()  # (programs did it in quiet_vllm already; a test's engine too)
         from vllm import LLM  # imported here: importing vllm is slow and only the rollout needs it
         self.on_gpu = device.type == "cuda"
         if not self.on_gpu and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
@@ -322,17 +435,14 @@ class Engine:
         # An eager CPU engine still samples through one small torch.compile'd vLLM helper (the sampled token's rank
         # among the log-probs), whose trip through dynamo each step costs more than the op itself (docs/design.md).
         self.helper_stance = "force_eager" if not (self.on_gpu or compile_model) else "default"
-        # Every push would warn "RotaryEmbedding: Failed to load weights": rotary layers hold a cos/sin cache but no
-        # weights, and vLLM puts the cache back by itself (model_loader/reload/layerwise.py). Only that line goes.
-        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
-            lambda record: not record.getMessage().startswith("RotaryEmbedding: Failed to load weights"))
         self.requests_sent = 0  # request ids stay unique across calls
         self.state = "awake"  # sleep mode (GPU only): "awake", "asleep" or "weights"; see sleep() below
         self._empty_cache = torch.cuda.empty_cache if self.on_gpu else (lambda: None)
 
     def generate(self, prompt_ids, seeds, *, max_tokens, temperature=None, top_p=1.0, top_k=-1, stop=None,
-                 tools=None, keep_first=None, group_size=1):
-        """run_trajectories, each segment a request to vLLM's engine (`add_request`; `step` decodes one token each)."""
+                 tools=None, keep_first=None, group_size=1, progress=None):
+        """run_trajectories, each segment a request to vLLM's engine (`add_request`; `step` decodes one token each);
+        progress: called as each trajectory finishes (run_trajectories)."""
         from vllm.inputs import tokens_input  # an engine input: token ids, no rendering
         from vllm.sampling_params import RequestOutputKind, SamplingParams
         self.wake_up()
@@ -359,7 +469,7 @@ class Engine:
                 o.stop_reason)) for out in outputs if out.finished for o in out.outputs[:1]]
         return run_trajectories(start, step, llm_engine.abort_request, self.tokenizer, prompt_ids, seeds,
                                 max_tokens=max_tokens, max_model_len=self.max_model_len, tools=tools,
-                                keep_first=keep_first, group_size=group_size)
+                                keep_first=keep_first, group_size=group_size, progress=progress)
 
     # ---- sleep mode (GPU): one state, "awake", "asleep" (vLLM level 2: weights and KV cache discarded, since level 1
     # would copy 16 GB each way per step for an 8B model only for the push to overwrite them) or "weights" (back for
@@ -394,14 +504,9 @@ class Engine:
     def push_weights(self, named_tensors):
         """Load new weights in place. `named_tensors` yields (name, full tensor) in Hugging Face naming.
 
-        CPU: written straight into vLLM's model (load_weights_on_cpu) where every name maps one to one; otherwise,
-        and on GPU, vLLM's reload_weights. Pass an iterator, never None: reload_weights without weights reloads the
-        checkpoint from disk."""
+        vLLM's reload_weights, on CPU and GPU alike, consuming the tensors as they come (bf16 on GPU, fp32 on CPU).
+        Pass an iterator, never None: reload_weights without weights reloads the checkpoint from disk."""
         self._wake("weights")  # weights back on the GPU before they are overwritten; the KV cache stays asleep
-        if not self.on_gpu:
-            named_tensors = list(named_tensors)  # (CPU default, one FSDP2 unit: its gathered weights, no copy)
-            if self.llm.apply_model(functools.partial(load_weights_on_cpu, named_tensors=named_tensors))[0]:
-                return
         dtype = torch.bfloat16 if self.on_gpu else torch.float32
         self.llm.collective_rpc("reload_weights",
                                 kwargs={"weights_iterator": ((n, t.to(dtype)) for n, t in named_tensors)})
@@ -412,46 +517,3 @@ class Engine:
         """Release the engine. Its teardown also destroys torch.distributed's default process group."""
         del self.llm
 
-
-def load_weights_on_cpu(model, named_tensors):
-    """Write full tensors in HF naming into vLLM's CPU model; each linear / embedding layer then re-packs its weight
-    for vLLM's CPU GEMM (process_weights_after_loading, as vLLM's loader does). False, nothing written, unless every
-    name maps one to one onto vLLM's parameters (fused layers: packed_modules_mapping, in its order), shapes match
-    and nothing is quantized. What reload_weights loads, minus its per-layer bookkeeping (most of its time)."""
-    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
-    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
-    params = dict(model.named_parameters(remove_duplicate=False))  # tied weights under both names
-    packed = getattr(model, "packed_modules_mapping", None) or {}  # e.g. qkv_proj: [q_proj, k_proj, v_proj]
-    part_of = {part: (fused, k) for fused, parts in packed.items() for k, part in enumerate(parts)}
-    grouped = {}  # vLLM parameter name -> {part index: tensor}
-    for name, tensor in named_tensors:
-        module, _, leaf = name.rpartition(".")
-        parent, _, child = module.rpartition(".")
-        fused, k = part_of.get(child, (child, 0))
-        grouped.setdefault(".".join(filter(None, (parent, fused, leaf))), {})[k] = tensor
-    if set(grouped) != set(params):
-        return False
-    plan = []
-    for name, parts in grouped.items():
-        module_name, _, leaf = name.rpartition(".")
-        module = model.get_submodule(module_name)
-        method = getattr(module, "quant_method", None)
-        if not isinstance(method, (type(None), UnquantizedLinearMethod, UnquantizedEmbeddingMethod)):
-            return False
-        param = params[name]
-        removed = param.numel() == 0 and method is not None  # vLLM kept only its packed copy
-        # a removed weight comes back as a fresh tensor of its own (cat copies); the others are copied into place
-        full = torch.cat([parts[k] for k in sorted(parts)]) if removed or len(parts) > 1 else [*parts.values()][0]
-        shape = (module.output_size_per_partition, module.input_size_per_partition) if removed else param.shape
-        if tuple(full.shape) != tuple(shape):  # (also a fused layer with a part missing)
-            return False
-        plan.append((module, leaf, param, full, removed))
-    with torch.no_grad():
-        for module, leaf, param, full, removed in plan:
-            if removed:  # a full weight again for the re-pack, which swaps it for an empty one
-                setattr(module, leaf, torch.nn.Parameter(full.to(param.dtype), requires_grad=False))
-            else:
-                param.copy_(full)
-        for module in dict.fromkeys(m for m, *_ in plan if getattr(m, "quant_method", None) is not None):
-            module.quant_method.process_weights_after_loading(module)
-    return True

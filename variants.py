@@ -15,7 +15,7 @@ part and trust the others did not move:
   samples generated and those used, so that equal-budget comparisons stay honest;
 - group-free over-sampling (`--oversample`, Appendix B): only its flags and checks live here; the engine keeps
   the first trajectories (or whole groups) to finish (rollout.Engine.generate, variants.first_finished);
-- `check_args`: one `error:` line for a flag out of range or a combination without meaning, before anything heavy
+- `check_flags`: one `error:` line for a flag out of range or a combination without meaning, before anything heavy
   starts.
 Batch SPO (`--group_size` with spo), the fixed offline baseline and rho = 1 are SPO's own tracker with another
 setting: they stay in spo.py's step 5.
@@ -28,6 +28,7 @@ gives each flag's formula and source, and which combination reproduces the paper
     torchrun --nproc_per_node=2 spo.py --algo spo --group_size 4            # Batch SPO (Appendix B)
 """
 import functools
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -75,66 +76,66 @@ PRESETS = {"paper_regime": {"train_prompts": 128, "lr": 1.5e-5, "n0": 16, "steps
                             "probe_every": 50, "probe_prompts": 128, "probe_samples": 32}}
 
 
-def apply_preset(args):
-    """--preset: its values for the flags the command line did not give (args.given); the probe only for spo."""
-    for flag, value in PRESETS.get(args.preset, {}).items():
-        if flag not in args.given and not (flag.startswith("probe") and args.algo != "spo"):  # no tracker to probe
-            setattr(args, flag, value)
+def preset_values(preset, given, algo):
+    """--preset: its values for the flags the command line did not give (`given`); the probe only for spo."""
+    return {flag: value for flag, value in PRESETS.get(preset, {}).items()
+            if flag not in given and not (flag.startswith("probe") and algo != "spo")}  # no tracker to probe
 
 
-def check_args(args, world):
+def check_flags(flags, world):
     """One clear line, printed once, for a flag out of range or a combination that has no meaning, before anything
     heavy starts: the batch must split into whole groups per rank and whole mini-batches, and each variant's
-    flags must fit its estimator."""
-    check_finite(args)  # nan and inf first: they would pass the range checks below
+    flags must fit its estimator. flags: spo.py's flag values by name (a dict: every flag is checked)."""
+    f = SimpleNamespace(**flags)  # each flag by its own name
+    check_finite(flags)  # nan and inf first: they would pass the range checks below
     for flag, low in AT_LEAST.items():
-        if getattr(args, flag) < low:
-            fail(f"--{flag} must be at least {low}, got {getattr(args, flag)}", once=True)
+        if flags[flag] < low:
+            fail(f"--{flag} must be at least {low}, got {flags[flag]}", once=True)
     for flag in POSITIVE + NON_NEGATIVE:
-        if not getattr(args, flag) >= 0 or (flag in POSITIVE and getattr(args, flag) == 0):  # also NaN
-            fail(f"--{flag} must be {'positive' if flag in POSITIVE else 'at least 0'}, got {getattr(args, flag)}",
+        if not flags[flag] >= 0 or (flag in POSITIVE and flags[flag] == 0):  # also NaN
+            fail(f"--{flag} must be {'positive' if flag in POSITIVE else 'at least 0'}, got {flags[flag]}",
                  once=True)
-    if args.max_tokens_per_micro_batch is not None and args.max_tokens_per_micro_batch < 1:
-        fail(f"--max_tokens_per_micro_batch must be at least 1, got {args.max_tokens_per_micro_batch}", once=True)
-    if not 0 < args.rho_min <= args.rho_max < 1 or not 0 < args.rho_constant <= 1:  # (rho_min 1: N0 infinite)
+    if f.max_tokens_per_micro_batch is not None and f.max_tokens_per_micro_batch < 1:
+        fail(f"--max_tokens_per_micro_batch must be at least 1, got {f.max_tokens_per_micro_batch}", once=True)
+    if not 0 < f.rho_min <= f.rho_max < 1 or not 0 < f.rho_constant <= 1:  # (rho_min 1: N0 infinite)
         fail(f"--rho_min, --rho_max, --rho_constant must satisfy 0 < rho_min <= rho_max < 1 and 0 < rho_constant "
-             f"<= 1, got {args.rho_min}, {args.rho_max}, {args.rho_constant}", once=True)
-    check_sampling(args.temperature, 1.0, -1)  # within the engines' ranges (vLLM refuses at the first request)
-    check_sampling(args.eval_temperature, args.eval_top_p, args.eval_top_k, prefix="eval_")
+             f"<= 1, got {f.rho_min}, {f.rho_max}, {f.rho_constant}", once=True)
+    check_sampling(f.temperature, 1.0, -1)  # within the engines' ranges (vLLM refuses at the first request)
+    check_sampling(f.eval_temperature, f.eval_top_p, f.eval_top_k, prefix="eval_")
     for flag, ok, why in (
-            ("clip_low", args.clip_low < 1, "below 1: the ratio's lower clip 1 - clip_low must stay above 0"),
-            ("dual_clip", args.dual_clip > 1, "above 1: at or below 1 it caps every negative-advantage token's loss "
+            ("clip_low", f.clip_low < 1, "below 1: the ratio's lower clip 1 - clip_low must stay above 0"),
+            ("dual_clip", f.dual_clip > 1, "above 1: at or below 1 it caps every negative-advantage token's loss "
                                               "at on-policy ratios, so they get no gradient"),
-            ("gpu_memory_utilization", args.gpu_memory_utilization <= 1, "at most 1 (a share of the GPU)")):
+            ("gpu_memory_utilization", f.gpu_memory_utilization <= 1, "at most 1 (a share of the GPU)")):
         if not ok:
-            fail(f"--{flag} must be {why}; got {getattr(args, flag)}", once=True)
-    if args.batch_size % (world * args.group_size):
-        fail(f"--batch_size {args.batch_size} must be a multiple of world size x group size ({world} x "
-             f"{args.group_size}) so that every rank gets whole groups", once=True)
-    if (args.batch_size // world) % args.ppo_steps:
-        fail(f"--ppo_steps {args.ppo_steps} must divide the per-rank batch {args.batch_size // world}", once=True)
-    if args.algo in GROUP_ALGOS and args.group_size < 2:
-        fail(f"--group_size must be at least 2 for {args.algo}", once=True)
-    if args.algo != "spo" and args.baseline != "tracker":
-        fail(f"--baseline {args.baseline} is an SPO option; {args.algo} has its own baseline", once=True)
+            fail(f"--{flag} must be {why}; got {flags[flag]}", once=True)
+    if f.batch_size % (world * f.group_size):
+        fail(f"--batch_size {f.batch_size} must be a multiple of world size x group size ({world} x "
+             f"{f.group_size}) so that every rank gets whole groups", once=True)
+    if (f.batch_size // world) % f.ppo_steps:
+        fail(f"--ppo_steps {f.ppo_steps} must divide the per-rank batch {f.batch_size // world}", once=True)
+    if f.algo in GROUP_ALGOS and f.group_size < 2:
+        fail(f"--group_size must be at least 2 for {f.algo}", once=True)
+    if f.algo != "spo" and f.baseline != "tracker":
+        fail(f"--baseline {f.baseline} is an SPO option; {f.algo} has its own baseline", once=True)
     # --offline_values auto is silently unused by the estimators without a tracker; asked for by name, it is an error
-    offline_given = "offline_values" in getattr(args, "given", ()) or args.offline_values != "auto"
-    if args.algo != "spo" and offline_given and args.offline_values != "none":
-        fail(f"--offline_values initialises SPO's value tracker; {args.algo} has none (it would be ignored)", once=True)
-    if args.baseline == "fixed" and (args.offline_values == "none" or (args.offline_values == "auto" and args.train)):
+    offline_given = "offline_values" in flags.get("given", ()) or f.offline_values != "auto"
+    if f.algo != "spo" and offline_given and f.offline_values != "none":
+        fail(f"--offline_values initialises SPO's value tracker; {f.algo} has none (it would be ignored)", once=True)
+    if f.baseline == "fixed" and (f.offline_values == "none" or (f.offline_values == "auto" and f.train)):
         fail("--baseline fixed keeps the offline values v0 forever; it needs --offline_values", once=True)
-    if not args.oversample >= 1 or (args.oversample > 1 and args.dynamic_sampling):
+    if not f.oversample >= 1 or (f.oversample > 1 and f.dynamic_sampling):
         fail(f"--oversample must be at least 1 (1: off) and cannot be combined with --dynamic_sampling, got "
-             f"{args.oversample}", once=True)
-    if args.adv_norm != "trajectory" and args.algo not in ("spo", "reinforce_pp"):
-        fail(f"--adv_norm {args.adv_norm} sets Eq. 9's batch normalisation; --algo {args.algo} normalises within "
+             f"{f.oversample}", once=True)
+    if f.adv_norm != "trajectory" and f.algo not in ("spo", "reinforce_pp"):
+        fail(f"--adv_norm {f.adv_norm} sets Eq. 9's batch normalisation; --algo {f.algo} normalises within "
              f"each group instead", once=True)
-    if args.probe_every and args.algo != "spo":
-        fail(f"--probe_every measures SPO's value tracker; --algo {args.algo} has none", once=True)
-    if args.dynamic_sampling and (args.algo == "spo" or args.group_size < 2):
+    if f.probe_every and f.algo != "spo":
+        fail(f"--probe_every measures SPO's value tracker; --algo {f.algo} has none", once=True)
+    if f.dynamic_sampling and (f.algo == "spo" or f.group_size < 2):
         fail(f"--dynamic_sampling drops groups whose rewards are all equal; it needs a group estimator with "
-             f"--group_size >= 2 (got --algo {args.algo}, --group_size {args.group_size})", once=True)
-    check_reward_flag(args.reward, args.reward_timeout)  # resolved now, not at the first reward
+             f"--group_size >= 2 (got --algo {f.algo}, --group_size {f.group_size})", once=True)
+    check_reward_flag(f.reward, f.reward_timeout)  # resolved now, not at the first reward
 
 
 # ------------------------------------------------------------------------------------------------ group baselines

@@ -4,14 +4,12 @@
 weights, gradient checkpointing); after `--warmup` untimed rounds, one old-log-prob pass and one PPO step over long
 responses in token-budget micro-batches: the micro-batches each rank runs, tokens/s, MFU and HFU against the
 device's dense bf16 peak, peak memory, and the bf16-vs-fp32 log-prob gap of the same weights.
-(b) The whole loop (with both parts, (a) runs in a child process first, so this one never makes a CUDA context):
-spo.py `--engine hf` on the toy, then on a random-weight Qwen3 shape with long responses, checkpointed, and the
-same run stopped halfway and resumed, against the straight one.
+(b) The whole loop: spo.py `--engine hf` on the toy, then on a random-weight Qwen3 shape with long responses,
+checkpointed, and the same run stopped halfway and resumed, against the straight one.
 (6) Where vLLM imports on a GPU: spo.py for two steps on the toy under each of vLLM's model runners (V1 and V2), the
-trainer-vs-engine log-prob gap of each; one line where vLLM is absent.
-Apart from bench/parts.py, which measures this CPU machine side by side: this is the one command a GPU lease runs.
-"tiny" shapes keep Qwen3's vocabulary on a CPU-sized model (tests/test_device_check.py). A shape that cannot fit
-(`--shape 8b` on one GPU: 122 GiB of fp32 weights, gradients and AdamW moments) is refused in one line first.
+trainer-vs-engine log-prob gap of each.
+This is the one command a GPU lease runs; "tiny" shapes run it on a CPU (tests/test_device_check.py). A shape that
+cannot fit (`--shape 8b` on one GPU: 122 GiB of fp32 weights, gradients and AdamW moments) is refused in one line.
 
     python -m bench gpu          # one GPU: (a) Qwen3-1.7B shape, 4 x 8704 tokens; (b) toy, Qwen3-0.6B 64 x 512
     python -m bench gpu --parts trainer --shape tiny --response_len 96 --sequences 3 --max_tokens_per_micro_batch 700
@@ -47,21 +45,19 @@ QWEN3_SHAPES = {  # Qwen3's published shapes; "tiny" keeps the vocabulary (the l
                  num_key_value_heads=1, head_dim=32, tie_word_embeddings=True),
 }
 # Dense bf16 tensor-core peaks in TFLOPS, by device name (torch.cuda.get_device_name; the first whole-word match
-# wins): NVIDIA's datasheets give these "with sparsity" at twice the value (H100 SXM and H200 SXM: 1,979; H100
-# PCIe: 1,513; H100 NVL and H200 NVL: 1,671; A100: 624; L40S: 733; L40: 362; L4: 242; A10: 250).
+# wins): half NVIDIA's datasheet figures, which are "with sparsity" (H100 SXM and H200 SXM: 1,979; H100 PCIe:
+# 1,513; H100 NVL and H200 NVL: 1,671; A100: 624; L40S: 733; L40: 362; L4: 242; A10: 250).
 BF16_PEAK_TFLOPS = [("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H200 NVL", 835.0), ("H100", 989.0),
                     ("H200", 989.0), ("GH200", 989.0), ("A100", 312.0), ("L40S", 362.0), ("L40", 181.0),
                     ("L4", 121.0), ("A10", 125.0)]
 
 
 def dense_bf16_peak(device_name):
-    """The dense bf16 peak (TFLOPS) of a device by its name, or None for a device not in BF16_PEAK_TFLOPS."""
     return next((peak for key, peak in BF16_PEAK_TFLOPS if re.search(rf"\b{re.escape(key)}\b", device_name)), None)
 
 
 def device_peak(name, peak_tflops=None):
-    """The dense bf16 peak to measure against: --peak_tflops, else by the device's name; one line and exit 2 for a
-    GPU not in BF16_PEAK_TFLOPS. None on a CPU (name None or "cpu": no utilisation printed)."""
+    """--peak_tflops, else the device's known peak (one line and exit 2 for a GPU not known); None on a CPU."""
     if not name or name == "cpu":
         return None
     if (peak := peak_tflops or dense_bf16_peak(name)) is None:
@@ -77,11 +73,8 @@ def _forward_flops(config, sequences, prompt_len):
     attn = config.num_attention_heads * config.head_dim
     kv = config.num_key_value_heads * config.head_dim
     per_token = layers * (2 * h * (attn + 2 * kv) + 2 * attn * h + 3 * 2 * h * config.intermediate_size)
-    flops = 0.0
-    for n in sequences:
-        flops += per_token * n + layers * 2 * attn * n * n  # causal: half of 2 x 2 x n^2 x attn
-        flops += 2 * h * config.vocab_size * (n - prompt_len)
-    return flops
+    return float(sum(per_token * n + layers * 2 * attn * n * n  # causal attention: half of 2 x 2 x n^2 x attn
+                     + 2 * h * config.vocab_size * (n - prompt_len) for n in sequences))  # the head: responses only
 
 
 def _micro_batches_said(lengths, world, rank, max_tokens):
@@ -96,8 +89,7 @@ def _micro_batches_said(lengths, world, rank, max_tokens):
 
 
 def _refuse_what_cannot_fit(config, shape, world, on_gpu, tokens):
-    """One line and exit 2, before anything is built, when machinery/memory.py's estimate of one rank exceeds
-    what the device has (no engine here)."""
+    """One line and exit 2, before anything is built, where machinery/memory.py's estimate of a rank is too big."""
     from machinery import memory
     model = memory.model_shape(None, config)
     items = memory.rank_memory(model, world=world, tokens=tokens, on_gpu=on_gpu, gradient_checkpointing=on_gpu,
@@ -112,14 +104,11 @@ def _refuse_what_cannot_fit(config, shape, world, on_gpu, tokens):
 
 def bench_gpu(shape="1.7b", response_len=8192, prompt_len=512, n_sequences=4, max_tokens=16384, warmup=1,
               peak_tflops=None):
-    """(a) The trainer path spo.py runs on a GPU, without vLLM (module docstring). peak_tflops: the device's dense
-    bf16 peak (None: from BF16_PEAK_TFLOPS by the device's name; not used on a CPU). Returns the numbers."""
+    """(a) The trainer path spo.py runs on a GPU, without vLLM (module docstring); returns the numbers."""
     import torch
-    import torch.distributed as dist
     from transformers import Qwen3Config, Qwen3ForCausalLM
     import spo
-    from machinery import batching, trainer
-    from machinery.memory import tokens_per_forward
+    from machinery import batching, memory, trainer
     from rollout import Rollout
     rank, world, device = trainer.setup_distributed()
     on_gpu = device.type == "cuda"
@@ -127,7 +116,7 @@ def bench_gpu(shape="1.7b", response_len=8192, prompt_len=512, n_sequences=4, ma
                          **QWEN3_SHAPES[shape])
     lengths = [prompt_len + response_len] * n_sequences
     _refuse_what_cannot_fit(config, shape, world, on_gpu,
-                            tokens_per_forward(64, max_tokens, max(1, n_sequences // world), lengths[0]))
+                            memory.tokens_per_forward(64, max_tokens, max(1, n_sequences // world), lengths[0]))
     name = torch.cuda.get_device_name(device) if on_gpu else "cpu"
     peak_tflops = device_peak(name, peak_tflops)
     sync = torch.cuda.synchronize if on_gpu else (lambda: None)
@@ -144,17 +133,15 @@ def bench_gpu(shape="1.7b", response_len=8192, prompt_len=512, n_sequences=4, ma
         torch.manual_seed(0)
         with torch.device(device):  # every rank its own copy (its own temporary directory), the same weights
             Qwen3ForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
-        init_s = time.time() - t0
-        t0 = time.time()
+        t1 = time.time()
         policy, optimizer = trainer.build_policy(path, device, lr=1e-6, weight_decay=0.01)
         sync()
-        load_s = time.time() - t0
+        init_s, load_s = t1 - t0, time.time() - t1
         rng = np.random.default_rng(rank)
         rollouts = [Rollout(rng.integers(0, config.vocab_size, prompt_len).tolist(),
                             rng.integers(0, config.vocab_size, response_len).tolist(), [0.0] * response_len, "",
                             "length") for _ in range(max(1, n_sequences // world))]
-        # The same weights in fp32, unsharded (read back from the file), before any update: how far the bf16
-        # forward's log-probs are from full precision.
+        # the same weights in fp32, unsharded, before any update: how far the bf16 log-probs are from full precision
         reference = trainer.attach_logprob_forward(Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32)
                                                    .to(device))
         n_params = sum(p.numel() for p in reference.parameters())
@@ -164,55 +151,48 @@ def bench_gpu(shape="1.7b", response_len=8192, prompt_len=512, n_sequences=4, ma
         bf16 = trainer.old_logprobs(policy, rollouts, [], 1.0, 64, max_tokens)["batch"][0]
         gap = np.abs(fp32[0, prompt_len - 1:].cpu().numpy() - bf16)
         del reference, fp32
-        if on_gpu:
-            torch.cuda.empty_cache()
+        torch.cuda.empty_cache()  # (nothing on a CPU)
+    loss_fn = functools.partial(spo.ppo_clip_loss, clip_low=0.2, clip_high=0.28, dual_clip=10.0)
     out, seconds = {}, {}
 
-    def score():
+    def run(phase):
         t0 = time.time()
-        out["old"] = trainer.old_logprobs(policy, rollouts, [], 1.0, 64, max_tokens)
+        out[phase] = (trainer.old_logprobs(policy, rollouts, [], 1.0, 64, max_tokens) if phase == "old" else
+                      trainer.ppo_update(policy, optimizer, rollouts, out["old"]["batch"],
+                                         rng.choice([-1.0, 1.0], len(rollouts)), loss_fn, ppo_steps=1,
+                                         micro_batch_size=64, temperature=1.0, grad_clip=1.0, max_tokens=max_tokens))
         sync()
-        seconds["old"] = time.time() - t0
-
-    def update():
-        t0 = time.time()
-        loss_fn = functools.partial(spo.ppo_clip_loss, clip_low=0.2, clip_high=0.28, dual_clip=10.0)
-        out["stats"] = trainer.ppo_update(policy, optimizer, rollouts, out["old"]["batch"],
-                                          rng.choice([-1.0, 1.0], len(rollouts)), loss_fn, ppo_steps=1,
-                                          micro_batch_size=64, temperature=1.0, grad_clip=1.0, max_tokens=max_tokens)
-        sync()
-        seconds["update"] = time.time() - t0
+        seconds[phase] = time.time() - t0
     for _ in range(warmup):  # kernels chosen, the allocator grown, caches warm: not timed
-        score()
-        update()
-    memory = {"old": peak(score), "update": peak(update)}
+        run("old")
+        run("update")
+    peaks = {phase: peak(functools.partial(run, phase)) for phase in ("old", "update")}
     tokens = len(rollouts) * world * (prompt_len + response_len)
     flops = _forward_flops(config, lengths, prompt_len)
-    say = print if rank == 0 else (lambda *a, **k: None)
+    say = functools.partial(print, flush=True) if rank == 0 else (lambda *a, **k: None)
     say(f"Qwen3-{shape} shape ({n_params / 1e9:.2f}B parameters), {n_sequences} x ({prompt_len} + {response_len}) "
-        f"tokens, device {name}, world {world}; {_micro_batches_said(lengths, world, rank, max_tokens)}",
-        flush=True)
+        f"tokens, device {name}, world {world}; {_micro_batches_said(lengths, world, rank, max_tokens)}")
     say(f"random init + save {init_s:.1f} s, build_policy (load + FSDP2) {load_s:.1f} s, {warmup} warm-up round(s) "
-        f"not timed", flush=True)
-    # Model FLOPs utilisation counts the model's FLOPs only: forward, and backward at twice the forward. Hardware
-    # FLOPs utilisation also counts what is recomputed: every decoder layer and log-prob chunk runs forward again
-    # in the backward (gradient checkpointing), one more forward.
+        "not timed")
+    # MFU counts the model's FLOPs only: forward, and backward at twice the forward. HFU also counts the recompute:
+    # every decoder layer and log-prob chunk runs forward again in the backward (gradient checkpointing).
     for phase, (mfu, hfu) in (("old", (1, 1)), ("update", (3, 4))):
         per_s = flops / seconds[phase] / (world * peak_tflops * 1e12) if on_gpu else 0.0
         rates = f", MFU {100 * mfu * per_s:.1f}%, HFU {100 * hfu * per_s:.1f}%" if on_gpu else ""
-        on_card = f" ({memory[phase][1] / 2**30:.2f} GiB in use on the device)" if on_gpu else ""
+        on_card = f" ({peaks[phase][1] / 2**30:.2f} GiB in use on the device)" if on_gpu else ""
         say(f"{'old log-probs' if phase == 'old' else 'PPO step':14s} {seconds[phase]:7.2f} s  "
-            f"{tokens / seconds[phase]:9.0f} tokens/s{rates}  peak memory {memory[phase][0] / 2**30:.2f} GiB"
-            f"{on_card}", flush=True)
+            f"{tokens / seconds[phase]:9.0f} tokens/s{rates}  peak memory {peaks[phase][0] / 2**30:.2f} GiB"
+            f"{on_card}")
     say(f"bf16 vs fp32 log-probs (response tokens): mean |gap| {gap.mean():.2e}, max {gap.max():.2e}; "
-        f"loss {out['stats']['loss']:.4f}, grad norm {out['stats']['grad_norm']:.3f}", flush=True)
-    dist.destroy_process_group()
-    return {"seconds": seconds, "memory": memory, "gap_mean": float(gap.mean()), "gap_max": float(gap.max()),
-            "stats": out["stats"]}
+        f"loss {out['update']['loss']:.4f}, grad norm {out['update']['grad_norm']:.3f}")
+    torch.distributed.destroy_process_group()
+    return {"seconds": seconds, "memory": peaks, "gap_mean": float(gap.mean()), "gap_max": float(gap.max()),
+            "stats": out["update"]}
 
 
 # ------------------------------------------------------------------------------------------------ (b) the whole loop
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOY_MODEL = os.path.join(REPO, "tasks", "built", "toy", "model")
 SAME_FIELDS = ("reward/", "advantage/", "response/", "policy/", "signal/", "tracker/", "sampling/")  # resume check
 
 
@@ -220,22 +200,21 @@ def write_toy_jsonl(folder):
     """The shipped toy's prompts and answers as JSON lines (tasks/toy.py:make_problems: the rows of its parquet
     files, so the same prompt keys), for a machine without pyarrow. Returns (train, test) paths."""
     from tasks.toy import make_problems
-    paths = []
-    for split, problems in zip(("train", "test"), make_problems(0, 2000, 500)):
-        paths.append(os.path.join(folder, f"{split}.jsonl"))
-        with open(paths[-1], "w") as f:
-            for a, b in problems:
-                f.write(json.dumps({"prompt": [{"role": "user", "content": f"{a}+{b}="}], "answer": str(a + b)}) + "\n")
+    paths = [os.path.join(folder, f"{split}.jsonl") for split in ("train", "test")]
+    for path, problems in zip(paths, make_problems(0, 2000, 500)):
+        with open(path, "w") as f:
+            f.writelines(json.dumps({"prompt": [{"role": "user", "content": f"{a}+{b}="}], "answer": str(a + b)})
+                         + "\n" for a, b in problems)
     return paths
 
 
 def random_qwen3(folder, shape, max_len):
-    """A Qwen3-shaped model with random weights (bf16, Qwen3's vocabulary) and the toy's tokenizer, built on the
-    host (this process leaves the GPU to the spo.py runs): its samples are noise, never an end of turn, so every
-    response runs to its token budget, which is what a throughput and memory check wants. Returns the folder."""
+    """A Qwen3 shape with random weights (bf16, Qwen3's vocabulary) and the toy's tokenizer, built on the host (the
+    GPU is left to the spo.py runs): its samples are noise, never an end of turn, so every response runs to its
+    token budget, which is what a throughput and memory check wants. Returns the folder."""
     import torch
     from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
-    tokenizer = AutoTokenizer.from_pretrained(os.path.join(REPO, "tasks", "built", "toy", "model"))
+    tokenizer = AutoTokenizer.from_pretrained(TOY_MODEL)
     config = Qwen3Config(vocab_size=151_936, max_position_embeddings=max_len, rope_theta=1e6,
                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                          **QWEN3_SHAPES[shape])
@@ -263,9 +242,8 @@ def _device_name():
 
 
 def _spo(run_dir, flags, deadline, resume=False, env=None, must=True):
-    """spo.py in a world of one (nccl on a GPU, gloo on a CPU), its output in run_dir.log, with `env` added; past
-    the deadline it is killed. A failure prints the log's tail and ends the check (must), else returns None rows.
-    Returns ({step: metrics row}, seconds)."""
+    """spo.py in a world of one, its output in run_dir.log, `env` added, killed past deadline[1]: ({step: metrics
+    row}, seconds). A failure prints the log's tail and ends the check (must), else gives None rows."""
     command = [sys.executable, "spo.py", *flags, "--resume" if resume else "--run_dir", run_dir]
     print(f"  +{time.time() - deadline[0]:.0f} s: spo.py {'--resume ' if resume else ''}{os.path.basename(run_dir)}",
           flush=True)
@@ -291,43 +269,37 @@ def _spo(run_dir, flags, deadline, resume=False, env=None, must=True):
     return rows, time.time() - t0
 
 
-def _loop_numbers(rows, config, prompt_len, batch, peak_tflops):
-    """Per-step means over the steps after the first (compilation, allocator growth): generation tokens/s, the
-    update's MFU (model FLOPs: forward + backward = 3 forwards, recompute not counted), peak device memory, and the
-    trainer-vs-engine log-prob gap."""
+def _loop_numbers(name, rows, seconds, config, prompt_len, batch, peak_tflops):
+    """Per-step means over the steps after the first (compilation, allocator growth), said and returned: generation
+    tokens/s, the update's MFU (forward + backward = 3 forwards, recompute not counted), peak memory, the gap."""
     steps = [row for step, row in rows.items() if step > 1] or [row for step, row in rows.items() if step > 0]
     mean = lambda key: float(np.mean([row[key] for row in steps if key in row]))  # noqa: E731
     length = mean("response/length_mean")
     flops = 3 * _forward_flops(config, [round(prompt_len + length)] * batch, round(prompt_len))
     mfu = flops / mean("time/update") / (peak_tflops * 1e12) if peak_tflops else None
-    return {"generate_tokens_per_s": mean("throughput/tokens_per_second"), "update_s": mean("time/update"),
-            "step_s": mean("time/step"), "mfu": mfu, "peak_gib": max(row.get("memory/peak_gib", 0) for row in steps),
-            "gap_mean": mean("policy/logprob_gap_mean"), "gap_max": max(r["policy/logprob_gap_max"] for r in steps),
-            "response_len": length}
-
-
-def _say_loop(name, numbers, seconds):
-    mfu = f", update MFU {100 * numbers['mfu']:.1f}%" if numbers["mfu"] is not None else ""
-    print(f"{name}: {seconds:.0f} s in all, {numbers['step_s']:.2f} s/step, generation "
-          f"{numbers['generate_tokens_per_s']:.0f} tokens/s (responses {numbers['response_len']:.0f} tokens), "
-          f"update {numbers['update_s']:.2f} s{mfu}, peak memory {numbers['peak_gib']:.2f} GiB, trainer-vs-engine "
-          f"log-prob gap mean {numbers['gap_mean']:.2e} max {numbers['gap_max']:.2e}", flush=True)
-
-
-def _metric_gap(rows_a, rows_b, steps):
-    return max((abs(rows_a[s][k] - rows_b[s].get(k, float("nan"))) for s in steps for k in rows_a[s]
-                if k.startswith(SAME_FIELDS)), default=float("nan"))
+    n = {"generate_tokens_per_s": mean("throughput/tokens_per_second"), "update_s": mean("time/update"),
+         "step_s": mean("time/step"), "mfu": mfu, "peak_gib": max(r.get("memory/peak_gib", 0) for r in steps),
+         "gap_mean": mean("policy/logprob_gap_mean"), "gap_max": max(r["policy/logprob_gap_max"] for r in steps),
+         "response_len": length}
+    mfu_said = f", update MFU {100 * mfu:.1f}%" if mfu is not None else ""
+    print(f"{name}: {seconds:.0f} s in all, {n['step_s']:.2f} s/step, generation {n['generate_tokens_per_s']:.0f} "
+          f"tokens/s (responses {length:.0f} tokens), update {n['update_s']:.2f} s{mfu_said}, peak memory "
+          f"{n['peak_gib']:.2f} GiB, trainer-vs-engine log-prob gap mean {n['gap_mean']:.2e} max {n['gap_max']:.2e}",
+          flush=True)
+    return n
 
 
 def resume_gap(straight, stopped, resumed, steps):
-    """How far a run stopped at steps // 2 and resumed is from the run that was never stopped: the largest
-    difference of a training metric over the resumed steps and of a weight at the end (0 and 0: exact), and, as
-    the floor a device's nondeterministic kernels set, the largest metric difference of the two runs' common
-    first steps (both fresh, the same flags)."""
+    """How far a run stopped at steps // 2 and resumed is from the one never stopped: the largest difference of a
+    training metric over the resumed steps and of a weight at the end (0 and 0: exact), and, the floor a device's
+    nondeterministic kernels set, the largest metric difference over the two fresh runs' common first steps."""
     from safetensors.torch import load_file
     (rows_a, dir_a), (rows_b, dir_b) = straight, resumed
-    metric = _metric_gap(rows_a, rows_b, range(steps // 2 + 1, steps + 1))
-    floor = _metric_gap(rows_a, stopped, range(1, steps // 2 + 1))
+
+    def metric_gap(other, over):  # the largest difference from the straight run's metrics over those steps
+        return max((abs(rows_a[s][k] - other[s].get(k, float("nan"))) for s in over for k in rows_a[s]
+                    if k.startswith(SAME_FIELDS)), default=float("nan"))
+    metric, floor = metric_gap(rows_b, range(steps // 2 + 1, steps + 1)), metric_gap(stopped, range(1, steps // 2 + 1))
     wa, wb = ({k: v for f in sorted(os.listdir(d)) if f.endswith(".safetensors") for k, v in
                load_file(os.path.join(d, f)).items()}
               for d in (os.path.join(run, "checkpoints", f"step_{steps:06d}", "model") for run in (dir_a, dir_b)))
@@ -337,8 +309,7 @@ def resume_gap(straight, stopped, resumed, steps):
 
 def whole_loop(root, shape="0.6b", response_len=512, batch=64, steps=2, toy_steps=4, peak_tflops=None,
                budget_s=360.0):
-    """(b) spo.py end to end with the transformers engine (module docstring), in `root`, every spo.py killed past
-    budget_s from the start; returns the numbers."""
+    """(b) spo.py end to end with the transformers engine (module docstring), in root; returns the numbers."""
     from transformers import AutoConfig
     from machinery.run_dir import checkpoint_bytes
     from machinery.data import load_dataset, load_tokenizer
@@ -356,28 +327,26 @@ def whole_loop(root, shape="0.6b", response_len=512, batch=64, steps=2, toy_step
     train, test = write_toy_jsonl(root)
     common = ["--train", train, "--test", test, "--engine", "hf", "--offline_values", "none", "--log_every", "1",
               "--max_tokens_per_micro_batch", "16384"]  # whole long sequences per micro-batch, as part (a)
-    toy_model = os.path.join(REPO, "tasks", "built", "toy", "model")
     prompt_len = float(np.mean([len(ids) for ids in
-                                load_dataset(train, load_tokenizer(toy_model), 256, False).prompt_ids]))
+                                load_dataset(train, load_tokenizer(TOY_MODEL), 256, False).prompt_ids]))
     out = {}
     # The toy: its model learns, and the held-out evaluation runs on the engine.
-    rows, seconds = _spo(os.path.join(root, "toy"), ["--model", toy_model, *common, "--steps", str(toy_steps),
+    rows, seconds = _spo(os.path.join(root, "toy"), ["--model", TOY_MODEL, *common, "--steps", str(toy_steps),
                                                      "--eval_every", str(toy_steps), "--eval_max_prompts", "200",
                                                      "--save_every", "0"], deadline)
-    out["toy"] = _loop_numbers(rows, AutoConfig.from_pretrained(toy_model), prompt_len, 64, peak_tflops)
-    out["toy"]["held_out"] = (rows[0]["eval/accuracy"], rows[toy_steps]["eval/accuracy"])
-    _say_loop(f"toy, --engine hf, {toy_steps} steps, held-out {out['toy']['held_out'][0]:.1%} -> "
-              f"{out['toy']['held_out'][1]:.1%}", out["toy"], seconds)
-    # A Qwen3 shape with random weights: long responses, bf16 with fp32 master weights, gradient checkpointing and
-    # chunked log-probs (spo.py's GPU defaults), a checkpoint at the end; then the same run stopped at a
-    # checkpoint halfway and resumed.
+    held_out = (rows[0]["eval/accuracy"], rows[toy_steps]["eval/accuracy"])
+    out["toy"] = _loop_numbers(f"toy, --engine hf, {toy_steps} steps, held-out {held_out[0]:.1%} -> "
+                               f"{held_out[1]:.1%}", rows, seconds, AutoConfig.from_pretrained(TOY_MODEL),
+                               prompt_len, 64, peak_tflops) | {"held_out": held_out}
+    # A Qwen3 shape with random weights, long responses and spo.py's GPU defaults (bf16 with fp32 master weights,
+    # gradient checkpointing, chunked log-probs); then the same run stopped at a checkpoint halfway and resumed.
     model = random_qwen3(os.path.join(root, f"qwen3-{shape}"), shape, 512 + response_len)
     flags = ["--model", model, *common, "--batch_size", str(batch), "--max_response_len", str(response_len),
              "--max_prompt_len", "64", "--lr", "1e-6", "--eval_every", "0"]
     straight = _spo(os.path.join(root, "straight"), flags + ["--steps", str(steps), "--save_every", "0"], deadline)
-    out["qwen3"] = _loop_numbers(straight[0], AutoConfig.from_pretrained(model), prompt_len, batch, peak_tflops)
-    _say_loop(f"Qwen3-{shape} shape (random weights), --engine hf, {batch} x {response_len} tokens, {steps} steps",
-              out["qwen3"], straight[1])
+    out["qwen3"] = _loop_numbers(f"Qwen3-{shape} shape (random weights), --engine hf, {batch} x {response_len} "
+                                 f"tokens, {steps} steps", *straight, AutoConfig.from_pretrained(model), prompt_len,
+                                 batch, peak_tflops)
     stopped = os.path.join(root, "stopped")
     half = ["--save_every", str(steps // 2)]
     first, _ = _spo(stopped, flags + ["--steps", str(steps // 2)] + half, deadline)
@@ -390,19 +359,15 @@ def whole_loop(root, shape="0.6b", response_len=512, batch=64, steps=2, toy_step
     return out
 
 
-RUNNERS = {"V1": "0", "V2": "1"}  # VLLM_USE_V2_MODEL_RUNNER (vllm/envs.py; unset: V2 where supported)
-
-
 def vllm_runners(run_root, steps=2):
-    """(6) spo.py for `steps` steps on the toy (one GPU, world of one) under each of vLLM's model runners, and the
-    trainer-vs-engine log-prob gap of each (policy/logprob_gap_mean and _max in metrics.jsonl). vLLM's V2 runner
-    (its default on CUDA since 0.3x) has never run this code: a weight push it did not take, or log-probs it
-    processes otherwise, shows as a gap far above V1's. Skipped, in one line, where vLLM does not import."""
+    """(6) spo.py on the toy under each of vLLM's model runners and the trainer-vs-engine log-prob gap of each:
+    vLLM's V2 runner (its default on CUDA since 0.3x) has never run this code, and a weight push it did not take,
+    or log-probs it processes otherwise, shows as a gap far above V1's. Skipped, in one line, without vLLM."""
     if importlib.util.find_spec("vllm") is None:
         print("vLLM model runners V1 / V2: skipped (vLLM is not installed here)", flush=True)
         return None
     gaps, deadline = {}, (time.time(), time.time() + 3600)
-    for runner, flag in RUNNERS.items():
+    for runner, flag in {"V1": "0", "V2": "1"}.items():  # VLLM_USE_V2_MODEL_RUNNER (unset: V2 where supported)
         rows, _ = _spo(os.path.join(run_root, f"runner_{runner}"),
                        ["--steps", str(steps), "--eval_every", "0", "--save_every", "0", "--offline_values", "none",
                         "--engine_compile", "off", "--log_every", "1"], deadline,
@@ -416,10 +381,8 @@ def vllm_runners(run_root, steps=2):
 
 
 def main(argv=None):
-    """`python -m bench gpu [flags]`."""
-    parser = argparse.ArgumentParser(prog="python -m bench gpu",
-                                     description="the trainer path on one device without vLLM, and vLLM's two "
-                                                 "model runners where vLLM is installed")
+    parser = argparse.ArgumentParser(prog="python -m bench gpu", description="the trainer path on one device "
+                                     "without vLLM, and vLLM's two model runners where vLLM is installed")
     parser.add_argument("--shape", choices=sorted(QWEN3_SHAPES), default="1.7b", help="the model's shape")
     parser.add_argument("--response_len", type=int, default=8192, help="tokens per response")
     parser.add_argument("--sequences", type=int, default=4, help="responses in the batch (over all ranks)")
@@ -443,13 +406,11 @@ def main(argv=None):
     if args.loop_steps < 2 or args.loop_steps % 2:
         fail(f"--loop_steps {args.loop_steps}: give an even number of at least 2 (the resume check stops halfway)")
     if "trainer" in args.parts and "loop" in args.parts:
-        # (a) in a process of its own, so that this one never makes a CUDA context: (b)'s spo.py runs must find
-        # the device as a user's would (nothing else's memory on it, and a card in exclusive-process mode free)
-        flags = ["--shape", args.shape, "--response_len", str(args.response_len), "--sequences", str(args.sequences),
-                 "--max_tokens_per_micro_batch", str(args.max_tokens_per_micro_batch), "--warmup", str(args.warmup)]
-        flags += ["--peak_tflops", str(args.peak_tflops)] if args.peak_tflops else []
-        code = subprocess.run([sys.executable, "-m", "bench", "gpu", "--parts", "trainer", "--vllm_runners", "off",
-                               *flags], env=_child_env()).returncode
+        # (a) in a process of its own (these flags, the last --parts winning), so that this one never makes a CUDA
+        # context: (b)'s spo.py runs must find the device as a user's would (nothing else's memory on it, and a
+        # card in exclusive-process mode free)
+        code = subprocess.run([sys.executable, "-m", "bench", "gpu", *(sys.argv[1:] if argv is None else argv),
+                               "--parts", "trainer", "--vllm_runners", "off"], env=_child_env()).returncode
         if code:
             sys.exit(code)  # (its refusal or traceback is above)
     elif "trainer" in args.parts:

@@ -55,7 +55,7 @@ import time
 import numpy as np
 
 from machinery.errors import fail
-from machinery.memory import native_bf16
+from machinery.device import native_bf16
 
 # When no run is given: the shapes of tasks/toy.py:build_model and of SmolLM2-135M (tasks/smollm.py), as configs.
 SHAPES = {
@@ -296,7 +296,7 @@ def main(argv=None):
           + ", ".join(f"matmul {d} {c.matmul / 1e9:.2f} GFLOP/s" for d, c in ceilings.items())
           + f", read {ceilings['float32'].read / 1e9:.2f} GB/s, copy {ceilings['float32'].copy / 1e9:.2f} GB/s",
           flush=True)
-    from machinery.memory import use_gradient_checkpointing
+    from machinery.device import use_gradient_checkpointing
     for i, ((run_dir, run_config, rows), (_, config)) in enumerate(zip(runs, configs)):
         means, n_steps = phase_means(rows, args.warmup)
         prompt_len = mean_prompt_len(run_config)

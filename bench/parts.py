@@ -15,9 +15,7 @@
 - logprobs: peak memory of the log-prob pass at Qwen3's vocabulary, chunked over response positions
   (trainer.token_logprobs) against the full-vocabulary log-softmax, with and without gradients.
 - collectives: the median time of each small collective the step uses on gloo (all-reduce against all-gather,
-  16 bytes against 64 KiB, torch's all_gather_object against collectives.all_gather_objects), and of FSDP2's two big
-  ones, the weight all-gather and the gradient reduce-scatter, gloo's against collectives.SharedAllGather and
-  SharedReduceScatter.
+  16 bytes against 64 KiB, torch's all_gather_object against collectives.all_gather_objects).
 Run through `python -m bench` (bench/__main__.py), which also starts bench/peer.py and bench/gpu.py.
 """
 import argparse
@@ -76,22 +74,21 @@ def _median_ms(step, repeats):
 
 
 def bench_tracker_sampler(sizes=(14_000, 10**6, 10**7), batch_size=1024, repeats=21, dict_max_size=10**7):
-    """ms per bookkeeping step (median) for the vectorised tracker + sampler ("auto" method, and forced
-    Gumbel-top-k for reference) and the dict version; prints a table, returns its rows."""
+    """ms per bookkeeping step (median) for the vectorised tracker + sampler (Gumbel-top-k) and the dict
+    version; prints a table, returns its rows."""
     rows = []
     for n in sizes:
         rng = np.random.default_rng(0)
         v0 = rng.integers(0, 9, n)  # offline successes out of 8, like Algorithm 2
         row = {"n_prompts": n}
-        for name, method, reps in [("auto_ms", "auto", repeats), ("gumbel_ms", "gumbel", max(3, repeats // 4))]:
-            tracker, sampler = ValueTracker(n), PromptSampler(n, seed=0, method=method)
-            tracker.init_from_scores(np.arange(n), v0, np.full(n, 8))
-            start = time.perf_counter()
-            sampler.set_weights(priority_weights(tracker.value, tracker.n_eff))
-            row["full_weights_ms"] = 1e3 * (time.perf_counter() - start)
-            _spo_step(tracker, sampler, rng, batch_size)  # warm-up
-            row[name] = _median_ms(functools.partial(_spo_step, tracker, sampler, rng, batch_size), reps)
-            del tracker, sampler
+        tracker, sampler = ValueTracker(n), PromptSampler(n, seed=0)
+        tracker.init_from_scores(np.arange(n), v0, np.full(n, 8))
+        start = time.perf_counter()
+        sampler.set_weights(priority_weights(tracker.value, tracker.n_eff))
+        row["full_weights_ms"] = 1e3 * (time.perf_counter() - start)
+        _spo_step(tracker, sampler, rng, batch_size)  # warm-up
+        row["ours_ms"] = _median_ms(functools.partial(_spo_step, tracker, sampler, rng, batch_size), repeats)
+        del tracker, sampler
         if n <= dict_max_size:
             n0 = 8.0
             alpha = {p: n0 * (s + 0.5) / 9 for p, s in enumerate(v0.tolist())}
@@ -104,11 +101,11 @@ def bench_tracker_sampler(sizes=(14_000, 10**6, 10**7), batch_size=1024, repeats
         rows.append(row)
 
     print(f"SPO bookkeeping step, B = {batch_size} (median ms per step)")
-    print(f"{'prompts':>10} {'ours':>8} {'gumbel':>8} {'dict':>10} {'dict/ours':>10} {'full weights':>13}")
+    print(f"{'prompts':>10} {'ours':>8} {'dict':>10} {'dict/ours':>10} {'full weights':>13}")
     for row in rows:
         dict_ms = row.get("dict_ms", float("nan"))
-        print(f"{row['n_prompts']:>10,} {row['auto_ms']:>8.2f} {row['gumbel_ms']:>8.1f} {dict_ms:>10.1f} "
-              f"{dict_ms / row['auto_ms']:>9.0f}x {row['full_weights_ms']:>12.1f}")
+        print(f"{row['n_prompts']:>10,} {row['ours_ms']:>8.2f} {dict_ms:>10.1f} "
+              f"{dict_ms / row['ours_ms']:>9.1f}x {row['full_weights_ms']:>12.1f}")
     return rows
 
 
@@ -237,14 +234,13 @@ def bench_tools(toy_dir=None, n_prompts=256, max_tokens=160, workers=4, repeats=
 
 
 # ------------------------------------------------------------------------------------------------ collectives
-def _collectives_worker(repeats, gradient_numel, gradient_repeats):
-    """torchrun worker: the median wall time of each small collective spo.py's step uses, on gloo, and of FSDP2's
-    weight all-gather and gradient reduce-scatter by gloo and through shared memory (collectives.py), alternated."""
+def _collectives_worker(repeats):
+    """torchrun worker: the median wall time of each small collective spo.py's step uses, on gloo."""
     import torch
     import torch.distributed as dist
-    from machinery.collectives import SharedAllGather, SharedReduceScatter, all_gather_objects
+    from machinery.collectives import all_gather_objects
     dist.init_process_group("gloo")
-    world, rank = dist.get_world_size(), dist.get_rank()
+    world = dist.get_world_size()
 
     def timed(op):
         for _ in range(20):
@@ -265,59 +261,22 @@ def _collectives_worker(repeats, gradient_numel, gradient_repeats):
             "all_gather of 64 KiB": timed(lambda: dist.all_gather(bucket_out, bucket)),
             "torch all_gather_object (small dict)": timed(lambda: dist.all_gather_object([None] * world, {"a": 1})),
             "collectives.all_gather_objects (same)": timed(lambda: all_gather_objects([{"a": 1}]))}
-    # FSDP2's two big collectives as FSDP2 drives them: allocate, copy the bytes in (FSDP2's copy-in), communicate
-    numel, group, avg = gradient_numel, dist.group.WORLD, dist.ReduceOp.AVG
-    source = torch.ones(numel)  # (a rank's full gradient; its shard of the weights is the first numel / world)
-    gather, scatter = SharedAllGather(group), SharedReduceScatter(group)
-
-    def gloo_gather():  # gloo's all-gather into a fresh output, as FSDP2's default allocate gives
-        out = torch.empty(numel)
-        mine = out[rank * (numel // world): (rank + 1) * (numel // world)]
-        mine.copy_(source[: numel // world])
-        dist.all_gather_into_tensor(out, mine)  # (FSDP2's input is its slice of the output)
-
-    def shared_gather():
-        out = gather.allocate((numel,), dtype=torch.float32, device="cpu")
-        mine = out[rank * (numel // world): (rank + 1) * (numel // world)]
-        mine.copy_(source[: numel // world])
-        gather(out, mine, group)
-
-    def gloo_scatter():
-        full = torch.empty(numel).copy_(source)
-        dist.reduce_scatter_tensor(torch.empty(numel // world), full, avg)
-
-    def shared_scatter():
-        full = scatter.allocate((numel,), dtype=torch.float32, device="cpu").copy_(source)
-        scatter(scatter.allocate((numel // world,), dtype=torch.float32, device="cpu"), full, group, avg)
-    ways = {"gloo all_gather_into_tensor": gloo_gather, "collectives.SharedAllGather": shared_gather,
-            "gloo reduce_scatter_tensor": gloo_scatter, "collectives.SharedReduceScatter": shared_scatter}
-    times = {name: [] for name in ways}
-    for _ in range(gradient_repeats):
-        for name, way in ways.items():
-            dist.barrier()
-            start = time.perf_counter()
-            way()
-            times[name].append(time.perf_counter() - start)
-    rows.update({f"{name}, {numel * 4 >> 20} MiB": 1e3 * float(np.median(t)) for name, t in times.items()})
     if dist.get_rank() == 0:
         print(json.dumps(rows))
     dist.destroy_process_group()
 
 
-def bench_collectives(nproc=2, repeats=2000, gradient_numel=2 ** 27, gradient_repeats=5):
-    """Median ms of one small collective on gloo (the fixed cost machinery/collectives.py is built around), and of
-    the update's gradient reduce-scatter (default 512 MiB of fp32, about SmolLM2-135M's) two ways."""
+def bench_collectives(nproc=2, repeats=2000):
+    """Median ms of one small collective on gloo: the fixed cost machinery/collectives.py is built around."""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "-m", "bench.parts",
-           "_collectives", str(repeats), str(gradient_numel), str(gradient_repeats)]
+           "_collectives", str(repeats)]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=ROOT).stdout
     rows = json.loads(out.strip().splitlines()[-1])
-    print(f"collectives on gloo, {nproc} ranks, median of {repeats} (the small ones) or {gradient_repeats} (ms)")
+    print(f"collectives on gloo, {nproc} ranks, median of {repeats} (ms)")
     for name, ms in rows.items():
         print(f"{name:>50} {ms:9.3f}")
-    gloo_gather, shared_gather, gloo_scatter, shared_scatter = list(rows.values())[-4:]
-    for label, ratio in (("all-gather time, shared over gloo's", shared_gather / gloo_gather),
-                         ("reduce-scatter time, shared over gloo's", shared_scatter / gloo_scatter)):
-        print(f"{label:>50} {ratio:9.3f}x")
+    ratio = rows["collectives.all_gather_objects (same)"] / rows["torch all_gather_object (small dict)"]
+    print(f"{'all_gather_objects time over all_gather_object':>50} {ratio:9.3f}x")
     return rows
 
 
@@ -414,6 +373,6 @@ if __name__ == "__main__":  # the worker processes; run the benchmarks through `
     if sys.argv[1:2] == ["_logprob_memory"]:
         _logprob_memory_worker(sys.argv[2], bool(int(sys.argv[3])), *map(int, sys.argv[4:7]))
     elif sys.argv[1:2] == ["_collectives"]:
-        _collectives_worker(*map(int, sys.argv[2:5]))
+        _collectives_worker(int(sys.argv[2]))
     else:
         sys.exit("run `python -m bench` (this file holds the benchmarks of the project's parts)")

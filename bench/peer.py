@@ -106,7 +106,7 @@ def trl_worker(out_dir, spec):
 
     torch.set_num_threads(spec["threads"])
     from machinery.data import load_dataset, load_tokenizer
-    from machinery.memory import peak_resident_bytes
+    from machinery.device import peak_resident_bytes
     from reward import boxed_reward
     tokenizer = load_tokenizer(spec["model"])
     data = load_dataset(spec["train"], tokenizer, 256, False)
@@ -177,7 +177,7 @@ def heldout_worker(model_dir, toy_dir, seed, max_tokens, out):
     from machinery import trainer
     from machinery.data import load_dataset, load_tokenizer
     from eval import heldout_metrics
-    from machinery.memory import set_cpu_kv_cache
+    from rollout import set_cpu_kv_cache
     from rollout import Engine
     from spo import parse_args
     _, _, device = trainer.setup_distributed()

@@ -56,15 +56,14 @@ def resumed_settings(saved, given):
     return settings, errors
 
 
-def resume_args(args):
-    """--resume: the run's own settings (its config.json) with the flags given now that may change; one line
-    naming each flag that may not, and a --steps that would not go past the checkpoint, are errors."""
-    import argparse
-    path, error = resume_point(args.resume)  # before the config: "no checkpoint" is the error that says what to do
+def resumed_config(run_dir, given):
+    """--resume: the run's own settings (its config.json) with the flags given now (given: {flag: value}) that may
+    change; one line naming each flag that may not, and a --steps that would not go past the checkpoint, are errors.
+    Returns the settings (a dict, resume and run_dir set to run_dir)."""
+    path, error = resume_point(run_dir)  # before the config: "no checkpoint" is the error that says what to do
     if error:
         fail(error, once=True)
-    saved = read_config(args.resume)
-    settings, errors = resumed_settings(saved, {flag: getattr(args, flag) for flag in args.given})
+    settings, errors = resumed_settings(read_config(run_dir), given)
     step = int(os.path.basename(path).removeprefix("step_"))
     if settings["steps"] <= step:
         errors.append(f"--steps {settings['steps']}: the run's latest checkpoint is at step {step}; pass a larger "
@@ -72,8 +71,7 @@ def resume_args(args):
     if errors:
         fail(errors[0] + (f" (and {len(errors) - 1} more: {'; '.join(e.split(':')[0] for e in errors[1:])})"
                           if len(errors) > 1 else ""), once=True)
-    return argparse.Namespace(**{**vars(args), **settings, "resume": args.resume, "run_dir": args.resume,
-                                 "given": args.given})
+    return {**settings, "resume": run_dir, "run_dir": run_dir}
 
 
 def latest_step(run_dir):
@@ -184,57 +182,24 @@ def _safetensors_problem(path):
     return None if size == 8 + n + end else f"{path}: {size} bytes, its header describes {8 + n + end}"
 
 
-def _older_format(state):
-    """A state.pt of the unsharded format (optimiser inside) or from before prompt keys: not resumable here."""
-    return "prompt_keys" not in state or "optimizer" in state
-
-
-def _unlisted_problems(path, part):
-    """A checkpoint from before manifests: state.pt loads (the older format's is not damaged: load_checkpoint
-    refuses it), model/config.json and shards/.metadata are there, each DCP shard reaches as far as .metadata says."""
-    import torch.distributed.checkpoint as dcp
-    shards, state = os.path.join(path, "shards"), os.path.join(path, "state.pt")
-    if part == "":
-        try:  # mmap: the older format's optimiser state stays on disk
-            if _older_format(torch.load(state, mmap=True, weights_only=False)):
-                return []
-        except Exception as e:  # noqa: BLE001 - a cut-off pickle raises anything from EOFError to UnpicklingError
-            return [f"{state}: {'missing' if _size(state) is None else 'unreadable'} ({e.__class__.__name__})"]
-    needed = [os.path.join(path, "model", "config.json")] + ([os.path.join(shards, ".metadata")] if part == "" else [])
-    if part or any(_size(f) is None for f in needed):
-        return [f"{f}: missing" for f in needed if _size(f) is None]
-    reach = {}
-    try:
-        for info in dcp.FileSystemReader(shards).read_metadata().storage_data.values():
-            reach[info.relative_path] = max(reach.get(info.relative_path, 0), info.offset + info.length)
-    except Exception as e:  # noqa: BLE001 - a cut-off pickle
-        return [f"{needed[-1]}: unreadable ({e.__class__.__name__})"]
-    sizes = {name: _size(os.path.join(shards, name)) for name in reach}
-    return [f"{os.path.join(shards, name)}: {'missing' if sizes[name] is None else f'{sizes[name]} bytes'}, its "
-            f"tensors reach byte {end}" for name, end in sorted(reach.items()) if (sizes[name] or 0) < end]
-
-
 def damaged(path, part=""):
     """Why the checkpoint in path (a step_N directory) cannot be read, naming the first damaged file, or None.
     part: only the files under it ("model/": what eval.py reads). Cheap, before anything heavy starts: each
-    file's size against manifest.json (a checkpoint from before manifests: `_unlisted_problems`), then each
+    file's size against manifest.json (written last: without it the checkpoint is not complete), then each
     safetensors file's header against its length. Sizes catch a cut-off or missing file, not a flipped bit."""
     try:
         with open(os.path.join(path, MANIFEST)) as f:
             written = json.load(f)["files"]
     except FileNotFoundError:
-        written = None
+        return f"{os.path.join(path, MANIFEST)}: missing (the checkpoint's last file: its writing did not finish)"
     except (OSError, ValueError, KeyError) as e:
         return f"{os.path.join(path, MANIFEST)}: unreadable ({e.__class__.__name__})"
-    if written is None:
-        problems = _unlisted_problems(path, part)
-    else:
-        problems = []
-        for name, size in written.items():
-            have = _size(os.path.join(path, name)) if name.startswith(part) else size
-            if have != size:
-                problems.append(f"{os.path.join(path, name)}: "
-                                f"{'missing' if have is None else f'{have} bytes'}, {size} were written")
+    problems = []
+    for name, size in written.items():
+        have = _size(os.path.join(path, name)) if name.startswith(part) else size
+        if have != size:
+            problems.append(f"{os.path.join(path, name)}: {'missing' if have is None else f'{have} bytes'}, {size} "
+                            f"were written")
     if not problems:
         model = os.path.join(path, "model")
         names = sorted(n for n in os.listdir(model) if n.endswith(".safetensors")) if os.path.isdir(model) else []
@@ -380,9 +345,6 @@ def load_checkpoint(run_dir, world, prompt_keys):
         state = torch.load(os.path.join(path, "state.pt"), weights_only=False)  # our own file: numpy inside
     except Exception as e:  # noqa: BLE001 - sizes checked; this is a file changed since (a cut pickle raises anything)
         fail(f"--resume {run_dir}: {os.path.join(path, 'state.pt')} unreadable ({e.__class__.__name__}: {e})")
-    if _older_format(state):  # docs/design.md, Checkpoints
-        fail(f"--resume {run_dir}: the checkpoint was written by an older spo.py and cannot be resumed by this one; "
-             f"its model directory still loads (--model {os.path.join(path, 'model')})")
     if state["prompt_keys"] != prompt_keys:
         fail(f"--resume {run_dir}: the checkpoint was made with another training set "
              f"({len(state['prompt_keys'])} prompts there, {len(prompt_keys)} here, or a different order)")

@@ -270,3 +270,24 @@ def load_dataset(path, tokenizer, max_prompt_len, verbose, system_prompt=None):
     if not keep:
         fail(f"{path}: no prompt fits in --max_prompt_len {max_prompt_len} tokens", once=True)
     return Dataset([prompts.keys[i] for i in keep], [prompt_ids[i] for i in keep], [prompts.answers[i] for i in keep])
+
+
+def load_train_and_test(tokenizer, train, test, *, max_prompt_len, train_prompts, test_prompts, min_prompts,
+                        system_prompt, verbose):
+    """spo.py's prompts: the training set (its first `train_prompts`, 0: all; at least `min_prompts`, the distinct
+    prompts one step draws) and the held-out set, if any (its first `test_prompts`, 0: all; prompts it shares with
+    training are counted in a warning). Returns (data, test or None)."""
+    data = load_dataset(train, tokenizer, max_prompt_len, verbose, system_prompt)
+    if train_prompts > len(data.keys):
+        fail(f"--train_prompts {train_prompts}: --train {train} has only {len(data.keys)} prompts", once=True)
+    data = data[: train_prompts or None]
+    if len(data.keys) < min_prompts:
+        fail(f"--train {train}: {len(data.keys)} prompts, fewer than the {min_prompts} distinct prompts each step "
+             f"draws (--batch_size / --group_size, x --oversample)", once=True)
+    if test is None:
+        return data, None
+    test = load_dataset(test, tokenizer, max_prompt_len, verbose, system_prompt)[: test_prompts or None]
+    if verbose and (shared := len(set(test.keys) & set(data.keys))):  # e.g. --test = --train
+        print(f"warning: {shared} of the {len(test.keys)} held-out prompts (--test) are also training prompts "
+              f"(--train): held-out accuracy counts them", flush=True)
+    return data, test

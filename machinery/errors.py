@@ -24,11 +24,11 @@ def fail(message, once=False):
     raise SystemExit(2)
 
 
-def check_finite(args):
-    """Every float flag is a number: argparse's float() takes "nan" and "inf", which slip through range checks
-    (nan compares false both ways) and fail steps later, in the engine or as a non-finite loss."""
+def check_finite(flags):
+    """Every float flag is a number (flags: {name: value}): argparse's float() takes "nan" and "inf", which slip
+    through range checks (nan compares false both ways) and fail steps later, in the engine or as a non-finite loss."""
     import math
-    for name, value in vars(args).items():
+    for name, value in flags.items():
         if isinstance(value, float) and not math.isfinite(value):
             fail(f"--{name} must be a finite number, got {value}", once=True)
 

@@ -19,8 +19,7 @@ nothing is loaded), the rest from the flags. Per rank:
   libraries; on GPU vLLM's share of the card while it generates (`--gpu_memory_utilization`; the trainer then
   holds its shards and the root unit the weight push left gathered), asleep while the trainer works;
 - on GPU also what stays on the card in every phase: the CUDA context, the NCCL communicator, vLLM's runtime at
-  sleep level 2 (CUDA-graph pools, persistent buffers), and FSDP2's fp32 reduce-scatter buffers while training;
-  on CPU with several ranks the shared buffers FSDP2's gather and reduce-scatter keep (collectives.py).
+  sleep level 2 (CUDA-graph pools, persistent buffers), and FSDP2's fp32 reduce-scatter buffers while training.
 The per-token constant was measured on this project's CPU machine (docs/own-model-and-data.md); it errs
 high. GPU numbers are the same arithmetic in bf16 plus estimates read from the sources named at each constant;
 they have never been checked on a GPU (docs/scale.md).
@@ -137,9 +136,6 @@ def rank_memory(shape, *, world, tokens, on_gpu, gradient_checkpointing, layer_u
         return items
     # Counted twice: a SmolLM2 rank at 1024 tokens per forward peaked 1.4% under the estimate with one copy, and
     # the engine holds more than its fp32 weights (the tied output projection packed separately, load buffers).
-    if world > 1:  # gloo's gather and reduce-scatter through shared memory (collectives.py), kept between steps:
-        # this rank's slot of fp32 gradients and its share of the one gathered copy of the weights
-        items["FSDP2 shared buffers"] = shape.parameters * 4 + shape.parameters * compute / world
     if engine:
         items["engine weights (fp32, x2)"] = 2 * shape.parameters * 4
         if layer_units:  # the CPU push holds every gathered tensor at once (rollout.Engine.push_weights); one unit:
@@ -173,76 +169,39 @@ def fitting_tokens(shape, budget, **kwargs):
     return low
 
 
-def use_gradient_checkpointing(choice, on_gpu):
-    """--gradient_checkpointing auto/on/off -> bool (auto: on GPU only, trainer.build_policy's default), resolved
-    once so that the estimate and the policy agree."""
-    return on_gpu if choice == "auto" else choice == "on"
-
-
-BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")  # x86 (AVX-512 BF16, AMX), Arm (FEAT_BF16)
-
-
-def native_bf16():
-    """The bf16 instruction flags /proc/cpuinfo lists (empty: torch emulates bf16 matmuls, or no /proc)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = set(" ".join(line for line in f if line.startswith(("flags", "Features"))).split())
-    except OSError:
-        return []
-    return [f for f in BF16_FLAGS if f in flags]
-
-
-def use_bf16(choice, on_gpu):
-    """--bf16 auto/on/off -> "on" or "off", resolved once (auto: on GPU only: the default run's numbers are fp32 on
-    CPU). On a CPU without bf16 instructions "on" is one line and exit 2: torch would emulate every bf16 matmul,
-    about 100x slower than fp32 (bench/limits.py measures both)."""
-    if choice == "on" and not on_gpu and not native_bf16():
-        from machinery.errors import fail
-        fail("--bf16 on: this CPU has no bf16 instructions (none of " + ", ".join(BF16_FLAGS) + " in /proc/cpuinfo), "
-             "so bf16 matmuls would be emulated, far slower than fp32; leave --bf16 at auto", once=True)
-    return ("on" if on_gpu else "off") if choice == "auto" else choice
-
-
-def use_layer_units(choice, on_gpu):
-    """--fsdp_units auto/layers/model -> bool: each decoder layer its own FSDP2 unit (auto: on GPU only,
-    trainer.build_policy's default), resolved once so that the estimate and the policy agree."""
-    return on_gpu if choice == "auto" else choice == "layers"
-
-
-def check_rank_memory(args, world, on_gpu, is_main, fail):
+def check_rank_memory(model, *, world, on_gpu, is_main, batch_size, micro_batch_size, max_tokens, max_sequence_len,
+                      gradient_checkpointing, layer_units, gpu_memory_utilization, ignore=False):
     """spo.py's check: print the estimate (rank 0) and stop with one line naming the flag if it will not fit.
-    `--ignore_memory_estimate` turns the stop into a warning (the estimate errs high)."""
-    shape = model_shape(args.model)
+    max_tokens: --max_tokens_per_micro_batch (None: off); ignore (--ignore_memory_estimate): warn instead of
+    stopping (the estimate errs high)."""
+    from machinery.errors import fail
+    shape = model_shape(model)
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     kv = float(os.environ.get("VLLM_CPU_KVCACHE_SPACE", 1))
     gpu_bytes = available_per_rank(True, local_ranks) if on_gpu else 0
-    checkpointing = use_gradient_checkpointing(args.gradient_checkpointing, on_gpu)
-    tokens = tokens_per_forward(args.micro_batch_size, args.max_tokens_per_micro_batch,
-                                2 * args.batch_size // world,  # the no-grad pass: batch and revisited responses
-                                args.max_prompt_len + args.max_response_len)
-    common = dict(world=world, on_gpu=on_gpu, gradient_checkpointing=checkpointing,
-                  layer_units=use_layer_units(args.fsdp_units, on_gpu), kv_cache_gib=kv, gpu_bytes=gpu_bytes,
-                  gpu_memory_utilization=args.gpu_memory_utilization)
+    tokens = tokens_per_forward(micro_batch_size, max_tokens, 2 * batch_size // world,  # batch + revisited responses
+                                max_sequence_len)
+    common = dict(world=world, on_gpu=on_gpu, gradient_checkpointing=gradient_checkpointing, layer_units=layer_units,
+                  kv_cache_gib=kv, gpu_bytes=gpu_bytes, gpu_memory_utilization=gpu_memory_utilization)
     items = rank_memory(shape, tokens=tokens, **common)
     budget = available_per_rank(on_gpu, local_ranks)
     if is_main:
         print(f"memory per rank (estimate): {items['peak'] / GIB:.1f} GiB of {budget / GIB:.1f} GiB available "
               f"({shape.parameters / 1e6:.0f}M parameters, {tokens} tokens per forward pass: activations "
-              f"{items['activations'] / GIB:.1f} GiB, gradient checkpointing {'on' if checkpointing else 'off'}, "
-              f"FSDP units: {'layers' if common['layer_units'] else 'the whole model'})",
-              flush=True)
+              f"{items['activations'] / GIB:.1f} GiB, gradient checkpointing {'on' if gradient_checkpointing else 'off'}, "
+              f"FSDP units: {'layers' if layer_units else 'the whole model'})", flush=True)
     if items["peak"] <= budget:
         return items
     fit = fitting_tokens(shape, budget, **common)
-    flag = "--max_tokens_per_micro_batch" if args.max_tokens_per_micro_batch is not None else "--micro_batch_size"
-    value = args.max_tokens_per_micro_batch if args.max_tokens_per_micro_batch is not None else args.micro_batch_size
-    remedy = (f"pass --max_tokens_per_micro_batch {fit} or less" if fit >= args.max_prompt_len + args.max_response_len
+    flag, value = (("--max_tokens_per_micro_batch", max_tokens) if max_tokens is not None
+                   else ("--micro_batch_size", micro_batch_size))
+    remedy = (f"pass --max_tokens_per_micro_batch {fit} or less" if fit >= max_sequence_len
               else "shorten --max_response_len / --max_prompt_len, use fewer ranks per node, or "
                    "--gradient_checkpointing on")
     message = (f"{flag} {value}: a rank needs about {items['peak'] / GIB:.1f} GiB ({tokens} tokens per forward pass "
                f"take {items['activations'] / GIB:.1f} GiB of activations) but has {budget / GIB:.1f} GiB; {remedy} "
                f"(--ignore_memory_estimate to start anyway)")
-    if not args.ignore_memory_estimate:
+    if not ignore:
         fail(message, once=True)
     if is_main:
         print(f"warning: {message}", flush=True)
@@ -254,24 +213,9 @@ def _tokens_or_off(value):
     return None if value == "off" else int(value)
 
 
-def set_cpu_kv_cache(gib):
-    """VLLM_CPU_KVCACHE_SPACE (the CPU engine's KV cache per rank, GiB) from --cpu_kv_cache_gib: the flag wins when
-    given, else the variable when set, else 1. Returns an error line for a bad value (vLLM would otherwise fail
-    with GPU advice, or take half the RAM per rank for an empty string), else None."""
-    if gib is not None:
-        if gib < 1:
-            return f"--cpu_kv_cache_gib {gib}: must be at least 1 (GiB)"
-        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(gib)
-        return None
-    value = os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    if not value.strip().isdigit() or int(value) < 1:
-        return (f"VLLM_CPU_KVCACHE_SPACE={value!r}: must be a whole number of GiB, at least 1 "
-                f"(or pass --cpu_kv_cache_gib)")
-    return None
-
-
 def add_memory_flags(p):
-    """spo.py's memory flags: how the trainer's forward passes are cut, and the engine's share."""
+    """spo.py's trainer flags that the estimate reads: how its forward passes are cut, checkpointing, FSDP2's units,
+    bf16 (the device decisions: device.py)."""
     p.add_argument("--micro_batch_size", type=int, default=64, help="sequences per forward pass, at most")
     p.add_argument("--max_tokens_per_micro_batch", type=_tokens_or_off, default=2048,
                    help="token budget per forward pass, padding included (sequences packed longest first and dealt "
@@ -286,52 +230,6 @@ def add_memory_flags(p):
                         "(auto: on GPU only; on a CPU with bf16 instructions 'on' is faster: docs/benchmarks.md)")
     p.add_argument("--ignore_memory_estimate", action="store_true",
                    help="start even when the per-rank memory estimate exceeds what a rank has (it errs high)")
-    add_engine_flags(p, gpu_share=0.5)
-
-
-def add_engine_flags(p, gpu_share):
-    """The engine and its memory, defined once for every program that starts one. gpu_share: the default share of
-    each GPU, 0.5 beside the trainer (spo.py), 0.9 for an engine alone (eval.py, offline_values.py)."""
-    p.add_argument("--engine", choices=["auto", "vllm", "hf"], default="auto",
-                   help="rollout engine: vllm, hf (transformers, where vLLM cannot run: slower, no vLLM-only "
-                        "setting applies) or auto (vllm where it imports, else hf)")
-    p.add_argument("--cpu_kv_cache_gib", type=int, default=None,
-                   help="vLLM KV cache per rank on CPU (GiB; default: VLLM_CPU_KVCACHE_SPACE if set, else 1)")
-    p.add_argument("--gpu_memory_utilization", type=float, default=gpu_share, help="vLLM share of each GPU")
-
-
-_gpu = {"phases": {}, "peak": 0.0}  # GPU: memory in use at this step's phase ends (phase_end), the largest so far
-
-
-def phase_end(on_gpu, phase):
-    """GPU: note the device memory in use at the end of a phase (spo.py: "generate", with vLLM awake; "update",
-    before the push empties PyTorch's cache). total - free counts everything on the card: the CUDA context, NCCL,
-    vLLM's pools (awake or asleep) and what PyTorch's caching allocator holds, which keeps the phase's high-water
-    mark of reserved blocks until emptied. max_memory_allocated would count vLLM's slept blocks and miss the
-    context. CPU: nothing (peak_metrics reads the process's true peak)."""
-    if on_gpu:
-        import torch
-        free, total = torch.cuda.mem_get_info()
-        _gpu["phases"][phase] = total - free
-
-
-def peak_resident_bytes():
-    """This process's peak resident memory (Linux VmHWM), in bytes."""
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
-
-
-def peak_metrics(on_gpu):
-    """memory/peak_gib: the largest peak over the ranks so far, to set against the estimate printed at start. CPU:
-    the process's peak resident memory (VmHWM: trainer, engine and libraries). GPU: the most device memory in use
-    at the end of a phase (phase_end) so far, and this step's per phase (memory/<phase>_gib), max over ranks."""
-    from machinery.collectives import all_reduce_np
-    if not on_gpu:
-        return {"memory/peak_gib": float(all_reduce_np([peak_resident_bytes()], op="max")[0]) / GIB}
-    names = sorted(_gpu["phases"])
-    used = all_reduce_np([_gpu["phases"].pop(name) for name in names] + [0.0], op="max") / GIB  # every rank alike
-    _gpu["peak"] = max(_gpu["peak"], float(used.max()))
-    return {"memory/peak_gib": _gpu["peak"], **{f"memory/{name}_gib": float(v) for name, v in zip(names, used)}}
 
 
 def main():
@@ -340,7 +238,8 @@ def main():
     p.add_argument("--world", type=int, default=2, help="ranks")
     p.add_argument("--gpu", action="store_true", help="estimate for GPUs (bf16 compute, vLLM asleep while training)")
     p.add_argument("--gpu_gib", type=float, default=80.0, help="memory of one GPU (GiB)")
-    add_engine_flags(p, gpu_share=0.5)  # as spo.py's
+    p.add_argument("--cpu_kv_cache_gib", type=int, default=None, help="the CPU engine's KV cache per rank (GiB)")
+    p.add_argument("--gpu_memory_utilization", type=float, default=0.5, help="vLLM's share of each GPU (as spo.py)")
     p.add_argument("--tokens", type=int, default=2048, help="tokens per forward pass")
     p.add_argument("--gradient_checkpointing", action="store_true", help="checkpoint each decoder layer")
     p.add_argument("--fsdp_units", choices=["auto", "layers", "model"], default="auto",
@@ -348,7 +247,7 @@ def main():
     args = p.parse_args()
     items = rank_memory(model_shape(args.model), world=args.world, tokens=args.tokens, on_gpu=args.gpu,
                         gradient_checkpointing=args.gradient_checkpointing,
-                        layer_units=use_layer_units(args.fsdp_units, args.gpu), kv_cache_gib=args.cpu_kv_cache_gib or 1,
+                        layer_units=args.gpu if args.fsdp_units == "auto" else args.fsdp_units == "layers", kv_cache_gib=args.cpu_kv_cache_gib or 1,
                         gpu_bytes=args.gpu_gib * GIB, gpu_memory_utilization=args.gpu_memory_utilization)
     for name, value in items.items():
         if name == "peak" and args.gpu:  # the GPU's two peaks: the trainer at work, and vLLM generating

@@ -1,7 +1,7 @@
 """What a training run records: the step metrics every algorithm reports, with the signal metrics of every
 estimator (zero advantages, advantage variance, all-equal groups), SPO's own (tracker, rho and D(x)), the tool-use
 metrics, and the logger that writes them (a tqdm bar and a console line on rank 0, metrics.jsonl in the run
-directory, TensorBoard or wandb when installed and asked for).
+directory, TensorBoard or wandb when installed and asked for), and the run's plot (plot_run: run.png, rank 0).
 docs/flags.md lists every metric. Called by spo.py on every rank (the metrics gather over all ranks).
 """
 import json
@@ -132,7 +132,6 @@ class Logger:
         with open(os.path.join(run_dir, "config.json.tmp"), "w") as f:  # --resume reads it: never half-written
             json.dump(config, f, indent=1)
         os.replace(os.path.join(run_dir, "config.json.tmp"), os.path.join(run_dir, "config.json"))
-        print("config: " + json.dumps(config), flush=True)
         path = os.path.join(run_dir, "metrics.jsonl")
         if resume_step is not None and os.path.exists(path):
             with open(path) as f:  # (a row cut off by the crash that made the resume needed: dropped)
@@ -262,3 +261,72 @@ def oversample_metrics(rollouts, reward, kept, index, reach):
         m.update({"oversample/aborted_length_mean": lengths[aborted].mean(),
                   "oversample/aborted_reward_mean": reward[aborted].mean()})
     return {key: float(v) for key, v in m.items()}
+
+
+# The run's plot (plot_run): metrics.jsonl key, panel title; a panel without data is left out (GRPO: no tracker).
+RUN_PLOT_PANELS = (("eval/accuracy", "held-out accuracy"), ("reward/mean", "training reward"),
+                   ("tracker/value_mean", "tracker: mean value v(x)"), ("tracker/rho_mean", "tracker: mean rho"),
+                   ("policy/entropy", "entropy"))
+
+
+def plot_run(run_dir):
+    """run_dir/run.png: one panel against step for each of RUN_PLOT_PANELS that metrics.jsonl has (held-out
+    accuracy at the evaluation steps; reward, the tracker's mean v(x) and rho, entropy every step). Never fails a
+    run: a missing or empty file, a row cut off mid-write or a missing key give a plot of what there is. Returns
+    the PNG's path, or None when it could not be drawn (said in one line)."""
+    path = os.path.join(run_dir, "run.png")
+    try:
+        rows = []
+        if os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
+            with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+                rows = sorted((row for line in f if (row := _row(line)) is not None), key=lambda row: row["step"])
+        series = {}  # key -> ([step], [value]), finite numbers only
+        for key, _ in RUN_PLOT_PANELS:
+            points = [(row["step"], float(row[key])) for row in rows if isinstance(row.get(key), (int, float))
+                      and not isinstance(row[key], bool) and np.isfinite(row[key])]
+            if points:
+                series[key] = tuple(zip(*points))
+        from matplotlib.backends.backend_agg import FigureCanvasAgg  # Agg: a PNG, no display
+        from matplotlib.figure import Figure
+        panels = [(key, title) for key, title in RUN_PLOT_PANELS if key in series]
+        cols = min(max(len(panels), 1), 3)
+        rows_of_panels = -(-max(len(panels), 1) // cols)
+        fig = Figure(figsize=(4.2 * cols, 3.2 * rows_of_panels + 0.4), layout="constrained")
+        FigureCanvasAgg(fig)
+        axes = fig.subplots(rows_of_panels, cols, squeeze=False).ravel()
+        for ax in axes[len(panels):]:
+            ax.set_axis_off()  # the grid's empty places (and the message below)
+        for ax, (key, title) in zip(axes, panels):
+            steps, values = series[key]
+            ax.plot(steps, values, marker="o" if key.startswith("eval/") else None, markersize=3, linewidth=1.2)
+            ax.set(title=title, xlabel="step")
+            ax.grid(alpha=0.3)
+        if not panels:
+            axes[0].text(0.5, 0.5, "no metrics yet", ha="center", va="center", transform=axes[0].transAxes)
+        fig.suptitle(os.path.basename(os.path.normpath(run_dir)))
+        fig.savefig(path + ".tmp", format="png", dpi=100)
+        os.replace(path + ".tmp", path)  # a reader never sees half a PNG
+        return path
+    except Exception as e:  # noqa: BLE001 - the plot is a convenience: the run's results are in metrics.jsonl
+        print(f"run plot skipped ({type(e).__name__}: {e})", flush=True)
+        return None
+
+
+def run_summary(run_dir, plot, seconds, expected_range=None, test=None):
+    """A run's last line: held-out accuracy at the first and last evaluation (beside `expected_range`, the README's
+    range for one default run, when given), the run directory and its plot, and the command to evaluate it."""
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        evals = [row for row in map(_row, f) if row is not None and "eval/accuracy" in row]
+    held_out = " -> ".join(f"{100 * r['eval/accuracy']:.1f}% (step {r['step']})" for r in evals[:1] + evals[1:][-1:])
+    if held_out and expected_range:
+        held_out += f"; one default run lands in {expected_range[0]}-{expected_range[1]}% (README)"
+    return (f"done in {seconds / 60:.1f} min: held-out accuracy {held_out or 'not measured (--test)'}; run directory "
+            f"{run_dir}, plot {plot}; next: torchrun --nproc_per_node=2 eval.py --model {run_dir}"
+            + (f" --data {test}" if test else ""))
+
+
+def add_logging_flags(p):
+    """What the Logger writes besides metrics.jsonl: the console line's cadence, wandb, TensorBoard."""
+    p.add_argument("--log_every", type=int, default=10, help="console line every N steps")
+    p.add_argument("--wandb", default=None, help="wandb project name (only if wandb is installed)")
+    p.add_argument("--tensorboard", action="store_true", help="also log to TensorBoard (if installed)")

@@ -26,14 +26,14 @@ def default_run_dir(algo):
     return os.path.join("runs", f"{algo}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
 
 
-def open_run_dir(args, name):
-    """The run directory every rank agrees on (rank 0 names a default one), claimed by rank 0 for this run;
-    any error stops every rank with one line."""
+def open_run_dir(run_dir, *, resumed, algo, program):
+    """The run directory every rank agrees on (run_dir, or rank 0 names a default one for `algo`), claimed by rank 0
+    for this run of `program`; any error stops every rank with one line."""
     from machinery.collectives import all_gather_objects
-    run_dir, error = None, None
+    error = None
     if dist.get_rank() == 0:
-        run_dir = args.resume or args.run_dir or default_run_dir(args.algo)
-        error = claim_run_dir(run_dir, bool(args.resume), name)
+        run_dir = run_dir or default_run_dir(algo)
+        error = claim_run_dir(run_dir, resumed, program)
     run_dir, error = all_gather_objects([(run_dir, error)])[0]
     if error:
         fail(error, once=True)

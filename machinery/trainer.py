@@ -4,15 +4,14 @@ spo.py tells the algorithm's story and holds its math (the advantages, D(x), the
 file holds the mechanics that any policy-gradient trainer on torch FSDP2 needs:
 - `setup_distributed`: torch.distributed on gloo (CPU) or nccl (GPU); `python spo.py` works as a world of 1.
 - `build_policy`: a Hugging Face causal LM sharded with FSDP2 (`fully_shard` per decoder layer, then the root, or
-  the whole model as one unit); on GPU bf16 compute with fp32 master weights and fp32 gradient reduction; on
-  gloo FSDP2's weight gather and gradient reduce-scatter through shared memory (collectives.py).
+  the whole model as one unit); on GPU bf16 compute with fp32 master weights and fp32 gradient reduction; FSDP2's
+  own weight gather and gradient reduce-scatter (gloo's or nccl's).
 - `token_logprobs` (via `response_logprobs`): the decoder once per micro-batch, its sequences packed into one row
   without padding and shared prefixes once (batching.packed_row, packed_attention), the output projection only
   at response positions, with fp32 logits (from a bf16 GEMM accumulating in fp32 under bf16) and in chunks, so
   no (B, T, V) logits tensor exists at any vocabulary size.
 - `old_logprobs` / `ppo_update`: per-token log-probs of prompt + response sequences in micro-batches, and the
-  optimiser steps around a loss function given by the caller, normalised by the GLOBAL token count (with one
-  optimiser step per batch the update's own forward gives the old log-probs: no separate pass). FSDP2
+  optimiser steps around a loss function given by the caller, normalised by the GLOBAL token count. FSDP2
   averages gradients over ranks; that loss is already a global mean, so each rank scales its loss by the world
   size to get the true gradient (set_gradient_divide_factor(1) would do the same but fails on gloo).
 - `clip_grad_norm`: torch's gradient clipping on FSDP2's shards in one collective. The small collectives on numpy
@@ -30,7 +29,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
-from machinery.collectives import SharedAllGather, SharedReduceScatter, all_gather_np, all_gather_objects, all_reduce_np
+from machinery.collectives import all_gather_np, all_gather_objects, all_reduce_np
 from machinery.errors import fail
 from machinery.batching import (IDLE, LOGIT_CHUNK_BYTES, PACKED_ATTENTION, deal_by_tokens, micro_batches, pack,
                                 packed_row, use_packed_attention)
@@ -85,15 +84,8 @@ def build_policy(path, device, lr, weight_decay, gradient_checkpointing=None, la
     mesh = init_device_mesh(device.type, (world,))
     bf16 = on_gpu if bf16 is None else bf16
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
-    # gloo, every rank on this host: FSDP2's gather and reduce-scatter through shared memory (collectives.py), one
-    # pair for all units (they run one after another); nccl, or gloo across hosts: FSDP2's own
-    shared = dist.get_backend() == "gloo" and world > 1 and int(os.environ.get("LOCAL_WORLD_SIZE", world)) == world
-    comms = (SharedAllGather(mesh.get_group()), SharedReduceScatter(mesh.get_group())) if shared else None
     for unit in [*(model.model.layers if (on_gpu if layer_units is None else layer_units) else []), model]:
         fully_shard(unit, mesh=mesh, **({"mp_policy": mp} if mp else {}))
-        if comms:
-            unit.set_custom_all_gather(comms[0])
-            unit.set_custom_reduce_scatter(comms[1])
     attach_logprob_forward(model)
     model.to_empty(device=device)  # storage for this rank's shards (and the buffers), contents undefined
     set_model_state_dict(model, loaded.state_dict() if loaded is not None else {},
@@ -367,7 +359,7 @@ def old_logprobs(model, rollouts, revisited, temperature, micro_batch_size, max_
 def vllm_gap(batch, rollouts):
     """Mean and max |trainer log-prob - vLLM log-prob| of the sampled tokens: a weight push that did not land
     shows here. Policy tokens only: tool-output tokens were never sampled, their vLLM log-prob is a placeholder 0.
-    No rollouts (the update pass scores them instead: ppo_update with old=None): nothing to compare, 0."""
+    No rollouts: nothing to compare, 0."""
     if not rollouts:
         return {"logprob_gap_mean": 0.0, "logprob_gap_max": 0.0}
     gap = np.concatenate([np.abs(lp - np.asarray(r.logprobs))[np.asarray(r.response_mask) > 0]
@@ -396,19 +388,10 @@ def ppo_update(model, optimizer, rollouts, old, advantage, loss_fn, *, ppo_steps
     where n_tokens counts the policy tokens of the GLOBAL mini-batch (all ranks): a token mean over it. The
     machinery: micro-batches (gradient accumulation), the world-size scaling FSDP2 needs, gradient clipping, and
     skipping a step whose loss or gradient norm is not finite (on every rank alike). old: (T_i,) old log-probs per
-    rollout; advantage: (B_local,) one scalar per trajectory. max_tokens: the micro-batches' token budget
-    (plan_micro_batches), each mini-batch's sequences then dealt to the ranks by tokens (assign_by_tokens); None:
-    micro_batch_size sequences each, every rank its own rollouts.
-    old=None (ppo_steps 1 only): the policy that sampled the batch is the policy being trained, so its old
-    log-probs ARE this forward's log-probs, detached: ratio exactly 1, the same gradient as with a separate no-grad
-    pass, without that pass. The stats then carry "old", what old_logprobs would have returned for the batch:
-    per-rollout log-probs (SPO remembers them for D(x)), the entropy and the trainer-vs-vLLM gap."""
-    device, rank = next(model.parameters()).device, dist.get_rank()
-    world = dist.get_world_size()
-    reuse = old is None
-    if reuse and ppo_steps != 1:
-        raise ValueError("ppo_update: old=None (the update's own log-probs as old) needs ppo_steps == 1")
-    scored = []  # with old=None: _scored's rows of the batch
+    rollout (old_logprobs'); advantage: (B_local,) one scalar per trajectory. max_tokens: the micro-batches'
+    token budget (plan_micro_batches), each mini-batch's sequences then dealt to the ranks by tokens
+    (assign_by_tokens); None: micro_batch_size sequences each, every rank its own rollouts."""
+    device, world = next(model.parameters()).device, dist.get_world_size()
     per = len(rollouts) // ppo_steps
     sums = {"loss": 0.0, "grad_norm": 0.0}
     # over all ranks and mini-batches: clipped tokens, k3 KL summed over tokens, tokens, and the tokens the decoder
@@ -417,8 +400,8 @@ def ppo_update(model, optimizer, rollouts, old, advantage, loss_fn, *, ppo_steps
     nonfinite = False
     for k in range(ppo_steps):
         # this rank's part of mini-batch k: (prompt ids, response ids, response mask, old log-probs, advantage)
-        mini = [(r.prompt_ids, r.response_ids, r.response_mask, None if reuse else old[i], float(advantage[i]),
-                 rank, i) for i, r in enumerate(rollouts[k * per: (k + 1) * per], start=k * per)]
+        mini = [(r.prompt_ids, r.response_ids, r.response_mask, old[i], float(advantage[i]))
+                for i, r in enumerate(rollouts[k * per: (k + 1) * per], start=k * per)]
         # token budgets: also even out the ranks' tokens (long responses vary a lot)
         mini, shares, everything = deal_by_tokens(mini, lambda item: len(item[0]) + len(item[1]),
                                                   max_tokens is not None)
@@ -430,14 +413,10 @@ def ppo_update(model, optimizer, rollouts, old, advantage, loss_fn, *, ppo_steps
             rows = [mini[j] for j in group]
             ids, mask = pack([row[:3] for row in rows] or [IDLE], device)  # (b, T); an idle rank: mask 0, loss 0
             adv = torch.tensor([row[4] for row in rows] or [0.0], dtype=torch.float32, device=device)  # (b,)
-            logp, entropy = token_logprobs(model, ids, mask, temperature, with_entropy=reuse)
-            if reuse:
-                old_logp = logp.detach()
-                scored += _scored([(owner, i, p, r) for p, r, _, _, _, owner, i in rows], old_logp, entropy, mask)
-            else:
-                old_logp = torch.zeros_like(mask)  # (b, T), aligned with the packed sequences
-                for j, (p, _, _, old_row, *_) in enumerate(rows):
-                    old_logp[j, len(p) - 1: len(p) - 1 + len(old_row)] = torch.from_numpy(old_row)
+            logp, _ = token_logprobs(model, ids, mask, temperature)
+            old_logp = torch.zeros_like(mask)  # (b, T), aligned with the packed sequences
+            for j, (p, _, _, old_row, _) in enumerate(rows):
+                old_logp[j, len(p) - 1: len(p) - 1 + len(old_row)] = torch.from_numpy(old_row)
             loss, clipped = loss_fn(logp, old_logp, adv, mask, n_tokens=global_tokens)
             (loss * world).backward()  # x world: FSDP2 averages gradients, our loss is already a global mean
             loss_total += loss.item()
@@ -461,7 +440,4 @@ def ppo_update(model, optimizer, rollouts, old, advantage, loss_fn, *, ppo_steps
     stats = {"loss": sums["loss"] / ppo_steps, "grad_norm": sums["grad_norm"] / ppo_steps,
              "clip_fraction": totals[0] / totals[2], "approx_kl": totals[1] / totals[2], "nonfinite": nonfinite,
              "decoder_tokens": totals[3] / world}  # per rank
-    if reuse:  # the batch's old log-probs, as old_logprobs returns them, each back to the rank that owns it
-        batch, entropy = _to_owners(scored, len(rollouts), max_tokens, lambda i: True)
-        stats["old"] = {"batch": batch, "entropy": entropy, **vllm_gap(batch, rollouts)}
     return stats

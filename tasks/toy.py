@@ -1,9 +1,8 @@
 """The built-in toy: a verifiable arithmetic task and a tiny model, so that the default run works offline.
 
-Nothing here is special to SPO. The toy produces exactly what a real user brings: train / test parquet files in
-the verl schema used for DAPO (chat-message `prompt`, `reward_model.ground_truth`) and a Hugging Face model
-directory (a Qwen3-architecture model and its tokenizer) that both transformers and vLLM load. spo.py never
-knows it is training the toy.
+Nothing here is special to SPO: the toy is what a real user brings, train / test parquet files in the verl schema
+used for DAPO (chat-message `prompt`, `reward_model.ground_truth`) and a Hugging Face model directory (a Qwen3
+model and its tokenizer) that transformers and vLLM load. spo.py never knows it is training the toy.
 
 - Task: "a+b=" with operands of at most two digits; the answer must be written as \\boxed{a+b}. Difficulty varies
   across prompts (carries, three-digit sums), which is what a value tracker and prioritised sampling feed on.
@@ -15,7 +14,7 @@ knows it is training the toy.
 
 The toys ship built in tasks/built/ (toy/, toy_tools/): a build is deterministic only on one kind of CPU (800
 warm-start steps amplify float differences), so the bytes ship and SHA256SUMS in each folder lists them; loading
-checks it (a mismatch: one line saying how to restore or rebuild). The recipe rebuilds them or builds others:
+checks it. The recipe rebuilds them or builds others:
 
     python -m tasks.toy --toy_dir tasks/built/toy                # rebuild the shipped toy (this CPU's bytes)
     python -m tasks.toy --toy_dir mytoy --steps 400               # another toy; then spo.py --toy_dir mytoy
@@ -53,18 +52,19 @@ def make_problems(seed, n_train, n_test):
     return list(zip(a[:n_train], b[:n_train])), list(zip(a[n_train:], b[n_train:]))
 
 
-def write_parquet(path, problems, split):
-    """The verl / DAPO schema: prompt as chat messages, the answer in reward_model.ground_truth."""
+def write_parquet(path, problems, split, op="+"):
+    """The verl / DAPO schema: prompt as chat messages, the answer (a+b, or a*b for the tool toy) in
+    reward_model.ground_truth. No tool instruction in the tool toy's prompt: its warm start teaches the format."""
     import pyarrow as pa  # here: only building a toy writes parquet
     import pyarrow.parquet as pq
-    table = pa.table({
-        "data_source": ["toy_add"] * len(problems),
-        "prompt": [[{"role": "user", "content": f"{a}+{b}="}] for a, b in problems],
+    solve = (lambda a, b: a + b) if op == "+" else (lambda a, b: a * b)
+    pq.write_table(pa.table({
+        "data_source": ["toy_add" if op == "+" else "toy_mul_tool"] * len(problems),
+        "prompt": [[{"role": "user", "content": f"{a}{op}{b}="}] for a, b in problems],
         "ability": ["math"] * len(problems),
-        "reward_model": [{"style": "rule", "ground_truth": str(a + b)} for a, b in problems],
+        "reward_model": [{"style": "rule", "ground_truth": str(solve(a, b))} for a, b in problems],
         "extra_info": [{"split": split, "index": i} for i in range(len(problems))],
-    })
-    pq.write_table(table, path)
+    }), path)
 
 
 def build_tokenizer(out_dir):
@@ -95,16 +95,25 @@ def build_model(tokenizer, seed):
     return Qwen3ForCausalLM(config)
 
 
-def encode_pairs(tokenizer, prompts, responses):
-    """Right-padded (B, T) input ids and a (B, T) mask that is 1 on the response tokens the model predicts."""
+def boxed(answer):
+    """A response that is only the boxed answer, as (text, in the loss) pieces (encode_segments)."""
+    return [(f"\\boxed{{{answer}}}", True)]
+
+
+def encode_segments(tokenizer, prompts, responses, end_of_turn=True):
+    """Right-padded (B, T) input ids and a (B, T) mask that is 1 on the response tokens the model predicts, for
+    responses made of (text, in the loss) pieces: the mask is 0 on pieces out of it (the tool's output)."""
     seqs, masks = [], []
-    for prompt, response in zip(prompts, responses):
+    for prompt, pieces in zip(prompts, responses):
         text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                              tokenize=False)
-        p = tokenizer.encode(text, add_special_tokens=False)
-        r = tokenizer.encode(response, add_special_tokens=False) + [tokenizer.eos_token_id]
-        seqs.append(p + r)
-        masks.append([0] * len(p) + [1] * len(r))
+        seq = tokenizer.encode(text, add_special_tokens=False)
+        mask = [0] * len(seq)
+        for piece, trained in pieces:
+            ids = tokenizer.encode(piece, add_special_tokens=False)
+            seq, mask = seq + ids, mask + [int(trained)] * len(ids)
+        seqs.append(seq + [tokenizer.eos_token_id] * end_of_turn)
+        masks.append(mask + [1] * end_of_turn)
     T = max(map(len, seqs))
     ids = torch.full((len(seqs), T), tokenizer.pad_token_id)
     mask = torch.zeros(len(seqs), T)
@@ -123,15 +132,12 @@ def response_logprob(model, ids, mask):
 
 @torch.no_grad()
 def success_probability(model, tokenizer, problems):
-    """Exact probability of sampling the correct answer at temperature 1.0, per problem.
-
-    The toy's only correct response is `\\boxed{a+b}` then end-of-turn, so the probability of sampling it is
-    exp(log pi(response | prompt)): a noise-free measure of accuracy at temperature 1.0 from one forward pass.
-    """
+    """Exact probability of sampling the correct answer at temperature 1.0, per problem: the toy's only correct
+    response is `\\boxed{a+b}` then end-of-turn, so it is exp(log pi(response | prompt)), free of sampling noise."""
     out = []
     for i in range(0, len(problems), 256):
         chunk = problems[i: i + 256]
-        ids, mask = encode_pairs(tokenizer, [f"{a}+{b}=" for a, b in chunk], [f"\\boxed{{{a + b}}}" for a, b in chunk])
+        ids, mask = encode_segments(tokenizer, [f"{a}+{b}=" for a, b in chunk], [boxed(a + b) for a, b in chunk])
         out.append(response_logprob(model, ids, mask).exp())
     return torch.cat(out).numpy()
 
@@ -140,25 +146,35 @@ def noisy_answer(a, b, rng, noise):
     """The correct sum, or with probability `noise` the sum with one digit replaced by a random digit."""
     answer = list(str(a + b))
     if rng.random() < noise:
-        answer[rng.integers(len(answer))] = str(rng.integers(10))
+        answer[rng.integers(len(answer))] = str(rng.integers(10))  # (the digit is drawn before its position)
     return "".join(answer)
 
 
-def warm_start(model, steps, lr, next_batch, lr_factor=lambda s: min(1.0, (s + 1) / 20)):
-    """Supervised warm start: AdamW on the response tokens of next_batch() = (ids, mask), learning rate
-    lr * lr_factor(step) (default: a 20-step warm-up). Returns the last loss."""
+def warm_started(tmp, train, test, op, seed, steps, lr, batch_size, response,
+                 lr_factor=lambda s: min(1.0, (s + 1) / 20)):
+    """A toy's data, tokenizer and model written into tmp, the model warm-started first: AdamW on the in-loss
+    pieces of response(a, b, rng) for random train problems, learning rate lr * lr_factor(step) (default: a
+    20-step warm-up). Returns (model, tokenizer, the last loss, seconds)."""
+    for split, problems in (("train", train), ("test", test)):
+        write_parquet(f"{tmp}/{split}.parquet", problems, split, op)
+    tokenizer = build_tokenizer(f"{tmp}/model")
+    model = build_model(tokenizer, seed)
+    t0, rng = time.time(), np.random.default_rng(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
     model.train()
-    for step in range(steps):
-        ids, mask = next_batch()
+    for _ in range(steps):
+        batch = [train[j] for j in rng.integers(len(train), size=batch_size)]
+        ids, mask = encode_segments(tokenizer, [f"{a}{op}{b}=" for a, b in batch],
+                                    [response(a, b, rng) for a, b in batch])
         loss = -response_logprob(model, ids, mask).sum() / mask[:, 1:].sum()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
         schedule.step()
     model.eval()
-    return loss.item()
+    model.save_pretrained(f"{tmp}/model", safe_serialization=True)
+    return model, tokenizer, loss.item(), time.time() - t0
 
 
 def build_atomically(toy_dir, build, info_file="toy.json"):
@@ -209,30 +225,20 @@ def checksum_error(toy_dir, tools=False):
 
 
 def default_toy_dir(tools=False):
-    """The shipped toy's directory (tools: the tool toy's)."""
     return os.path.join(BUILT, "toy_tools" if tools else "toy")
 
 
 def build_toy(toy_dir, seed=0, n_train=2000, n_test=500, steps=800, lr=3e-3, batch_size=64, noise=0.3):
-    """Build the toy into toy_dir atomically."""
+    """Build the toy into toy_dir atomically; a share `noise` of the warm start's answers has a wrong digit."""
     def build(tmp):
         train, test = make_problems(seed, n_train, n_test)
-        write_parquet(f"{tmp}/train.parquet", train, "train")
-        write_parquet(f"{tmp}/test.parquet", test, "test")
-        tokenizer = build_tokenizer(f"{tmp}/model")
-        model = build_model(tokenizer, seed)
-        t0, rng = time.time(), np.random.default_rng(seed)
-
-        def next_batch():  # noisy answers: see the module docstring
-            batch = [train[j] for j in rng.integers(len(train), size=batch_size)]
-            return encode_pairs(tokenizer, [f"{a}+{b}=" for a, b in batch],
-                                [f"\\boxed{{{noisy_answer(a, b, rng, noise)}}}" for a, b in batch])
-        loss = warm_start(model, steps, lr, next_batch)
-        model.save_pretrained(f"{tmp}/model", safe_serialization=True)
+        model, tokenizer, loss, seconds = warm_started(
+            tmp, train, test, "+", seed, steps, lr, batch_size,
+            lambda a, b, rng: boxed(noisy_answer(a, b, rng, noise)))
         p_test = success_probability(model, tokenizer, test)
         p_train = success_probability(model, tokenizer, train)
         return {"version": TOY_VERSION, "seed": seed, "n_train": n_train, "n_test": n_test, "steps": steps,
-                "lr": lr, "noise": noise, "final_sft_loss": loss, "warm_start_seconds": round(time.time() - t0, 1),
+                "lr": lr, "noise": noise, "final_sft_loss": loss, "warm_start_seconds": round(seconds, 1),
                 "test_accuracy_t1": float(p_test.mean()),
                 "train_success_histogram": np.histogram(p_train, bins=np.linspace(0, 1, 11))[0].tolist()}
     return build_atomically(toy_dir, build)
@@ -276,36 +282,33 @@ def toy_paths(toy_dir=None, tools=False):
     return ensure_toy(toy_dir, tools=tools)  # (built by now) every rank checks the bytes it will load
 
 
-def fill_in(args, data, split, test=None):
-    """The toy (toy_paths) for the flags a program left unset: no --model, or no data flag `data` (which takes the
-    toy's `split` file, "train" or "test"; `test` names a held-out flag that takes the test file). Returns True
-    where the data flag now names the toy's file."""
-    if args.model is not None and getattr(args, data) is not None:
-        return False
-    args.toy_dir = args.toy_dir or default_toy_dir(args.tools)
-    model, train_path, test_path = toy_paths(args.toy_dir, tools=args.tools)
-    args.model = args.model or model
-    on_toy = getattr(args, data) is None
-    if on_toy:
-        setattr(args, data, {"train": train_path, "test": test_path}[split])
-    if test is not None and getattr(args, test) is None:
-        setattr(args, test, test_path)
-    return on_toy
+# The default run's held-out accuracy at its last step (%), the range one run falls in: the README's 95% prediction
+# interval over seeds 0-4 (docs/LOG.md has the runs); spo.py's last line shows it beside the run's own number.
+DEFAULT_RUN_RANGE = (44.9, 58.8)
+
+
+def fill_in(toy_dir, tools, model, data, split, test=None):
+    """The toy for what a program left unset: with no model or no `data` (the program's data flag), the toy's
+    model, its `split` file ("train" or "test") for the data and its held-out file for `test` (spo.py's --test)
+    fill the gaps (the a*b tool toy with --tools). Returns (toy_dir, model, data, test)."""
+    if model is not None and data is not None:
+        return toy_dir, model, data, test
+    toy_dir = toy_dir or default_toy_dir(tools)
+    toy_model, train_path, test_path = toy_paths(toy_dir, tools=tools)
+    return toy_dir, model or toy_model, data or {"train": train_path, "test": test_path}[split], test or test_path
+
 
 # ------------------------------------------------------------------------------------------------ the tool toy
 # a*b (a of two or three digits, b of two): the tiny model cannot multiply in its head, but it can write
-# `print(a*b)` and copy the interpreter's answer. The warm start mixes tool traces (code, interpreter output,
-# boxed answer) with direct guesses, and a share of the tool traces carry a typo in an operand (the boxed answer
-# then copies the wrong product), so the base model calls the tool only some of the time and gets the code
-# right only part of the time: RL can raise both. The interpreter text is in the traces but out of the loss,
-# exactly as the tool loop masks it (rollout.py), because the model never generates it.
+# `print(a*b)` and copy the interpreter's answer. The warm start mixes tool traces with direct guesses, and a share
+# of the traces mistype an operand (the boxed answer then copies the wrong product), so the base model calls the
+# tool only some of the time and gets the code right only part of the time: RL can raise both.
 TOOL_TOY_VERSION = 2
 
 
 def make_tool_problems(seed, n_train, n_test):
-    """Disjoint train / test sets of (a, b): a has 2 or 3 digits (equally likely), b has 2. Products of 3 to 5
-    digits; copying three-digit operands is what the tiny model learns slowest (both operands of 3 digits
-    needed twice the warm-start steps)."""
+    """Disjoint train / test sets of distinct (a, b): a of 2 or 3 digits (equally likely), b of 2. (Copying
+    three-digit operands is what the tiny model learns slowest: both of 3 digits needed twice the steps.)"""
     rng = np.random.default_rng(seed)
     digits = np.stack([rng.integers(2, 4, size=4 * (n_train + n_test)), np.full(4 * (n_train + n_test), 2)], 1)
     operands = rng.integers(10 ** (digits - 1), 10 ** digits)  # (N, 2)
@@ -317,26 +320,11 @@ def make_tool_problems(seed, n_train, n_test):
     return pairs[:n_train], pairs[n_train:]
 
 
-def write_tool_parquet(path, problems, split):
-    """The verl / DAPO schema, like write_parquet. The prompt carries no tool instruction: the warm start
-    teaches the format (a real model gets rollout.TOOL_INSTRUCTION instead)."""
-    import pyarrow as pa  # here: only building a toy writes parquet
-    import pyarrow.parquet as pq
-    table = pa.table({
-        "data_source": ["toy_mul_tool"] * len(problems),
-        "prompt": [[{"role": "user", "content": f"{a}*{b}="}] for a, b in problems],
-        "ability": ["math"] * len(problems),
-        "reward_model": [{"style": "rule", "ground_truth": str(a * b)} for a, b in problems],
-        "extra_info": [{"split": split, "index": i} for i in range(len(problems))],
-    })
-    pq.write_table(table, path)
-
-
 def tool_trace(a, b):
-    """A tool-use response as (text, in the loss) pieces: the code the model writes, the interpreter output the
-    tool loop appends (out of the loss), the boxed answer. Same text as rollout.py's loop produces."""
+    """A tool-use response, the text rollout.py's loop produces: the code, the interpreter output (out of the
+    loss, as the tool loop masks it: the model never generates it), the boxed answer."""
     return [(f"<code>\n```python\nprint({a}*{b})\n```\n</code>", True),
-            (f"<interpreter>\n{a * b}\n</interpreter>\n\n", False), (f"\\boxed{{{a * b}}}", True)]
+            (f"<interpreter>\n{a * b}\n</interpreter>\n\n", False), *boxed(a * b)]
 
 
 def typo(n, rng):
@@ -350,42 +338,19 @@ def typo(n, rng):
 def noisy_tool_response(a, b, rng, tool_fraction, typo_rate):
     """A warm-start response: a tool trace (an operand mistyped with probability typo_rate) or a direct guess."""
     if rng.random() >= tool_fraction:
-        return [(f"\\boxed{{{a * b}}}", True)]  # the true product: the model cannot learn it, only guess
+        return boxed(a * b)  # the true product: the model cannot learn it, only guess
     if rng.random() < typo_rate:
         a, b = (typo(a, rng), b) if rng.random() < 0.5 else (a, typo(b, rng))
     return tool_trace(a, b)
 
 
-def encode_segments(tokenizer, prompts, responses, end_of_turn=True):
-    """Like encode_pairs, for responses made of (text, in the loss) pieces: the mask is 0 on pieces out of it."""
-    seqs, masks = [], []
-    for prompt, pieces in zip(prompts, responses):
-        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                             tokenize=False)
-        seq = tokenizer.encode(text, add_special_tokens=False)
-        mask = [0] * len(seq)
-        for piece, trained in pieces:
-            ids = tokenizer.encode(piece, add_special_tokens=False)
-            seq, mask = seq + ids, mask + [int(trained)] * len(ids)
-        seqs.append(seq + [tokenizer.eos_token_id] * end_of_turn)
-        masks.append(mask + [1] * end_of_turn)
-    T = max(map(len, seqs))
-    ids = torch.full((len(seqs), T), tokenizer.pad_token_id)
-    mask = torch.zeros(len(seqs), T)
-    for i, (s, m) in enumerate(zip(seqs, masks)):
-        ids[i, : len(s)] = torch.tensor(s)
-        mask[i, : len(m)] = torch.tensor(m, dtype=torch.float)
-    return ids, mask
-
-
 @torch.no_grad()
 def tool_success_probability(model, tokenizer, problems):
     """Per problem, exact probabilities at temperature 1.0 of (the correct tool trace, the correct direct
-    answer, starting with a tool call). The correct tool trace is the one way to succeed with the tool that the
-    model knows (`print(a*b)`, then copying the output); a different but correct program is not counted."""
+    answer, starting with a tool call). A different but correct program than `print(a*b)` is not counted."""
     prompts = [f"{a}*{b}=" for a, b in problems]
     out = []
-    for responses in ([tool_trace(a, b) for a, b in problems], [[(f"\\boxed{{{a * b}}}", True)] for a, b in problems]):
+    for responses in ([tool_trace(a, b) for a, b in problems], [boxed(a * b) for a, b in problems]):
         ids, mask = encode_segments(tokenizer, prompts, responses)
         out.append(response_logprob(model, ids, mask).exp().numpy())
     ids, mask = encode_segments(tokenizer, prompts, [[("<code>", True)]] * len(problems), end_of_turn=False)
@@ -395,32 +360,20 @@ def tool_success_probability(model, tokenizer, problems):
 
 def build_tool_toy(toy_dir, seed=0, n_train=2000, n_test=500, steps=700, lr=4e-3, batch_size=32,
                    tool_fraction=0.5, typo_rate=0.3):
-    """Build the tool toy into toy_dir atomically: same tokenizer and model as the default toy.
-
-    Copying operands and the interpreter's answer is learned suddenly (accuracy stays near 0 whatever the tool
-    use, then jumps), then climbs towards tool_fraction * (1 - typo_rate). The last 30% of the steps decay the
-    learning rate to a tenth, so the end point does not depend on where an oscillation stops. docs/experiments.md
-    has the measured base accuracy and tool use."""
+    """Build the tool toy into toy_dir atomically: same tokenizer and model as the default toy. Its accuracy stays
+    near 0 until copying is learned, suddenly, then climbs towards tool_fraction * (1 - typo_rate); the learning
+    rate decays to a tenth over the last 30% of the steps, so the end point does not depend on where an
+    oscillation stops (docs/experiments.md)."""
     def build(tmp):
         train, test = make_tool_problems(seed, n_train, n_test)
-        write_tool_parquet(f"{tmp}/train.parquet", train, "train")
-        write_tool_parquet(f"{tmp}/test.parquet", test, "test")
-        tokenizer = build_tokenizer(f"{tmp}/model")
-        model = build_model(tokenizer, seed)
-        t0, rng = time.time(), np.random.default_rng(seed)
-
-        def next_batch():
-            batch = [train[j] for j in rng.integers(len(train), size=batch_size)]
-            return encode_segments(tokenizer, [f"{a}*{b}=" for a, b in batch],
-                                   [noisy_tool_response(a, b, rng, tool_fraction, typo_rate) for a, b in batch])
-        # 20-step warm-up, then linear decay to lr / 10 over the last 30% of the steps
-        loss = warm_start(model, steps, lr, next_batch,
-                          lambda s: min((s + 1) / 20, 1.0, 0.1 + 0.9 * (steps - s) / (0.3 * steps)))
-        model.save_pretrained(f"{tmp}/model", safe_serialization=True)
+        model, tokenizer, loss, seconds = warm_started(
+            tmp, train, test, "*", seed, steps, lr, batch_size,
+            lambda a, b, rng: noisy_tool_response(a, b, rng, tool_fraction, typo_rate),
+            lambda s: min((s + 1) / 20, 1.0, 0.1 + 0.9 * (steps - s) / (0.3 * steps)))
         p_tool, p_direct, p_call = tool_success_probability(model, tokenizer, test)
         return {"version": TOOL_TOY_VERSION, "task": "a*b with a python tool", "seed": seed, "n_train": n_train,
                 "n_test": n_test, "steps": steps, "lr": lr, "tool_fraction": tool_fraction, "typo_rate": typo_rate,
-                "final_sft_loss": loss, "warm_start_seconds": round(time.time() - t0, 1),
+                "final_sft_loss": loss, "warm_start_seconds": round(seconds, 1),
                 "test_accuracy_t1": float((p_tool + p_direct).mean()), "test_tool_use_t1": float(p_call.mean()),
                 "test_direct_accuracy_t1": float(p_direct.mean())}
     return build_atomically(toy_dir, build)
@@ -441,8 +394,7 @@ def measure_with_tools(toy_dir=None, n_prompts=500, max_tokens=160, temperature=
     test = load_dataset(test_path, tokenizer, 64, False)[:n_prompts]
     engine = Engine(model_dir, seed=seed, max_model_len=64 + max_tokens, device=device)
     with SandboxPool(workers=workers, timeout_s=10) as pool:
-        t0 = time.time()
-        seeds = np.random.SeedSequence([seed, 7]).generate_state(len(test.keys))
+        t0, seeds = time.time(), np.random.SeedSequence([seed, 7]).generate_state(len(test.keys))
         rollouts = engine.generate(test.prompt_ids, seeds, max_tokens=max_tokens, temperature=temperature,
                                    tools=Tools(pool))
         seconds = time.time() - t0

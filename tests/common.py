@@ -23,6 +23,22 @@ ENV = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1",
 SNIPPET_TIMEOUT_S = 120
 
 
+def live_pids_with(marker: str) -> list[int]:
+    """Pids of live (non-zombie) host processes whose command line contains marker."""
+    pids = []
+    for name in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                cmdline = f.read()
+            with open(f"/proc/{name}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if marker.encode() in cmdline and state != "Z" and int(name) != os.getpid():
+            pids.append(int(name))
+    return pids
+
+
 @contextlib.contextmanager
 def one_thread():
     """In-process torch work on the tests' tiny models runs on one thread: their matrices are too small for a

@@ -95,7 +95,7 @@ def test_bf16_trains_with_fp32_master_weights_where_the_cpu_has_bf16_units(small
     """--bf16 on: the trainer computes in bf16 (FSDP2 mixed precision) and the engine samples in bf16, every push
     lands (the log-prob gap stays at bf16 rounding's size), and the weights the optimiser updates stay fp32. On a
     CPU without bf16 instructions the flag is one line instead (bf16 would be emulated, far slower)."""
-    from machinery.memory import native_bf16
+    from machinery.device import native_bf16
     proc = torchrun(2, *toy_args(small_toy, tmp_path, "--steps", "3", "--bf16", "on", "--eval_every", "0"))
     if not native_bf16():
         assert proc.returncode != 0 and "error: --bf16 on: this CPU has no bf16 instructions" in proc.stderr

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from common import SNIPPET_TIMEOUT_S, ok, one_thread, script_responses, toy_args, torchrun
-from hf_engine import HFEngine, choose_engine, processed_logprobs
+from hf_engine import HFEngine, processed_logprobs
+from rollout import choose_engine
 from rollout import CODE_STOP, Tools
 
 SAMPLED = {"temperature": 0.7, "top_k": 5, "top_p": 0.9}  # processed log-probs differ from the raw ones here

@@ -5,12 +5,12 @@ cache from the flag or the environment. How the trainer cuts its passes is tests
     .venv/bin/python -m pytest tests/test_memory.py -q
 """
 import os
-import subprocess
 
 import pytest
 import torch
 
-from machinery import memory
+import rollout
+from machinery import device, memory
 from common import python, toy_args
 
 
@@ -120,15 +120,15 @@ def test_gpu_memory_is_read_at_the_end_of_each_phase(tmp_path):
     script = (
         "import json, torch, torch.distributed as dist\n"
         "dist.init_process_group('gloo', init_method='tcp://127.0.0.1:0', rank=0, world_size=1)\n"
-        "from machinery import memory\n"
+        "from machinery import device\n"
         "used = iter([30, 50, 20, 10])\n"
         "torch.cuda.mem_get_info = lambda: ((80 - next(used)) * 2**30, 80 * 2**30)\n"
         "steps = []\n"
         "for _ in range(2):\n"
-        "    memory.phase_end(True, 'generate'); memory.phase_end(True, 'update')\n"
-        "    steps.append(memory.peak_metrics(True))\n"
-        "memory.phase_end(False, 'generate')  # CPU: nothing noted, VmHWM read\n"
-        "steps.append(sorted(memory.peak_metrics(False)))\n"
+        "    device.phase_end(True, 'generate'); device.phase_end(True, 'update')\n"
+        "    steps.append(device.peak_metrics(True))\n"
+        "device.phase_end(False, 'generate')  # CPU: nothing noted, VmHWM read\n"
+        "steps.append(sorted(device.peak_metrics(False)))\n"
         "print(json.dumps(steps))\n")
     proc = python("-c", script)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -145,7 +145,7 @@ def test_whole_model_units_hold_every_weight_and_gradient_at_once(tmp_path):
     whole = memory.rank_memory(shape, layer_units=False, **common)["gathered weights and their gradients"]
     assert by_layer == 2 * 4 * (shape.root_parameters + 2 * shape.layer_parameters)  # fp32 on CPU
     assert whole == 2 * 4 * shape.parameters > by_layer
-    assert [memory.use_layer_units(c, gpu) for c in ("auto", "layers", "model") for gpu in (False, True)] == \
+    assert [device.use_layer_units(c, gpu) for c in ("auto", "layers", "model") for gpu in (False, True)] == \
         [False, True, True, True, False, False]
 
 
@@ -173,7 +173,7 @@ def test_cpu_kv_cache_space_from_flag_or_environment(monkeypatch, flag, env, exp
         monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     else:
         monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", env)
-    message = memory.set_cpu_kv_cache(flag)
+    message = rollout.set_cpu_kv_cache(flag)
     assert (message is None) if error is None else message.startswith(error)
     if expected is not None:
         assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == expected
@@ -181,48 +181,13 @@ def test_cpu_kv_cache_space_from_flag_or_environment(monkeypatch, flag, env, exp
 
 def test_bf16_auto_is_gpu_only_and_on_without_bf16_units_is_one_line(monkeypatch, capsys):
     from machinery import memory
-    assert (memory.use_bf16("auto", True), memory.use_bf16("auto", False)) == ("on", "off")
-    monkeypatch.setattr(memory, "native_bf16", lambda: ["avx512_bf16"])
-    assert memory.use_bf16("on", False) == "on"
-    monkeypatch.setattr(memory, "native_bf16", lambda: [])
-    assert memory.use_bf16("on", True) == "on" and memory.use_bf16("off", False) == "off"  # a GPU has bf16
+    assert (device.use_bf16("auto", True), device.use_bf16("auto", False)) == ("on", "off")
+    monkeypatch.setattr(device, "native_bf16", lambda: ["avx512_bf16"])
+    assert device.use_bf16("on", False) == "on"
+    monkeypatch.setattr(device, "native_bf16", lambda: [])
+    assert device.use_bf16("on", True) == "on" and device.use_bf16("off", False) == "off"  # a GPU has bf16
     with pytest.raises(SystemExit):
-        memory.use_bf16("on", False)
+        device.use_bf16("on", False)
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--bf16 on: this CPU has no bf16 instructions" in err
 
-
-# A fresh 64 MiB tensor, written once: the page faults it took, and THP_MEM_ALLOC_ENABLE as torch saw it.
-FAULT_PROBE = """
-import os, resource, sys
-if sys.argv[1] == "spo":
-    import spo
-import torch
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-torch.ones(16 << 20)
-print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before, os.environ.get("THP_MEM_ALLOC_ENABLE"))
-"""
-
-
-def _faults(program, **env):
-    from common import ENV, PYTHON, ROOT
-    env = {**{k: v for k, v in ENV.items() if k != "THP_MEM_ALLOC_ENABLE"}, **env}
-    proc = subprocess.run([PYTHON, "-c", FAULT_PROBE, program], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    faults, setting = proc.stdout.split()[-2:]
-    return int(faults), setting
-
-
-def test_spo_puts_big_cpu_tensors_on_huge_pages_unless_told_not_to():
-    """spo.py sets THP_MEM_ALLOC_ENABLE before torch's first allocation: torch then asks the kernel for 2 MiB
-    pages for its big CPU tensors, and a fresh 64 MiB tensor takes a few dozen page faults instead of 16,384 (one
-    per 4 KiB page: most of a fresh gradient buffer's cost). A user's own setting wins."""
-    path = "/sys/kernel/mm/transparent_hugepage/enabled"  # e.g. "always [madvise] never"; absent: no THP
-    mode = open(path).read().split("[")[1].split("]")[0] if os.path.exists(path) else "absent"
-    plain, unset = _faults("plain")
-    spo_faults, on = _faults("spo")
-    _, told = _faults("spo", THP_MEM_ALLOC_ENABLE="0")
-    assert (unset, on, told) == ("None", "1", "0")
-    if mode == "madvise":  # (the common default; "always" gives every process huge pages, "never" none)
-        assert plain > 8000 and spo_faults < 1000, (plain, spo_faults)

@@ -1,5 +1,5 @@
-"""What a run records (machinery/metrics.py): the prompts drawn but never trained on, the all-equal batch note, and
-the console line's columns.
+"""What a run records (machinery/metrics.py): the prompts drawn but never trained on, the all-equal batch note,
+the console line's columns and the run's plot (plot_run).
 
     .venv/bin/python -m pytest tests/test_metrics.py -q
 """
@@ -50,3 +50,48 @@ def test_the_console_shows_kl_only_when_it_can_move(tmp_path, capsys):
         logger.close()
         line = capsys.readouterr().out.splitlines()[-1]
         assert line.startswith("step 1: reward=0.5 D=0.04") and "cut=0.25" in line and ("kl=" in line) == shown
+
+
+def _write_rows(path, rows, tail=""):
+    import json
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows) + tail)
+
+
+def _png_shape(path):
+    import matplotlib.image
+    with open(path, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    return matplotlib.image.imread(path).shape  # decodes: a whole, valid PNG
+
+
+def test_plot_run_draws_the_panels_the_metrics_have_and_never_fails(tmp_path, capsys):
+    """SPO's five panels (two rows of three); GRPO's file has no tracker keys: three panels (one row); an empty or
+    missing metrics file, or a row cut off mid-write, still gives a PNG."""
+    from machinery.metrics import plot_run
+    step = {"reward/mean": 0.25, "policy/entropy": 0.3}
+    tracker = {"tracker/value_mean": 0.2, "tracker/rho_mean": 0.9}
+    rows = ([{"step": 0, "time": 0.0, "eval/accuracy": 0.1}]
+            + [{"step": s, "time": float(s), **step, **tracker} for s in range(1, 5)]
+            + [{"step": 4, "time": 4.5, "eval/accuracy": 0.3}])
+    _write_rows(tmp_path / "spo" / "metrics.jsonl", rows, tail='{"step": 5, "reward/me')  # cut off by a crash
+    _write_rows(tmp_path / "grpo" / "metrics.jsonl",
+                [{k: v for k, v in row.items() if not k.startswith("tracker/")} for row in rows])
+    _write_rows(tmp_path / "empty" / "metrics.jsonl", [])
+    (tmp_path / "none").mkdir()
+    shapes = {}
+    for run in ("spo", "grpo", "empty", "none"):
+        path = plot_run(str(tmp_path / run))
+        assert path == str(tmp_path / run / "run.png")
+        shapes[run] = _png_shape(path)
+    assert shapes["spo"][0] > shapes["grpo"][0] and shapes["spo"][1] == shapes["grpo"][1]  # a second row of panels
+    assert not list(tmp_path.glob("*/run.png.tmp")) and "skipped" not in capsys.readouterr().out
+
+
+def test_plot_run_returns_none_with_one_line_when_it_cannot_write(tmp_path, capsys):
+    from machinery.metrics import plot_run
+    _write_rows(tmp_path / "metrics.jsonl", [{"step": 1, "time": 0.0, "reward/mean": 0.5}])
+    (tmp_path / "run.png.tmp").mkdir()  # the PNG cannot be written
+    assert plot_run(str(tmp_path)) is None
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and out[0].startswith("run plot skipped (")

@@ -26,12 +26,13 @@ def test_extract_code_takes_the_block_inside_the_last_code_tag():
                                          ("sandbox_memory_mb", 0)])
 def test_a_bad_tool_limit_is_one_line_and_exit_2_before_any_sandbox_starts(flag, value, capsys):
     import argparse
-    from rollout import add_tool_flags, tools_from_flags
+    from rollout import add_tool_flags, make_tools
     p = argparse.ArgumentParser()
     add_tool_flags(p)
     args = p.parse_args(["--tools", f"--{flag}", str(value)])
     with pytest.raises(SystemExit) as stop:
-        tools_from_flags(args)
+        make_tools(args.tools, args.max_turns, args.sandbox_workers, args.sandbox_timeout, args.sandbox_memory_mb,
+                   args.max_tool_output_chars)
     err = capsys.readouterr().err.strip().splitlines()
     low = 1e-3 if flag == "sandbox_timeout" else 1
     assert stop.value.code == 2 and err == [f"error: --{flag} must be at least {low}, got {value}"]
@@ -40,22 +41,122 @@ def test_a_bad_tool_limit_is_one_line_and_exit_2_before_any_sandbox_starts(flag,
 def test_tools_off_linux_are_refused_in_one_line_before_any_sandbox_starts(monkeypatch, capsys):
     """The sandbox needs Linux (prlimit, namespaces); elsewhere every tool call would only come back as error text."""
     import argparse
-    from rollout import add_tool_flags, tools_from_flags
+    from rollout import add_tool_flags, make_tools
     p = argparse.ArgumentParser()
     add_tool_flags(p)
     monkeypatch.setattr(sys, "platform", "darwin")
     with pytest.raises(SystemExit) as stop:
-        tools_from_flags(p.parse_args(["--tools"]))
+        make_tools(True, 8, 4, 30.0, 1024, 256)
     err = capsys.readouterr().err.strip().splitlines()
     assert stop.value.code == 2
     assert err == ["error: --tools needs Linux (the sandbox's prlimit and namespaces), not darwin"]
-    assert tools_from_flags(p.parse_args([])) is None  # without --tools nothing is refused
+    assert make_tools(False, 8, 4, 30.0, 1024, 256) is None  # without --tools nothing is refused
 
 
 def test_turn_seeds_are_the_trajectory_seed_then_distinct_and_deterministic():
     assert turn_seed(123, 0) == 123
     seeds = [turn_seed(123, k) for k in range(1, 9)]
     assert len(set(seeds + [123, turn_seed(124, 1)])) == 10 and seeds == [turn_seed(123, k) for k in range(1, 9)]
+
+
+# ---- progress, and vLLM's known-harmless warnings (no engine: our own callbacks, and the logging filters)
+def test_progress_is_called_once_per_trajectory_as_it_finishes():
+    """run_trajectories driven by start/step callbacks: request k finishes at step k + 1. The callable is called as
+    each trajectory finishes; with keep_first, the aborted ones (never finished) are not counted."""
+    from rollout import Segment, run_trajectories
+
+    def run(keep_first=None):
+        finishes_at, steps, calls = {}, [0], []
+
+        def start(ids, room, seed):
+            finishes_at[f"r{len(finishes_at)}"] = len(finishes_at) + 1
+            return f"r{len(finishes_at) - 1}"
+
+        def step():
+            steps[0] += 1
+            return [(rid, Segment([7], [0.0], "x", "stop", None)) for rid, at in finishes_at.items() if at == steps[0]]
+        out = run_trajectories(start, step, lambda ids: None, None, [[1]] * 4, range(4), max_tokens=8,
+                               max_model_len=64, keep_first=keep_first, progress=lambda: calls.append(steps[0]))
+        return out, calls
+    out, calls = run()
+    assert calls == [1, 2, 3, 4] and all(r is not None for r in out)  # one call per trajectory, at its step
+    out, calls = run(keep_first=2)
+    assert calls == [1, 2] and sum(r is not None for r in out) == 2
+
+
+class _Shown:
+    """The messages a logger passes on to its handlers (its filters ran) while in the with block."""
+
+    def __init__(self, logger):
+        import logging
+        self.logger, self.messages, self.handler = logger, [], logging.Handler()
+        self.handler.emit = lambda record: self.messages.append(record.getMessage())
+
+    def __enter__(self):
+        self.logger.addHandler(self.handler)
+        return self.messages
+
+    def __exit__(self, *exc):
+        self.logger.removeHandler(self.handler)
+
+
+def test_vllms_known_harmless_warnings_are_dropped_and_other_warnings_of_their_loggers_show():
+    import logging
+    from rollout import HARMLESS_VLLM_WARNINGS, SKIPPED_THREADS, HarmlessWarnings, drop_harmless_warnings
+    drop_harmless_warnings()
+    drop_harmless_warnings()  # once per process: a second call adds nothing
+    for name, messages in HARMLESS_VLLM_WARNINGS.items():
+        logger = logging.getLogger(name)
+        assert sum(isinstance(f, HarmlessWarnings) for f in logger.filters) == 1
+        others = ["something else went wrong", messages[0] + " And more.", messages[0][:-1]]  # exact text only
+        with _Shown(logger) as shown:
+            for message in [*messages, *others]:
+                logger.warning("%s", message)
+        assert shown == [*([SKIPPED_THREADS] if SKIPPED_THREADS in messages else []), *others], name
+        with _Shown(logger) as shown:
+            logger.error("%s", messages[0])  # the same text as an error: shown
+        assert shown == [messages[0]]
+    with _Shown(logging.getLogger("vllm.v1.worker.gpu_worker")) as shown:  # another logger: untouched
+        logging.getLogger("vllm.v1.worker.gpu_worker").warning(HARMLESS_VLLM_WARNINGS["vllm.config.vllm"][0])
+    assert len(shown) == 1
+
+
+def test_a_refused_set_num_threads_is_dropped_only_when_vllms_own_helper_asked(monkeypatch):
+    """vLLM's CPU worker swaps torch.set_num_threads for skip_set_num_threads, a warning: vLLM's own helper
+    (vllm/utils/torch_utils.py) calling it is dropped, a call from anywhere else (it had no effect) still shows."""
+    import logging
+    from rollout import SKIPPED_THREADS, drop_harmless_warnings
+    from vllm.utils.torch_utils import set_default_torch_num_threads
+    drop_harmless_warnings()
+    logger = logging.getLogger("vllm.v1.worker.cpu_worker")
+
+    def skip_set_num_threads(x):  # as cpu_worker.py's CPUWorker.init_device defines it
+        logger.warning("CPU backend doesn't allow to use `torch.set_num_threads` after the thread binding, skip it.")
+    monkeypatch.setattr(torch, "set_num_threads", skip_set_num_threads)
+    with _Shown(logger) as shown:
+        with set_default_torch_num_threads(1):  # vLLM's: on entry and on exit
+            pass
+        torch.set_num_threads(2)  # ours
+    assert shown == [SKIPPED_THREADS]
+
+
+def test_only_vllms_own_look_at_the_deprecated_reduce_op_is_quieted():
+    """vLLM's Triton kernel registry looks at every module attribute, torch.distributed.reduce_op too, which warns
+    FutureWarning (vllm/triton_utils/dispatcher.py); the same access from other code, and any other FutureWarning
+    of vLLM's module, still warn."""
+    import warnings
+    from rollout import drop_harmless_warnings
+    look = "import torch.distributed as dist\nhasattr(dist.reduce_op, '__dict__')\n"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        drop_harmless_warnings()
+        for module in ("vllm.triton_utils.dispatcher", "mycode"):
+            exec(compile(look, f"{module}.py", "exec"), {"__name__": module})
+        warnings.warn_explicit("another deprecation", FutureWarning, "dispatcher.py", 1,
+                               module="vllm.triton_utils.dispatcher")
+    assert [(w.category, w.filename, str(w.message)[:40]) for w in caught] == [
+        (FutureWarning, "mycode.py", "`torch.distributed.reduce_op` is depreca"),
+        (FutureWarning, "dispatcher.py", "another deprecation")]
 
 
 # ---- sleep mode: the order of calls

@@ -4,7 +4,6 @@ as one process, the weight push makes vLLM sample from the trained policy, and a
     .venv/bin/python -m pytest tests/test_trainer.py -q
 """
 import functools
-import os
 import sys
 
 import numpy as np
@@ -18,8 +17,7 @@ from common import end_worker, ok, torchrun
 def test_two_rank_fsdp2_gradients_and_normalisation_equal_one_process(small_toy, tmp_path):
     """Same global batch, one SGD step (lr 1, no clipping): the weights after the step are the gradients.
     World 2 must equal world 1, and Eq. 9's normalisation over two ranks must equal the single-process one.
-    FSDP2's units (CPU's default: the whole model; GPU's: each decoder layer) change no number at all. The
-    weights and gradients cross the ranks through collectives.SharedAllGather and SharedReduceScatter."""
+    FSDP2's units (CPU's default: the whole model; GPU's: each decoder layer) change no number at all."""
     out = {}
     for run, world, max_tokens, units in (("w1", 1, "none", "model"), ("w2", 2, "none", "model"),
                                           ("w2_tokens", 2, "20", "model"), ("w2_layers", 2, "none", "layers")):
@@ -35,9 +33,6 @@ def test_two_rank_fsdp2_gradients_and_normalisation_equal_one_process(small_toy,
         torch.testing.assert_close(out["w2_tokens"]["params"][name], p1, atol=2e-6, rtol=1e-5)
         moved = max(moved, (p1 - out["w1"]["before"][name]).abs().max().item())
     assert moved > 1e-4  # the step really moved the weights, so the comparison means something
-    # the two-rank gradients above came through collectives.SharedReduceScatter: once per micro-batch per unit
-    assert out["w1"]["reduce_scatters"] == 0 and out["w2"]["reduce_scatters"] >= out["w2"]["micro_batches"]
-    assert out["w2_layers"]["reduce_scatters"] > out["w2"]["reduce_scatters"]  # (a unit per layer, and the root)
     advantage = out["w1"]["raw_advantage"]
     expected = (advantage - advantage.mean()) / (advantage.std(ddof=1) + 1e-8)
     np.testing.assert_allclose(out["w2"]["normalised"], expected, rtol=1e-6, atol=1e-7)
@@ -74,37 +69,12 @@ def test_vllm_logprobs_match_trainer_after_weight_push(small_toy, tmp_path):
 
 
 @pytest.mark.slow
-def test_the_direct_cpu_push_gives_vllm_the_weights_reload_weights_gives(small_toy, tmp_path):
-    """Engine.push_weights on CPU writes into vLLM's model itself (rollout.load_weights_on_cpu): the samples and
-    log-probs after it are those after vLLM's own reload_weights of the same weights, bit for bit; a fused layer
-    with a part missing is refused before anything is written (push_weights then falls back to reload_weights)."""
-    ok(torchrun(1, "tests/test_trainer.py", "direct_push_worker", str(tmp_path / "push.pt"), small_toy["model"]))
-    result = torch.load(tmp_path / "push.pt", weights_only=False)
-    assert result["direct"] == [True] and result["moved"]
-    assert result["ids_reload"] == result["ids_direct"]
-    assert np.array_equal(result["logprobs_reload"], result["logprobs_direct"])
-    for written, ids, logprobs in result["refused"].values():  # a partial fused layer: refused, nothing written
-        assert written == [False] and ids == result["ids_direct"]
-        assert np.array_equal(logprobs, result["logprobs_direct"])
-
-
-@pytest.mark.slow
 def test_the_bucketed_weight_gather_equals_full_tensor_with_uneven_shards(tmp_path):
     """full_parameters gathers many shards per collective: on 3 ranks (7, 3 and 11 rows: uneven shards, a rank
     with fewer rows) and for buckets of one tensor, a few and all, the same names, order and bytes as
     DTensor.full_tensor() and as the unsharded weights, also cast to bf16 before the gather. all_gather_objects
     returns what torch's all_gather_object does, with pickles under, over and far over its first buffer."""
     ok(torchrun(3, "tests/test_trainer.py", "gather_worker", str(tmp_path / "ok")))
-    assert (tmp_path / "ok").exists()
-
-
-@pytest.mark.slow
-def test_the_shared_memory_gather_and_reduce_scatter_give_gloos_bytes_and_fsdp2s_numbers(tmp_path):
-    """collectives.SharedAllGather and SharedReduceScatter, FSDP2's big collectives on gloo through shared memory:
-    on 3 ranks gloo's bytes (all_gather_into_tensor; reduce_scatter_tensor summed and averaged), through a buffer
-    that grows and shrinks; under FSDP2 the same outputs and gradients as FSDP2's own comms (up to the sum's order),
-    FSDP2 calling them; no shared file left behind; without room in /dev/shm, a file in the temporary directory."""
-    ok(torchrun(3, "tests/test_trainer.py", "shared_comms_worker", str(tmp_path / "ok")))
     assert (tmp_path / "ok").exists()
 
 
@@ -272,7 +242,6 @@ def grad_worker(out, model_path, max_tokens, units):
     build = functools.partial(trainer.build_policy, model_path, lr=1.0, weight_decay=0.0,
                               layer_units=units == "layers")
     rank, world, device = trainer.setup_distributed()
-    trainer.SharedReduceScatter = Counted = _counted(trainer.SharedReduceScatter)  # what build_policy gives FSDP2
     policy, _ = build(device)
     optimizer = torch.optim.SGD(policy.parameters(), lr=1.0)
     before = {k: v.clone() for k, v in trainer.full_parameters(policy)}
@@ -286,7 +255,6 @@ def grad_worker(out, model_path, max_tokens, units):
     _update(policy, optimizer, rollouts[mine], old, advantage[mine], micro_batch_size=2, grad_clip=1e9,
             max_tokens=max_tokens)
     params = {k: v.clone() for k, v in trainer.full_parameters(policy)}
-    reduce_scatters = Counted.calls  # world 1: FSDP2 has nothing to reduce
     normalised = collectives.all_gather_np(global_normalise(advantage[mine]))
     micro_batches = len(batching.micro_batches([len(r.prompt_ids) + len(r.response_ids) for r in rollouts[mine]],
                                                2, max_tokens))
@@ -326,7 +294,7 @@ def grad_worker(out, model_path, max_tokens, units):
     if rank == 0:
         torch.save({"params": params, "before": before, "raw_advantage": advantage, "normalised": normalised,
                     "micro_batches": micro_batches, "old": old_all, "entropy": entropy / world, "reuse": reuse,
-                    "clip": clip, "reduce_scatters": reduce_scatters}, out)
+                    "clip": clip}, out)
     end_worker()
 
 
@@ -364,81 +332,6 @@ def gather_worker(out):
     end_worker()
 
 
-def shared_comms_worker(out):
-    import glob
-    import torch.distributed as dist
-    from machinery import collectives, trainer
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    rank, world, _ = trainer.setup_distributed()
-    mesh = init_device_mesh("cpu", (world,))
-    gather, scatter = _counted(collectives.SharedAllGather)(dist.group.WORLD), \
-        _counted(collectives.SharedReduceScatter)(dist.group.WORLD)
-    for n in (13, 1000, 5):  # the buffer grows, then serves a smaller call
-        for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
-            # whole numbers: every order of the sum is exact, so gloo's bytes whatever its order on 3 ranks
-            full = torch.randint(-50, 50, (world * n,), generator=torch.Generator().manual_seed(rank + n)).float()
-            expected = torch.empty(n)
-            dist.reduce_scatter_tensor(expected, full.clone(), op=op)
-            slot = scatter.allocate((world * n,), dtype=torch.float32, device="cpu")
-            slot.copy_(full)  # (FSDP2's copy-in)
-            got = scatter.allocate((n,), dtype=torch.float32, device="cpu").fill_(float("nan"))
-            scatter(got, slot, dist.group.WORLD, op)
-            assert torch.equal(got, expected), (n, op)
-        shard = torch.randn(n, generator=torch.Generator().manual_seed(rank))
-        expected = torch.empty(world * n)
-        dist.all_gather_into_tensor(expected, shard)
-        gathered = gather.allocate((world * n,), dtype=torch.float32, device="cpu")
-        gather(gathered, shard, dist.group.WORLD)  # (a separate input: copied into this rank's slice)
-        assert torch.equal(gathered, expected), n
-    results = {}
-    for comm in ("default", "shared"):
-        torch.manual_seed(1)
-        net = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
-        fully_shard(net, mesh=mesh)
-        if comm == "shared":
-            net.set_custom_all_gather(gather)
-            net.set_custom_reduce_scatter(scatter)
-        y = net(torch.randn(4, 5, generator=torch.Generator().manual_seed(rank)))
-        y.square().sum().backward()
-        results[comm] = (y.detach(), [p.grad.to_local().clone() for p in net.parameters()])
-    assert torch.equal(results["default"][0], results["shared"][0])  # the gather moves bytes: the same outputs
-    for a, b in zip(results["default"][1], results["shared"][1], strict=True):  # the sum's order: the last bit
-        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7)
-    assert gather.calls >= 3 + 1 and scatter.calls == 6 + 1  # FSDP2 really went through them
-    dist.barrier()
-    assert not glob.glob("/dev/shm/spo-fsdp-*")  # every shared file's name is gone; the memory goes with the ranks
-    # a /dev/shm without room (a container's 64 MiB): the buffer is a file in the temporary directory instead
-    import tempfile
-    statvfs = collectives.os.statvfs
-    collectives.os.statvfs = lambda path: os.statvfs_result((4096, 4096, 0, 0, 0, 0, 0, 0, 0, 255))
-    buffer, mapped = collectives._shared_buffer(1 << 20, dist.group.WORLD)
-    collectives.os.statvfs = statvfs
-    if rank == 0:
-        buffer[-1] = 7
-    dist.barrier()
-    assert buffer[-1].item() == 7  # written by rank 0, read here: one memory
-    at = buffer.data_ptr()
-    mapping = [line for line in open("/proc/self/maps")
-               if int(line.split("-")[0], 16) <= at < int(line.split()[0].split("-")[1], 16)]
-    assert len(mapping) == 1 and "spo-fsdp-" in mapping[0], mapping
-    assert mapping[0].split()[5].startswith(tempfile.gettempdir()), mapping  # not /dev/shm
-    dist.barrier()
-    if rank == 0:
-        open(out, "w").close()
-    end_worker()
-
-
-def _counted(comm):
-    class Counted(comm):
-        calls = 0
-
-        def __call__(self, *args, **kwargs):
-            type(self).calls += 1
-            return super().__call__(*args, **kwargs)
-    return Counted
-
-
 def push_worker(out, model_path):
     from machinery import trainer
     from rollout import Engine
@@ -462,42 +355,6 @@ def push_worker(out, model_path):
     unchanged = all(torch.equal(before[k], v) for k, v in trainer.full_parameters(policy))
     torch.save({"gap_before_push": gap_before, "gap_after_push": gap_after,
                 "nonfinite_flagged": stats["nonfinite"], "nonfinite_left_weights_alone": unchanged}, out)
-    engine.shutdown()
-
-
-def direct_push_worker(out, model_path):
-    from machinery import trainer
-    from rollout import Engine, load_weights_on_cpu
-    trainer.setup_distributed()
-    engine = Engine(model_path, seed=0, max_model_len=128, device=torch.device("cpu"))
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    prompts = [r.prompt_ids for r in _fixed_batch(90)[0]]
-
-    def sample():
-        rollouts = engine.generate(prompts, seeds=range(len(prompts)), max_tokens=16)
-        return [r.response_ids for r in rollouts], np.concatenate([r.logprobs for r in rollouts])
-
-    ids_before, _ = sample()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.05)
-    weights = [(n, p.detach().clone()) for n, p in model.named_parameters(remove_duplicate=False)]
-    engine.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})  # vLLM's own path
-    ids_reload, logprobs_reload = sample()
-    engine.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": ((n, t * 0) for n, t in weights)})
-    direct = engine.llm.apply_model(functools.partial(load_weights_on_cpu, named_tensors=weights))
-    ids_direct, logprobs_direct = sample()
-    # a fused layer pushed with a part missing (k; q and k: a lone third part) is refused before anything is
-    # written: zeros everywhere else would change every sample
-    refused = {}
-    for missing in (("k_proj",), ("q_proj", "k_proj")):
-        partial = [(n, t * 0) for n, t in weights if not any(f"layers.0.self_attn.{m}." in n for m in missing)]
-        written = engine.llm.apply_model(functools.partial(load_weights_on_cpu, named_tensors=partial))
-        refused[missing] = (written, *sample())
-    torch.save({"direct": direct, "moved": ids_reload != ids_before, "ids_reload": ids_reload,
-                "ids_direct": ids_direct, "logprobs_reload": logprobs_reload, "logprobs_direct": logprobs_direct,
-                "refused": refused}, out)
     engine.shutdown()
 
 

@@ -245,7 +245,7 @@ def test_signal_metrics_by_hand():
 ])
 def test_bad_flags_get_one_clear_line(argv, match, capsys):
     with pytest.raises(SystemExit):
-        variants.check_args(spo.parse_args(argv), world=2)
+        variants.check_flags(vars(spo.parse_args(argv)), world=2)
     err = capsys.readouterr().err
     assert match in err and len(err.strip().splitlines()) == 1, err
 
@@ -258,28 +258,28 @@ def test_no_float_flag_takes_a_non_number(value, capsys):
     assert len(floats) >= 15  # the check below must really cover the float flags
     for name in floats:
         with pytest.raises(SystemExit):
-            variants.check_args(spo.parse_args([f"--{name}={value}"]), world=2)
+            variants.check_flags(vars(spo.parse_args([f"--{name}={value}"])), world=2)
         err = capsys.readouterr().err
         assert f"--{name} must be a finite number" in err and len(err.strip().splitlines()) == 1, (name, err)
 
 
 def test_a_preset_fills_only_the_flags_left_unset():
     """--preset paper_regime: its values where the command line said nothing, the command line's where it did, and
-    no probe for an estimator without a tracker (check_args would refuse it)."""
+    no probe for an estimator without a tracker (check_flags would refuse it)."""
     preset = variants.PRESETS["paper_regime"]
     args = spo.parse_args(["--preset", "paper_regime", "--lr", "3e-5"])
     assert args.lr == 3e-5 and args.steps == preset["steps"] and args.train_prompts == preset["train_prompts"]
     assert args.probe_every == preset["probe_every"]
     grpo = spo.parse_args(["--preset", "paper_regime", "--algo", "grpo"])
     assert grpo.probe_every == 0 and grpo.steps == preset["steps"]
-    variants.check_args(grpo, world=2)  # no error line
+    variants.check_flags(vars(grpo), world=2)  # no error line
     assert spo.parse_args([]).steps == 150 and spo.parse_args([]).train_prompts == 0
 
 
 @pytest.mark.parametrize("argv", [["--algo", "grpo"], ["--algo", "grpo", "--offline_values", "none"],
                                   ["--algo", "reinforce_pp"], ["--reward", "reward:numeric_match"]])
 def test_the_default_offline_values_pass_the_flag_check(argv):
-    variants.check_args(spo.parse_args(argv), world=2)  # no error: 'auto' is the default, 'none' says what happens
+    variants.check_flags(vars(spo.parse_args(argv)), world=2)  # no error: 'auto' is the default, 'none' says what happens
 
 
 @pytest.mark.parametrize("algo", ["grpo", "rloo", "dr_grpo", "reinforce_pp"])
@@ -293,7 +293,7 @@ def test_the_default_offline_values_are_silently_unused_without_a_tracker(algo, 
 
     def tracker_of(argv):
         args = spo.parse_args(argv + ["--toy_dir", str(tmp_path)])
-        variants.check_args(args, world=2)
+        variants.check_flags(vars(args), world=2)
         v0_settings = training_v0_settings(args, None, None)
         path = toy_values_path(args.toy_dir, args.n0, args.seed, v0_settings)  # the cache 'auto' reads on the toy
         with open(path, "w") as f:
@@ -311,12 +311,16 @@ def test_spo_py_stops_on_a_bad_reward_before_the_engine_starts():
 
 
 def _load_data(argv):
-    """spo.py's data step (tokenizer, model checks, datasets) on the shipped toy, in this process."""
+    """spo.py's data step (spo.start: the context check, then the datasets) on the shipped toy, in this process."""
+    from machinery.data import check_context, load_tokenizer, load_train_and_test
     from tasks import toy
     shipped = f"{toy.BUILT}/toy"
     args = spo.parse_args(["--model", f"{shipped}/model", "--train", f"{shipped}/train.parquet", "--test",
                            f"{shipped}/test.parquet", *argv])
-    return spo.load_data(args, None, args.batch_size // args.group_size, is_main=True)
+    check_context(args.model, args.max_prompt_len + args.max_response_len, "--max_prompt_len + --max_response_len")
+    return load_train_and_test(load_tokenizer(args.model), args.train, args.test, max_prompt_len=args.max_prompt_len,
+                               train_prompts=0, test_prompts=args.eval_max_prompts, min_prompts=args.batch_size,
+                               system_prompt=None, verbose=True)
 
 
 def test_spo_py_refuses_a_context_beyond_the_models_positions_before_the_engine_starts(capsys):

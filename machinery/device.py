@@ -1,0 +1,75 @@
+"""What changes between a CPU and a GPU run, decided once so that the memory estimate, the trainer and the engine
+agree: gradient checkpointing, FSDP2's units, bf16 (each `auto`: on GPU only), and the device memory a run reports.
+No library makes these decisions for us; torch.cuda and /proc give the readings.
+"""
+from machinery.memory import GIB
+
+
+def use_gradient_checkpointing(choice, on_gpu):
+    """--gradient_checkpointing auto/on/off -> bool (auto: on GPU only, trainer.build_policy's default), resolved
+    once so that the estimate and the policy agree."""
+    return on_gpu if choice == "auto" else choice == "on"
+
+
+BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")  # x86 (AVX-512 BF16, AMX), Arm (FEAT_BF16)
+
+
+def native_bf16():
+    """The bf16 instruction flags /proc/cpuinfo lists (empty: torch emulates bf16 matmuls, or no /proc)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(" ".join(line for line in f if line.startswith(("flags", "Features"))).split())
+    except OSError:
+        return []
+    return [f for f in BF16_FLAGS if f in flags]
+
+
+def use_bf16(choice, on_gpu):
+    """--bf16 auto/on/off -> "on" or "off", resolved once (auto: on GPU only: the default run's numbers are fp32 on
+    CPU). On a CPU without bf16 instructions "on" is one line and exit 2: torch would emulate every bf16 matmul,
+    about 100x slower than fp32 (bench/limits.py measures both)."""
+    if choice == "on" and not on_gpu and not native_bf16():
+        from machinery.errors import fail
+        fail("--bf16 on: this CPU has no bf16 instructions (none of " + ", ".join(BF16_FLAGS) + " in /proc/cpuinfo), "
+             "so bf16 matmuls would be emulated, far slower than fp32; leave --bf16 at auto", once=True)
+    return ("on" if on_gpu else "off") if choice == "auto" else choice
+
+
+def use_layer_units(choice, on_gpu):
+    """--fsdp_units auto/layers/model -> bool: each decoder layer its own FSDP2 unit (auto: on GPU only,
+    trainer.build_policy's default), resolved once so that the estimate and the policy agree."""
+    return on_gpu if choice == "auto" else choice == "layers"
+
+
+_gpu = {"phases": {}, "peak": 0.0}  # GPU: memory in use at this step's phase ends (phase_end), the largest so far
+
+
+def phase_end(on_gpu, phase):
+    """GPU: note the device memory in use at the end of a phase (spo.py: "generate", with vLLM awake; "update",
+    before the push empties PyTorch's cache). total - free counts everything on the card: the CUDA context, NCCL,
+    vLLM's pools (awake or asleep) and what PyTorch's caching allocator holds, which keeps the phase's high-water
+    mark of reserved blocks until emptied. max_memory_allocated would count vLLM's slept blocks and miss the
+    context. CPU: nothing (peak_metrics reads the process's true peak)."""
+    if on_gpu:
+        import torch
+        free, total = torch.cuda.mem_get_info()
+        _gpu["phases"][phase] = total - free
+
+
+def peak_resident_bytes():
+    """This process's peak resident memory (Linux VmHWM), in bytes."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
+def peak_metrics(on_gpu):
+    """memory/peak_gib: the largest peak over the ranks so far, to set against the estimate printed at start. CPU:
+    the process's peak resident memory (VmHWM: trainer, engine and libraries). GPU: the most device memory in use
+    at the end of a phase (phase_end) so far, and this step's per phase (memory/<phase>_gib), max over ranks."""
+    from machinery.collectives import all_reduce_np
+    if not on_gpu:
+        return {"memory/peak_gib": float(all_reduce_np([peak_resident_bytes()], op="max")[0]) / GIB}
+    names = sorted(_gpu["phases"])
+    used = all_reduce_np([_gpu["phases"].pop(name) for name in names] + [0.0], op="max") / GIB  # every rank alike
+    _gpu["peak"] = max(_gpu["peak"], float(used.max()))
+    return {"memory/peak_gib": _gpu["peak"], **{f"memory/{name}_gib": float(v) for name, v in zip(names, used)}}
