@@ -13,17 +13,15 @@ verifier reads the response:
   the last box, and a policy can learn never to end its answer (docs/design.md, Rewards).
 `think_format=True` adds the authors' gate for thinking models: exactly one `</think>` and no tool tag after it.
 
-Your own verifier (`--reward module:function` or `--reward path/to/file.py:function`) is a function
-`fn(response_text: str, ground_truth: str) -> 0 or 1`: it reads the response with the tool blocks removed (after
-the think gate, which scores 0 without calling it) and the data's answer as a stripped string, and returns 0 or 1
-(bool, int or float). Binary, because SPO's tracker is a Beta posterior over successes (Eq. 5) and pass@k, maj@k
-and the offline-values check count successes; any other value stops the run with one line naming --reward.
-`numeric_match` is a second verifier, as an example: numbers compare by value. `math_verify` compares the final
-box with the ground truth by mathematical equivalence (`\\frac{1}{2}` = `0.5`), with the optional math-verify package.
+Your own verifier (`--reward module:function` or `--reward path/to/file.py:function`, docs/own-model-and-data.md)
+is a function `fn(response_text, ground_truth) -> 0 or 1` that reads the response with the tool blocks removed
+(after the think gate) and the answer as a stripped string. Binary, because SPO's tracker is a Beta posterior over
+successes (Eq. 5) and pass@k, maj@k and the offline-values check count successes; any other value stops the run
+with one line naming --reward. `numeric_match` (numbers by value) and `math_verify` (mathematical equivalence,
+with the optional math-verify package) are two more verifiers.
 
     from reward import boxed_reward, rewards
     boxed_reward("so the sum is \\\\boxed{17}", "17")                       # 1.0
-    numeric_match("so the sum is \\\\boxed{17.0}", "17")                    # 1.0 (exact_match: 0.0)
     rewards(rollouts, ground_truths, think_format=False, truncated_reward="zero")   # (B,) for rollout.Rollout
 """
 import functools

@@ -29,11 +29,9 @@ Used by spo.py, offline_values.py and eval.py; not run on its own:
     with SandboxPool(workers=4) as pool:
         rollouts = engine.generate(prompt_ids, seeds, max_tokens=256, tools=Tools(pool))
 """
-import logging
 import os
 import re
 import sys
-import warnings
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -41,6 +39,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from machinery.console import quiet_vllm
 from sandbox import interpreter_text, show_last_expression
 
 CODE_STOP = "</code>"
@@ -111,76 +110,6 @@ def response_budget(max_response_len, tools):
     return max_response_len if max_response_len is not None else 160 if tools else 32  # a given 0 reaches the check
 
 
-def quiet_vllm():
-    """WARNING and above from vLLM unless VLLM_LOGGING_LEVEL is set: its start-up report and per-push INFO lines
-    would bury the progress bar; and vLLM's known-harmless warnings dropped (drop_harmless_warnings). Call it
-    before vllm is imported (Engine imports it)."""
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    drop_harmless_warnings()
-
-
-# The warnings vLLM (and torch through it) prints at every engine start that say nothing a user of these programs
-# can act on (docs/design.md, "A quiet console"): logger name -> its exact messages. Other messages of the same
-# loggers, and every other logger, still show.
-SKIPPED_THREADS = "CPU backend doesn't allow to use `torch.set_num_threads` after the thread binding, skip it."
-HARMLESS_VLLM_WARNINGS = {
-    "vllm.triton_utils.importing": ("Triton is installed, but doesn't include CPU backend. Disabling Triton.",),
-    "vllm.platforms.cpu": ("Triton is not installed. triton-cpu is expected on x86 CPUs.",
-                           "Reset SSM cache type to float32 for accelerated GDN mamba backend 'none'."),
-    "vllm.config.vllm": ("Model Runner V2 requires Triton; using the V1 model runner instead.",
-                         "Enforce eager set, disabling torch.compile, CUDAGraphs, and JIT kernel warmup. This is "
-                         "equivalent to setting -cc.mode=none -cc.cudagraph_mode=none and "
-                         "--kernel_config.enable_jit_warmup=False",
-                         "Inductor compilation was disabled by user settings, optimizations settings that are only "
-                         "active during inductor compilation will be ignored."),
-    "vllm.engine.arg_utils": ("This model does not officially support disabling chunked prefill. Disabling this "
-                              "manually may cause the engine to crash or produce incorrect outputs.",),
-    "vllm.v1.worker.cpu_worker": (*(f"{lib} is not found in LD_PRELOAD. For best performance, please follow the "
-                                    "section `set LD_PRELOAD` in https://docs.vllm.ai/en/latest/getting_started/"
-                                    "installation/cpu/ to setup required pre-loaded libraries."
-                                    for lib in ("libtcmalloc", "libiomp")),
-                                  SKIPPED_THREADS),  # only when vLLM's own thread helpers asked: _vllm_own_threads
-    # every push: rotary layers hold a cos/sin cache but no weights, and vLLM puts the cache back by itself
-    "vllm.model_executor.model_loader.reload.layerwise": ("RotaryEmbedding: Failed to load weights",),
-}
-
-
-def _vllm_own_threads():
-    """Whether the torch.set_num_threads call being refused (vLLM's CPU worker swaps torch.set_num_threads for
-    skip_set_num_threads, a warning) came from vLLM's own thread helpers (vllm/utils/torch_utils.py). A call from
-    anywhere else, ours included, still warns: it did not take effect."""
-    frame = sys._getframe()
-    while frame is not None and frame.f_code.co_name != "skip_set_num_threads":
-        frame = frame.f_back
-    caller = frame.f_back if frame is not None else None
-    return caller is not None and caller.f_code.co_filename.endswith(os.path.join("vllm", "utils", "torch_utils.py"))
-
-
-class HarmlessWarnings(logging.Filter):
-    """A logger's filter that drops the warnings (not errors) whose message is exactly one of `messages`."""
-
-    def __init__(self, messages):
-        super().__init__()
-        self.messages = frozenset(messages)
-
-    def filter(self, record):
-        message = record.getMessage()
-        return (record.levelno > logging.WARNING or message not in self.messages
-                or (message == SKIPPED_THREADS and not _vllm_own_threads()))
-
-
-def drop_harmless_warnings():
-    """Filters for HARMLESS_VLLM_WARNINGS on their loggers (once per process), and for the FutureWarning that vLLM's
-    Triton kernel registry raises as it scans every module's attributes (`torch.distributed.reduce_op` is
-    deprecated: it only looks at it). Works before vllm is imported (loggers are looked up by name)."""
-    for name, messages in HARMLESS_VLLM_WARNINGS.items():
-        logger = logging.getLogger(name)
-        if not any(isinstance(f, HarmlessWarnings) for f in logger.filters):
-            logger.addFilter(HarmlessWarnings(messages))
-    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.reduce_op` is deprecated",
-                            category=FutureWarning, module=r"vllm\.triton_utils\.dispatcher")
-
-
 def start_program(engine, cpu_kv_cache_gib):
     """What spo.py, eval.py and offline_values.py do first, written once: the process group (trainer.py), vLLM's
     console quieted (quiet_vllm) and its CPU KV cache set (set_cpu_kv_cache; a bad value stops with one line), and
@@ -229,7 +158,7 @@ def choose_engine(choice, is_main):
     why = f"--engine {choice}"
     if choice == "auto":
         try:
-            import vllm  # noqa: F401
+            import vllm  # noqa: F401 - only whether it imports
             choice, why = "vllm", "--engine auto: vllm imports"
         except Exception as e:  # noqa: BLE001 - not installed, or installed but broken
             choice, why = "hf", f"--engine auto: vllm does not import ({type(e).__name__}: {str(e)[:120]})"
@@ -403,7 +332,7 @@ class Engine:
                  temperature=1.0, compile_model=None, bf16=None):
         """compile_model: torch.compile vLLM's model (None: on GPU only; on CPU it costs start-up:
         docs/benchmarks.md). bf16: the model's dtype (None: bf16 on GPU, fp32 on CPU), the trainer's compute dtype."""
-        drop_harmless_warnings()  # (programs did it in quiet_vllm already; a test's engine too)
+        quiet_vllm()  # (programs did it in start_program already; a test's engine too)
         from vllm import LLM  # imported here: importing vllm is slow and only the rollout needs it
         self.on_gpu = device.type == "cuda"
         if not self.on_gpu and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:

@@ -1,10 +1,9 @@
 """Run one untrusted Python snippet for tool-integrated reasoning (paper section 5.1, Appendix D).
 
 The policy writes a ```python block, we run it here, and its stdout + stderr go back into the context
-(format_tool_output cuts it to 256 characters, first and last 128, as the authors do; interpreter_text wraps it
-in the <interpreter> tags the tool loop appends; show_last_expression makes a bare last expression print, as a
-REPL would). The sandbox is stateless: every run is a fresh interpreter in a fresh directory, and nothing a
-snippet does (timeout, crash, flood, fork bomb) raises in the caller; it all comes back as a SandboxResult.
+(format_tool_output, interpreter_text). The sandbox is stateless: every run is a fresh interpreter in a fresh
+directory, and nothing a snippet does (timeout, crash, flood, fork bomb) raises in the caller; it all comes back
+as a SandboxResult.
 
     from sandbox import run_code, SandboxPool, format_tool_output
     print(format_tool_output(run_code("print(2**100)", timeout_s=30, memory_mb=1024)))
@@ -12,51 +11,48 @@ snippet does (timeout, crash, flood, fork bomb) raises in the caller; it all com
         results = pool.map(codes)                   # in order; futures via pool.submit(code)
 
 How a run is built (`isolation()` probes once which of these the machine allows, best first):
-  prlimit   memory (RLIMIT_AS), CPU seconds, processes, open files, file size, no core dumps;
-            a binary rather than preexec_fn, so a big, threaded parent forks cheaply (vfork) and safely.
-  unshare   new network namespace (only a downed loopback: no network at all), new pid namespace
-            (the snippet sees only its own processes; all of them die with it), new mount namespace
-            with a fresh /proc and fresh size-capped tmpfs on /tmp, /var/tmp, /dev/shm, /run/lock:
-            the working directory is the private /tmp, gone when the run ends. (If the interpreter or its
-            venv lives under one of those dirs, that dir is bound read-only instead of hidden.)
-            New IPC namespace: SysV shm, queues, semaphores and POSIX message queues are the run's
-            own, unseen by other runs and gone with it. As root we also set its limits (shmmax, shmall:
-            all segments together at most memory_mb; shm_rmid_forced: a segment dies with its last
-            user; few queues and semaphores), so IPC holds little beyond the run's limits while it
-            lasts; without root the snippet is root of the namespace's owner and could lift them.
-            No UTS or cgroup namespace: they would guard nothing (a new UTS namespace shows the same
-            hostname, which the snippet cannot change anyway; a cgroup one only renames cgroup paths).
-  seccomp   a filter (set by a short launcher before setpriv, kept through every fork and exec) fails
-            with EPERM: socket(AF_UNIX, ...); socketpair(AF_UNIX, ...) unless SOCK_STREAM (a datagram
-            pair can sendto() any path; a stream pair stays connected, so multiprocessing and asyncio
-            work); io_uring_setup (io_uring makes and connects sockets without syscalls a filter
-            sees); every syscall of another ABI (i386 via int 0x80, x32, arm32); without namespaces
-            also SysV IPC and POSIX message queues, which would outlive the run on the host. So no
-            snippet reaches a Unix socket of the host, wherever it lives (/run/*.sock, docker.sock, a
-            dir bound read-only: connect() needs no write access). multiprocessing.Manager and the
-            forkserver start method listen on AF_UNIX, so they fail.
-  setpriv   when we are root: a dedicated unprivileged uid per concurrent run (60000 + slot, claimed
-            with flock so parallel trainers never share one), no supplementary groups, no_new_privs.
-            Root ignores RLIMIT_NPROC, so this is what stops a fork bomb; it also keeps the snippet off
-            root-owned files and /proc/<pid>/environ of other processes.
-Plus: `python -I` (no PYTHON* variables, no user site), a scrubbed environment (PATH, HOME, LANG,
-TMPDIR and single-threaded BLAS; nothing of ours), stdin closed, a new session; output read while it
-arrives, each stream capped at max_output_bytes (first and last halves kept); at the wall-clock limit
-the whole process group is SIGKILLed and every process of the run (its group, its uid) is hunted down.
-Without unshare, runs get a host temp dir (removed afterwards) and network_isolated=False; without
-root, no dedicated uid (a snippet that calls setsid can then outlive the run); without seccomp (a
-kernel without it, an architecture other than x86_64 and aarch64), unix_sockets_blocked=False.
+  prlimit   memory (RLIMIT_AS), CPU seconds, processes, open files, file size, no core dumps; a binary rather than
+            preexec_fn, so a big, threaded parent forks cheaply (vfork) and safely.
+  unshare   new network namespace (only a downed loopback: no network at all), new pid namespace (the snippet sees
+            only its own processes; all of them die with it), new mount namespace with a fresh /proc and fresh
+            size-capped tmpfs on /tmp, /var/tmp, /dev/shm, /run/lock: the working directory is the private /tmp, gone
+            when the run ends. (If the interpreter or its venv lives under one of those dirs, that dir is bound
+            read-only instead of hidden.) New IPC namespace: SysV shm, queues, semaphores and POSIX message queues are
+            the run's own, unseen by other runs and gone with it. As root we also set its limits (shmmax, shmall: all
+            segments together at most memory_mb; shm_rmid_forced: a segment dies with its last user; few queues and
+            semaphores), so IPC holds little beyond the run's limits while it lasts; without root the snippet is root
+            of the namespace's owner and could lift them. No UTS or cgroup namespace: they would guard nothing (a new
+            UTS namespace shows the same hostname, which the snippet cannot change anyway; a cgroup one only renames
+            cgroup paths).
+  seccomp   a filter (set by a short launcher before setpriv, kept through every fork and exec) fails with EPERM:
+            socket(AF_UNIX, ...); socketpair(AF_UNIX, ...) unless SOCK_STREAM (a datagram pair can sendto() any path;
+            a stream pair stays connected, so multiprocessing and asyncio work); io_uring_setup (io_uring makes and
+            connects sockets without syscalls a filter sees); every syscall of another ABI (i386 via int 0x80, x32,
+            arm32); without namespaces also SysV IPC and POSIX message queues, which would outlive the run on the
+            host. So no snippet reaches a Unix socket of the host, wherever it lives (/run/*.sock, docker.sock, a dir
+            bound read-only: connect() needs no write access). multiprocessing.Manager and the forkserver start method
+            listen on AF_UNIX, so they fail.
+  setpriv   when we are root: a dedicated unprivileged uid per concurrent run (60000 + slot, claimed with flock so
+            parallel trainers never share one), no supplementary groups, no_new_privs. Root ignores RLIMIT_NPROC, so
+            this is what stops a fork bomb; it also keeps the snippet off root-owned files and /proc/<pid>/environ of
+            other processes.
+Plus: `python -I` (no PYTHON* variables, no user site), a scrubbed environment (PATH, HOME, LANG, TMPDIR and
+single-threaded BLAS; nothing of ours), stdin closed, a new session; output read while it arrives, each stream
+capped at max_output_bytes (first and last halves kept); at the wall-clock limit the whole process group is
+SIGKILLed and every process of the run (its group, its uid) is hunted down. Without unshare, runs get a host temp
+dir (removed afterwards) and network_isolated=False; without root, no dedicated uid (a snippet that calls setsid
+can then outlive the run); without seccomp (a kernel without it, an architecture other than x86_64 and aarch64),
+unix_sockets_blocked=False.
 
-What it does NOT protect against: kernel exploits (it is not a security boundary; use a VM or gVisor
-for hostile code); reading world-readable host files (and so the host's configuration, the code of
-the project); FIFOs a host process left writable to others; CPU contention with the trainer;
-memory beyond max_processes * memory_mb (RLIMIT_AS is per process; a memory cgroup would be the fix),
-plus the private tmpfs dirs and SysV shm (each up to its cap) while the run lasts; snippets
-still running if the calling process itself is killed (RLIMIT_CPU bounds the busy ones). Linux only
-(rollout.tools_from_flags refuses --tools elsewhere in one line).
-The interpreter should be readable by the dedicated uid: one under /root (mode 700) still starts, but
-with the system's stdlib of the same minor version (the probe checks that much) and the snippet cannot
-start it again itself; `chmod o+x /root` or a python under /opt or /usr avoids that.
+What it does NOT protect against: kernel exploits (it is not a security boundary; use a VM or gVisor for hostile
+code); reading world-readable host files (and so the host's configuration, the code of the project); FIFOs a host
+process left writable to others; CPU contention with the trainer; memory beyond max_processes * memory_mb
+(RLIMIT_AS is per process; a memory cgroup would be the fix), plus the private tmpfs dirs and SysV shm (each up to
+its cap) while the run lasts; snippets still running if the calling process itself is killed (RLIMIT_CPU bounds
+the busy ones). Linux only (rollout.make_tools refuses --tools elsewhere in one line).
+The interpreter should be readable by the dedicated uid: one under /root (mode 700) still starts, but with the
+system's stdlib of the same minor version (the probe checks that much) and the snippet cannot start it again
+itself; `chmod o+x /root` or a python under /opt or /usr avoids that.
 """
 import ast
 import functools

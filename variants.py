@@ -1,24 +1,13 @@
 """The estimators and policy losses SPO is compared against, one flag away.
 
-An ablation changes one thing: the baseline, the policy loss, how the loss is aggregated, or which samples are
-kept. spo.py tells SPO's story and holds SPO's own math (Eq. 8-10); the rest of the family lives here, each member
-a small pure function of explicit arguments that cites where its formula comes from, so that a fork can swap one
-part and trust the others did not move:
-
-- group baselines (G responses per prompt, consecutive): GRPO's z-score, RLOO's leave-one-out mean, Dr. GRPO's
-  group mean without the std; REINFORCE++'s global whitening is spo.global_normalise applied to r itself;
-- per-token policy losses with the PPO-clip signature: GSPO's sequence-level ratio, CISPO's clipped,
-  stop-gradient importance weight (PPO-clip itself, Eq. 10, is spo.ppo_clip_token_loss);
-- loss aggregations that stay a sum over micro-batch pieces divided by a GLOBAL constant (trainer.ppo_update sums
-  micro-batches and ranks): token mean, sequence mean of token means, token sum over a constant;
-- DAPO's dynamic sampling: drop groups whose rewards are all equal, refill from more rounds, and count both the
-  samples generated and those used, so that equal-budget comparisons stay honest;
-- group-free over-sampling (`--oversample`, Appendix B): only its flags and checks live here; the engine keeps
-  the first trajectories (or whole groups) to finish (rollout.Engine.generate, variants.first_finished);
-- `check_flags`: one `error:` line for a flag out of range or a combination without meaning, before anything heavy
-  starts.
-Batch SPO (`--group_size` with spo), the fixed offline baseline and rho = 1 are SPO's own tracker with another
-setting: they stay in spo.py's step 5.
+An ablation changes one thing: the baseline (GRPO, RLOO, Dr. GRPO: G consecutive responses per prompt), the
+per-token policy loss (GSPO, CISPO; PPO-clip itself, Eq. 10, is spo.ppo_clip_token_loss), the loss aggregation
+(a sum over micro-batch pieces divided by a GLOBAL constant), or which samples are kept (DAPO's dynamic sampling,
+which counts the samples generated and used so that equal-budget comparisons stay honest; group-free
+over-sampling, Appendix B, kept by rollout.Engine.generate). Each member is a small pure function of explicit
+arguments that cites where its formula comes from, so that a fork can swap one part and trust the others did not
+move. REINFORCE++'s whitening is spo.global_normalise applied to r; Batch SPO (`--group_size` with spo), the fixed
+offline baseline and rho = 1 are SPO's own tracker with another setting, in spo.py's step 5.
 
 Why here and not in spo.py: the default run reads SPO's step without these detours, and each variant is one
 `if/elif` branch in spo.py's step 5 (advantages) or one entry in `make_loss` (losses). docs/variants.md's table
@@ -248,11 +237,10 @@ def select_groups(group_rewards, n_groups):
 
 def dynamic_sampling(first, more, group, max_rounds, rank, world, gather):
     """Keep B/G groups that carry signal. first: this rank's (prompt indices, rollouts, rewards) of the step's
-    batch; more(k): the same for generation round k >= 1 (every rank calls it the same number of times, since the
-    decision is taken on gathered rewards). gather: all_gather_objects (identity for a world of one).
-    Every rank gathers every group (rollouts included: a kept group may move to another rank, so that each rank
-    still gets batch_size / world rows of whole groups) and takes its slice of the same selection.
-    Returns this rank's (indices, rollouts, rewards) and the sampling metrics (generated vs used samples)."""
+    batch; more(k): the same for generation round k >= 1 (every rank calls it as often: the decision is taken on
+    gathered rewards); gather: all_gather_objects. Every rank gathers every group, rollouts included (a kept group
+    may move to another rank, so that each rank still gets whole groups), and takes its slice of the same
+    selection. Returns this rank's (indices, rollouts, rewards) and the sampling metrics (generated vs used)."""
     n_local = len(first[0]) // group  # groups per rank
     n_groups = n_local * world
     pool, batch, rounds = [], first, 1  # pool: (indices, rollouts, rewards) per group, all ranks, in order
@@ -276,10 +264,9 @@ def dynamic_sampling(first, more, group, max_rounds, rank, world, gather):
 
 
 def first_finished(rollouts, keep, group_size=1):
-    """(N,) bool: the trajectories of the first keep / G groups of G consecutive rollouts to finish completely, by
-    their finish_order (a group finishes with its last member); what generate(keep_first=keep) keeps, computed
-    after the fact from a generate that let every trajectory finish (over-sampling's measurement mode). None or
-    finish_order -1: aborted, never finished."""
+    """(N,) bool: the trajectories of the first keep / G groups of G consecutive rollouts to finish, by finish_order
+    (None or -1: aborted); what generate(keep_first=keep) keeps, computed after the fact from a generate that let
+    every trajectory finish (over-sampling's measurement mode)."""
     order = np.array([r.finish_order if r is not None and r.finish_order >= 0 else np.inf for r in rollouts])
     order = order.reshape(-1, group_size).max(1)  # (N / G,): a group finishes with its last member
     kept = np.zeros(len(order), dtype=bool)

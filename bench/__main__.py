@@ -6,9 +6,8 @@ Speed lives here, never in the tests. Run from the repository root:
     python -m bench tracker steps             # some of them (bench/parts.py, bench/throughput.py)
     python -m bench peer --trl_python PYTHON  # spo.py against TRL's GRPOTrainer (bench/peer.py; --task smollm)
     python -m bench gpu                       # the GPU device check: the trainer path without vLLM (bench/gpu.py)
-    python -m bench limits --run RUN_DIR      # this CPU's ceilings and each phase's distance to them (bench/limits.py)
 
-`python -m bench peer --help`, `python -m bench gpu --help` and `python -m bench limits --help` list their own flags.
+`python -m bench peer --help` and `python -m bench gpu --help` list their own flags.
 """
 import sys
 
@@ -20,9 +19,6 @@ def main(argv):
     if argv[:1] == ["gpu"]:
         from bench import gpu
         return gpu.main(argv[1:])
-    if argv[:1] == ["limits"]:
-        from bench import limits
-        return limits.main(argv[1:])
     from bench import parts
     return parts.main(argv)
 

@@ -1,22 +1,9 @@
-"""The benchmarks of the project's parts, each measured side by side in one run and printed as ratios.
-
-- tracker: SPO's per-step bookkeeping (Eq. 5, 8, 11: draw B prompts, read values, absorb rewards, refresh the
-  changed weights) at 14,000, 10^6 and 10^7 prompts, against a plain-Python dict-of-prompts version of the same step in
-  the authors' style (per-prompt dicts, all weights recomputed, numpy choice without replacement).
-- steps: the step-time breakdown (generate / score / old log-probs + D(x) / update / weight push) of spo.py for
-  --algo spo and --algo grpo on the toy at the same number of responses per step.
-- sandbox: sandbox runs per second and p50 / p99 latency with 1, 2 and 8 workers for a trivial snippet.
-- eval: evaluation tokens per second through eval.sample_and_score against raw vLLM LLM.generate on the same
-  requests and sampling (the overhead ratio).
-- tools: rollout tokens per second on the tool toy with the tool loop (sandboxed runs, interpreter tokens
-  appended) against the same requests without tools (the model then writes its own "interpreter" text).
-- throughput: the paper's Fig. 5 (group-free vs group time to a batch): simulated over 10,000 draws, then for
-  real on the tool toy with injected tool latency, and the accuracy cost of over-sampling (bench/throughput.py).
-- logprobs: peak memory of the log-prob pass at Qwen3's vocabulary, chunked over response positions
-  (trainer.token_logprobs) against the full-vocabulary log-softmax, with and without gradients.
-- collectives: the median time of each small collective the step uses on gloo (all-reduce against all-gather,
-  16 bytes against 64 KiB, torch's all_gather_object against collectives.all_gather_objects).
-Run through `python -m bench` (bench/__main__.py), which also starts bench/peer.py and bench/gpu.py.
+"""The benchmarks of the project's parts (`python -m bench [NAME ...]`), each measured side by side in one run and
+printed as ratios; each function's docstring says what it measures:
+tracker (SPO's bookkeeping step against the authors' dict-of-prompts style), steps (spo.py's phases, spo against
+grpo), sandbox, eval (eval.sample_and_score against raw LLM.generate), tools (the tool loop against no tools),
+throughput (Fig. 5: bench/throughput.py), logprobs (chunked log-probs against the full-vocabulary log-softmax, peak
+memory) and collectives (the small ones the step uses, on gloo).
 """
 import argparse
 import functools
@@ -42,7 +29,7 @@ def _spo_step(tracker, sampler, rng, batch_size):
     index = sampler.draw(batch_size)  # (B,) Eq. 11
     baseline = tracker.value_at(index)  # (B,) v_{-1}, before the update (Eq. 8)
     reward = rng.integers(0, 2, batch_size).astype(np.float64)
-    advantage = reward - baseline  # noqa: F841 (what the trainer would use)
+    reward - baseline  # the advantage, as the trainer computes it
     tracker.update(index, reward, tracker.rho(rng.random(batch_size) * 0.1))  # Eq. 5
     sampler.set_weights(priority_weights(tracker.value_at(index), tracker.n_eff_at(index)), index)
 
@@ -57,7 +44,7 @@ def _dict_step(alpha, beta, rng, legacy, batch_size, eps=0.05, d_half=0.06):
     batch = [prompts[i] for i in chosen]
     baseline = [alpha[p] / (alpha[p] + beta[p]) for p in batch]
     reward = rng.integers(0, 2, batch_size).astype(np.float64)
-    advantage = reward - np.array(baseline)  # noqa: F841
+    reward - np.array(baseline)  # the advantage
     for p, r, d in zip(batch, reward, rng.random(batch_size) * 0.1):
         rho = min(max(2.0 ** (-d / d_half), 0.875), 0.96)
         alpha[p] = rho * alpha[p] + r
@@ -74,8 +61,9 @@ def _median_ms(step, repeats):
 
 
 def bench_tracker_sampler(sizes=(14_000, 10**6, 10**7), batch_size=1024, repeats=21, dict_max_size=10**7):
-    """ms per bookkeeping step (median) for the vectorised tracker + sampler (Gumbel-top-k) and the dict
-    version; prints a table, returns its rows."""
+    """Median ms of SPO's bookkeeping step (Eq. 5, 8, 11: draw B prompts, read values, absorb rewards, refresh the
+    changed weights), vectorised tracker + sampler against the dict version (per-prompt dicts, every weight
+    recomputed, numpy choice without replacement)."""
     rows = []
     for n in sizes:
         rng = np.random.default_rng(0)
@@ -154,6 +142,7 @@ def bench_steps(steps=40, warmup=5, nproc=2, batch_size=64, group_size=8):
 
 
 def bench_eval(toy_dir=None, n_problems=100, n=8, max_tokens=32, repeats=3):
+    """Tokens per second of eval.sample_and_score against raw LLM.generate on the same requests (its overhead)."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from tasks import toy
     from machinery import trainer

@@ -1,42 +1,23 @@
 """`python -m bench peer`: spo.py against the library a user would pick instead, TRL's GRPOTrainer, on the same task.
 
-Two tasks (--task): the toy (0.8M parameters, 11-token answers: fixed costs decide) and SmolLM2-135M-Instruct on
-tasks/smollm.py's arithmetic (a real model: generation and the update decide; build it with `python -m
-tasks.smollm`). The same model, training prompts, budget (steps x responses per step) and seed, run one after
-another in one process tree: TRL's GRPOTrainer (plain Hugging Face generation, one process), then spo.py --algo
-grpo and spo.py (SPO) under torchrun, on 1 rank and on 2 (--spo_ranks), each with vLLM eager and compiled
-(--engine_compile: spo.py's flag; compiled starts seconds later). Printed: the median wall time per training step
-(start-up excluded: the first `warmup` steps; evaluation excluded: spo.py evaluates only at step 0 and at the end,
-TRL not at all during training), the held-out accuracy at the end, the ratios to TRL, each row's phases and its
-peak resident memory (per process: TRL's one, spo.py's largest rank).
-
-Held-out accuracy (the toy only: a few SmolLM2 steps do not move it, and evaluating it would double the run; its
-rows show the mean training reward instead, the same verifier on both sides) is the same code for all three:
-eval.heldout_metrics (spo.py's own held-out evaluation: avg@2 over the toy's test prompts at temperature 1.0, seeds
-that depend on the prompt, not the step, scored by reward.py) on the final weights. For TRL the saved model is
-loaded into the same vLLM engine class in a world of 1 (the samples do not depend on the world size:
-eval.sample_and_score).
-
-What is the same: the model (fp32; --bf16: bf16 compute on both sides), prompts (spo's chat-templated prompt text;
-re-tokenised by TRL to the same ids, checked), the responses per step (toy 64, SmolLM2 16; GRPO as prompts x 8),
-temperature 1.0 (top-p 1, no top-k), the response budget (toy 32 tokens, SmolLM2 48), AdamW lr (toy 2e-4, SmolLM2
-1e-5; constant), weight decay 0.01, betas (0.9, 0.999), gradient clip 1.0, one optimiser step per batch, PPO clip
-0.2 / 0.28 (clip-higher), no KL (beta 0), the reward (reward.py's boxed answer; a response cut off by the budget
-scores 0, as spo's default), the group z-score advantage. What differs (SETTINGS_THAT_DIFFER, printed with the
-table): listed there.
+Two tasks (--task): the toy (fixed costs decide) and SmolLM2-135M-Instruct on tasks/smollm.py's arithmetic (a real
+model: generation and the update decide; `python -m tasks.smollm` builds it). The same model, prompts, budget
+(steps x responses per step) and seed, one after another: TRL's GRPOTrainer (Hugging Face generation, one
+process), then spo.py --algo grpo and spo.py (SPO) under torchrun on each of --spo_ranks, each with vLLM eager and
+compiled (--engine_compile). Printed: the median wall time per step (the first `warmup` steps and spo.py's
+evaluated last step left out), the ratios to TRL, each row's phases and peak resident memory, and (the toy) the
+held-out accuracy of the final weights by spo's own eval.heldout_metrics, TRL's loaded into the same vLLM engine.
+What is the same on both sides (model dtype, prompt ids, temperature, budget, AdamW settings, PPO clip 0.2 / 0.28,
+no KL, reward.py's verifier, the group z-score) is set in trl_worker; what differs is SETTINGS_THAT_DIFFER,
+printed with the table. --rounds 2 runs everything twice, the second time in reverse order, and pools each row's
+steps: on a machine whose speed drifts, one pass favours whoever ran in the faster minutes.
 
 TRL is a benchmark-only dependency, best kept in its own virtual environment (it pins its own transformers):
 
     python3 -m venv /tmp/trlvenv && /tmp/trlvenv/bin/pip install torch==2.13.0 trl==1.16.0
     .venv/bin/python -m bench peer --trl_python /tmp/trlvenv/bin/python           # 150 steps
     .venv/bin/python -m bench peer --trl_python /tmp/trlvenv/bin/python --steps 3  # a quick check
-    .venv/bin/python -m bench peer --trl_python /tmp/trlvenv/bin/python --engine_compile off --rounds 2
     .venv/bin/python -m bench peer --trl_python /tmp/trlvenv/bin/python --task smollm --engine_compile off  # 8 steps
-
---rounds 2 runs everything twice, the second time in reverse order (TRL first and last), and pools each row's
-steps: on a machine whose speed drifts over minutes, one pass favours whoever ran in the faster minutes.
-(--trl_python defaults to $SPO_TRL_PYTHON, else this interpreter; without TRL the benchmark says how to install
-it and skips.)
 """
 import argparse
 import functools
@@ -74,10 +55,9 @@ SETTINGS_THAT_DIFFER = [
 ]
 
 
-# Per task: where its files are, its budget and spo.py's flags for it. The toy's numbers are the default run's; the
-# SmolLM2 ones are docs/own-model-and-data.md's (16 responses of at most 48 tokens per step, lr 1e-5), with no
-# offline values for SPO (a one-time start-up cost outside the per-step times). trl_threads: the toy's TRL
-# measurements used one thread (the history in docs/benchmarks.md); on SmolLM2 TRL gets both cores, as spo.py does.
+# Per task: its budget. The toy's numbers are the default run's; the SmolLM2 ones docs/own-model-and-data.md's,
+# with no offline values for SPO (a start-up cost outside the per-step times). trl_threads: the toy's TRL
+# measurements used one thread (docs/benchmarks.md); on SmolLM2 TRL gets both cores, as spo.py does.
 TASKS = {
     "toy": dict(steps=150, warmup=5, batch=64, lr=2e-4, max_tokens=32, trl_threads=1, heldout=True),
     "smollm": dict(steps=8, warmup=2, batch=16, lr=1e-5, max_tokens=48, trl_threads=os.cpu_count() or 1,
@@ -151,8 +131,7 @@ def trl_worker(out_dir, spec):
         epsilon_high=0.28, scale_rewards="group", temperature=1.0, top_p=1.0, top_k=0,
         max_completion_length=spec["max_tokens"], mask_truncated_completions=False, use_vllm=False, logging_steps=1,
         save_strategy="no", report_to=[], bf16=spec.get("bf16", False), use_cpu=True, dataloader_num_workers=0,
-        disable_tqdm=True,
-        gradient_checkpointing=False)  # TRL turns it on by default; spo.py does not on CPU (and it only costs here)
+        disable_tqdm=True, gradient_checkpointing=False)  # TRL's default is on; spo.py's on CPU off (it only costs)
     model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=dataset,
                           processing_class=tokenizer, callbacks=[StepTimes()])
@@ -177,8 +156,7 @@ def heldout_worker(model_dir, toy_dir, seed, max_tokens, out):
     from machinery import trainer
     from machinery.data import load_dataset, load_tokenizer
     from eval import heldout_metrics
-    from rollout import set_cpu_kv_cache
-    from rollout import Engine
+    from rollout import Engine, set_cpu_kv_cache
     from spo import parse_args
     _, _, device = trainer.setup_distributed()
     set_cpu_kv_cache(None)
@@ -193,11 +171,6 @@ def heldout_worker(model_dir, toy_dir, seed, max_tokens, out):
 
 
 # ---------------------------------------------------------------------------------------------- the benchmark
-def _median_phases(rows):
-    """{phase: median seconds} over a list of per-step phase dicts."""
-    return {k: statistics.median(r[k] for r in rows) for k in rows[0]}
-
-
 def _kept_dir(keep, tmp, name):
     """A fresh folder for one row's outputs: under keep (never an existing one), else a temporary one."""
     if not keep:
@@ -251,8 +224,7 @@ def step_seconds(metrics, evaluated_last):
 def _spo_row(algo, ranks, compiled, tmp, task, data_dir, steps, seed, warmup, env, spo_args=(), keep=None,
              bf16=False):
     """spo.py: (the toy) evaluation only at step 0 and at the end; per-step wall time from metrics.jsonl. One table
-    row. keep: a folder for the run directory (for `bench limits --run`), else a temporary one. spo_args: more
-    spo.py flags, last (they win)."""
+    row. keep: a folder for the run directory, else a temporary one. spo_args: more spo.py flags, last (they win)."""
     t = TASKS[task]
     run = os.path.join(_kept_dir(keep, tmp, f"{task}-{algo}-{ranks}rank-compile_{compiled}-seed{seed}"), "run")
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}", "spo.py", "--algo", algo,
@@ -317,7 +289,8 @@ def bench_peer(task="toy", steps=None, trl_python=None, data_dir=None, seed=0, w
                        "wall": statistics.mean(row["wall"] for row in per_round),
                        "peak_gib": max(row["peak_gib"] for row in per_round),
                        "reward": statistics.mean(row["reward"] for row in per_round),
-                       "phases": _median_phases([p for row in per_round for p in row["phases"]])}
+                       "phases": {k: statistics.median(p[k] for row in per_round for p in row["phases"])
+                                  for k in per_round[0]["phases"][0]}}
     model = "the toy" if task == "toy" else "SmolLM2-135M"
     print(f"\n{model}{', bf16 on both sides' * bf16}, {steps} steps x {t['batch']} responses (at most "
           f"{t['max_tokens']} tokens), seed {seed}, "
@@ -366,8 +339,7 @@ def main(argv=None):
                                                            "engine), TRL's bf16=True (autocast in its update)")
     p.add_argument("--spo_args", default="", help="more spo.py flags for every spo.py row, one quoted string "
                                                   "(e.g. \"--max_tokens_per_micro_batch 1024\")")
-    p.add_argument("--keep", default=None, help="keep spo.py's run directories in this folder (for `python -m "
-                                                "bench limits --run`)")
+    p.add_argument("--keep", default=None, help="keep spo.py's run directories in this folder")
     a = p.parse_args(argv)
     if a.keep:
         os.makedirs(a.keep, exist_ok=True)

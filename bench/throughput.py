@@ -1,16 +1,9 @@
 """Group-free throughput (paper section 4.4, Appendix B, Fig. 5): SPO can train on the first B trajectories to
 finish and leave the long tail behind; a group (GRPO) is usable only when its slowest member is done.
 
-Three measurements, printed by `python -m bench throughput`:
-- simulated: the paper's one published group of 8 trajectory times fitted by a two-part lognormal mixture, and the
-  time-to-batch ratio over 10,000 draws by straggler share and over-sampling factor (mean and interval, where the
-  paper shows one draw);
-- real time to a batch on this machine: the tool toy through the real engine and sandbox, every tool run slowed
-  by a drawn time from the same mixture (a sleep prefixed to the snippet by this benchmark only), SPO
-  over-sampled against GRPO's groups over-sampled and both without over-sampling, one after another per repeat;
-- the accuracy cost: short spo.py runs on the tool toy with the same injected latency, SPO with and without
-  over-sampling and GRPO over-sampled: held-out accuracy, wall time, and how many drawn prompts were never
-  trained on (the bias of keeping the fastest).
+Three measurements, printed by `python -m bench throughput`: the time-to-batch ratio simulated over 10,000 draws
+(where the paper shows one); the real time to a batch on the tool toy with tool latency injected from the same
+distribution; and the accuracy cost of over-sampling in short training runs with that latency.
 
     .venv/bin/python -m bench throughput                     # all three (about 15 minutes on 2 cores)
     .venv/bin/python -m bench throughput --throughput_steps 0  # without the training runs
@@ -28,15 +21,12 @@ from machinery.data import load_dataset, load_tokenizer
 from sandbox import SandboxPool
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: programs run from there
-
-
 PAPER_GROUP_S = (74, 87, 90, 114, 117, 409, 444, 508)  # the one group of 8 the paper's Fig. 5 shows (s)
 
 
 def _trajectory_times(rng, shape, straggler_share, fast=(95.0, 0.19), slow=(451.0, 0.11)):
-    """Seconds per trajectory: a two-part lognormal mixture fitted to PAPER_GROUP_S (the five fast ones: median
-    95 s, sd of log 0.19; the three stragglers: median 451 s, sd of log 0.11; stragglers 3/8 of that group).
-    The paper publishes no distribution; this is the stated assumption, and the straggler share is varied."""
+    """Seconds per trajectory: a two-part lognormal mixture fitted to PAPER_GROUP_S (fast, slow: median and sd of
+    log), stragglers 3/8 there. The paper publishes no distribution; this is the assumption, its share varied."""
     straggler = rng.random(shape) < straggler_share
     return np.where(straggler, rng.lognormal(np.log(slow[0]), slow[1], shape),
                     rng.lognormal(np.log(fast[0]), fast[1], shape))
@@ -80,7 +70,6 @@ def bench_throughput_simulation(seeds=10_000, keep=24, group_size=8):
     return results
 
 
-
 class _SlowTools:
     """A SandboxPool whose every snippet first sleeps for a drawn time: heavy-tailed tool latency, injected by the
     benchmark only (a prefix of the snippet, so the sandbox itself runs it). Times: the Fig. 5 mixture in seconds
@@ -104,15 +93,15 @@ def bench_throughput_real(toy_dir=None, batch=64, group_size=8, f=2, repeats=10,
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from tasks import toy
     from machinery import trainer
-    from rollout import Engine, Tools, quiet_vllm
+    from machinery.console import quiet_vllm
+    from rollout import Engine, Tools
     quiet_vllm()
     _, _, device = trainer.setup_distributed()
     model, train, _ = toy.ensure_toy(toy_dir, tools=True)
     data = load_dataset(train, load_tokenizer(model), 64, False)
     engine = Engine(model, seed=0, max_model_len=64 + max_tokens, device=device)
     ways = {f"SPO f={f}": (1, f), f"GRPO f={f}": (group_size, f), "SPO f=1": (1, 1), "GRPO f=1": (group_size, 1)}
-    times = {name: [] for name in ways}
-    kept_calls = {name: [] for name in ways}
+    times, kept_calls = {name: [] for name in ways}, {name: [] for name in ways}
     print(f"time to a batch of {batch} on the tool toy, tool latency injected (fast 0.95 s, stragglers 4.5 s, 3/8 of "
           f"calls), {repeats} repeats:", flush=True)
     engine.generate(data.prompt_ids[:16], np.arange(16), max_tokens=max_tokens)  # warm-up, not timed
@@ -155,9 +144,8 @@ def bench_throughput_training(steps=40, nproc=2, f=2, workers=64):
         for name, flags in ways.items():
             run = os.path.join(tmp, name.replace(" ", "").replace("=", ""))
             cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "-m",
-                   "bench.throughput", "_slow_tools_training", "--tools", "--steps", str(steps),
-                   "--eval_every", str(steps),
-                   "--save_every", "0", "--sandbox_workers", str(workers), "--eval_max_prompts", "200",
+                   "bench.throughput", "_slow_tools_training", "--tools", "--steps", str(steps), "--eval_every",
+                   str(steps), "--save_every", "0", "--sandbox_workers", str(workers), "--eval_max_prompts", "200",
                    "--run_dir", run, *flags]
             env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
             subprocess.run(cmd, check=True, capture_output=True, env=env, cwd=ROOT)

@@ -13,13 +13,11 @@ Stages, each a program a user could run by hand (the command is the first line o
   eval       eval.py on the trained model's last checkpoint                                     OUT/eval/
   table      maj@n and avg@n per benchmark and their unweighted mean, as Table 1, with the paper's rows
              above ours                                                                          OUT/table.md
-Resumable at every stage: a rerun of the same command skips a stage whose output is complete, continues the
-training from its latest checkpoint (spo.py --resume, exact) and the offline values from their partial files
-(offline_values.py resumes by itself). Flags after `--` go to spo.py (e.g. `-- --steps 300 --seed 1`).
-maj@n in the table is the bootstrap expectation of a majority vote over n samples (eval.py's maj@n_boot_mean): the
-paper's maj@32 values are not multiples of 1/30 on 30-problem sets, so they are an expectation too.
-The dry run is the same code with the toy (its model, its train split, five slices of its test split named as the
-benchmarks) and tiny budgets; it exercises every stage, its numbers mean nothing.
+Resumable at every stage: a rerun of the same command skips a stage whose output is complete and continues the
+training (spo.py --resume, exact) and the offline values (offline_values.py resumes by itself). Flags after `--`
+go to spo.py (e.g. `-- --steps 300 --seed 1`). maj@n is the bootstrap expectation of a majority vote over n
+samples (eval.py's maj@n_boot_mean): the paper's maj@32 values are not multiples of 1/30 on 30-problem sets, so
+they are an expectation too. The dry run (dry_run_data) exercises every stage; its numbers mean nothing.
 """
 import argparse
 import json

@@ -2,21 +2,16 @@
 
 Each plot groups runs (a variant's seeds in a sweep; one run per group otherwise) and draws the group's mean over
 runs with a 95% t-interval band over runs (no band for a single run):
-  1. accuracy.png: held-out accuracy against generated samples (`sampling/generated` summed up to each
-     evaluation step), so variants are compared at equal budgets, not equal steps;
-  2. zero_signal.png: the paper's Fig. 3a: the share of samples that carry no signal over training: group
-     estimators: samples in all-equal groups (`zero_signal/degenerate_groups`); SPO: |A| <= 0.02 (solid) and
-     <= 1e-4 (dashed) of the raw advantage r - v (`zero_signal/abs_adv_le_*`; left out for `--baseline none`, whose
-     raw A is r itself);
-  3. adv_variance.png: Fig. 3b: the variance of the raw advantage over training (`signal/adv_var_raw`, solid) and,
-     for group estimators, over the samples that carry signal (`signal/adv_var_effective`, dashed: "GRPO
-     effective");
-  4. tracker_probe.png: does the tracker track? (runs with `--probe_every`): the mean absolute error of v(x) against
-     the success rate measured with fresh samples over training, with the error a perfect tracker would still show
-     from the measurement's own noise (dotted), and a calibration scatter of the last probe (all runs of a group);
-  5. rho.png: rho's distribution over training over revisited prompts: the median with the p10-p90 band
-     (`tracker/rho_p*`, means over runs; the quantiles are what spo.py logs per step, which is enough to show where
-     rho sits in its clip window), and the shares pinned at rho_min (solid) and rho_max (dashed).
+  1. accuracy.png: held-out accuracy against generated samples (`sampling/generated` summed), so variants are
+     compared at equal budgets, not equal steps;
+  2. zero_signal.png: Fig. 3a, the share of samples without signal: all-equal groups for group estimators; for
+     SPO |A| <= 0.02 (solid) and <= 1e-4 (dashed) of the raw advantage r - v (not for `--baseline none`);
+  3. adv_variance.png: Fig. 3b, the variance of the raw advantage, and for group estimators over the samples that
+     carry signal (dashed: "GRPO effective");
+  4. tracker_probe.png (runs with `--probe_every`): the MAE of v(x) against the success rate measured with fresh
+     samples, beside the error the measurement's own noise leaves (dotted), and the last probe's calibration;
+  5. rho.png: rho over revisited prompts, the median with the p10-p90 band (means over runs of spo.py's per-step
+     quantiles), and the shares pinned at rho_min (solid) and rho_max (dashed).
 Per-step curves (2, 3, 5) are trailing means over SMOOTH steps; a plot without data in any run is skipped (named).
 
     python -m experiments.sweep plot runs/spo-20261130-184232 runs/grpo --out plots  # your runs, one group each
@@ -148,27 +143,13 @@ def step_matrix(runs, key, window=SMOOTH):
     return np.array(steps), matrix
 
 
-def band(matrix):
-    """Per column of (runs, points): mean, low, high of mean_ci (low/high NaN where fewer than 2 runs)."""
-    stats = np.array([mean_ci(col)[:3] for col in matrix.T]).reshape(-1, 3)
-    return stats[:, 0], stats[:, 1], stats[:, 2]
-
-
 # ------------------------------------------------------------------------------------------------ the plots
 def _line(ax, x, matrix, color, label, style="-"):
-    mean, low, high = band(matrix)
+    """The mean over runs (rows of matrix) and, with 2 runs or more, its 95% t-interval band."""
+    mean, low, high = np.array([mean_ci(col)[:3] for col in matrix.T]).reshape(-1, 3).T
     ax.plot(x, mean, style, color=color, label=label, lw=1.5)
     if np.isfinite(low).any():
         ax.fill_between(x, low, high, color=color, alpha=0.15, lw=0)
-
-
-def _finish(fig, axes, path):
-    for ax in axes:
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7)
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
 
 
 def plot_accuracy(groups, colors, ax):
@@ -269,8 +250,13 @@ def make_plots(groups, out_dir):
             continue
         fig, axes = plt.subplots(1, panels, figsize=(6.5 * panels, 4.5), squeeze=False)
         draw(groups, colors, *axes[0])
+        for ax in axes[0]:
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize=7)
+            ax.grid(alpha=0.3)
+        fig.tight_layout()
         path = os.path.join(out_dir, f"{name}.png")
-        _finish(fig, axes[0], path)
+        fig.savefig(path, dpi=120)
         plt.close(fig)
         written[name] = path
     return written, skipped

@@ -2,8 +2,8 @@
 
 SPO's tracker averages a prompt's last few rewards: with forgetting factor rho it remembers about 1 / (1 - rho)
 visits (8 at rho_min = 0.875, 25 at rho_max = 0.96). If the policy's success probability p(x) moves by delta
-between two visits of x, an exponential average lags a steady drift by delta * rho / (1 - rho): the tracker's
-bias is about -delta * rho / (1 - rho). So what matters is not how fast the policy learns per step but per visit of a prompt, i.e.
+between two visits of x, an exponential average lags a steady drift: the tracker's bias is about
+-delta * rho / (1 - rho). So what matters is not how fast the policy learns per step but per visit of a prompt:
     revisits per prompt over the run        (batch size x steps / prompts, uneven under prioritised sampling)
     change of p(x) between two visits       (delta; against the memory 1 / (1 - rho))
 This reads both from a run made with --probe_every (spo.py): the probe follows a fixed subset of training
@@ -20,32 +20,21 @@ the probe's own sampling noise (probe/mae_unbiased, eval.py:probe_stats). The bo
     python -m experiments.regime --brief experiments/paper_regime/records/spo-s*   # one row per run
 """
 import argparse
-import json
 import os
 
 import numpy as np
 
-from experiments.plots import open_log
+from experiments.plots import read_run
 
 BIAS_BOUND, MAE_RATIO_BOUND = 0.05, 1.5
-
-
-def read_jsonl(path):
-    """Rows of a JSONL file; for a step logged twice (a resumed run) the last row wins."""
-    rows = {}
-    with open_log(path) as f:
-        for line in f:
-            if line.strip():
-                row = json.loads(line)
-                rows[row["step"]] = row
-    return [rows[k] for k in sorted(rows)]
 
 
 def regime(run_dir):
     """{"probes": [per-probe dict], "intervals": [per-interval dict], "visits_per_prompt": mean visits over all
     prompts at the end, "held_out": ((step, accuracy) first, last), "passes": both bounds at every probe}."""
-    probes = [p for p in read_jsonl(os.path.join(run_dir, "probe.jsonl")) if "visits" in p]
-    metrics = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+    run = read_run(run_dir)  # {step: row}: for a step logged twice (a resumed run) the last row wins
+    probes = [run["probe"][s] for s in sorted(run["probe"]) if "visits" in run["probe"][s]]
+    metrics = [run["rows"][s] for s in sorted(run["rows"])]
     rho_at = {m["step"]: m["tracker/rho_mean"] for m in metrics if "tracker/rho_mean" in m}
     rows = []
     for p in probes:
@@ -55,15 +44,16 @@ def regime(run_dir):
                      "success": float(np.mean(p["success"])), "value": float(np.mean(p["value"])),
                      "n_eff": float(np.mean(p["n_eff"])), "visits": float(np.mean(p["visits"]))})
     intervals = []
-    for a, b in list(zip(probes, probes[1:])) + ([(probes[0], probes[-1])] if len(probes) > 2 else []):
+    whole = [(probes[0], probes[-1])] if len(probes) > 2 else []
+    for a, b in list(zip(probes, probes[1:])) + whole:
         visits = np.mean(np.subtract(b["visits"], a["visits"]))
         rho = np.mean([rho_at[s] for s in range(a["step"] + 1, b["step"] + 1) if s in rho_at] or [np.nan])
         delta = np.mean(np.subtract(b["success"], a["success"])) / visits if visits > 0 else np.nan
         # rho = 1 (--rho none) forgets nothing: an unbounded memory, and a lag that grows with the run (inf)
         memory = 1 / (1 - rho) if rho < 1 else np.inf
-        intervals.append({"steps": f"{a['step']}-{b['step']}" + (" (whole run)" if (a, b) == (probes[0], probes[-1])
-                                                                  and len(probes) > 2 else ""), "visits": float(visits), "delta": float(delta),
-                          "rho": float(rho), "memory": float(memory), "lag": float(-delta * rho * memory)})
+        intervals.append({"steps": f"{a['step']}-{b['step']}" + (" (whole run)" if [(a, b)] == whole else ""),
+                          "visits": float(visits), "delta": float(delta), "rho": float(rho), "memory": float(memory),
+                          "lag": float(-delta * rho * memory)})
     held = [(m["step"], m["eval/accuracy"]) for m in metrics if "eval/accuracy" in m]
     last = metrics[-1] if metrics else {}
     passes = bool(rows) and all(abs(r["bias"]) <= BIAS_BOUND and r["mae_ratio"] <= MAE_RATIO_BOUND for r in rows)
@@ -83,10 +73,11 @@ def report(run_dir, r):
     lines += [f"| {i['steps']} | {i['visits']:.1f} | {i['delta']:+.4f} | {i['rho']:.3f} | {i['memory']:.1f} | "
               f"{i['lag']:+.3f} |" for i in r["intervals"]]
     held = r["held_out"]
+    held = "n/a" if held is None else f"{held[0][1]:.1%} (step {held[0][0]}) -> {held[1][1]:.1%} (step {held[1][0]})"
     visits = "n/a" if r["visits_per_prompt"] is None else f"{r['visits_per_prompt']:.1f}"
-    lines += ["", f"visits per prompt over the run: {visits}; held-out accuracy "
-              f"{'n/a' if held is None else f'{held[0][1]:.1%} (step {held[0][0]}) -> {held[1][1]:.1%} (step {held[1][0]})'}; bounds (|bias| <= {BIAS_BOUND}, "
-              f"MAE <= {MAE_RATIO_BOUND} x unbiased) at every probe: {'met' if r['passes'] else 'NOT met'}", ""]
+    verdict = "met" if r["passes"] else "NOT met"
+    lines += ["", f"visits per prompt over the run: {visits}; held-out accuracy {held}; bounds (|bias| <= "
+              f"{BIAS_BOUND}, MAE <= {MAE_RATIO_BOUND} x unbiased) at every probe: {verdict}", ""]
     return "\n".join(lines)
 
 

@@ -4,29 +4,25 @@ Why: one seed of an RL run on the toy moves the held-out accuracy by a few point
 several seeds, an interval over them, and paired differences (runs with the same seed share the held-out samples'
 seeds and, for SPO, the offline values). This runs the grid, one torchrun at a time, and writes:
 
-  OUT/runs/<variant>-s<seed>/   spo.py run directories
-  OUT/records/<variant>-s<seed>/   a finished run's record: config.json, metrics.jsonl.gz, probe.jsonl.gz (commit
-                   these: the summary reads a record where the run directory is absent, and a rerun on another
-                   machine counts a run with a record of its last step as finished)
+  OUT/runs/<variant>-s<seed>/      spo.py run directories
+  OUT/records/<variant>-s<seed>/   a finished run's config.json, metrics.jsonl.gz, probe.jsonl.gz: commit these; the
+                                   summary reads a record where the run is absent, and counts it as finished
   OUT/logs/<variant>-s<seed>.log   everything the run printed (its latest attempt)
-  OUT/sweep.json   per run: variant, seed, command, status (finished / failed), exit code, seconds, error lines
-  OUT/summary.json, OUT/summary.md   per variant and evaluation step the held-out accuracy, mean and 95%
-                   t-interval over the seeds that finished, and the paired difference to --reference
-  OUT/plots/*.png  the five plots of plots.py (accuracy at equal budget, Fig. 3a, Fig. 3b, tracker probe, rho)
+  OUT/sweep.json                   per run: variant, seed, command, status, exit code, seconds, error lines
+  OUT/summary.json, summary.md     per variant and evaluation step the held-out accuracy, mean and 95% t-interval
+                                   over the seeds that finished, and the paired difference to --reference
+  OUT/plots/*.png                  the five plots of plots.py
 
-Equal budget: every variant generates --batch_size responses per step (SPO 64 prompts x 1, the group estimators
-8 x 8) for the same --steps; no variant here over-samples or resamples (`--dynamic_sampling`), and the summary
-checks it from each run's `sampling/generated` and says so if the budgets differ. The probe's and the held-out
-evaluation's samples are measurements, not training samples, and are not counted.
-Resume: rerun the same command. A run whose latest checkpoint is at its last step (the --steps asked for) is
-finished and skipped; one with an earlier checkpoint continues from it (spo.py --resume, which is exact); one that
-never reached a checkpoint is deleted and started again. A failed run (non-zero exit) is reported on the console,
-in sweep.json and in summary.md, left out of every mean (each variant shows the seeds it used), and tried again by
-the next invocation. The tracker probe (--probe_every) runs on the SPO variants only (the others have no tracker).
+Equal budget: every variant generates --batch_size responses per step for the same --steps (nothing here
+over-samples or resamples); the summary checks it from each run's `sampling/generated`. The probe's and the
+held-out evaluation's samples are measurements, not counted.
+Resume: rerun the same command. A run whose latest checkpoint is at its last step is skipped; one with an earlier
+checkpoint continues from it (spo.py --resume, exact); one that never reached a checkpoint starts again. A failed
+run (non-zero exit) is reported on the console, in sweep.json and in summary.md, left out of every mean, and tried
+again by the next invocation. The tracker probe (--probe_every) runs on the SPO variants only.
 
     python -m experiments.sweep --variants spo:0-4 grpo:0-4 rloo dr_grpo --seeds 0-2 --out experiments/mine
-    python -m experiments.sweep --summary_only --out experiments/toy  # summary and plots again from the runs there
-                                                                      # (or, without sweep.json, from its records)
+    python -m experiments.sweep --summary_only --out experiments/toy  # summary and plots again (runs or records)
     python -m experiments.sweep plot RUN_DIR [RUN_DIR ...] --out plots  # the plots for any spo.py run directories
 """
 import argparse
@@ -135,13 +131,11 @@ def write_record(run_dir, record_dir):
     os.makedirs(record_dir, exist_ok=True)
     shutil.copyfile(os.path.join(run_dir, "config.json"), os.path.join(record_dir, "config.json"))
     for name in ("metrics.jsonl", "probe.jsonl"):
-        if os.path.exists(os.path.join(run_dir, name)):
-            with open(os.path.join(run_dir, name), "rb") as f:
-                data = f.read()
-            with open(os.path.join(record_dir, name + ".gz.tmp"), "wb") as raw:
-                with gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as g:  # mtime 0: the same bytes every time
-                    g.write(data)
-            os.replace(os.path.join(record_dir, name + ".gz.tmp"), os.path.join(record_dir, name + ".gz"))
+        source, record = os.path.join(run_dir, name), os.path.join(record_dir, name + ".gz")
+        if os.path.exists(source):
+            with open(source, "rb") as f, gzip.GzipFile(record + ".tmp", "wb", mtime=0) as g:  # mtime 0: same bytes
+                shutil.copyfileobj(f, g)
+            os.replace(record + ".tmp", record)
 
 
 def free_port():
@@ -315,20 +309,20 @@ def markdown(summary):
     elif summary["budgets"]:
         lines.append("**Budgets differ** (last step, generated samples): " +
                      ", ".join(f"({s}, {g:.0f})" for s, g in summary["budgets"]) + "\n")
-    header = "| variant | n | " + " | ".join(f"step {s}" for s in steps) + " |"
-    lines += ["## Held-out accuracy\n", header, "|---" * (len(steps) + 2) + "|"]
+    header = "| variant | n | " + " | ".join(f"step {s}" for s in steps) + " |\n" + "|---" * (len(steps) + 2) + "|"
+    lines += ["## Held-out accuracy\n", header]
     for name, v in variants.items():
         cells = [_pct(c["accuracy_mean"], *c["accuracy_ci95"]) if (c := v["steps"].get(str(s))) else ""
                  for s in steps]
         used = (f"{len(v['seeds_used'])}" + (f" ({len(v['seeds_failed'])} failed)" if v["seeds_failed"] else "")
                 + (f" ({len(v['seeds_not_run'])} not run yet)" if v.get("seeds_not_run") else ""))
         lines.append(f"| {name} | {used} | " + " | ".join(cells) + " |")
-    lines += ["\n## A single run's range (95% prediction interval over seeds)\n", header, "|---" * (len(steps) + 2) + "|"]
+    lines += ["\n## A single run's range (95% prediction interval over seeds)\n", header]
     for name, v in variants.items():
         cells = [_pct(c["accuracy_mean"], *c["accuracy_pi95"]) if (c := v["steps"].get(str(s))) else "" for s in steps]
         lines.append(f"| {name} | {len(v['seeds_used'])} | " + " | ".join(cells) + " |")
     if ref in variants and len(variants) > 1:
-        lines += [f"\n## Paired difference to {ref} (points)\n", header, "|---" * (len(steps) + 2) + "|"]
+        lines += [f"\n## Paired difference to {ref} (points)\n", header]
         for name, v in variants.items():
             if name == ref:
                 continue
@@ -366,9 +360,8 @@ def write_summary(out, sweep, only=None):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["plot"]:
-        p = argparse.ArgumentParser(prog="python -m experiments.sweep plot",
-                                    description="the plots of spo.py run directories "
-                                    "(a sweep directory: one group per variant)")
+        p = argparse.ArgumentParser(prog="python -m experiments.sweep plot", description="the plots of spo.py run "
+                                    "directories (a sweep directory: one group per variant)")
         p.add_argument("paths", nargs="+", help="spo.py run directories, or a sweep's --out")
         p.add_argument("--out", default="plots", help="where the PNG files go")
         a = p.parse_args(argv[1:])

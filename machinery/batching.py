@@ -1,4 +1,6 @@
-"""How the trainer cuts its work so that every forward pass fits a token budget, the same way on every rank.
+"""Stands in for padded (B, T) batches: token budgets, packed rows, shared prefixes once (gain: docs/benchmarks.md).
+
+How the trainer cuts its work so that every forward pass fits a token budget, the same way on every rank.
 
 - `plan_micro_batches`: sequences packed longest first into micro-batches of at most --max_tokens_per_micro_batch
   tokens (padding included) and --micro_batch_size sequences;

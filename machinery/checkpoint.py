@@ -1,4 +1,6 @@
-"""Checkpoints: nothing lost, nothing silent, resume exact. (Who may write a run directory: machinery/run_dir.py.)
+"""On torch.distributed.checkpoint (shards) and transformers (export); buys atomic steps, named damage, exact resume.
+
+Checkpoints: nothing lost, nothing silent, resume exact. (Who may write a run directory: machinery/run_dir.py.)
 
 `--resume` restores the run's own settings from
 its config.json (`resumed_settings`): only flags in RESUME_MAY_CHANGE may differ, any other flag given with

@@ -1,4 +1,4 @@
-"""Stands in for torch.distributed's all_gather_object: one collective, not two (0.62-0.71 ms vs 1.18-1.53, gloo).
+"""Stands in for torch.distributed's all_gather_object and all_reduce on numpy: one collective, not two (bench).
 
 The small collectives every rank runs: numpy arrays and picklable objects gathered from all ranks, in rank order,
 built on all-gather. On gloo each collective has a fixed cost that dominates the toy's small messages (its

@@ -1,4 +1,6 @@
-"""Prompt datasets: the one loader that spo.py, offline_values.py and eval.py share.
+"""On pyarrow and transformers' chat templates (no datasets package): stable prompt keys and one-line file errors.
+
+Prompt datasets: the one loader that spo.py, offline_values.py and eval.py share.
 
 A prompt's key is a hash of its chat messages, not its row number, so the tracker, the offline values and the
 evaluation agree on it across files, orderings and programs; duplicate prompts are merged and counted. Accepted

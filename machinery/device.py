@@ -1,4 +1,6 @@
-"""What changes between a CPU and a GPU run, decided once so that the memory estimate, the trainer and the engine
+"""No library decides these; they are decided once so that the estimate, trainer and engine agree (tests/test_memory).
+
+What changes between a CPU and a GPU run, decided once so that the memory estimate, the trainer and the engine
 agree: gradient checkpointing, FSDP2's units, bf16 (each `auto`: on GPU only), and the device memory a run reports.
 No library makes these decisions for us; torch.cuda and /proc give the readings.
 """

@@ -1,4 +1,6 @@
-"""How a program stops on bad input: one clear line naming the file, row or flag, then exit status 2.
+"""Stands in for argparse's error() where argparse cannot check: one line on rank 0 only, not one traceback per rank.
+
+How a program stops on bad input: one clear line naming the file, row or flag, then exit status 2.
 
 Every check that refuses input before anything heavy starts (flags, data files, offline values, run
 directories, verifiers) ends here, on any rank, in any program.

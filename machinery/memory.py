@@ -1,4 +1,6 @@
-"""How much memory one rank needs, estimated before anything heavy starts.
+"""No library estimates a rank's memory before it starts; this buys one line instead of a SIGKILL minutes in.
+
+How much memory one rank needs, estimated before anything heavy starts.
 
 Without it a run that does not fit ends as the kernel's SIGKILL (`exitcode -9` from torchrun and nothing else)
 minutes into the first step, after the engine and the policy were built. spo.py calls `check_rank_memory` after

@@ -1,4 +1,6 @@
-"""What a training run records: the step metrics every algorithm reports, with the signal metrics of every
+"""On json, tqdm and matplotlib (wandb, TensorBoard if asked): the metrics no library knows for SPO, and the run's plot.
+
+What a training run records: the step metrics every algorithm reports, with the signal metrics of every
 estimator (zero advantages, advantage variance, all-equal groups), SPO's own (tracker, rho and D(x)), the tool-use
 metrics, and the logger that writes them (a tqdm bar and a console line on rank 0, metrics.jsonl in the run
 directory, TensorBoard or wandb when installed and asked for), and the run's plot (plot_run: run.png, rank 0).
@@ -6,6 +8,7 @@ docs/flags.md lists every metric. Called by spo.py on every rank (the metrics ga
 """
 import json
 import os
+import sys
 import time
 
 import numpy as np
@@ -320,9 +323,11 @@ def run_summary(run_dir, plot, seconds, expected_range=None, test=None):
     held_out = " -> ".join(f"{100 * r['eval/accuracy']:.1f}% (step {r['step']})" for r in evals[:1] + evals[1:][-1:])
     if held_out and expected_range:
         held_out += f"; one default run lands in {expected_range[0]}-{expected_range[1]}% (README)"
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")  # the one that ran this (a venv's)
+    torchrun = os.path.relpath(torchrun) if os.path.exists(torchrun) else "torchrun"
     return (f"done in {seconds / 60:.1f} min: held-out accuracy {held_out or 'not measured (--test)'}; run directory "
-            f"{run_dir}, plot {plot}; next: torchrun --nproc_per_node=2 eval.py --model {run_dir}"
-            + (f" --data {test}" if test else ""))
+            f"{run_dir}, plot {plot}; next: {torchrun} --nproc_per_node=2 eval.py --model {run_dir}"
+            + (f" --data {os.path.relpath(test)}" if test else ""))
 
 
 def add_logging_flags(p):

@@ -1,4 +1,6 @@
-"""Run directories: one run per directory, nothing overwritten, and a run's checkpoints read safely while it trains.
+"""No library guards a run directory: a lock file and holds, so that no run overwrites another (tests/test_checkpoint).
+
+Run directories: one run per directory, nothing overwritten, and a run's checkpoints read safely while it trains.
 
 A run directory belongs to one run (`claim_run_dir`): a fresh run refuses a directory that holds a checkpoint and
 takes over one that holds none (a run that stopped before its first checkpoint: its files are moved aside), default

@@ -1,4 +1,6 @@
-"""A seccomp filter for sandbox.py: a classic-BPF program, built here in readable Python, that makes a few system
+"""Stands in for libseccomp (a C library, no wheel here): the filter in readable Python, tested (tests/test_sandbox).
+
+A seccomp filter for sandbox.py: a classic-BPF program, built here in readable Python, that makes a few system
 calls fail with EPERM, and the short launcher that installs it before exec'ing the rest of a command.
 
 Why each call is refused is in sandbox.py's docstring (the `seccomp` step): AF_UNIX sockets (the network namespace

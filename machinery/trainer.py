@@ -1,4 +1,6 @@
-"""The trainer machinery spo.py calls: the FSDP2 policy, its log-probs, the update loop, the weight push.
+"""On torch FSDP2 (fully_shard) and transformers: the policy-gradient trainer TRL or verl has, in one readable file.
+
+The trainer machinery spo.py calls: the FSDP2 policy, its log-probs, the update loop, the weight push.
 
 spo.py tells the algorithm's story and holds its math (the advantages, D(x), the PPO-clip loss of Eq. 10); this
 file holds the mechanics that any policy-gradient trainer on torch FSDP2 needs:

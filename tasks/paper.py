@@ -11,13 +11,11 @@ the source files with their sha256, rows in, rows out, duplicates, rows dropped 
 A rerun skips a dataset whose manifest entry has the same commit, converter version and template and whose file is
 intact; every file is written to a temporary name and renamed, so an interrupted run leaves no half file.
 
-Prompts. The training prompts are open-r1's English DAPO prompts as they are ("Solve the following math problem
-step by step. The last line of your response should be of the form Answer: $Answer ..."), which ask for an
-`Answer:` line, not the `\\boxed{}` that the strict verifier (reward.py:exact_match) reads. The authors' recipe
-appends BOX_LINE to every prompt, training and evaluation alike; so do we. An evaluation problem is, by default, the
-authors' evaluation prompt: the bare problem plus BOX_LINE (`--eval_prompt authors`: what their reported numbers
-used, so ours compare with Table 1). `--eval_prompt training` wraps it in the same DAPO sentences plus BOX_LINE
-instead, so the policy sees at evaluation exactly the instruction it was trained on.
+Prompts. The training prompts are open-r1's English DAPO prompts as they are, which ask for an `Answer:` line, not
+the `\\boxed{}` that the strict verifier (reward.py:exact_match) reads; the authors' recipe appends BOX_LINE to every
+prompt, training and evaluation alike, and so do we. An evaluation problem is by default the authors' evaluation
+prompt, the bare problem plus BOX_LINE (`--eval_prompt authors`: so ours compare with Table 1); `--eval_prompt
+training` wraps it in the training prompts' DAPO sentences instead (make_prompt).
 
 Answers. exact_match compares the last box's content with the ground truth as strings, so the ground truth is
 written the way a box holds it: surrounding `$...$`, `$$...$$`, `\\(...\\)`, `\\[...\\]` and a `\\boxed{...}`

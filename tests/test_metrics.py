@@ -95,3 +95,18 @@ def test_plot_run_returns_none_with_one_line_when_it_cannot_write(tmp_path, caps
     assert plot_run(str(tmp_path)) is None
     out = capsys.readouterr().out.strip().splitlines()
     assert len(out) == 1 and out[0].startswith("run plot skipped (")
+
+
+def test_the_summary_line_gives_accuracy_before_and_after_and_the_range_only_when_asked(tmp_path):
+    """One line: the first and last held-out accuracy, the README's range only for the default run, the run
+    directory, the plot and the next command; a run without evaluations says so instead of inventing a number."""
+    from machinery.metrics import run_summary
+    _write_rows(tmp_path / "metrics.jsonl", [{"step": 0, "time": 0.0, "eval/accuracy": 0.132},
+                                            {"step": 1, "time": 1.0, "reward/mean": 0.5},
+                                            {"step": 150, "time": 2.0, "eval/accuracy": 0.52}])
+    line = run_summary(str(tmp_path), "p.png", 90.0, (44.9, 58.8), "test.parquet")
+    assert "\n" not in line and "13.2% (step 0) -> 52.0% (step 150)" in line and "44.9-58.8%" in line
+    assert str(tmp_path) in line and "p.png" in line and "eval.py --model" in line and "--data test.parquet" in line
+    assert "44.9" not in run_summary(str(tmp_path), "p.png", 90.0, None, None)
+    _write_rows(tmp_path / "metrics.jsonl", [{"step": 1, "time": 1.0, "reward/mean": 0.5}])
+    assert "not measured" in run_summary(str(tmp_path), None, 90.0, (44.9, 58.8))

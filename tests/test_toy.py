@@ -82,3 +82,12 @@ def test_a_damaged_toy_stops_spo_with_one_line(damage, tmp_path):
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
     assert lines[0].startswith(f"error: {weights}: {'missing' if damage == 'remove' else 'checksum mismatch'}")
     assert f"python -m tasks.toy --toy_dir {os.path.relpath(copy, ROOT)}" in lines[0]
+
+
+def test_the_range_the_last_line_shows_is_the_readmes():
+    """spo.py's last line puts a default run's held-out accuracy beside toy.DEFAULT_RUN_RANGE: the README's range."""
+    import os
+    from common import ROOT
+    from tasks import toy
+    low, high = toy.DEFAULT_RUN_RANGE
+    assert f"one run falls in **[{low}, {high}]**" in open(os.path.join(ROOT, "README.md")).read()

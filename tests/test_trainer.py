@@ -44,13 +44,6 @@ def test_two_rank_fsdp2_gradients_and_normalisation_equal_one_process(small_toy,
             np.testing.assert_allclose(got, expected, atol=2e-5, rtol=0)  # float32 batch-shape effects only
     # entropy: each rank's token mean over its own responses (metrics average the ranks), wherever they were scored
     assert abs(out["w2_tokens"]["entropy"] - out["w2"]["entropy"]) < 1e-6 and out["w2"]["entropy"] > 0.1
-    # One optimiser step per batch: the update's own log-probs as the old ones give the same step, bit for bit, as
-    # a separate no-grad pass, and the same old log-probs, entropy and vLLM gap (spo.py skips that pass).
-    for run in ("w1", "w2", "w2_tokens"):
-        for rank_result in out[run]["reuse"]:
-            assert rank_result["same_weights"] and rank_result["same_old"] and rank_result["old_count"], run
-            assert rank_result["entropy"][0] == pytest.approx(rank_result["entropy"][1], rel=1e-6, abs=0), run
-            assert rank_result["gap"][0] == rank_result["gap"][1], run
     # trainer.clip_grad_norm (one collective) gives torch's clip_grad_norm_ numbers bit for bit, clipping (the norm
     # is above 0.5) and not
     for run in out:
@@ -258,24 +251,6 @@ def grad_worker(out, model_path, max_tokens, units):
     normalised = collectives.all_gather_np(global_normalise(advantage[mine]))
     micro_batches = len(batching.micro_batches([len(r.prompt_ids) + len(r.response_ids) for r in rollouts[mine]],
                                                2, max_tokens))
-    # ppo_steps 1 without the separate pass (old=None: the update's own log-probs, detached) against the same step
-    # with it, from the same weights: the same weights after the step, bit for bit, and the same old log-probs.
-    after, olds = {}, {}
-    for way in ("separate pass", "reused"):
-        policy, _ = build(device)
-        optimizer = torch.optim.SGD(policy.parameters(), lr=1.0)
-        scored = trainer.old_logprobs(policy, rollouts[mine], [], 1.0, 2, max_tokens)
-        stats = _update(policy, optimizer, rollouts[mine], None if way == "reused" else scored["batch"],
-                        advantage[mine], micro_batch_size=2, grad_clip=1e9, max_tokens=max_tokens)
-        after[way] = {k: v.clone() for k, v in trainer.full_parameters(policy)}
-        olds[way] = stats.get("old", scored)
-    reuse = {"same_weights": all(torch.equal(after["reused"][k], v) for k, v in after["separate pass"].items()),
-             "same_old": all(np.array_equal(a, b) for a, b in zip(olds["reused"]["batch"],
-                                                                   olds["separate pass"]["batch"], strict=True)),
-             "old_count": len(olds["reused"]["batch"]) == local,
-             "entropy": (olds["reused"]["entropy"], olds["separate pass"]["entropy"]),
-             "gap": (olds["reused"]["logprob_gap_max"], olds["separate pass"]["logprob_gap_max"])}
-    reuse = collectives.all_gather_objects([reuse])
     # trainer.clip_grad_norm against torch's clip_grad_norm_ on these sharded gradients, clipping and not
     ids, mask = batching.pack([(r.prompt_ids, r.response_ids, r.response_mask) for r in rollouts[mine]], device)
     (trainer.token_logprobs(policy, ids, mask, 1.0)[0] * torch.tensor(advantage[mine])[:, None]).sum().backward()
@@ -293,7 +268,7 @@ def grad_worker(out, model_path, max_tokens, units):
                      "same_grads": all(torch.equal(a, b) for a, b in zip(result["ours"][1], result["torch"][1]))})
     if rank == 0:
         torch.save({"params": params, "before": before, "raw_advantage": advantage, "normalised": normalised,
-                    "micro_batches": micro_batches, "old": old_all, "entropy": entropy / world, "reuse": reuse,
+                    "micro_batches": micro_batches, "old": old_all, "entropy": entropy / world,
                     "clip": clip}, out)
     end_worker()
 

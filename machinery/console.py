@@ -1,0 +1,80 @@
+"""No library drops another's known-harmless warnings; this does, one logger and exact message each (test_console).
+
+What a program's console shows: the library lines a user cannot act on are dropped at their source, precisely
+(one logger, the exact message; logging and warnings filters, the standard library's own way), so that real errors
+and every other warning still show (docs/design.md, "A quiet console"). No library does this for us.
+"""
+import logging
+import os
+import sys
+import warnings
+
+
+def quiet_vllm():
+    """WARNING and above from vLLM unless VLLM_LOGGING_LEVEL is set: its start-up report and per-push INFO lines
+    would bury the progress bar; and vLLM's known-harmless warnings dropped (drop_harmless_warnings). Call it
+    before vllm is imported (Engine imports it)."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    drop_harmless_warnings()
+
+
+# The warnings vLLM (and torch through it) prints at every engine start that say nothing a user of these programs
+# can act on (docs/design.md, "A quiet console"): logger name -> its exact messages. Other messages of the same
+# loggers, and every other logger, still show.
+SKIPPED_THREADS = "CPU backend doesn't allow to use `torch.set_num_threads` after the thread binding, skip it."
+HARMLESS_VLLM_WARNINGS = {
+    "vllm.triton_utils.importing": ("Triton is installed, but doesn't include CPU backend. Disabling Triton.",),
+    "vllm.platforms.cpu": ("Triton is not installed. triton-cpu is expected on x86 CPUs.",
+                           "Reset SSM cache type to float32 for accelerated GDN mamba backend 'none'."),
+    "vllm.config.vllm": ("Model Runner V2 requires Triton; using the V1 model runner instead.",
+                         "Enforce eager set, disabling torch.compile, CUDAGraphs, and JIT kernel warmup. This is "
+                         "equivalent to setting -cc.mode=none -cc.cudagraph_mode=none and "
+                         "--kernel_config.enable_jit_warmup=False",
+                         "Inductor compilation was disabled by user settings, optimizations settings that are only "
+                         "active during inductor compilation will be ignored."),
+    "vllm.engine.arg_utils": ("This model does not officially support disabling chunked prefill. Disabling this "
+                              "manually may cause the engine to crash or produce incorrect outputs.",),
+    "vllm.v1.worker.cpu_worker": (*(f"{lib} is not found in LD_PRELOAD. For best performance, please follow the "
+                                    "section `set LD_PRELOAD` in https://docs.vllm.ai/en/latest/getting_started/"
+                                    "installation/cpu/ to setup required pre-loaded libraries."
+                                    for lib in ("libtcmalloc", "libiomp")),
+                                  SKIPPED_THREADS),  # only when vLLM's own thread helpers asked: _vllm_own_threads
+    # every push: rotary layers hold a cos/sin cache but no weights, and vLLM puts the cache back by itself
+    "vllm.model_executor.model_loader.reload.layerwise": ("RotaryEmbedding: Failed to load weights",),
+}
+
+
+def _vllm_own_threads():
+    """Whether the torch.set_num_threads call being refused (vLLM's CPU worker swaps torch.set_num_threads for
+    skip_set_num_threads, a warning) came from vLLM's own thread helpers (vllm/utils/torch_utils.py). A call from
+    anywhere else, ours included, still warns: it did not take effect."""
+    frame = sys._getframe()
+    while frame is not None and frame.f_code.co_name != "skip_set_num_threads":
+        frame = frame.f_back
+    caller = frame.f_back if frame is not None else None
+    return caller is not None and caller.f_code.co_filename.endswith(os.path.join("vllm", "utils", "torch_utils.py"))
+
+
+class HarmlessWarnings(logging.Filter):
+    """A logger's filter that drops the warnings (not errors) whose message is exactly one of `messages`."""
+
+    def __init__(self, messages):
+        super().__init__()
+        self.messages = frozenset(messages)
+
+    def filter(self, record):
+        message = record.getMessage()
+        return (record.levelno > logging.WARNING or message not in self.messages
+                or (message == SKIPPED_THREADS and not _vllm_own_threads()))
+
+
+def drop_harmless_warnings():
+    """Filters for HARMLESS_VLLM_WARNINGS on their loggers (once per process), and for the FutureWarning that vLLM's
+    Triton kernel registry raises as it scans every module's attributes (`torch.distributed.reduce_op` is
+    deprecated: it only looks at it). Works before vllm is imported (loggers are looked up by name)."""
+    for name, messages in HARMLESS_VLLM_WARNINGS.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, HarmlessWarnings) for f in logger.filters):
+            logger.addFilter(HarmlessWarnings(messages))
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.reduce_op` is deprecated",
+                            category=FutureWarning, module=r"vllm\.triton_utils\.dispatcher")
