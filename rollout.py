@@ -23,7 +23,8 @@ Unlike the authors' code: token ids are only concatenated; requests go one by on
 (`add_request` / `step`), so a trajectory waiting for its tool holds up no one and `keep_first` can keep the first
 to finish (paper Appendix B); sandbox errors go back as text; only a bare last expression is printed, REPL-style.
 
-Used by spo.py, offline_values.py and eval.py; not run on its own:
+spo.py, eval.py and offline_values.py start with `start_program` (the process group, vLLM's console and KV cache,
+the engine's kind: their one start-up) and hf_engine.start_engine; not run on its own:
 
     engine = Engine(model_dir, seed=0, max_model_len=512, device=torch.device("cpu"))
     with SandboxPool(workers=4) as pool:

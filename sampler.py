@@ -9,11 +9,9 @@ the law of numpy's choice(replace=False, p=w/sum(w))), exactly, by Gumbel-top-k:
 noise. The largest key is i's with probability w_i / sum(w) (Gumbel-max) and the others stay independent
 Gumbel-perturbed keys, so the keys' order is a Plackett-Luce draw, which is successive sampling. A draw costs O(n).
 
-Usage (in spo.py):
-    sampler = PromptSampler(n_prompts, seed)
-    sampler.set_weights(priority_weights(tracker.value, tracker.n_eff))                    # once, all prompts
-    each step:  index = sampler.draw(B)  ...  tracker.update(index, reward, rho)
-                sampler.set_weights(priority_weights(tracker.value_at(index), tracker.n_eff_at(index)), index)
+Usage (in spo.py): set_weights(priority_weights(tracker.value, tracker.n_eff)) once, then each step
+    index = sampler.draw(B)  ...  tracker.update(index, reward, rho)
+    sampler.set_weights(priority_weights(tracker.value_at(index), tracker.n_eff_at(index)), index)
 """
 import numpy as np
 
@@ -69,16 +67,13 @@ class PromptSampler:
     def weights(self):  # (n,) current weights (the live array, not a copy), None in uniform mode
         return self._weights
 
-    def draw(self, batch_size, weights=None):
-        """(B,) int64 distinct prompt indices, in random order. `weights` (n,), if given, replaces all weights
-        first."""
+    def draw(self, batch_size):
+        """(B,) int64 distinct prompt indices, in random order."""
         if int(batch_size) != batch_size or not 1 <= batch_size <= self.n_prompts:
             raise ValueError(f"sampler.draw: batch_size must be in [1, {self.n_prompts}], got {batch_size}")
         k, n = int(batch_size), self.n_prompts
         if self.mode == "uniform":
             return self.rng.choice(n, size=k, replace=False).astype(np.int64)
-        if weights is not None:
-            self.set_weights(weights)
         if not self._weights.sum() > 0:
             raise ValueError("sampler.draw: all prompt weights are 0")
         # Keys w / E, E ~ Exp(1), are exp(log w + G) with G = -log E standard Gumbel: the same order, no logs.

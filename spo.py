@@ -268,7 +268,7 @@ def parse_args(argv=None):
     p.add_argument("--test", default=None, help="held-out prompts, a parquet or JSONL file (default: the toy's)")
     p.add_argument("--toy_dir", default=None, help=argparse.SUPPRESS)  # another copy of the toy (tests only)
     add_v0_flags(p)  # --offline_values, --n0, --accept_offline_mismatch, --init_smoothing (Algorithm 2)
-    p.add_argument("--max_prompt_len", type=int, default=256, help="tokens; longer prompts are left out (counted)")
+    p.add_argument("--max_prompt_len", type=int, default=256, help="token limit; longer prompts left out")
     p.add_argument("--train_prompts", type=int, default=0, help="train on the first N prompts only (0: all)")
     p.add_argument("--preset", choices=sorted(variants.PRESETS), default=None, help="named defaults (variants.PRESETS)")
     add_budget_flag(p)  # --max_response_len, shared with eval.py and offline_values.py
@@ -277,17 +277,17 @@ def parse_args(argv=None):
     p.add_argument("--batch_size", type=int, default=64, help="responses per step, over all ranks")
     p.add_argument("--group_size", type=int, default=None, help="responses per prompt (default: spo 1, others 8)")
     p.add_argument("--steps", type=int, default=150, help="training steps (rollout batches)")
-    p.add_argument("--baseline", choices=["tracker", "none", "fixed"], default="tracker", help="spo's v(x); fixed: v0")
+    p.add_argument("--baseline", choices=["tracker", "none", "fixed"], default="tracker", help="spo's v(x) (fixed: v0)")
     p.add_argument("--sampler", choices=["auto", "prioritized", "uniform"], default="auto", help="auto: Eq. 11 for spo")
     p.add_argument("--sampling_eps", type=float, default=0.05, help="Eq. 11's exploration bonus eps")
     p.add_argument("--sampling_gamma", type=float, default=0.0, help="Eq. 11's exponent of N_eff (ICLR form)")
-    p.add_argument("--rho", choices=["kl", "constant", "none"], default="kl", help="forgetting: 2^(-D/D_half), or 1")
+    p.add_argument("--rho", choices=["kl", "constant", "none"], default="kl", help="rho: 2^(-D/D_half), fixed, 1")
     p.add_argument("--rho_min", type=float, default=0.875, help="lower clip of rho; N0 = 1/(1-rho_min)")
     p.add_argument("--rho_max", type=float, default=0.96, help="upper clip of rho (used on a first visit)")
-    p.add_argument("--divergence", choices=["abs", "k3"], default="abs", help="D(x): mean |log-ratio|, or k3's KL")
+    p.add_argument("--divergence", choices=["abs", "k3"], default="abs", help="D(x): mean |log-ratio|, or k3")
     p.add_argument("--d_half", type=float, default=None, help=f"D at which rho halves (default: {D_HALF})")
     p.add_argument("--rho_constant", type=float, default=0.875, help="rho when --rho constant")
-    p.add_argument("--adv_norm", choices=["trajectory", "token"], default="trajectory", help="Eq. 9's measure")
+    p.add_argument("--adv_norm", choices=["trajectory", "token"], default="trajectory", help="Eq. 9's weights")
     p.add_argument("--lr", type=float, default=2e-4, help="AdamW learning rate (paper: 1e-6 for Qwen3-8B)")
     p.add_argument("--weight_decay", type=float, default=0.01, help="AdamW weight decay")
     p.add_argument("--grad_clip", type=float, default=1.0, help="global gradient 2-norm clip")
@@ -295,7 +295,7 @@ def parse_args(argv=None):
     p.add_argument("--clip_low", type=float, default=0.2, help="PPO ratio clip below 1")
     p.add_argument("--clip_high", type=float, default=0.28, help="PPO ratio clip above 1 (clip-higher)")
     p.add_argument("--dual_clip", type=float, default=10.0, help="dual-clip bound of the ratio, negative advantages")
-    p.add_argument("--temperature", type=float, default=1.0, help="training sampling temperature")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of training (and v0)")
     add_reward_flags(p)  # --reward (the verifier), --truncated_reward, --think_format, --reward_timeout
     add_tool_flags(p)  # --tools, --max_turns, --sandbox_workers, ... (shared with eval.py / offline_values.py)
     variants.add_variant_flags(p)  # --loss, --loss_agg, --dynamic_sampling, --oversample, ...
@@ -326,8 +326,8 @@ def start(args):
     where none are named), and the settings that make offline values v0 valid here (Algorithm 2)."""
     rank, world, device, args.engine = start_program(args.engine, args.cpu_kv_cache_gib)
     if args.resume:  # the run's own settings; only some flags may change (checkpoint.RESUME_MAY_CHANGE)
-        given = {f: getattr(args, f) for f in args.given}
-        args = argparse.Namespace(**{**vars(args), **checkpoint.resumed_config(args.resume, given), "given": args.given})
+        given, values = args.given, {f: getattr(args, f) for f in args.given}
+        args = argparse.Namespace(**{**vars(args), **checkpoint.resumed_config(args.resume, values), "given": given})
     variants.check_flags(vars(args), world)  # one clear line for a bad flag or combination
     args.bf16 = devices.use_bf16(args.bf16, device.type == "cuda")  # auto: on GPU only; "on" needs bf16 units
     args.run_dir = open_run_dir(args.resume or args.run_dir, resumed=bool(args.resume), algo=args.algo,

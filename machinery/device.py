@@ -29,7 +29,7 @@ def native_bf16():
 def use_bf16(choice, on_gpu):
     """--bf16 auto/on/off -> "on" or "off", resolved once (auto: on GPU only: the default run's numbers are fp32 on
     CPU). On a CPU without bf16 instructions "on" is one line and exit 2: torch would emulate every bf16 matmul,
-    about 100x slower than fp32 (bench/limits.py measures both)."""
+    far slower than fp32 (docs/LOG.md, "bench limits removed", has the measurement)."""
     if choice == "on" and not on_gpu and not native_bf16():
         from machinery.errors import fail
         fail("--bf16 on: this CPU has no bf16 instructions (none of " + ", ".join(BF16_FLAGS) + " in /proc/cpuinfo), "

@@ -140,8 +140,6 @@ def rank_memory(shape, *, world, tokens, on_gpu, gradient_checkpointing, layer_u
     # the engine holds more than its fp32 weights (the tied output projection packed separately, load buffers).
     if engine:
         items["engine weights (fp32, x2)"] = 2 * shape.parameters * 4
-        if layer_units:  # the CPU push holds every gathered tensor at once (rollout.Engine.push_weights); one unit:
-            items["weight push (a full fp32 copy)"] = shape.parameters * 4  # those are the gathered weights
         items["engine KV cache"] = kv_cache_gib * GIB
     items["process (python, torch, vLLM)"] = CPU_PROCESS_BYTES
     items["peak"] = sum(items.values())

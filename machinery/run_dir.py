@@ -233,8 +233,7 @@ def _hold(step):
         os.makedirs(hold)
         with open(os.path.join(hold, ".lock"), "w") as f:
             f.write(f"{socket.gethostname()} {os.getpid()}\n")
-        if os.path.exists(os.path.join(step, MANIFEST)):  # (none in a checkpoint from before manifests)
-            os.link(os.path.join(step, MANIFEST), os.path.join(hold, MANIFEST))
+        os.link(os.path.join(step, MANIFEST), os.path.join(hold, MANIFEST))
         for folder, _, files in os.walk(os.path.join(step, "model")):
             os.makedirs(os.path.join(hold, os.path.relpath(folder, step)))
             for f in files:

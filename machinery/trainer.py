@@ -1,9 +1,8 @@
 """On torch FSDP2 (fully_shard) and transformers: the policy-gradient trainer TRL or verl has, in one readable file.
 
-The trainer machinery spo.py calls: the FSDP2 policy, its log-probs, the update loop, the weight push.
-
 spo.py tells the algorithm's story and holds its math (the advantages, D(x), the PPO-clip loss of Eq. 10); this
-file holds the mechanics that any policy-gradient trainer on torch FSDP2 needs:
+file holds the mechanics that any policy-gradient trainer on torch FSDP2 needs (the policy, its log-probs, the
+update loop, the weights for the push):
 - `setup_distributed`: torch.distributed on gloo (CPU) or nccl (GPU); `python spo.py` works as a world of 1.
 - `build_policy`: a Hugging Face causal LM sharded with FSDP2 (`fully_shard` per decoder layer, then the root, or
   the whole model as one unit); on GPU bf16 compute with fp32 master weights and fp32 gradient reduction; FSDP2's
@@ -18,7 +17,6 @@ file holds the mechanics that any policy-gradient trainer on torch FSDP2 needs:
   size to get the true gradient (set_gradient_divide_factor(1) would do the same but fails on gloo).
 - `clip_grad_norm`: torch's gradient clipping on FSDP2's shards in one collective. The small collectives on numpy
   arrays and objects are in collectives.py, checkpoints in checkpoint.py, what a run records in metrics.py.
-Not run on its own; the tests drive it through spo.py and tests/test_trainer.py.
 """
 import datetime
 import functools
@@ -68,7 +66,7 @@ def build_policy(path, device, lr, weight_decay, gradient_checkpointing=None, la
     gather with compute); on CPU a rank's one thread pays every unit's gathers in turn, so one unit is faster.
     bf16: forward and backward in bf16 with FSDP2's mixed precision (the fp32 parameters stay the master copy the
     optimiser updates; gradients are reduced in fp32). None: on GPU only; on CPU it pays only where the cores have
-    bf16 instructions (memory.use_bf16 refuses it elsewhere).
+    bf16 instructions (device.use_bf16 refuses it elsewhere).
 
     Only rank 0 reads the weights (in fp32, on the host: 33 GB for an 8B model); the other ranks build the model
     on the meta device, and each rank receives its own shard by broadcast (set_model_state_dict with
@@ -256,7 +254,7 @@ def response_logprobs(model, ids, rows, cols, temperature, with_entropy=False, c
     else:
         flat = ids
         hidden = model.base_model(input_ids=ids, use_cache=False).last_hidden_state[rows, cols]  # (N, H)
-    # the tokens the decoder really ran, for ppo_update's policy/decoder_tokens (bench limits' hardware FLOPs)
+    # the tokens the decoder really ran, for ppo_update's policy/decoder_tokens
     model.decoder_tokens = getattr(model, "decoder_tokens", 0) + flat.numel()
     head = model.get_output_embeddings()
     weight = head.weight  # (V, H): the gathered bf16 copy under bf16 mixed precision, else the fp32 parameter
