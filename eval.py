@@ -12,8 +12,7 @@ and scores it.
 3. The tracker probe spo.py runs with --probe_every (`tracker_probe`): the value tracker's v(x) against the current
    policy's success rate, measured with fresh samples on a fixed subset of training prompts (does it track?).
 4. The command line (paper defaults: n 32, temperature 0.6, top_p 0.95, top_k 20); --model also takes an spo.py
-   run or checkpoint directory, of a run still training too (machinery/run_dir.py:checkpoint_model); --tools samples
-   through the multi-turn tool loop (rollout.py), as training does.
+   run or checkpoint directory, of a live run too (machinery/run_dir.py:checkpoint_model); --tools as training.
 
     torchrun --nproc_per_node=2 eval.py --model runs/<run> --data aime24.parquet aime25.parquet
     python eval.py                                            # the toy's test set, one process

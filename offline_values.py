@@ -8,20 +8,17 @@ also applies the smoothing). Without this pass the tracker starts uninformed (al
 - Sampling: by default exactly the training distribution (temperature 1.0, top_p 1.0, the training token budget
   and reward, where a response cut off by the budget scores 0). The authors measured v0 at their evaluation
   temperature 0.6 while training at 1.0: a prior for another distribution. Any override is recorded in the header.
-- Tools: with --tools the samples go through the tool loop (rollout.py), as training with --tools samples; the
-  tool settings join the header, as do --think_format, --tool_instruction's system prompt and a --reward other
-  than the default (the verifier that scored the samples). spo.py compares the
-  settings that change v0 with its own and refuses a mismatch (check_values_header).
+- Tools: with --tools the samples go through the tool loop, as training's; the tool settings, --think_format, the
+  system prompt and a non-default --reward join the header; spo.py refuses a mismatch (check_values_header).
 - Reproducible: every request has its own seed derived from (seed, prompt key, sample index), so the scores do not
   depend on the world size, the chunking or an interruption.
 - Resumable: each rank appends finished prompts (all n0 scores at once) to <out>.rank<r>.partial.jsonl, whose
   first line holds the settings; a rerun skips what is there and refuses other settings. When every prompt is
   done, rank 0 writes <out> atomically and removes the partial files.
 
-Output, read by spo.py --offline_values:
+Output, read by spo.py --offline_values (dataset order; scores: the n0 rewards):
     {"header": {"model", "dataset", "n0", "temperature", "top_p", "max_tokens", "seed", ...},
-     "prompts": {prompt key: {"prompt": decoded prompt text, "scores": [0.0, 1.0, ...]}}}  (dataset order; scores
-     are the n0 rewards)
+     "prompts": {prompt key: {"prompt": decoded prompt text, "scores": [0.0, 1.0, ...]}}}
 
     torchrun --nproc_per_node=2 offline_values.py --model M --data train.parquet --out values.json
     python offline_values.py                                   # the built-in toy, one process

@@ -17,7 +17,7 @@ the probe's own sampling noise (probe/mae_unbiased, eval.py:probe_stats). The bo
 |bias| <= 0.05 at every probe, and MAE <= 1.5 x probe/mae_unbiased.
 
     python -m experiments.regime RUN_DIR [RUN_DIR ...]
-    python -m experiments.regime --brief experiments/paper_regime/records/spo-s*   # one row per run
+    python -m experiments.regime --brief experiments/paper_regime/records/spo-s*   # one row per run, then the misses
 """
 import argparse
 import os
@@ -82,7 +82,7 @@ def report(run_dir, r):
 
 
 def brief(runs):
-    """One markdown row per run ({name: regime(...)}): the worst probe against each bound, and the verdict."""
+    """One markdown row per run ({name: regime(...)}): the worst probe per bound and the verdict; then every miss."""
     lines = ["| run | probes | worst bias (step) | worst MAE / unbiased (step) | visits per prompt | held-out | "
              "bounds met |", "| --- | --- | --- | --- | --- | --- | --- |"]
     for name, r in runs.items():
@@ -93,6 +93,13 @@ def brief(runs):
                      f"{ratio['mae_ratio']:.2f} ({ratio['step']}) | {r['visits_per_prompt'] or float('nan'):.1f} | "
                      + (f"{held[0][1]:.1%} -> {held[1][1]:.1%}" if held else "n/a")
                      + f" | {'yes' if r['passes'] else 'NO'} |")
+    missed = [(name, p) for name, r in runs.items() for p in r["probes"]  # the worst alone hides the first miss
+              if abs(p["bias"]) > BIAS_BOUND or not p["mae_ratio"] <= MAE_RATIO_BOUND]
+    lines += ["", f"Probes that miss a bound (|bias| > {BIAS_BOUND} or MAE > {MAE_RATIO_BOUND} x unbiased): "
+              f"{len(missed) or 'none'}"]
+    if missed:
+        lines += ["", "| run | step | bias | MAE / unbiased |", "| --- | --- | --- | --- |"]
+        lines += [f"| {name} | {p['step']} | {p['bias']:+.3f} | {p['mae_ratio']:.2f} |" for name, p in missed]
     return "\n".join(lines)
 
 

@@ -1,12 +1,9 @@
 """No library estimates a rank's memory before it starts; this buys one line instead of a SIGKILL minutes in.
 
-How much memory one rank needs, estimated before anything heavy starts.
-
-Without it a run that does not fit ends as the kernel's SIGKILL (`exitcode -9` from torchrun and nothing else)
-minutes into the first step, after the engine and the policy were built. spo.py calls `check_rank_memory` after
-reading the flags and the data and before building the policy: it prints the estimate once and stops with one
-line naming the flag to change when the estimate exceeds what a rank can have. How the trainer cuts its
-work within that budget is batching.py.
+How much memory one rank needs, estimated before anything heavy starts. Without it a run that does not fit ends
+as the kernel's SIGKILL (`exitcode -9` from torchrun, nothing else) minutes into the first step. spo.py calls
+`check_rank_memory` before building the policy: the estimate printed once, and one line naming the flag to change
+when it exceeds what a rank has. How the trainer cuts its work within that budget is batching.py.
 
 The estimate is arithmetic: the model's shapes come from its config (parameters counted on the meta device, so
 nothing is loaded), the rest from the flags. Per rank:

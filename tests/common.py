@@ -74,7 +74,10 @@ def torchrun_nodes(nnodes, *args, timeout=900):
     with contextlib.ExitStack() as stack:
         logs = [(stack.enter_context(tempfile.TemporaryFile("w+")), stack.enter_context(tempfile.TemporaryFile("w+")))
                 for _ in range(nnodes)]  # files, not pipes: one node's full pipe must not stall another
-        procs = [subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=out, stderr=err, text=True) for out, err in logs]
+        # one thread per process, as torchrun gives the ranks of a one-node run with several (here it sets none):
+        # a different thread count may change a matmul's float sums, and the test compares runs bit for bit
+        env = {**ENV, "OMP_NUM_THREADS": "1"}
+        procs = [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=err, text=True) for out, err in logs]
         codes = [p.wait(timeout=timeout) for p in procs]
         texts = []
         for out, err in logs:

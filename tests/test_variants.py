@@ -264,13 +264,13 @@ def test_no_float_flag_takes_a_non_number(value, capsys):
 
 
 def test_a_preset_fills_only_the_flags_left_unset():
-    """--preset paper_regime: its values where the command line said nothing, the command line's where it did, and
+    """--preset tracker_keeps_up: its values where the command line said nothing, the command line's where it did, and
     no probe for an estimator without a tracker (check_flags would refuse it)."""
-    preset = variants.PRESETS["paper_regime"]
-    args = spo.parse_args(["--preset", "paper_regime", "--lr", "3e-5"])
+    preset = variants.PRESETS["tracker_keeps_up"]
+    args = spo.parse_args(["--preset", "tracker_keeps_up", "--lr", "3e-5"])
     assert args.lr == 3e-5 and args.steps == preset["steps"] and args.train_prompts == preset["train_prompts"]
     assert args.probe_every == preset["probe_every"]
-    grpo = spo.parse_args(["--preset", "paper_regime", "--algo", "grpo"])
+    grpo = spo.parse_args(["--preset", "tracker_keeps_up", "--algo", "grpo"])
     assert grpo.probe_every == 0 and grpo.steps == preset["steps"]
     variants.check_flags(vars(grpo), world=2)  # no error line
     assert spo.parse_args([]).steps == 150 and spo.parse_args([]).train_prompts == 0
