@@ -394,7 +394,7 @@ def main(argv=None):
     check_context(source, longest, "--max_response_len + the longest prompt")
     engine = start_engine(args.engine, source, seed=args.seed, max_model_len=longest, device=device,
                           gpu_memory_utilization=args.gpu_memory_utilization,
-                          compile_model=None if args.engine_compile == "auto" else args.engine_compile == "on")
+                          engine_compile=args.engine_compile)
     tools = make_tools(args.tools, args.max_turns, args.sandbox_workers, args.sandbox_timeout, args.sandbox_memory_mb,
                        args.max_tool_output_chars)
     os.makedirs(args.out_dir, exist_ok=True)

@@ -20,11 +20,12 @@ from rollout import Engine, Segment, run_trajectories, stop_strings
 GREEDY_BELOW = 1e-5  # temperatures below this sample greedily (vLLM's _SAMPLING_EPS)
 
 
-def start_engine(kind, model_path, **settings):
-    """The rollout engine `kind` ("vllm" or "hf", from rollout.choose_engine) with rollout.Engine's settings: here,
-    the one place that knows both engines (rollout.py cannot import this file back). The transformers engine
-    ignores the vLLM-only settings (gpu_memory_utilization, compile_model)."""
-    return (Engine if kind == "vllm" else HFEngine)(model_path, **settings)
+def start_engine(kind, model_path, engine_compile="auto", **settings):
+    """The engine `kind` ("vllm" or "hf": rollout.choose_engine) with rollout.Engine's settings and --engine_compile
+    (auto: on GPU only); here, the one file that knows both (rollout.py cannot import this one back). The
+    transformers engine ignores the vLLM-only settings (gpu_memory_utilization, compile_model)."""
+    compile_model = None if engine_compile == "auto" else engine_compile == "on"
+    return (Engine if kind == "vllm" else HFEngine)(model_path, compile_model=compile_model, **settings)
 
 
 def processed_logprobs(logits, temperature, top_k=-1, top_p=1.0):

@@ -376,7 +376,7 @@ def main(argv=None):
     engine = start_engine(args.engine, args.model, seed=args.seed, device=device, temperature=args.temperature,
                           max_model_len=args.max_prompt_len + args.max_response_len,
                           gpu_memory_utilization=args.gpu_memory_utilization,
-                          compile_model=None if args.engine_compile == "auto" else args.engine_compile == "on")
+                          engine_compile=args.engine_compile)
     estimate_offline_values(engine, data, args.out, header=header, chunk_prompts=args.chunk_prompts,
                             max_chunks=args.max_chunks, tools=tools, reward_timeout=args.reward_timeout, **sampling)
     if tools:

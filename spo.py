@@ -370,7 +370,7 @@ def build_policy_and_engine(args, world, device, data, is_main):
     engine = start_engine(args.engine, model_path, seed=args.seed, device=device, temperature=args.temperature,
                           max_model_len=args.max_prompt_len + args.max_response_len,
                           gpu_memory_utilization=args.gpu_memory_utilization,
-                          compile_model=None if args.engine_compile == "auto" else args.engine_compile == "on",
+                          engine_compile=args.engine_compile,
                           bf16=args.bf16 == "on")
     if state:
         checkpoint.restore_training_state(policy, optimizer, state["shards"])

@@ -325,7 +325,8 @@ def run_summary(run_dir, plot, seconds, expected_range=None, test=None):
         held_out += f"; one default run lands in {expected_range[0]}-{expected_range[1]}% (README)"
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")  # the one that ran this (a venv's)
     torchrun = os.path.relpath(torchrun) if os.path.exists(torchrun) else "torchrun"
-    return (f"done, {seconds / 60:.1f} min of training: held-out accuracy {held_out or 'not measured (--test)'}; run directory "
+    held_out = held_out or "not measured (--eval_every 0, or no --test)"
+    return (f"done, {seconds / 60:.1f} min of training: held-out accuracy {held_out}; run directory "
             f"{run_dir}, plot {plot}; next: {torchrun} --nproc_per_node=2 eval.py --model {run_dir}"
             + (f" --data {os.path.relpath(test)}" if test else ""))
 
