@@ -168,9 +168,10 @@ def choose_engine(choice, is_main):
     return choice
 
 
-def make_tools(tools, max_turns, sandbox_workers, sandbox_timeout, sandbox_memory_mb, max_tool_output_chars):
+def make_tools(tools, max_turns, sandbox_workers, sandbox_timeout, sandbox_memory_mb, max_tool_output_chars,
+               private=()):
     """A Tools with its own sandbox pool from add_tool_flags' values, or None without --tools (`tools` False).
-    Close it with tools.pool.close()."""
+    private: {path: its flag} that snippets must not read (data, run directory). Close with tools.pool.close()."""
     from machinery.errors import fail
     if not tools:
         return None
@@ -180,8 +181,16 @@ def make_tools(tools, max_turns, sandbox_workers, sandbox_timeout, sandbox_memor
                              ("sandbox_timeout", sandbox_timeout, 1e-3), ("sandbox_memory_mb", sandbox_memory_mb, 1)):
         if value < low:  # caught here: inside the loop a bad limit would only come back as tool error text
             fail(f"--{flag} must be at least {low}, got {value}", once=True)
-    from sandbox import SandboxPool
-    pool = SandboxPool(workers=sandbox_workers, timeout_s=sandbox_timeout, memory_mb=sandbox_memory_mb)
+    import sandbox
+    try:
+        sandbox.isolation()  # probed once, here: a machine that cannot isolate snippets refuses before the engine
+    except Exception as e:  # noqa: BLE001 - SandboxUnavailable, or a failure it did not foresee: one line either way
+        fail(f"--tools: {e}", once=True)
+    for path, flag in dict(private).items():
+        if path and os.path.exists(path) and sandbox.visible_to_snippets(path):
+            fail(f"--{flag} {path} lies under a directory that tool snippets can read (the system's or the "
+                 f"interpreter's: {', '.join(sandbox.visible_dirs())}): move it elsewhere", once=True)
+    pool = sandbox.SandboxPool(workers=sandbox_workers, timeout_s=sandbox_timeout, memory_mb=sandbox_memory_mb)
     return Tools(pool, max_turns=max_turns, max_tool_output_chars=max_tool_output_chars)
 
 
@@ -286,7 +295,8 @@ def run_trajectories(start, step, abort, tokenizer, prompt_ids, seeds, *, max_to
         text, error, timed_out = interpreter_text(outcome, tools.max_tool_output_chars)
         r.tool_errors += error
         r.tool_timeouts += timed_out
-        ids = tokenizer.encode(text, add_special_tokens=False)
+        # split: a special token's text printed by the snippet (an end of turn) stays text, never the token
+        ids = tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
         room = max_tokens - len(r.response_ids)
         if len(ids) >= room:  # no room left to answer after it: the trajectory is cut here
             ids, text = ids[:room], tokenizer.decode(ids[:room])

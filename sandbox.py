@@ -10,57 +10,38 @@ as a SandboxResult.
     with SandboxPool(workers=8) as pool:           # threads: each run is a subprocess
         results = pool.map(codes)                   # in order; futures via pool.submit(code)
 
-How a run is built (`isolation()` probes once which of these the machine allows, best first):
-  prlimit   memory (RLIMIT_AS), CPU seconds, processes, open files, file size, no core dumps; a binary rather than
-            preexec_fn, so a big, threaded parent forks cheaply (vfork) and safely.
-  unshare   new network namespace (only a downed loopback: no network at all), new pid namespace (the snippet sees
-            only its own processes; all of them die with it), new mount namespace with a fresh /proc and fresh
-            size-capped tmpfs on /tmp, /var/tmp, /dev/shm, /run/lock: the working directory is the private /tmp, gone
-            when the run ends. (If the interpreter or its venv lives under one of those dirs, that dir is bound
-            read-only instead of hidden.) New IPC namespace: SysV shm, queues, semaphores and POSIX message queues are
-            the run's own, unseen by other runs and gone with it. As root we also set its limits (shmmax, shmall: all
-            segments together at most memory_mb; shm_rmid_forced: a segment dies with its last user; few queues and
-            semaphores), so IPC holds little beyond the run's limits while it lasts; without root the snippet is root
-            of the namespace's owner and could lift them. No UTS or cgroup namespace: they would guard nothing (a new
-            UTS namespace shows the same hostname, which the snippet cannot change anyway; a cgroup one only renames
-            cgroup paths).
-  seccomp   a filter (set by a short launcher before setpriv, kept through every fork and exec) fails with EPERM:
-            socket(AF_UNIX, ...); socketpair(AF_UNIX, ...) unless SOCK_STREAM (a datagram pair can sendto() any path;
-            a stream pair stays connected, so multiprocessing and asyncio work); io_uring_setup (io_uring makes and
-            connects sockets without syscalls a filter sees); every syscall of another ABI (i386 via int 0x80, x32,
-            arm32); without namespaces also SysV IPC and POSIX message queues, which would outlive the run on the
-            host. So no snippet reaches a Unix socket of the host, wherever it lives (/run/*.sock, docker.sock, a dir
-            bound read-only: connect() needs no write access). multiprocessing.Manager and the forkserver start method
-            listen on AF_UNIX, so they fail.
-  setpriv   when we are root: a dedicated unprivileged uid per concurrent run (60000 + slot, claimed with flock so
-            parallel trainers never share one), no supplementary groups, no_new_privs. Root ignores RLIMIT_NPROC, so
-            this is what stops a fork bomb; it also keeps the snippet off root-owned files and /proc/<pid>/environ of
-            other processes.
-Plus: `python -I` (no PYTHON* variables, no user site), a scrubbed environment (PATH, HOME, LANG, TMPDIR and
-single-threaded BLAS; nothing of ours), stdin closed, a new session; output read while it arrives, each stream
-capped at max_output_bytes (first and last halves kept); at the wall-clock limit the whole process group is
-SIGKILLed and every process of the run (its group, its uid) is hunted down. Without unshare, runs get a host temp
-dir (removed afterwards) and network_isolated=False; without root, no dedicated uid (a snippet that calls setsid
-can then outlive the run); without seccomp (a kernel without it, an architecture other than x86_64 and aarch64),
-unix_sockets_blocked=False.
+How a run is built (`isolation()` checks once that this machine allows it; if not, SandboxUnavailable and --tools
+refuses to start in one line; there is no weaker fallback):
+  prlimit   memory (RLIMIT_AS), CPU seconds, processes (as root), open files, file size, no core dumps.
+  unshare   network namespace (a downed loopback: no network, no abstract Unix socket of the host), pid namespace
+            (all of the run dies with it), IPC namespace (as root also capped: shmmax, shmall at memory_mb), and
+            a mount namespace with a root of its own (_root_setup): fresh size-capped tmpfs on /tmp, /var/tmp,
+            /dev/shm, /run/lock (all it may write), the system's and the interpreter's dirs read-only, then
+            pivot_root: the repository, the data and their answers, the run directory, homes are not there.
+  seccomp   a filter fails socket(AF_UNIX), datagram socketpair(AF_UNIX), io_uring_setup and other ABIs' syscalls
+            with EPERM (multiprocessing and asyncio still work: they use stream pairs).
+  identity  as root: a dedicated uid per concurrent run (60000 + slot, flock in a dir only root can write), no
+            groups, no_new_privs (RLIMIT_NPROC then stops a fork bomb). Otherwise: a nested user namespace that
+            maps no one, so the snippet holds no capability: it cannot undo its mounts or make namespaces.
+Plus `python -I`, a scrubbed environment (nothing of ours), stdin closed; output capped while it arrives (first
+and last halves kept); at the wall-clock limit every process of the run is SIGKILLed and hunted down.
 
-What it does NOT protect against: kernel exploits (it is not a security boundary; use a VM or gVisor for hostile
-code); reading world-readable host files (and so the host's configuration, the code of the project); FIFOs a host
-process left writable to others; CPU contention with the trainer; memory beyond max_processes * memory_mb
-(RLIMIT_AS is per process; a memory cgroup would be the fix), plus the private tmpfs dirs and SysV shm (each up to
-its cap) while the run lasts; snippets still running if the calling process itself is killed (RLIMIT_CPU bounds
-the busy ones). Linux only (rollout.make_tools refuses --tools elsewhere in one line).
-The interpreter should be readable by the dedicated uid: one under /root (mode 700) still starts, but with the
-system's stdlib of the same minor version (the probe checks that much) and the snippet cannot start it again
-itself; `chmod o+x /root` or a python under /opt or /usr avoids that.
+NOT protected: kernel exploits (not a security boundary: use a VM or gVisor for hostile code); reading the
+bound dirs (/etc, the venv); CPU contention with the trainer; memory beyond max_processes * memory_mb plus the
+tmpfs dirs (a memory cgroup would be the fix); without root on Linux before 5.14, a fork bomb up to the user's process limit;
+snippets of a killed caller (RLIMIT_CPU bounds them). Linux only (rollout.make_tools refuses --tools elsewhere).
 """
 import ast
+import atexit
+import contextlib
 import functools
 import os
 import re
 import selectors
 import shutil
+import shlex
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -73,29 +54,33 @@ from dataclasses import dataclass
 from machinery.seccomp import LAUNCHER, seccomp_program
 
 UID_BASE, UID_SLOTS = 60000, 256  # dedicated uids for runs; outside normal user ranges, inside 16 bits
-_LOCK_DIR = os.path.join(tempfile.gettempdir(), "spo_sandbox_uids")
-_PRIVATE_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")  # the world-writable dirs of a usual host
+_LOCK_DIR = "/run/spo_sandbox_uids"  # only root claims uids, and only root can write /run: no one can plant files here
+_SCRATCH_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")  # fresh size-capped tmpfs: all a snippet may write
+_SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")  # read-only in the root
+_DEVICES = ("null", "zero", "random", "urandom")
 _OOM_PATTERN = re.compile(r"MemoryError|Cannot allocate memory|std::bad_alloc")
+
+
+class SandboxUnavailable(RuntimeError):
+    """The sandbox itself cannot run (not the snippet): a run must stop rather than train on tool errors."""
 
 
 @dataclass
 class SandboxResult:
     stdout: str
     stderr: str
-    exit_code: int  # signal N: 128 + N in namespaces (a shell sits between), else -N; -9 on timeout
+    exit_code: int  # signal N: 128 + N (a shell sits between); -9 on timeout
     timed_out: bool  # hit the wall-clock limit; the whole run was killed
     out_of_memory: bool  # MemoryError (RLIMIT_AS) or an allocation failure message in stderr
     output_truncated: bool  # a stream exceeded max_output_bytes; its middle was dropped
-    network_isolated: bool  # ran in its own network namespace (no interfaces but a downed loopback)
     unix_sockets_blocked: bool  # socket(AF_UNIX) refused by seccomp: no Unix socket of the host is reachable
     duration_s: float
 
 
 @dataclass(frozen=True)
 class Isolation:
-    namespaces: bool  # network, pid, mount and IPC namespaces via unshare (with --user when not root)
-    dedicated_uid: bool  # runs as an unprivileged uid of its own (we are root)
-    seccomp: bool  # a seccomp filter refuses AF_UNIX sockets and io_uring (SysV IPC too, without namespaces)
+    dedicated_uid: bool  # runs as an unprivileged uid of its own (we are root); else in a user namespace of no one
+    seccomp: bool  # a seccomp filter refuses AF_UNIX sockets and io_uring
 
 
 class _HeadTail:
@@ -124,27 +109,82 @@ class _HeadTail:
 def _claim_uid() -> tuple[int, int]:
     """A dedicated uid no other run (thread or process) holds now; the lock dies with the fd."""
     import fcntl  # Unix only: imported here so that rollout.py, which imports this file, loads on Windows too
-    os.makedirs(_LOCK_DIR, mode=0o700, exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(_LOCK_DIR, 0o700)  # anything else: the probe's traceback names it
+    info = os.lstat(_LOCK_DIR)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o077:
+        raise SandboxUnavailable(f"sandbox: {_LOCK_DIR} is not a private directory of ours (owner uid {info.st_uid}, "
+                                 f"mode {info.st_mode & 0o777:o}): someone else made it; remove it and start again")
     for uid in range(UID_BASE, UID_BASE + UID_SLOTS):
-        fd = os.open(os.path.join(_LOCK_DIR, str(uid)), os.O_CREAT | os.O_RDWR, 0o600)
+        fd = os.open(os.path.join(_LOCK_DIR, str(uid)), os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             return uid, fd
         except BlockingIOError:
             os.close(fd)
-    raise RuntimeError(f"sandbox: all {UID_SLOTS} dedicated uids from {UID_BASE} are busy")
+    raise SandboxUnavailable(f"sandbox: all {UID_SLOTS} dedicated uids from {UID_BASE} are busy "
+                             f"(--sandbox_workers across all trainers of this machine)")
+
+
+def _under(path: str, directory: str) -> bool:
+    return path == directory or path.startswith(directory.rstrip("/") + "/")
 
 
 @functools.cache
-def _interpreter_dirs() -> frozenset:
-    """The private dirs that contain the running interpreter or its environment."""
-    paths = {os.path.realpath(p) for p in (sys.executable, sys.prefix, sys.base_prefix)} | {sys.executable}
-    return frozenset(d for d in _PRIVATE_DIRS if any(p == d or p.startswith(d + "/") for p in paths))
+def visible_dirs() -> tuple[str, ...]:
+    """What a snippet sees, read-only: the system's dirs and the interpreter's own (its venv, its install)."""
+    system = tuple(d for d in _SYSTEM_DIRS if os.path.lexists(d))
+    python = {os.path.abspath(p) for p in (sys.prefix, sys.base_prefix, os.path.dirname(os.path.dirname(
+        os.path.realpath(sys.executable))))}
+    resolved = [os.path.realpath(d) for d in system]
+    python = sorted(p for p in python if not any(_under(p, d) for d in resolved))
+    return system + tuple(p for p in python if not any(_under(p, q) for q in python if q != p))
 
 
-def _workdir() -> str:
-    """The namespaced run's working directory: the first private dir that gets a fresh tmpfs."""
-    return next(d for d in _PRIVATE_DIRS if d not in _interpreter_dirs() and os.path.isdir(d))
+def visible_to_snippets(path: str) -> bool:
+    """Whether a snippet can read this path: it lies under a dir of visible_dirs."""
+    path = os.path.realpath(path)
+    return any(_under(path, os.path.realpath(d)) for d in visible_dirs())
+
+
+@functools.cache
+def _mount_point() -> str:
+    """An empty dir of ours where each run mounts its root, in its own mount namespace (the host's stays empty)."""
+    atexit.register(os.rmdir, directory := tempfile.mkdtemp(prefix="spo_sandbox_root_"))
+    return directory
+
+
+def _mount_points_under(directory: str) -> list[str]:
+    """The host's mount points at or under directory (submounts such as a container's /etc/hosts), parents first."""
+    with open("/proc/self/mountinfo") as f:
+        points = [re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), line.split()[4]) for line in f]
+    return [directory] + [p for p in points if _under(p, directory) and p != directory]
+
+
+@functools.cache
+def _root_setup(scratch_bytes: int) -> str:
+    """Shell commands (as root of the run's mount namespace) that build the snippet's root and enter it; after
+    pivot_root nothing of the host's tree stays reachable, not even through /proc/1/root."""
+    q, root = shlex.quote, _mount_point()
+    links = [d for d in visible_dirs() if d in _SYSTEM_DIRS and os.path.islink(d)]  # /bin -> usr/bin
+    dirs = [d for d in visible_dirs() if d not in links]
+    first = [d for d in dirs if not any(_under(d, s) for s in _SCRATCH_DIRS)]  # a venv under /tmp: after its tmpfs
+    devices = [f"/dev/{n}" for n in _DEVICES if os.path.exists(f"/dev/{n}")]
+    # Few processes: each command here is a fork and exec on every tool call.
+    cmds = [f"mount -t tmpfs -o size=1m,mode=755 tmpfs {q(root)}", f"cd {q(root)}",
+            "mkdir -p " + " ".join(q(root + d) for d in (*_SCRATCH_DIRS, *first, "/proc", "/dev", "/.old"))]
+    cmds += [f"mount -t tmpfs -o size={scratch_bytes},mode=1777 tmpfs {q(root + d)}" for d in _SCRATCH_DIRS]
+    if later := [d for d in dirs if d not in first]:
+        cmds.append("mkdir -p " + " ".join(q(root + d) for d in later))
+    for d in dirs:  # read-only, each submount too (bind,ro remounts the top one only)
+        cmds.append(f"mount --rbind -o ro {q(d)} {q(root + d)}")
+        cmds += [f"mount -o remount,bind,ro {q(root + p)}" for p in _mount_points_under(d)[1:]]
+    if links:
+        cmds.append("cp -P " + " ".join(q(d) for d in links) + f" {q(root)}/")
+    cmds += [f": > {q(root + d)}; mount --bind {d} {q(root + d)}" for d in devices]
+    cmds += [f"mount --rbind /proc {q(root)}/proc", f"ln -s /proc/self/fd {q(root)}/dev/fd", "pivot_root . .old",
+             "umount -l /.old", "mount -o remount,bind,ro /", "cd /tmp"]
+    return "; ".join(cmds) + "; "
 
 
 # The limits of a run's own IPC namespace that do not depend on the run: few message queues (each holds at
@@ -153,30 +193,39 @@ def _workdir() -> str:
 _IPC_SYSCTLS = {"msgmni": "32", "sem": "250 32000 32 128", "shm_rmid_forced": "1"}
 
 
+def _per_namespace_nproc() -> bool:
+    release = re.match(r"(\d+)\.(\d+)", os.uname().release)
+    return bool(release) and (int(release[1]), int(release[2])) >= (5, 14)
+
+
 def _command(code: str, iso: Isolation, uid: int | None, limits: dict) -> list[str]:
-    """prlimit -> [unshare -> sh: private dirs, IPC limits] -> [seccomp launcher] -> [setpriv] -> python -I -c code."""
-    argv = ["prlimit", *(f"--{name}={value}" for name, value in limits.items()), "--"]
-    if iso.namespaces:
-        argv += ["unshare", "--mount", "--net", "--pid", "--ipc", "--fork", "--kill-child", "--mount-proc"]
-        argv += [] if os.geteuid() == 0 else ["--user", "--map-root-user"]
-        # The shell stays pid 1 of the namespace (no exec), so python keeps ordinary signal
-        # semantics and orphans get reaped; when the shell exits, the kernel kills the namespace.
-        # A private dir that holds the interpreter itself (a checkout or venv under /tmp, say) cannot be
-        # hidden under a tmpfs: it becomes read-only instead, so the snippet can read it but not write there.
-        setup = "".join(f'[ ! -d {d} ] || {{ mount --bind {d} {d} && mount -o remount,bind,ro {d}; }}; '
-                         if d in _interpreter_dirs() else
-                         f'[ ! -d {d} ] || mount -t tmpfs -o size={limits["fsize"]},mode=1777 tmpfs {d}; '
-                         for d in _PRIVATE_DIRS)
-        if os.geteuid() == 0:  # without root, the snippet is root of the IPC namespace's owner: it could lift them
-            sysctls = {**_IPC_SYSCTLS, "shmmax": limits["as"], "shmall": limits["as"] // os.sysconf("SC_PAGE_SIZE")}
-            setup += "".join(f"echo '{value}' > /proc/sys/kernel/{name}; " for name, value in sysctls.items())
-        argv += ["sh", "-c", f'set -e; {setup}cd {_workdir()}; "$@"', "sh"]
+    """prlimit -> unshare -> sh: IPC limits, the new root -> [seccomp launcher] -> setpriv (root) or a user
+    namespace of no one (otherwise) -> python -I -c code."""
+    # Without root, RLIMIT_NPROC counts all the user's processes (the trainer's threads too) outside the snippet's
+    # own user namespace: it is set inside it, where (Linux 5.14+) it counts the snippet's processes only.
+    outer = {k: v for k, v in limits.items() if k != "nproc" or iso.dedicated_uid}
+    argv = ["prlimit", *(f"--{name}={value}" for name, value in outer.items()), "--"]
+    argv += ["unshare", "--mount", "--net", "--pid", "--ipc", "--fork", "--kill-child", "--mount-proc"]
+    argv += [] if iso.dedicated_uid else ["--user", "--map-root-user"]
+    # The shell stays pid 1 of the namespace (no exec), so python keeps ordinary signal
+    # semantics and orphans get reaped; when the shell exits, the kernel kills the namespace.
+    setup = ""
+    if iso.dedicated_uid:  # without root, the snippet would be root of the IPC namespace's owner: it could lift them
+        sysctls = {**_IPC_SYSCTLS, "shmmax": limits["as"], "shmall": limits["as"] // os.sysconf("SC_PAGE_SIZE")}
+        setup = "".join(f"echo '{value}' > /proc/sys/kernel/{name}; " for name, value in sysctls.items())
+    argv += ["sh", "-c", f'set -e; {setup}{_root_setup(limits["fsize"])}"$@"', "sh"]
     if iso.seccomp:
-        argv += [sys.executable, "-I", "-S", "-c", LAUNCHER, seccomp_program(not iso.namespaces).hex()]
+        argv += [sys.executable, "-I", "-S", "-c", LAUNCHER, seccomp_program().hex()]
     if iso.dedicated_uid:
-        # setpriv resolves the interpreter path before its capabilities go, so a python under
-        # /root still execs; afterwards the snippet has no capabilities and cannot gain any.
+        # setpriv resolves the interpreter path before its capabilities go; afterwards the snippet has
+        # no capabilities and cannot gain any.
         argv += ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--no-new-privs"]
+    else:
+        # A nested user namespace that maps no one: the snippet holds no capability at all, so it cannot undo
+        # its mounts (made by the namespace above), and an unmapped uid cannot make namespaces of its own.
+        argv += ["unshare", "--user"]
+        if "nproc" in limits and _per_namespace_nproc():
+            argv += ["prlimit", f"--nproc={limits['nproc']}", "--"]
     return argv + [sys.executable, "-I", "-c", code]
 
 
@@ -241,27 +290,23 @@ def _kill_everything(pgid: int, uid: int | None):
 def _run(code: str, iso: Isolation, timeout_s: float, max_output_bytes: int, limits: dict) -> SandboxResult:
     start = time.perf_counter()
     uid, lock_fd = _claim_uid() if iso.dedicated_uid else (None, None)
-    workdir = None if iso.namespaces else tempfile.mkdtemp(prefix="spo_sandbox_")
     try:
-        if workdir and uid is not None:
-            os.chown(workdir, uid, uid)
-        home = workdir or _workdir()
-        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": home, "TMPDIR": home, "LANG": "C.UTF-8",
+        env = {"PATH": "/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin", "HOME": "/tmp", "TMPDIR": "/tmp", "LANG": "C.UTF-8",
                # one BLAS thread: less contention with the trainer, and fewer threads for RLIMIT_NPROC
                "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
         try:
-            proc = subprocess.Popen(_command(code, iso, uid, limits), cwd=workdir or "/", env=env,
+            proc = subprocess.Popen(_command(code, iso, uid, limits), cwd="/", env=env,
                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, start_new_session=True)
         except (OSError, ValueError) as e:  # e.g. a NUL byte in the code, or code over 128 KiB
             return SandboxResult(stdout="", stderr=f"sandbox: could not start the code: {e}", exit_code=-1,
                                  timed_out=False, out_of_memory=False, output_truncated=False,
-                                 network_isolated=iso.namespaces, unix_sockets_blocked=iso.seccomp,
+                                 unix_sockets_blocked=iso.seccomp,
                                  duration_s=time.perf_counter() - start)
         with proc:
             out, err, timed_out = _read_until_exit(proc, timeout_s, max_output_bytes)
-            # A finished namespaced run is already empty: the kernel killed it all with its pid 1.
-            if timed_out or not iso.namespaces:
+            # A finished run is already empty: the kernel killed it all with its pid 1.
+            if timed_out:
                 _kill_everything(proc.pid, uid)
             proc.wait()
         stderr = err.text()
@@ -269,43 +314,42 @@ def _run(code: str, iso: Isolation, timeout_s: float, max_output_bytes: int, lim
             stdout=out.text(), stderr=stderr, exit_code=proc.returncode, timed_out=timed_out,
             out_of_memory=bool(_OOM_PATTERN.search(stderr)),
             output_truncated=max(out.total, err.total) > max_output_bytes,
-            network_isolated=iso.namespaces, unix_sockets_blocked=iso.seccomp,
+            unix_sockets_blocked=iso.seccomp,
             duration_s=time.perf_counter() - start)
     finally:
-        if workdir:
-            shutil.rmtree(workdir, ignore_errors=True)
         if lock_fd is not None:
             os.close(lock_fd)
 
 
-_PROBE = ("import os, socket, sys\n"
+_PROBE = ("import os, socket\n"
           "try:\n    socket.socket(socket.AF_UNIX).close()\n    unix = 'open'\n"
           "except PermissionError:\n    unix = 'blocked'\n"
-          "print(os.geteuid(), sorted(n for _, n in socket.if_nameindex()), sys.version_info[:2], unix, sep=';')")
+          f"print(os.geteuid(), sorted(n for _, n in socket.if_nameindex()), unix, os.path.exists({__file__!r}), sep=';')")
 _probe_lock = threading.Lock()
 
 
 @functools.cache
 def _probe() -> Isolation:
-    if shutil.which("prlimit") is None:
-        raise RuntimeError("sandbox.py needs prlimit (util-linux); setpriv and unshare make it stronger")
-    strong = [(True, True), (False, True)] if os.geteuid() == 0 else []
-    filters, reasons = (True, False), []
-    if seccomp_program(False) is None:
-        filters = (False,)
-        reasons.append(f"no seccomp filter for {os.uname().machine}")
-    for iso in [Isolation(ns, uid, seccomp) for ns, uid in strong + [(True, False), (False, False)]
-                for seccomp in filters]:
+    """The isolation every run gets. There is no weaker fallback: a snippet that could read the host's files (the
+    data and its answers, the run directory, the user's home) or write them is not a sandbox."""
+    missing = [tool for tool in ("prlimit", "unshare", "mount", "pivot_root") if shutil.which(tool) is None]
+    if missing:
+        raise SandboxUnavailable(f"sandbox: --tools needs {', '.join(missing)} (util-linux), not found on PATH")
+    reasons = []
+    for seccomp in (True, False) if seccomp_program() is not None else (False,):
+        iso = Isolation(dedicated_uid=os.geteuid() == 0, seccomp=seccomp)
         r = _run(_PROBE, iso, 20.0, 4096, {"as": 1 << 30, "fsize": 1 << 20, "core": 0})
-        fields = r.stdout.strip().split(";")
-        if (r.exit_code == 0 and len(fields) == 4 and fields[2] == str(sys.version_info[:2])  # same stdlib minor
-                and (not iso.namespaces or fields[1] == "['lo']") and (not iso.dedicated_uid or fields[0] != "0")
-                and (not iso.seccomp or fields[3] == "blocked")):
+        fields = r.stdout.strip().split(";")  # euid (never 0), interfaces, AF_UNIX, whether this file is seen
+        if r.exit_code == 0 and fields == [fields[0], "['lo']", "blocked" if seccomp else "open", "False"] \
+                and fields[0] != "0":
             if reasons:
-                warnings.warn(f"sandbox: weaker isolation {iso}; stronger ones failed: {reasons}")
+                warnings.warn(f"sandbox: no seccomp filter (Unix sockets of the bound system dirs stay reachable): "
+                              f"{reasons}")
             return iso
         reasons.append(f"{iso}: {(r.stdout + r.stderr).strip()[-300:]}")
-    raise RuntimeError(f"sandbox: python cannot run at all: {reasons}")
+    raise SandboxUnavailable(f"sandbox: cannot give snippets a private root here ({reasons[-1]}); not as root this needs "
+                             "unprivileged user namespaces (sysctl user.max_user_namespaces > 0, on Ubuntu kernel."
+                             "apparmor_restrict_unprivileged_userns=0): allow them, run as root, or drop --tools")
 
 
 def isolation() -> Isolation:
@@ -324,8 +368,7 @@ def run_code(code: str, timeout_s: float = 30.0, memory_mb: int = 1024, max_outp
         raise ValueError("run_code: timeout_s, memory_mb, max_output_bytes and max_processes must be > 0")
     limits = {"as": memory_mb << 20, "cpu": cpu_time_s or int(timeout_s) + 1, "nofile": max_open_files,
               "fsize": max_file_bytes, "core": 0}
-    if os.geteuid() == 0:  # for other users RLIMIT_NPROC counts all their processes, the trainer's too
-        limits["nproc"] = max_processes
+    limits["nproc"] = max_processes
     return _run(code, isolation(), timeout_s, max_output_bytes, limits)
 
 
@@ -398,9 +441,16 @@ def show_last_expression(code: str) -> str:
     return code[:start] + shown + code[end:]
 
 
+# The tags of the tool loop and of the think gate. Printed by a snippet, they would close its interpreter block,
+# open a code block or end a thought, and what follows would read as the model's own (reward.py:visible_text).
+_LOOP_TAGS = re.compile(r"<(/?(?:code|interpreter|think))>")
+
+
 def interpreter_text(outcome, max_chars: int) -> tuple[str, bool, bool]:
     """(interpreter text, error, timed out) for a tool outcome: a Future of a SandboxResult, or an error
-    message. A sandbox that itself fails becomes text like any other error: training must go on."""
+    message. Tool output is plain text: the loop's tags in it are escaped (`<code>` -> `&lt;code>`), and
+    rollout.py tokenises it with special tokens split. A failing snippet becomes text like any other error
+    (training must go on); a sandbox that cannot run at all stops the run with one line."""
     error, timed_out = True, False
     if isinstance(outcome, str):
         out = outcome
@@ -408,6 +458,10 @@ def interpreter_text(outcome, max_chars: int) -> tuple[str, bool, bool]:
         try:
             result = outcome.result()
             out, error, timed_out = format_tool_output(result, max_chars), result.exit_code != 0, result.timed_out
-        except Exception as e:  # noqa: BLE001 - anything the sandbox raises goes back to the model
+        except SandboxUnavailable as e:
+            from machinery.errors import fail
+            fail(f"--tools: {e}")
+        except Exception as e:  # noqa: BLE001 - anything else the sandbox raises goes back to the model
             out = f"sandbox error: {type(e).__name__}: {e}"[:max_chars]
-    return f"<interpreter>\n{out.rstrip()}\n</interpreter>\n\n", error, timed_out
+    out = _LOOP_TAGS.sub(r"&lt;\1>", out.rstrip())
+    return f"<interpreter>\n{out}\n</interpreter>\n\n", error, timed_out

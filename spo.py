@@ -332,11 +332,11 @@ def start(args):
     args.bf16 = devices.use_bf16(args.bf16, device.type == "cuda")  # auto: on GPU only; "on" needs bf16 units
     args.run_dir = open_run_dir(args.resume or args.run_dir, resumed=bool(args.resume), algo=args.algo,
                                 program="spo.py")
-    tools = make_tools(args.tools, args.max_turns, args.sandbox_workers, args.sandbox_timeout,
-                       args.sandbox_memory_mb, args.max_tool_output_chars)  # None without --tools
     on_toy = args.train is None  # on the toy, 'auto' offline values are built here
     args.toy_dir, args.model, args.train, args.test = toy.fill_in(args.toy_dir, args.tools, args.model, args.train,
                                                                   "train", args.test)
+    tools = make_tools(args.tools, args.max_turns, args.sandbox_workers, args.sandbox_timeout, args.sandbox_memory_mb,
+                       args.max_tool_output_chars, {args.train: "train", args.test: "test", args.run_dir: "run_dir"})
     args.model = find_model(args.model)  # a hub name without a hub: its cached copy, or one line
     check_context(args.model, args.max_prompt_len + args.max_response_len, "--max_prompt_len + --max_response_len")
     system_prompt = TOOL_INSTRUCTION if args.tool_instruction else None

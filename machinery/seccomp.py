@@ -5,37 +5,32 @@ calls fail with EPERM, and the short launcher that installs it before exec'ing t
 
 Why each call is refused is in sandbox.py's docstring (the `seccomp` step): AF_UNIX sockets (the network namespace
 does not cover path sockets), datagram socketpairs (they can sendto() any path), io_uring (it makes sockets
-without a syscall the filter sees), every syscall of another ABI, and, for runs without an IPC namespace, SysV IPC
-and POSIX message queues.
+without a syscall the filter sees), every syscall of another ABI.
 
-    argv = [sys.executable, "-I", "-S", "-c", LAUNCHER, seccomp_program(deny_ipc=False).hex(), *command]
+    argv = [sys.executable, "-I", "-S", "-c", LAUNCHER, seccomp_program().hex(), *command]
 """
 import os
 import struct
 
 # The syscall numbers the filter needs differ between the two ABIs (io_uring_setup is 425 on both).
 _AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
-_SYSCALL_NR = {"x86_64": {"socket": 41, "socketpair": 53, "io_uring_setup": 425,
-                          "shmget": 29, "semget": 64, "msgget": 68, "mq_open": 240},
-               "aarch64": {"socket": 198, "socketpair": 199, "io_uring_setup": 425,
-                           "shmget": 194, "semget": 190, "msgget": 186, "mq_open": 180}}
+_SYSCALL_NR = {"x86_64": {"socket": 41, "socketpair": 53, "io_uring_setup": 425},
+               "aarch64": {"socket": 198, "socketpair": 199, "io_uring_setup": 425}}
 
 
-def seccomp_program(deny_ipc: bool) -> bytes | None:
-    """The filter as a classic-BPF program (struct sock_filter[]); None on an architecture we have no numbers for.
-    deny_ipc also refuses SysV IPC and POSIX message queues (for runs without an IPC namespace of their own)."""
+def seccomp_program() -> bytes | None:
+    """The filter as a classic-BPF program (struct sock_filter[]); None on an architecture we have no numbers for."""
     machine = os.uname().machine
     if machine not in _AUDIT_ARCH:
         return None
     nr, af_unix, sock_stream = _SYSCALL_NR[machine], 1, 1  # AF_UNIX and SOCK_STREAM on both architectures
     ld, jeq, jge, and_, ret = 0x20, 0x15, 0x35, 0x54, 0x06  # BPF_LD|W|ABS, JMP|JEQ|K, JMP|JGE|K, ALU|AND|K, RET|K
-    denied = ["io_uring_setup"] + (["shmget", "semget", "msgget", "mq_open"] if deny_ipc else [])
     # (code, k, jump if true, jump if false): a jump names a label (a string in the list), None is the next one.
     # Offsets into struct seccomp_data: nr 0, arch 4, args[i] 16 + 8 i; an argument's low 32 bits are what the
     # kernel reads for an int, so socket(0x100000001, ...) is socket(AF_UNIX, ...) and is caught too.
     program = [(ld, 4, None, None), (jeq, _AUDIT_ARCH[machine], None, "deny"),  # another ABI: i386, arm32
                (ld, 0, None, None), (jge, 0x40000000, "deny", None),  # the x32 ABI (that bit set) on x86_64
-               *[(jeq, nr[name], "deny", None) for name in denied],
+               (jeq, nr["io_uring_setup"], "deny", None),
                (jeq, nr["socket"], "socket", None), (jeq, nr["socketpair"], "socketpair", "allow"),
                "socket", (ld, 16, None, None), (jeq, af_unix, "deny", "allow"),
                "socketpair", (ld, 16, None, None), (jeq, af_unix, None, "allow"),
@@ -55,9 +50,9 @@ def seccomp_program(deny_ipc: bool) -> bytes | None:
     return b"".join(struct.pack("=HBBI", code, jump(jt, i), jump(jf, i), k) for i, (code, k, jt, jf) in enumerate(ops))
 
 
-# Installs the filter given in hex, then execs the rest of its argv. It runs just before setpriv, still as
-# root where we are root, so it can read an interpreter under /root; the filter holds for every later exec
-# and fork, and no_new_privs (which seccomp requires of the unprivileged) is what setpriv sets anyway.
+# Installs the filter given in hex, then execs the rest of its argv. It runs just before setpriv (or the nested user
+# namespace); the filter holds for every later exec and fork, and no_new_privs (which seccomp requires of the
+# unprivileged) is what setpriv sets anyway.
 LAUNCHER = """import ctypes, os, sys
 class Fprog(ctypes.Structure):  # struct sock_fprog
     _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_char_p)]
