@@ -311,6 +311,7 @@ def write_samples(path, data, samples, rollouts, n, rank, world):
     """One JSONL line per sample, problems in data order. Each rank writes its shard, then rank 0 interleaves
     the shards (problem p is the (p // world)-th problem of rank p % world) without holding them in memory."""
     import torch.distributed as dist
+    from machinery.run_dir import atomic_write
     with open(f"{path}.rank{rank}", "w") as f:
         for p, rs in rollouts.items():
             for i, r in enumerate(rs):
@@ -321,7 +322,7 @@ def write_samples(path, data, samples, rollouts, n, rank, world):
     dist.barrier()
     if rank == 0:
         shards = [open(f"{path}.rank{r}") for r in range(world)]
-        with open(path, "w") as out:
+        with atomic_write(path) as out:
             for p in range(len(data.keys)):
                 out.writelines(shards[p % world].readline() for _ in range(n))
         for r, shard in enumerate(shards):
@@ -377,7 +378,7 @@ def main(argv=None):
     args.data = [args.data] if isinstance(args.data, str) else args.data  # --data takes several files
     from machinery.collectives import all_gather_objects
     from machinery.errors import fail
-    from machinery.run_dir import checkpoint_model
+    from machinery.run_dir import atomic_write, checkpoint_model, open_output
     args.model, source, error = all_gather_objects([checkpoint_model(args.model) if rank == 0 else None])[0]
     if error:  # source: where the model loads from (a checkpoint's hold), args.model: what it is
         fail(error, once=True)
@@ -392,12 +393,14 @@ def main(argv=None):
                                         TOOL_INSTRUCTION if args.tool_instruction else None)
     longest = max(len(p) for data in benchmarks.values() for p in data.prompt_ids) + args.max_response_len
     check_context(source, longest, "--max_response_len + the longest prompt")
+    # One eval.py per --out_dir at a time; an earlier evaluation there (of any model) moves to earlier_K/ rather than
+    # being refused: experiments/paper.py reruns its stage into the same directory once training goes further.
+    open_output(args.out_dir, "--out_dir", "eval.py", earlier=(".samples.jsonl", "summary.json", "summary.md"))
+    tools = make_tools(args.tools, args.max_turns, args.sandbox_workers, args.sandbox_timeout, args.sandbox_memory_mb,
+                       args.max_tool_output_chars, {**{path: "data" for path in args.data}, args.out_dir: "out_dir"})
     engine = start_engine(args.engine, source, seed=args.seed, max_model_len=longest, device=device,
                           gpu_memory_utilization=args.gpu_memory_utilization,
                           engine_compile=args.engine_compile)
-    tools = make_tools(args.tools, args.max_turns, args.sandbox_workers, args.sandbox_timeout, args.sandbox_memory_mb,
-                       args.max_tool_output_chars)
-    os.makedirs(args.out_dir, exist_ok=True)
     n = args.n_samples
     ks = sorted({2 ** i for i in range(n.bit_length())} | {n})  # pass@1, 2, 4, ... and pass@n
     summaries = {}
@@ -411,9 +414,9 @@ def main(argv=None):
             summaries[name] = summarize(samples, ks=ks, n_boot=args.n_boot, seed=args.seed)
     if rank == 0:
         table = markdown_table(summaries)
-        with open(os.path.join(args.out_dir, "summary.json"), "w") as f:
+        with atomic_write(os.path.join(args.out_dir, "summary.json")) as f:
             json.dump({"config": vars(args), "results": summaries}, f, indent=1)
-        with open(os.path.join(args.out_dir, "summary.md"), "w") as f:
+        with atomic_write(os.path.join(args.out_dir, "summary.md")) as f:
             f.write(f"model `{args.model}`, n = {n}, temperature {args.temperature}, top_p {args.top_p}, "
                     f"top_k {args.top_k}, max_response_len {args.max_response_len}, reward {args.reward}\n\n{table}\n")
         print(table, flush=True)

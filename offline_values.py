@@ -14,7 +14,7 @@ also applies the smoothing). Without this pass the tracker starts uninformed (al
   depend on the world size, the chunking or an interruption.
 - Resumable: each rank appends finished prompts (all n0 scores at once) to <out>.rank<r>.partial.jsonl, whose
   first line holds the settings; a rerun skips what is there and refuses other settings. When every prompt is
-  done, rank 0 writes <out> atomically and removes the partial files.
+  done, rank 0 writes <out> atomically and removes the partial files. One pass writes an --out at a time (<out>.lock).
 
 Output, read by spo.py --offline_values (dataset order; scores: the n0 rewards):
     {"header": {"model", "dataset", "n0", "temperature", "top_p", "max_tokens", "seed", ...},
@@ -36,6 +36,7 @@ import numpy as np
 import torch.distributed as dist
 
 from eval import request_seeds
+from machinery.run_dir import atomic_write, open_output
 from reward import DEFAULT_REWARD, VERIFIER_TIMEOUT_S, add_reward_flags, check_reward_flag, rewards
 from hf_engine import start_engine
 from rollout import (TOOL_INSTRUCTION, add_budget_flag, add_engine_flags, add_tool_flags, make_tools, response_budget,
@@ -214,9 +215,8 @@ def estimate_offline_values(engine, data, out_path, *, n0=8, temperature=1.0, to
             result = {"header": {**header, "created": time.strftime("%Y-%m-%d %H:%M:%S")},
                       "prompts": {key: {"prompt": tokenizer.decode(ids), "scores": done[key]}
                                   for key, ids in zip(data.keys, data.prompt_ids)}}
-            with open(out_path + ".tmp", "w") as f:
+            with atomic_write(out_path) as f:  # a crash never leaves a half-written values file
                 json.dump(result, f)
-            os.replace(out_path + ".tmp", out_path)  # a crash never leaves a half-written values file
             for path in partial_paths(out_path):
                 os.remove(path)
             if progress:
@@ -362,7 +362,9 @@ def main(argv=None):
     if args.tool_instruction:
         header["system_prompt"] = TOOL_INSTRUCTION
     tools = make_tools(args.tools, args.max_turns, args.sandbox_workers, args.sandbox_timeout, args.sandbox_memory_mb,
-                       args.max_tool_output_chars)
+                       args.max_tool_output_chars, {args.data: "data", args.out: "out"})
+    # one pass per --out at a time (two would append to the same partial files); its own output it resumes from
+    open_output(args.out, "--out", "offline_values.py")
     try:
         # a settings mismatch fails here, before the engine starts
         read_finished(args.out, run_header(header, **sampling, tools=tools))

@@ -1,4 +1,4 @@
-"""No library guards a run directory: a lock file and holds, so that no run overwrites another (tests/test_checkpoint).
+"""No library guards a run directory or an output: lock files and holds, so that no run overwrites another.
 
 Run directories: one run per directory, nothing overwritten, and a run's checkpoints read safely while it trains.
 
@@ -7,7 +7,9 @@ takes over one that holds none (a run that stopped before its first checkpoint: 
 names are unique (`default_run_dir`), and a lock file (host and pid of rank 0) keeps a second job out while the first
 lives; a lock whose process is gone on this host is stale and taken over. `check_disk` asks for room for one more
 checkpoint before the engine starts. eval.py reads a run's newest checkpoint through `checkpoint_model`, which holds
-it against the run's rotation (machinery/checkpoint.py writes, checks and resumes checkpoints).
+it against the run's rotation (machinery/checkpoint.py writes, checks and resumes checkpoints); a hold whose
+evaluation is gone is removed by the next that looks (rotation, the next hold, the disk check). An output of
+eval.py or offline_values.py has one writer at a time (`claim_output`) and appears whole (`atomic_write`).
 """
 import atexit
 import contextlib
@@ -57,23 +59,8 @@ def claim_run_dir(run_dir, resume, name):
     lock, existed = os.path.join(run_dir, ".lock"), os.path.isdir(run_dir)
     try:
         os.makedirs(run_dir, exist_ok=True)
-        for _ in range(2):
-            try:
-                fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-                break
-            except FileExistsError:
-                owner = _lock_owner(lock)
-                if _held(lock, owner):
-                    job = f"pid {owner[1]} on {owner[0]}" if owner else "one starting now"
-                    return (f"--run_dir {run_dir} is in use by another job ({job}, {lock}); if that job is gone, "
-                            f"delete the lock file")
-                print(f"{name}: removing a stale lock {lock} (its process {owner} is gone)", flush=True)
-                with contextlib.suppress(FileNotFoundError):  # another job may have removed it first
-                    os.remove(lock)
-        else:
-            return f"--run_dir {run_dir}: another job keeps taking its lock {lock}; try again"
-        with os.fdopen(fd, "w") as f:
-            f.write(f"{socket.gethostname()} {os.getpid()}\n")
+        if busy := _take_lock(lock, name, f"{socket.gethostname()} {os.getpid()}\n"):
+            return f"--run_dir {run_dir} is {busy}"
         probe = os.path.join(run_dir, ".write_test")
         with open(probe, "w") as f:
             f.write("ok")
@@ -92,51 +79,96 @@ def _take_over(run_dir, name):
     files = sorted(f for f in os.listdir(run_dir) if f in ("config.json", "metrics.jsonl", "probe.jsonl",
                                                            "checkpoints", "wandb") or f.startswith("events.out."))
     if files:
-        k = next(k for k in itertools.count(1) if not os.path.exists(os.path.join(run_dir, f"earlier_attempt_{k}")))
-        aside = os.path.join(run_dir, f"earlier_attempt_{k}")
-        os.makedirs(aside)
-        for f in files:
-            os.replace(os.path.join(run_dir, f), os.path.join(aside, f))
+        aside = _move_aside(run_dir, files, "earlier_attempt")
         print(f"{name}: --run_dir {run_dir}: the run there saved no checkpoint; starting afresh, its files "
               f"({', '.join(files)}) moved to {aside}", flush=True)
 
 
+def _move_aside(folder, files, prefix):
+    """files of folder moved into a new folder/<prefix>_K (the first K free); returns that folder."""
+    k = next(k for k in itertools.count(1) if not os.path.exists(os.path.join(folder, f"{prefix}_{k}")))
+    aside = os.path.join(folder, f"{prefix}_{k}")
+    os.makedirs(aside)
+    for f in files:
+        os.replace(os.path.join(folder, f), os.path.join(aside, f))
+    return aside
+
+
+def _take_lock(lock, name, owner):
+    """Create the lock file exclusively with `owner` (its line) in it; one whose process is gone (same host) is
+    stale and replaced, with one line. Returns None, or why not (the rest of an error line)."""
+    for _ in range(2):
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            holder = _lock_owner(lock)
+            if _held(lock, holder):
+                job = f"pid {holder[1]} on {holder[0]}" if holder else "one starting now"
+                return f"in use by another job ({job}, {lock}); if that job is gone, delete the lock file"
+            print(f"{name}: removing a stale lock {lock} (its process {holder and holder[:2]} is gone)", flush=True)
+            with contextlib.suppress(FileNotFoundError):  # another job may have removed it first
+                os.remove(lock)
+            continue
+        with os.fdopen(fd, "w") as f:
+            f.write(owner)
+        return None
+    return f"in use: another job keeps taking its lock {lock}; try again"
+
+
+def _owner_line():
+    """What a hold's or an output's lock says of this process: host, pid and start time (a later process given
+    the same pid, as a restarted container hands out, is not mistaken for the owner)."""
+    return f"{socket.gethostname()} {os.getpid()} {_start_time(os.getpid())}\n"
+
+
+def _start_time(pid):
+    """When process pid started (clock ticks since boot: /proc/<pid>/stat's field 22, after the parenthesised
+    command name), or None where unreadable."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def _lock_owner(lock):
-    """(host, pid) written in a lock file, or None if unreadable."""
+    """(host, pid, start time or None) written in a lock file, or None if unreadable."""
     try:
         with open(lock) as f:
-            host, pid = f.read().split()
-        return host, int(pid)
+            host, pid, *start = f.read().split()
+        return host, int(pid), int(start[0]) if start and start[0].isdigit() else None
     except (OSError, ValueError):
         return None
 
 
 def _held(lock, owner):
     """Whether a lock file belongs to a live job: one on another host (not checkable from here), or a live process
-    here other than this one (a restarted container can hand this process the pid of a job that is gone). A lock
+    here other than this one (a restarted container can hand this process, or another, the pid of a job that is
+    gone: where the lock records its start time, a process that started at another time is not its job). A lock
     with no owner yet is a job between creating and writing it, unless it is older than a few seconds."""
     if owner is None:
         try:
             return time.time() - os.path.getmtime(lock) < 10
         except OSError:
             return False
-    host, pid = owner
-    return host != socket.gethostname() or (pid != os.getpid() and _alive(pid))
+    host, pid, start = owner
+    return host != socket.gethostname() or (pid != os.getpid() and _alive(pid, start))
 
 
-def _alive(pid):
+def _alive(pid, start=None):
+    """Whether pid is a live process here, and the one that started at `start` where that is known."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True  # someone else's live process
-    return True
+        pass  # someone else's live process
+    return start is None or _start_time(pid) in (None, start)
 
 
 def _release(lock, run_dir, existed):
     """At exit: our lock goes; a directory this run created and never wrote to (a run refused early) goes too."""
-    if _lock_owner(lock) == (socket.gethostname(), os.getpid()):
+    if (_lock_owner(lock) or ())[:2] == (socket.gethostname(), os.getpid()):
         os.remove(lock)
         if not existed and not os.listdir(run_dir):
             os.rmdir(run_dir)
@@ -156,14 +188,68 @@ def checkpoint_bytes(n_parameters, export_bytes_per_parameter):
 
 def check_disk(run_dir, model, export_bytes_per_parameter):
     """Before the engine starts: room in run_dir for one more checkpoint (the previous one stays until the new
-    one is complete), else one line saying how much is free and needed."""
+    one is complete), else one line saying how much is free and needed, and what evaluations' holds keep. Holds
+    whose evaluation is gone are removed first."""
     from machinery.collectives import all_gather_objects
     need = checkpoint_bytes(sum(p.numel() for p in model.parameters()), export_bytes_per_parameter)
-    free = shutil.disk_usage(run_dir).free if dist.get_rank() == 0 else None
-    free = all_gather_objects([free])[0]
+    free, (jobs, held) = None, ([], 0)
+    if dist.get_rank() == 0:
+        jobs, held = clear_stale_holds(os.path.join(run_dir, "checkpoints"))
+        free = shutil.disk_usage(run_dir).free
+    free, jobs, held = all_gather_objects([(free, jobs, held)])[0]
     if free < need:
         fail(f"--run_dir {run_dir}: {free / 2**30:.1f} GiB free, a checkpoint needs about {need / 2**30:.1f} GiB "
-             f"(weights, optimiser state, HF export)", once=True)
+             f"(weights, optimiser state, HF export)" + (f"; {held / 2**30:.1f} GiB are kept by evaluations that "
+             f"hold rotated-out checkpoints ({', '.join(jobs)}) until they exit" if held else ""), once=True)
+
+
+# ------------------------------------------------------------------------------------------------ outputs
+def open_output(path, flag, program, earlier=()):
+    """`claim_output` by rank 0, on every rank: any error stops every rank with one line."""
+    from machinery.collectives import all_gather_objects
+    error = claim_output(path, flag, program, earlier) if dist.get_rank() == 0 else None
+    if error := all_gather_objects([error])[0]:
+        fail(error, once=True)
+
+
+def claim_output(path, flag, program, earlier=()):
+    """Rank 0's claim of an output (a file, or with `earlier` a directory) for this job, or an error line: a lock
+    file beside it (path.lock, removed at exit) keeps a second writer out while the first lives, as a run
+    directory's lock does. A directory's files named with one of the endings `earlier` (an earlier run's results)
+    move into earlier_K/ there, with one line: never overwritten, never mixed with this run's. The results are
+    written with `atomic_write`."""
+    lock = os.path.normpath(path) + ".lock"
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(lock)), exist_ok=True)
+        if busy := _take_lock(lock, program, _owner_line()):
+            return f"{flag} {path} is {busy}"
+        atexit.register(_release, lock, path, True)
+        files = sorted(f for f in os.listdir(path) if f.endswith(earlier)) if earlier and os.path.isdir(path) else []
+        if files:
+            print(f"{program}: {flag} {path} holds an earlier run's results ({', '.join(files)}): moved to "
+                  f"{_move_aside(path, files, 'earlier')}", flush=True)
+        if earlier:
+            os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        return f"{flag} {path}: cannot write there ({e.strerror or e})"
+    return None
+
+
+@contextlib.contextmanager
+def atomic_write(path):
+    """path opened for writing under a temporary name, renamed to path once written whole and on disk: a reader,
+    or a rerun after a run stopped midway, never finds half a file there."""
+    tmp = f"{path}.tmp"
+    try:
+        with open(tmp, "w") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+    os.replace(tmp, path)
 
 
 # ------------------------------------------------------------------------------------------------ reading a run
@@ -222,17 +308,15 @@ def checkpoint_model(given: str, tries: int = 3):
 
 def _hold(step):
     """step_N's model/ and manifest hard-linked into checkpoints/.eval-<host>-<pid>/ (with a lock naming this
-    process), after removing the holds of evaluations that are gone. None where links cannot be made (a read-only
-    copy of a run: nothing rotates it); FileNotFoundError: its run deleted it while it was linked."""
+    process), after removing the holds of evaluations that are gone (`clear_stale_holds`). None where links cannot
+    be made (a read-only copy of a run: nothing rotates it); FileNotFoundError: its run deleted it while linked."""
     root = os.path.dirname(step)
-    for name in os.listdir(root):
-        if name.startswith(".eval-") and live_job(os.path.join(root, name)) is None:
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    clear_stale_holds(root)
     hold = os.path.join(root, f".eval-{socket.gethostname()}-{os.getpid()}")
     try:
         os.makedirs(hold)
         with open(os.path.join(hold, ".lock"), "w") as f:
-            f.write(f"{socket.gethostname()} {os.getpid()}\n")
+            f.write(_owner_line())
         os.link(os.path.join(step, MANIFEST), os.path.join(hold, MANIFEST))
         for folder, _, files in os.walk(os.path.join(step, "model")):
             os.makedirs(os.path.join(hold, os.path.relpath(folder, step)))
@@ -244,3 +328,24 @@ def _hold(step):
             raise
         return None
     return hold
+
+
+def clear_stale_holds(root):
+    """The holds in root (a run's checkpoints/: `_hold`) of evaluations that are gone from this host are removed:
+    one killed before its exit handler ran would keep a rotated-out checkpoint on disk for good. Returns the live
+    ones' jobs ("pid P on HOST") and the bytes only they keep (files no checkpoint links to any more)."""
+    jobs, links = [], {}  # inode: (bytes, links seen in live holds, links in all)
+    for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+        hold = os.path.join(root, name)
+        if not name.startswith(".eval-"):
+            continue
+        if (job := live_job(hold)) is None:
+            shutil.rmtree(hold, ignore_errors=True)
+            continue
+        jobs.append(job)
+        for folder, _, files in os.walk(hold):
+            for f in files:
+                with contextlib.suppress(OSError):  # its evaluation may be removing it now
+                    st = os.lstat(os.path.join(folder, f))
+                    links[st.st_ino] = (st.st_size, links.get(st.st_ino, (0, 0))[1] + 1, st.st_nlink)
+    return jobs, sum(size for size, seen, nlink in links.values() if seen == nlink)

@@ -219,6 +219,25 @@ def test_a_live_runs_checkpoint_is_held_against_its_rotation(tmp_path):
     assert AutoConfig.from_pretrained(source).hidden_size == 32 and AutoTokenizer.from_pretrained(source)("1+1")
 
 
+def test_the_next_hold_clears_holds_whose_evaluation_is_gone_and_keeps_live_ones(tmp_path):
+    """A killed eval.py's hold would keep a rotated-out checkpoint on disk: its pid may name a later process now,
+    which its lock's start time tells apart from the evaluation that wrote it."""
+    import socket
+    import subprocess
+    from machinery.run_dir import checkpoint_model
+    run = _checkpointed_run(tmp_path / "run", steps=(2,))
+    holds = {name: run / "checkpoints" / f".eval-{name}" for name in ("live", "recycled")}
+    with subprocess.Popen(["sleep", "60"]) as live:
+        with open(f"/proc/{live.pid}/stat") as f:
+            start = int(f.read().rsplit(")", 1)[1].split()[19])
+        for name, started in (("live", start), ("recycled", start - 1)):
+            holds[name].mkdir()
+            (holds[name] / ".lock").write_text(f"{socket.gethostname()} {live.pid} {started}\n")
+        error = checkpoint_model(str(run))[2]
+        live.kill()
+    assert error is None and holds["live"].exists() and not holds["recycled"].exists()
+
+
 def test_a_run_without_a_checkpoint_says_whether_it_is_still_running(tmp_path):
     import socket
     import subprocess
