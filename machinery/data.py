@@ -13,6 +13,7 @@ ANSWER_COLUMNS. Bad files stop with an error that names the file, the row and wh
     data = load_dataset("dapo_math_17k.parquet", load_tokenizer("Qwen/Qwen3-8B"), max_prompt_len=2048,
                         verbose=True)                           # + chat-templated token ids, long prompts left out
 """
+import functools
 import hashlib
 import json
 import math
@@ -183,9 +184,88 @@ def find_model(name):
     return path
 
 
+def _few(items, n=3):
+    return ", ".join(map(str, items[:n])) + (f" and {len(items) - n} more" if len(items) > n else "")
+
+
+def unfinished_download(folder):
+    """Why files may be missing from a Hugging Face cache snapshot (.../snapshots/<commit>), naming them, or None:
+    huggingface_hub downloads a file into blobs/<hash>...incomplete and links it into the snapshot only once it is
+    whole, so an interrupted download leaves that partial blob (unless it was cleaned up), the file's directory
+    empty, or a link to a blob deleted since. Asked only once a file is found missing: a stale partial blob of
+    another file must not stop a snapshot that is whole."""
+    folder = Path(folder)
+    if folder.parent.name != "snapshots" or not folder.is_dir():
+        return None
+    inside = sorted(folder.rglob("*"))
+    found = [f"{p.relative_to(folder)} (a link to a missing blob)" for p in inside if p.is_symlink() and not p.exists()]
+    found += [f"{p} ({p.stat().st_size / 2 ** 20:.1f} MiB so far)"
+              for p in sorted((folder.parent.parent / "blobs").glob("*.incomplete"))]
+    found += [f"{p.relative_to(folder)}/ (empty)" for p in [folder] + inside if p.is_dir() and not any(p.iterdir())]
+    if not found:
+        return None
+    repo = folder.parent.parent.name.split("--", 1)[-1].replace("--", "/")  # models--owner--name
+    return f"the download of {repo} into {folder} did not finish: {_few(found)}; rerun it with network access"
+
+
+def weights_disagreement(folder):
+    """How a model directory's safetensors weights differ from what its config.json builds, or None: the names
+    and shapes transformers would report as missing, unexpected or mismatched when loading, found from the files'
+    headers and a model on the meta device, so no weight is read. (It loads such a model with those layers freshly
+    initialised, and vLLM stops with a traceback.) pytorch_model.bin weights are not checked: their names are in a
+    pickle read only by loading it."""
+    import torch
+    import transformers
+    from safetensors import SafetensorError, safe_open
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    try:
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else \
+            ["model.safetensors"] if (folder / "model.safetensors").is_file() else []
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:  # not JSON, or not {"weight_map": {}}
+        return f"{index.name} is not a weight index ({type(e).__name__})"
+    if missing := [name for name in files if not (folder / name).is_file()]:
+        return f"{len(missing)} weight files named in {index.name} are missing ({_few(missing)})"
+    if not files:
+        return None
+    state = {}
+    for name in files:
+        try:
+            with safe_open(folder / name, "pt") as f:
+                state.update({k: torch.empty(f.get_slice(k).get_shape(), device="meta") for k in f.keys()})
+        except (OSError, SafetensorError) as e:
+            return f"{name}: an unreadable safetensors file ({str(e).splitlines()[0][:100]})"
+    verbosity, bars = transformers.logging.get_verbosity(), transformers.logging.is_progress_bar_enabled()
+    transformers.logging.set_verbosity_error()  # its load report and progress bar: ours is the one line below
+    transformers.logging.disable_progress_bar()
+    try:
+        config = transformers.AutoConfig.from_pretrained(folder)
+        # transformers' own loading (its renamings of older layouts, e.g. per-expert MoE weights; tied embeddings;
+        # buffers it knows to ignore) on meta tensors: a name-by-name comparison would refuse models it loads
+        _, info = transformers.MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].from_pretrained(
+            None, config=config, state_dict=state, device_map="meta", ignore_mismatched_sizes=True,
+            output_loading_info=True)
+    except Exception:  # noqa: BLE001 - a model this cannot build (remote code, quantised...): its loader reports it
+        return None
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+        if bars:
+            transformers.logging.enable_progress_bar()
+    found = []
+    if missing := sorted(info["missing_keys"]):
+        found.append(f"{len(missing)} weights missing from the files ({_few(missing)})")
+    if unexpected := sorted(info["unexpected_keys"]):
+        found.append(f"{len(unexpected)} weights in the files that config.json has no place for ({_few(unexpected)})")
+    if mismatched := sorted(info["mismatched_keys"]):
+        shapes = [f"{name} {list(have)} in the files, {list(want)} by the config" for name, have, want in mismatched]
+        found.append(f"{len(mismatched)} of another shape ({_few(shapes, 1)})")
+    return "; ".join(found) or None
+
+
+@functools.cache  # spo.py asks twice (check_context, load_tokenizer); a failure raises, so it is never cached
 def check_model_dir(path):
-    """A local --model directory holds a config, weights and a tokenizer: one line naming what is missing, before
-    anything heavy starts. (A hub name is checked by loading it.)"""
+    """A local --model directory holds a config, weights that match it and a tokenizer: one line naming what is
+    missing or disagrees, before anything heavy starts. (A hub name is checked by loading it.)"""
     folder = Path(path)
     if not folder.is_dir():
         return
@@ -193,8 +273,13 @@ def check_model_dir(path):
               f"tokenizer files ({', '.join(TOKENIZER_FILES)})": TOKENIZER_FILES}
     for what, names in needed.items():
         if not any((folder / name).is_file() for name in names):
-            fail(f"--model {path}: the directory has no {what}; a model directory is what save_pretrained writes "
-                 f"(a run directory's checkpoints/step_N/model is one)", once=True)
+            fail(f"--model {path}: the directory has no {what}; " + (
+                unfinished_download(folder) or "a model directory is what save_pretrained writes (a run "
+                                               "directory's checkpoints/step_N/model is one)"), once=True)
+    if why := weights_disagreement(folder):
+        download = unfinished_download(folder)
+        fail(f"--model {path}: its weights do not match its config.json: {why}" + (f"; {download}" if download else
+             "; were the weights saved with another config?"), once=True)
 
 
 def load_tokenizer(path):
@@ -220,6 +305,7 @@ def check_context(model, tokens, flags):
     max_position_embeddings): vLLM refuses a longer context at start-up with a long traceback, and a model run past
     its positions degrades quietly."""
     from transformers import AutoConfig
+    check_model_dir(model)  # a directory without config.json: one line, not AutoConfig's traceback
     limit = getattr(AutoConfig.from_pretrained(model), "max_position_embeddings", None)
     if limit is not None and tokens > limit:
         fail(f"{flags} = {tokens} tokens, more than --model {model}'s {limit} positions (max_position_embeddings)",
@@ -261,14 +347,22 @@ def load_dataset(path, tokenizer, max_prompt_len, verbose, system_prompt=None):
             roles = ", ".join(m["role"] for m in with_system(messages, system_prompt))
             fail(f"{path} row {prompts.rows[i]}: the prompt (roles {roles}) is rejected by the chat template of "
                  f"--model {tokenizer.name_or_path}: {type(e).__name__}: {str(e).splitlines()[0][:200]}", once=True)
-    prompt_ids = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
-    keep = [i for i, p in enumerate(prompt_ids) if len(p) <= max_prompt_len]
+    # A token spans at most its own string's characters (a byte-level token has one per byte), and normalisation
+    # (NFC) merges at most 4 code points into one (U+1FAF): a text longer than this cannot fit, and is left out
+    # untokenised (a 4 MiB prompt took 2 GB and 15 s to tokenise here). Not covered: a tokenizer whose normaliser
+    # deletes characters (T5's collapses runs of spaces).
+    max_chars = max_prompt_len * 4 * max(map(len, tokenizer.get_vocab()))
+    prompt_ids = [tokenizer.encode(t, add_special_tokens=False) if len(t) <= max_chars else None for t in texts]
+    keep = [i for i, p in enumerate(prompt_ids) if p is not None and len(p) <= max_prompt_len]
     if verbose and prompts.n_duplicates:
         print(f"{path}: {prompts.n_duplicates} duplicate prompts merged (one key per distinct prompt; "
               f"{prompts.n_conflicting} had a different answer, the first was kept)", flush=True)
     if verbose and len(keep) < len(prompt_ids):
-        print(f"{path}: {len(prompt_ids) - len(keep)} prompts longer than --max_prompt_len {max_prompt_len} "
-              f"tokens left out", flush=True)
+        left_out = [prompts.rows[i] for i in sorted(set(range(len(texts))) - set(keep))]
+        untokenised = sum(p is None for p in prompt_ids)
+        print(f"{path}: {len(left_out)} prompts longer than --max_prompt_len {max_prompt_len} tokens left out (rows "
+              f"{_few(left_out)}" + (f"; {untokenised} of them over {max_chars} characters, not tokenised"
+                                     if untokenised else "") + ")", flush=True)
     if not keep:
         fail(f"{path}: no prompt fits in --max_prompt_len {max_prompt_len} tokens", once=True)
     return Dataset([prompts.keys[i] for i in keep], [prompt_ids[i] for i in keep], [prompts.answers[i] for i in keep])

@@ -159,9 +159,11 @@ def fetch(source: Source) -> tuple[Path, str, list[str]]:
     files = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
     files = [f for f in files if any(fnmatch.fnmatch(f, pattern) for pattern in source.files)]
     if not files:
-        fail(f"{source.name}: the snapshot {folder.name} of {source.repo} has no file matching "
-             f"{', '.join(source.files)} (found: {', '.join(p.name for p in folder.iterdir())[:200]}); has the "
-             f"dataset's layout changed? (SOURCES in tasks/paper.py)")
+        from machinery.data import unfinished_download
+        fail(f"{source.name}: " + (unfinished_download(folder) or (
+             f"the snapshot {folder.name} of {source.repo} has no file matching {', '.join(source.files)} (found: "
+             f"{', '.join(p.name for p in folder.iterdir())[:200]}); has the dataset's layout changed? (SOURCES in "
+             f"tasks/paper.py)")))
     return folder, folder.name, files
 
 

@@ -190,6 +190,15 @@ def test_a_model_directory_missing_a_part_is_one_line(toy_model, remove, says, c
     assert len(err.strip().splitlines()) == 1
 
 
+def test_the_context_check_checks_the_model_directory_first(toy_model, capsys):
+    """spo.py checks the context before it loads the tokenizer: a directory without config.json was a traceback."""
+    from machinery.data import check_context
+    (toy_model / "config.json").unlink()
+    with pytest.raises(SystemExit):
+        check_context(str(toy_model), 64, "--max_prompt_len + --max_response_len")
+    assert capsys.readouterr().err.startswith(f"error: --model {toy_model}: the directory has no config.json")
+
+
 def test_a_chat_template_that_rejects_a_role_names_the_row(toy_model, tmp_path, capsys):
     from machinery.data import load_dataset, load_tokenizer
     (toy_model / "chat_template.jinja").write_text(
@@ -219,6 +228,72 @@ def test_a_data_error_is_printed_by_rank_0_only(toy_model, tmp_path, capsys, mon
     with pytest.raises(SystemExit):
         load_dataset(path, tokenizer, 256, False)
     assert "bad.jsonl: unrecognised columns" in capsys.readouterr().err
+
+
+def test_a_prompt_too_long_to_fit_is_left_out_untokenised_and_named(toy_model, tmp_path, capsys, monkeypatch):
+    """A prompt of megabytes cost gigabytes and seconds of tokenising only to be left out; a prompt of the
+    vocabulary's longest tokens that fits is still kept."""
+    from machinery.data import load_dataset, load_tokenizer
+    tokenizer, long_inputs = load_tokenizer(str(toy_model)), []
+    encode = tokenizer.encode
+
+    def counting_encode(text, **kwargs):
+        if len(text) > 2 ** 20:
+            long_inputs.append(len(text))
+        return encode(text, **kwargs)
+    monkeypatch.setattr(tokenizer, "encode", counting_encode)
+    longest = max(tokenizer.get_vocab(), key=len)  # "<|im_end|>": 10 characters, one token
+    rows = [{"problem": "1+1?", "answer": "2"}, {"problem": "x" * 4 * 2 ** 20, "answer": "1"},
+            {"problem": longest * 60, "answer": "3"}]
+    data = load_dataset(_write_jsonl(tmp_path / "huge.jsonl", rows), tokenizer, 64, True)
+    assert long_inputs == [] and data.answers == ["2", "3"]
+    out = capsys.readouterr().out
+    assert "1 prompts longer than --max_prompt_len 64 tokens left out (rows 1; 1 of them over " in out, out
+    assert "characters, not tokenised)" in out and len(out.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("damage, says", [
+    ("layer", "11 weights missing from the files (model.layers.4.input_layernorm.weight, "),
+    ("extra", "1 weights in the files that config.json has no place for (model.layers.0.extra.weight)"),
+    ("shape", "12 of another shape (model.layers.0.mlp.down_proj.weight [128, 384] in the files, [128, 256] by "),
+])
+def test_a_config_that_disagrees_with_the_weights_is_one_line(toy_model, damage, says, capsys):
+    """Such a model was trained and evaluated with freshly initialised layers (exit 0), or vLLM's traceback."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from machinery.data import load_tokenizer
+    config = json.loads((toy_model / "config.json").read_text())
+    if damage == "layer":
+        config.update(num_hidden_layers=5, layer_types=["full_attention"] * 5)
+    if damage == "shape":
+        config.update(intermediate_size=256)
+    (toy_model / "config.json").write_text(json.dumps(config))
+    if damage == "extra":
+        weights = load_file(toy_model / "model.safetensors")
+        save_file({**weights, "model.layers.0.extra.weight": torch.zeros(3)}, toy_model / "model.safetensors")
+    with pytest.raises(SystemExit) as stop:
+        load_tokenizer(str(toy_model))
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith(f"error: --model {toy_model}: its weights do not match its config.json: {says}"), err
+
+
+def test_weights_transformers_loads_as_they_are_pass(toy_model, tmp_path):
+    """Not a name-by-name comparison: a tied output projection saved anyway, and a mixture of experts in the hub's
+    per-expert layout (transformers merges the experts when loading), are what the model needs."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+    from machinery.data import weights_disagreement
+    weights = load_file(toy_model / "model.safetensors")
+    save_file({**weights, "lm_head.weight": weights["model.embed_tokens.weight"].clone()},
+              toy_model / "model.safetensors")
+    assert weights_disagreement(toy_model) is None
+    moe = Qwen3MoeConfig(vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
+                         num_experts_per_tok=2)
+    AutoModelForCausalLM.from_config(moe).save_pretrained(tmp_path / "moe")
+    assert "layers.0.mlp.experts.0.gate_proj.weight" in str(load_file(tmp_path / "moe" / "model.safetensors").keys())
+    assert weights_disagreement(tmp_path / "moe") is None
 
 
 # ---- a hub name: the hub, or its cached copy when the hub cannot be reached -------------------------------------
@@ -268,3 +343,30 @@ def test_a_path_that_does_not_exist_is_not_taken_for_a_hub_name(tmp_path, capsys
     with pytest.raises(SystemExit):
         find_model(str(tmp_path / "no" / "model"))
     assert capsys.readouterr().err.strip() == f"error: --model {tmp_path / 'no' / 'model'}: no such directory"
+
+
+def test_an_interrupted_model_download_is_named(toy_model, no_hub, capsys):
+    """A cached snapshot whose weights download did not finish was reported as a directory without weights."""
+    from machinery.data import find_model, load_tokenizer
+    snapshot = _hub_cache(no_hub, "someone/tiny-model", toy_model)
+    (snapshot / "model.safetensors").unlink()  # linked into the snapshot only once whole
+    (snapshot.parent.parent / "blobs").mkdir()
+    partial = snapshot.parent.parent / "blobs" / "3f2a9c.0badf00d.incomplete"
+    partial.write_bytes(b"\0" * 2 ** 20)
+    with pytest.raises(SystemExit):
+        load_tokenizer(find_model("someone/tiny-model"))
+    err = capsys.readouterr().err
+    assert f"the download of someone/tiny-model into {snapshot} did not finish: {partial} (1.0 MiB so far)" in err
+    assert err.strip().endswith("rerun it with network access") and len(err.strip().splitlines()) == 1, err
+
+
+def test_an_interrupted_dataset_download_names_what_is_missing(tmp_path):
+    """tasks/paper.py said 'no file matching en/train-*.parquet (found: en)': the download had left en/ empty."""
+    from machinery.data import unfinished_download
+    snapshot = tmp_path / "hub" / "datasets--open-r1--DAPO-Math-17k-Processed" / "snapshots" / "0123abcd"
+    (snapshot / "en").mkdir(parents=True)
+    (snapshot / "README.md").symlink_to("../../blobs/gone")
+    why = unfinished_download(snapshot)
+    assert why == (f"the download of open-r1/DAPO-Math-17k-Processed into {snapshot} did not finish: README.md (a "
+                   f"link to a missing blob), en/ (empty); rerun it with network access")
+    assert unfinished_download(tmp_path) is None  # not a cache snapshot
