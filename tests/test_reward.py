@@ -9,7 +9,6 @@ import os
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
 from tests.common import ROOT
@@ -153,22 +152,28 @@ def test_a_bad_reward_spec_is_one_line_naming_the_flag(spec, message, capsys):
     assert len(err.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize("value", [0.5, 2, -1, float("nan"), None, "1", [1]])
-def test_a_verifier_must_return_0_or_1(value, capsys, monkeypatch):
+def returning(tmp_path, value):
+    """A --reward spec whose verifier (a file, run in its child process like any of yours) returns value."""
+    (tmp_path / "returns.py").write_text(f"import numpy as np\ndef f(text, truth):\n    return {value}\n")
+    return f"{tmp_path / 'returns.py'}:f"
+
+
+@pytest.mark.parametrize("value, shown", [("0.5", "0.5"), ("2", "2"), ("-1", "-1"), ("float('nan')", "nan"),
+                                          ("None", "None"), ("'1'", "'1'"), ("[1]", "[1]")])
+def test_a_verifier_must_return_0_or_1(value, shown, tmp_path, capsys):
     """SPO's tracker is a Beta posterior over binary rewards: anything else stops with one line naming --reward."""
-    import reward
-    monkeypatch.setattr(reward, "load_verifier", lambda spec: lambda text, truth: value)
+    spec = returning(tmp_path, value)
     with pytest.raises(SystemExit):
-        reward.reward_and_answer(r"\boxed{1}", "1", reward="mine:f")
+        reward_and_answer(r"\boxed{1}", "1", reward=spec)
     err = capsys.readouterr().err
-    assert err.startswith(f"error: --reward mine:f returned {value!r}") and len(err.strip().splitlines()) == 1
+    assert err.startswith(f"error: --reward {spec} returned {shown} (a ") and len(err.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize("value", [True, False, 1, 0, 1.0, np.float32(1), np.bool_(False)])
-def test_a_verifier_may_return_a_bool_an_int_or_a_float(value, monkeypatch):
-    import reward
-    monkeypatch.setattr(reward, "load_verifier", lambda spec: lambda text, truth: value)
-    assert reward.reward_and_answer(r"\boxed{1}", "1", reward="mine:f") == (float(value), "1")
+@pytest.mark.parametrize("value, expected", [("True", 1.0), ("False", 0.0), ("1", 1.0), ("0", 0.0), ("1.0", 1.0),
+                                             ("np.float32(1)", 1.0), ("np.bool_(False)", 0.0)])
+def test_a_verifier_may_return_a_bool_an_int_or_a_float(value, expected, tmp_path):
+    """numpy's too: its child sends 0 or 1 on as a float."""
+    assert reward_and_answer(r"\boxed{1}", "1", reward=returning(tmp_path, value)) == (expected, "1")
 
 
 # ---- a verifier that raises or never returns: one line naming it and the input ------------------------------
@@ -204,8 +209,8 @@ def test_a_verifier_that_never_returns_stops_the_process_with_one_line(tmp_path)
         f"the case in the verifier and return 0"]
 
 
-def test_the_verifier_thread_is_replaced_after_a_timeout(tmp_path, capsys):
-    """A caller that survives the stop (a test, a notebook) gets a fresh worker: the stuck one is never reused."""
+def test_the_verifier_child_is_replaced_after_a_timeout(tmp_path, capsys):
+    """A caller that survives the stop (a test, a notebook) gets a fresh child: the stuck one is never reused."""
     from reward import reward_and_answer
     verifier = tmp_path / "slow_once.py"
     verifier.write_text("import time\ndef score(text, truth):\n    if 'slow' in text:\n        time.sleep(30)\n"
@@ -219,7 +224,7 @@ def test_the_verifier_thread_is_replaced_after_a_timeout(tmp_path, capsys):
 
 # ---- reward:math_verify (the math-verify package, in a child process) ------------------------------------------
 def math_reward(text, truth):
-    """Through reward_and_answer, as training scores: the call runs on the verifier thread (call_verifier)."""
+    """Through reward_and_answer, as training scores (call_verifier)."""
     return reward_and_answer(text, truth, reward="reward:math_verify")[0]
 
 
@@ -275,8 +280,8 @@ def test_math_verify_never_raises_on_malformed_latex(answer, truth):
 
 
 def test_math_verify_survives_a_huge_number():
-    """`\\boxed{10^{10^{10}}}` makes sympy build a ten-billion-digit integer in C code that holds the GIL: run on
-    the verifier thread, nothing could stop it and the process hung (in a process of its own here, so a hang
+    """`\\boxed{10^{10^{10}}}` makes sympy build a ten-billion-digit integer in C code that holds the GIL: run in
+    the trainer's process, nothing could stop it and the process hung (in a process of its own here, so a hang
     fails the test). In the child, math-verify's own limit ends it: 0, and the run goes on."""
     code = ("import reward\nspec = 'reward:math_verify'\n"
             "print(reward.reward_and_answer('so \\\\boxed{10^{10^{10}}}', '1', reward=spec),"
@@ -291,13 +296,13 @@ def test_math_verify_kills_a_child_stuck_past_its_limit(monkeypatch):
     a fresh child takes the next one (math-verify's own limit on this answer is 5 s, well past 1 s)."""
     import reward
     assert math_reward(r"\boxed{1/2}", "0.5") == 1.0                # the child is up
-    stuck = reward._math_child[0]
+    stuck = reward._children["math-verify"].process
     monkeypatch.setattr(reward, "MATH_VERIFY_LIMIT_S", 1.0)
     assert math_reward(r"\boxed{10^{10^{10}}}", "1") == 0.0
-    assert stuck.poll() is not None and reward._math_child is None  # killed, and forgotten
+    assert stuck.poll() is not None and "math-verify" not in reward._children  # killed, and forgotten
     monkeypatch.undo()
     assert math_reward(r"\boxed{1/2}", "0.5") == 1.0
-    assert reward._math_child[0].pid != stuck.pid
+    assert reward._children["math-verify"].process.pid != stuck.pid
 
 
 def test_math_verify_without_the_package_is_one_line_before_start(tmp_path):
