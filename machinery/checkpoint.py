@@ -13,21 +13,27 @@ A checkpoint is a directory written atomically (into step_N.tmp, renamed when co
 - model/: a plain Hugging Face model (config, weights, tokenizer) that transformers, vLLM and eval.py load as it
   is, gathered in buckets (in bf16 on GPU) and written by rank 0 tensor by tensor (`export_hf`);
 - state.pt: the run's own state: step, world size, the training set's prompt keys, the tracker, the sampler's
-  RNG, SPO's previous responses and the run's flags;
+  RNG, SPO's previous responses and the run's flags (numpy arrays saved as tensors: `read_state`);
 - manifest.json: every file's size as written, so a truncated or missing file is named before anything reads it
   (`damaged`).
-Every file is fsynced before the rename; a failed write (no space, read-only) removes the partial directory and says
-why. Resume takes the newest published checkpoint (`resume_point`), checks its files, the world size and the training
-set, builds the policy from model/ and loads shards/ over it. A damaged newest checkpoint is never stepped back from
-silently: the error names the damaged file and the newest intact checkpoint, to resume from by deleting the damaged
-one. A directory whose run saved no checkpoint is not a run to continue: a fresh run takes it over.
+Every file is fsynced before the rename; a failed write (a full disk, read-only) removes the partial directory and
+says why, on every rank. A run directory from elsewhere is data: its pickles are read allowing no code (`read_state`,
+`read_shards_metadata`). Resume takes the newest published checkpoint (`resume_point`), checks its files, the
+world size and the training set, builds the policy from model/ and loads shards/ over it. A damaged newest
+checkpoint is never stepped back from silently: the error names the damaged file and the newest intact checkpoint,
+to resume from by deleting the damaged one. A directory whose run saved no checkpoint is not a run to continue:
+a fresh run takes it over.
 Not run on its own: spo.py calls it; tests/test_end_to_end.py resumes runs and compares them with straight ones.
 """
+import errno
 import itertools
 import json
 import os
+import pickle
+import re
 import shutil
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -240,6 +246,7 @@ def export_hf(model, out_dir, dtype=None, write=True, file_bytes=EXPORT_FILE_BYT
     save_file wrote of the full state dict before; several: model-0000k-of-0000n.safetensors and
     model.safetensors.index.json, as transformers writes them. Every rank must call it (collectives); write:
     rank 0 writes (False: it only takes part in the gathers). Returns rank 0's write error, or None."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
     from machinery.trainer import full_parameters
     files = _export_plan(model, dtype, file_bytes)
@@ -258,15 +265,15 @@ def export_hf(model, out_dir, dtype=None, write=True, file_bytes=EXPORT_FILE_BYT
         if len(pending[k]) == len(files[k]):  # the file is complete: write it, let its tensors go
             try:
                 save_file(pending.pop(k), os.path.join(out_dir, names[k]), metadata={"format": "pt"})
-            except OSError as e:
-                error = e.strerror or str(e)
+            except (OSError, SafetensorError) as e:
+                error = _why(e)
     if write and not error and len(files) > 1:
         try:
             with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
                 json.dump({"metadata": {"total_size": total},
                            "weight_map": {name: names[k] for name, k in where.items()}}, f, indent=2)
         except OSError as e:
-            error = e.strerror or str(e)
+            error = _why(e)
     return error
 
 
@@ -290,23 +297,30 @@ def save_checkpoint(run_dir, step, model, optimizer, tokenizer, world, prompt_ke
 
     def agree(error):  # every rank learns of any rank's failure, so all stop together with one line
         error = next((e for e in all_gather_objects([error]) if e), None)
-        if error is not None:
-            if dist.get_rank() == 0:
-                shutil.rmtree(tmp, ignore_errors=True)
-            fail(f"checkpoint of step {step} not written to {tmp} ({error}); the partial directory was removed "
-                 f"and the previous checkpoint is intact", once=True)
+        if error is None:
+            return
+        if dist.get_rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        kept = ([f"the previous checkpoint ({os.path.basename(p)}) is intact" for p in checkpoint_dirs(run_dir)]
+                or ["there is no previous checkpoint"])[-1]
+        if error in (os.strerror(errno.ENOSPC), os.strerror(errno.EDQUOT)):
+            fail(f"disk full ({error}) while writing checkpoint step {step} to {tmp}: the partial directory was "
+                 f"removed ({shutil.disk_usage(root).free / 2**30:.1f} GiB free now) and {kept}; free space, then "
+                 f"--resume {run_dir}", once=True)
+        fail(f"checkpoint of step {step} not written to {tmp} ({error}); the partial directory was removed "
+             f"and {kept}", once=True)
     if dist.get_rank() == 0:
         try:
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(os.path.join(tmp, "model"))
         except OSError as e:
-            error = e.strerror or str(e)
+            error = _why(e)
     agree(error)
     try:
         dcp.save({"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)},
                  checkpoint_id=os.path.join(tmp, "shards"))
     except (OSError, CheckpointException) as e:
-        error = getattr(e, "strerror", None) or str(e).splitlines()[0]
+        error = _why(e)
     error = export_hf(model, os.path.join(tmp, "model"), export_dtype, write=error is None) or error
     if dist.get_rank() == 0 and error is None:
         try:
@@ -315,21 +329,22 @@ def save_checkpoint(run_dir, step, model, optimizer, tokenizer, world, prompt_ke
                 hf_config.dtype = export_dtype  # what vLLM's dtype="auto" reads
             hf_config.save_pretrained(os.path.join(tmp, "model"))
             tokenizer.save_pretrained(os.path.join(tmp, "model"))
-            torch.save({"step": step, "world_size": world, "prompt_keys": prompt_keys, "tracker": tracker_state,
-                        "sampler": sampler_state, "previous": previous, "config": config, "reach": reach},
-                       os.path.join(tmp, "state.pt"))
+            state = {"step": step, "world_size": world, "prompt_keys": prompt_keys, "tracker": tracker_state,
+                     "sampler": sampler_state, "previous": previous, "config": config, "reach": reach}
+            with open(os.path.join(tmp, "state.pt"), "wb") as f:  # a Python file: a full disk raises an OSError
+                torch.save(_nested(state, lambda v: torch.from_numpy(v) if isinstance(v, np.ndarray) else v), f)
             _write_manifest(tmp)  # last: every rank's shards are in (dcp.save returned on every rank)
+            with open(os.path.join(root, "latest.tmp"), "w") as f:  # written now: publishing is renames only
+                f.write(os.path.basename(final))
+                f.flush()
+                os.fsync(f.fileno())
             _fsync_tree(tmp)
-        except OSError as e:
-            error = e.strerror or str(e)
+        except (OSError, RuntimeError) as e:  # RuntimeError: torch.save's, raised while handling the OSError
+            error = _why(e)
     agree(error)
     if dist.get_rank() == 0:
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
-        with open(os.path.join(root, "latest.tmp"), "w") as f:
-            f.write(os.path.basename(final))
-            f.flush()
-            os.fsync(f.fileno())
         os.replace(os.path.join(root, "latest.tmp"), os.path.join(root, "latest"))
         done = sorted(d for d in os.listdir(root) if d.startswith("step_") and not d.endswith(".tmp"))
         for old in done[:-keep]:
@@ -337,16 +352,38 @@ def save_checkpoint(run_dir, step, model, optimizer, tokenizer, world, prompt_ke
     dist.barrier()
 
 
+def _why(e):
+    """What made a checkpoint's write or read fail, in a few words: the OSError's reason wherever it is under e
+    (DCP collects each rank's exception in a CheckpointException; torch.save raises a RuntimeError while handling
+    it; safetensors keeps only its text, "os error N"), else the innermost exception's first line."""
+    found = [e]
+    for x in found:
+        if isinstance(x, OSError):
+            return x.strerror or str(x)
+        found += [f[0] for f in getattr(x, "failures", {}).values()] + [c for c in (x.__cause__, x.__context__) if c]
+    code, last = re.search(r"os error (\d+)\)", str(e)), found[-1]
+    return os.strerror(int(code[1])) if code else f"{last.__class__.__name__}: {(str(last).splitlines() or [''])[0]}"
+
+
 def load_checkpoint(run_dir, world, prompt_keys):
-    """The newest published checkpoint of run_dir (`resume_point`: its files checked), checked against this run's
-    world size and dataset."""
+    """The newest published checkpoint of run_dir (`resume_point`: its files checked, its state and shard metadata
+    read as data), checked against this run's world size and dataset. Rank 0 (holding the run's lock: no save is
+    under way) removes, and names, the partial directories of saves that did not finish (killed mid-write)."""
     path, error = resume_point(run_dir)
     if error:
         fail(error, once=True)
-    try:
-        state = torch.load(os.path.join(path, "state.pt"), weights_only=False)  # our own file: numpy inside
-    except Exception as e:  # noqa: BLE001 - sizes checked; this is a file changed since (a cut pickle raises anything)
-        fail(f"--resume {run_dir}: {os.path.join(path, 'state.pt')} unreadable ({e.__class__.__name__}: {e})")
+    for name in sorted(os.listdir(os.path.dirname(path))) if os.environ.get("RANK", "0") == "0" else []:
+        if name.startswith("step_") and name.endswith(".tmp"):
+            shutil.rmtree(os.path.join(os.path.dirname(path), name), ignore_errors=True)
+            print(f"--resume {run_dir}: removed {name}, a checkpoint whose writing did not finish", flush=True)
+
+    def read(file, reader):
+        try:
+            return reader(os.path.join(path, file))
+        except Exception as e:  # noqa: BLE001 - sizes checked; a file changed since (a cut pickle raises anything)
+            fail(f"--resume {run_dir}: {_read_error(os.path.join(path, file), e)}", once=True)
+    state = read("state.pt", read_state)
+    read(os.path.join("shards", ".metadata"), read_shards_metadata)  # before anything heavy; DCP reads it again
     if state["prompt_keys"] != prompt_keys:
         fail(f"--resume {run_dir}: the checkpoint was made with another training set "
              f"({len(state['prompt_keys'])} prompts there, {len(prompt_keys)} here, or a different order)")
@@ -358,12 +395,70 @@ def load_checkpoint(run_dir, world, prompt_keys):
     return state
 
 
+def _nested(x, f):
+    """x with f applied to each value of its nested dicts: state.pt's numpy arrays <-> tensors."""
+    return {k: _nested(v, f) for k, v in x.items()} if isinstance(x, dict) else f(x)
+
+
+def read_state(path):
+    """A checkpoint's state.pt (save_checkpoint's), its tensors back to numpy arrays. weights_only: plain data
+    and tensors only, so a state file from elsewhere cannot run code when read."""
+    return _nested(torch.load(path, weights_only=True), lambda v: v.numpy() if isinstance(v, torch.Tensor) else v)
+
+
+# DCP's .metadata is a pickle of these, nothing else (`read_shards_metadata`).
+DCP_METADATA_TYPES = {("torch", name) for name, v in vars(torch).items() if isinstance(v, torch.dtype)} | {
+    ("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), *(("torch.distributed.checkpoint.metadata", name)
+    for name in ("Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+                 "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING"))}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module, name):  # checked before anything is imported: an import runs a module's code
+        if (module, name) not in DCP_METADATA_TYPES:
+            raise pickle.UnpicklingError(f"GLOBAL {module}.{name} is not one of DCP's metadata types")
+        return super().find_class(module, name)
+
+
+def read_shards_metadata(path):
+    """DCP's metadata file (shards/.metadata), unpickled with only DCP's metadata types allowed: DCP's own reader
+    unpickles it with code execution allowed."""
+    with open(path, "rb") as f:
+        return _MetadataUnpickler(f).load()
+
+
+def _read_error(path, e):
+    """Why a checkpoint file cannot be read, in one line: refused when reading it would call something (torch's
+    weights_only and _MetadataUnpickler name it: "GLOBAL module.name"), else unreadable."""
+    call = re.search(r"GLOBAL (\S+)", str(e))
+    return (f"{path} refused: reading it would call {call[1]}, and a run directory from elsewhere is data: nothing "
+            f"in it is run" if call else f"{path} unreadable ({_why(e)})")
+
+
 def restore_training_state(model, optimizer, shards):
     """Load a checkpoint's fp32 weights and optimiser state (save_checkpoint's shards) into the built policy and
-    its optimiser: each rank reads its own shards."""
+    its optimiser: each rank reads its own shards. DCP's two pickles are read as data: the metadata by
+    read_shards_metadata, the optimiser's settings (lr, betas: non-tensors) with weights_only."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._traverse import set_element
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    class Reader(dcp.FileSystemReader):
+        def read_metadata(self, *args, **kwargs):  # FileSystemReader's, with read_shards_metadata's unpickler
+            metadata = read_shards_metadata(self._get_metadata_path(kwargs.get("rank")))
+            metadata.storage_meta.load_id = self.load_id  # (save_checkpoint's metadata always has storage_meta)
+            return metadata
+
+    class Planner(dcp.DefaultLoadPlanner):
+        def load_bytes(self, read_item, value):  # DefaultLoadPlanner's (flattened), with weights_only
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn],
+                        torch.load(value, weights_only=True))
     model_state, optim_state = get_state_dict(model, optimizer)  # the optimiser's state is created first
     state = {"model": model_state, "optimizer": optim_state}
-    dcp.load(state, checkpoint_id=shards)
+    try:
+        dcp.load(state, storage_reader=Reader(shards), planner=Planner())
+    except CheckpointException as e:  # on every rank: DCP shares each rank's failure
+        fail(f"--resume: {_read_error(shards, e)}", once=True)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])

@@ -1,8 +1,9 @@
 """Checkpoints and run directories (machinery/checkpoint.py): a damaged checkpoint (a file cut off or missing, the
 manifest included) is named with the newest intact one before anything reads it, one run per directory and one
 job at a time, a run that saved no checkpoint leaves a directory a fresh run takes over, a resume keeps the run's settings and cuts
-metrics back to the checkpoint, and a full disk is found before the engine starts. The exact-resume runs are in
-tests/test_end_to_end.py.
+metrics back to the checkpoint, and a full disk is found before the engine starts (and, met while writing a
+checkpoint, is one line that keeps the previous one). The exact-resume runs are in tests/test_end_to_end.py;
+crafted checkpoint files in tests/test_checkpoint_untrusted.py.
 
     .venv/bin/python -m pytest tests/test_checkpoint.py -q
 """
@@ -25,14 +26,25 @@ def saved_run(tmp_path_factory):
     return run
 
 
-def checkpoint_worker(run):
-    """Run by the fixture above: a tiny policy, checkpointed at steps 2 and 4."""
+def run_state():
+    """The run's own state the worker saves: numpy arrays of the dtypes a run keeps, and a numpy RNG's state."""
+    import numpy as np
+    return {"tracker": {"alpha": np.array([1.5, 2.0]), "visits": np.array([3, 0])},
+            "sampler": {"rng_state": np.random.default_rng(7).bit_generator.state},
+            "previous": {1: {"response_ids": np.array([5, 6], np.int32), "logprobs": np.array([-0.5, -1.0], np.float32),
+                             "mask": np.array([1, 0], np.int8)}}}
+
+
+def checkpoint_worker(run, full=None):
+    """Run by the fixture above: a tiny policy, checkpointed at steps 2 and 4 (full: on a disk that fills up while
+    writing the file whose name ends so, `_fill_disk`)."""
     import os
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
     from machinery import checkpoint, trainer
     from tasks import toy
     _, world, device = trainer.setup_distributed()
+    state = run_state()
     initial = os.path.join(run, "initial")
     tokenizer = toy.build_tokenizer(initial)
     torch.manual_seed(0)
@@ -43,9 +55,38 @@ def checkpoint_worker(run):
         # Adam moments in the optimiser state (the policy's forward is its log-probs: the decoder on packed rows)
         trainer.token_logprobs(model, torch.tensor([[1, 2, 3]]), torch.ones(1, 2), 1.0)[0].sum().backward()
         optimizer.step()
-        checkpoint.save_checkpoint(run, step, model, optimizer, tokenizer, world, ["k0", "k1"], {}, {}, {},
-                                   {"steps": 8})
+        if full and step == 4:
+            _fill_disk(full)
+        checkpoint.save_checkpoint(run, step, model, optimizer, tokenizer, world, ["k0", "k1"], state["tracker"],
+                                   state["sampler"], state["previous"], {"steps": 8})
     torch.distributed.destroy_process_group()
+
+
+def _fill_disk(name_end):
+    """From now on, writing a file whose name ends with name_end fails as on a full disk: ENOSPC from its writes, or
+    for the export's safetensors (written by safetensors' Rust code) the error safetensors raises on a full tmpfs."""
+    import builtins
+    import errno
+    import io
+    import os
+    import safetensors.torch
+    if name_end.endswith(".safetensors"):
+        def save_file(*args, **kwargs):
+            raise safetensors.SafetensorError("Error while serializing: I/O error: No space left on device (os "
+                                              "error 28)")
+        safetensors.torch.save_file = save_file
+        return
+
+    class Full(io.FileIO):
+        def write(self, b):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    real = io.open
+
+    def full_open(file, mode="r", *args, **kwargs):  # builtins' open, and pathlib's (DCP's shards)
+        if "w" not in mode or not str(file).endswith(name_end):
+            return real(file, mode, *args, **kwargs)
+        return Full(file, "w") if "b" in mode else io.TextIOWrapper(io.BufferedWriter(Full(file, "w")))
+    builtins.open = io.open = full_open
 
 
 def _damage(run, how):
@@ -85,6 +126,50 @@ def test_a_damaged_checkpoint_is_named_with_the_newest_intact_one(saved_run, tmp
     shutil.rmtree(run / "checkpoints" / "step_000004")  # what the line says; `latest` still names it
     state = checkpoint.load_checkpoint(str(run), 1, ["k0", "k1"])
     assert state["step"] == 2 and state["shards"] == str(run / "checkpoints" / "step_000002" / "shards")
+
+
+def test_the_runs_own_state_comes_back_as_it_was_saved(saved_run):
+    """state.pt holds tensors (read with weights_only): numpy arrays come back as numpy, each with its dtype, and the
+    RNG's state whole."""
+    import numpy as np
+    from machinery import checkpoint
+
+    def plain(x):
+        return ({k: plain(v) for k, v in x.items()} if isinstance(x, dict) else
+                (x.dtype, x.tolist()) if isinstance(x, np.ndarray) else x)
+    state = checkpoint.load_checkpoint(str(saved_run), 1, ["k0", "k1"])
+    assert {k: plain(state[k]) for k in run_state()} == plain(run_state())
+
+
+@pytest.mark.parametrize("name_end", [".distcp", "model.safetensors", "state.pt", "manifest.json"])
+def test_a_full_disk_while_writing_a_checkpoint_is_one_line_and_the_previous_one_is_kept(tmp_path, name_end):
+    """A disk that fills up in the shards (DCP), the export (safetensors), the state file or the manifest: one
+    line says the disk is full, the partial directory is gone, and the previous checkpoint is resumed from."""
+    import subprocess
+    import sys
+    from common import ENV, ROOT
+    from machinery import checkpoint
+    run = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "tests/test_checkpoint.py", "checkpoint_worker", str(run), name_end],
+                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert errors[0].startswith("error: disk full (No space left on device) while writing checkpoint step 4 to ")
+    assert "the previous checkpoint (step_000002) is intact" in errors[0], errors[0]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step_000002"]
+    assert checkpoint.load_checkpoint(str(run), 1, ["k0", "k1"])["step"] == 2
+
+
+def test_resume_removes_and_names_a_checkpoint_whose_writing_did_not_finish(saved_run, tmp_path, capsys):
+    """A save killed mid-write leaves step_N.tmp holding its space: --resume removes it and says so."""
+    import shutil
+    from machinery import checkpoint
+    run = tmp_path / "run"
+    shutil.copytree(saved_run, run)
+    (run / "checkpoints" / "step_000006.tmp" / "shards").mkdir(parents=True)
+    assert checkpoint.load_checkpoint(str(run), 1, ["k0", "k1"])["step"] == 4
+    assert not (run / "checkpoints" / "step_000006.tmp").exists()
+    assert f"--resume {run}: removed step_000006.tmp" in capsys.readouterr().out
 
 
 def test_the_manifest_lists_every_file_of_the_checkpoint_with_its_size(saved_run):

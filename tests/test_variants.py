@@ -13,6 +13,7 @@ import torch
 import spo
 import variants
 from common import ok, python, toy_args, torchrun
+from machinery import checkpoint
 from machinery.metrics import signal_metrics
 from tracker import ValueTracker
 from variants import (cispo_token_loss, dr_grpo_advantage, dynamic_sampling, grpo_advantage, gspo_token_loss,
@@ -370,7 +371,7 @@ def _run(small_toy, run_dir, *flags):
     for r in rows:
         assert all(np.isfinite(v) for v in r.values()), r
         assert {"signal/zero_advantage", "signal/adv_var_raw", "signal/adv_var_effective"} <= r.keys()
-    state = torch.load(run_dir / "checkpoints" / "step_000002" / "state.pt", weights_only=False)
+    state = checkpoint.read_state(run_dir / "checkpoints" / "step_000002" / "state.pt")
     return rows, state
 
 
