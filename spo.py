@@ -30,7 +30,7 @@ import torch
 import variants
 from eval import add_eval_flags, evaluations
 from machinery import checkpoint, device as devices, memory, trainer
-from machinery.collectives import all_gather_np, all_gather_objects, all_reduce_np
+from machinery.collectives import all_gather_np, all_gather_objects, all_reduce_np, full_parameters
 from machinery.data import check_context, find_model, load_tokenizer, load_train_and_test
 from machinery.metrics import (Logger, PromptReach, add_logging_flags, oversample_metrics, plot_run, run_summary,
                                spo_metrics, step_metrics)
@@ -105,16 +105,16 @@ def remember(previous, index, responses):
         previous[int(i)] = response
 
 
-def ppo_clip_loss(logprobs, old_logprobs, advantage, mask, clip_low, clip_high, dual_clip, n_tokens):
+def ppo_clip_loss(logprobs, old_logprobs, advantage, mask, clip_low, clip_high, dual_clip, n_tokens, weights=1.0):
     """Eq. 10: PPO-clip with clip-higher and dual-clip, summed over masked tokens and divided by n_tokens (the
     policy tokens of the global mini-batch: a token mean over all ranks). Per token, with ratio = pi / pi_old and
     A the trajectory's advantage (broadcast to its tokens):
         loss = max(-A * ratio, -A * clip(ratio, 1 - clip_low, 1 + clip_high))          (the pessimistic bound)
         and for A < 0 also at most -A * dual_clip: a huge ratio cannot blow up the loss (dual-clip).
-    logprobs, old_logprobs, mask: (B, T); advantage: (B,). Returns (loss, clipped): clipped (B, T) is True where
-    the clip range decided (the token's gradient is zero there; the dual-clip bound is not counted)."""
+    logprobs, old_logprobs, mask: (B, T); advantage: (B,); weights: 1, or (B, T) per-token factors (--tis, not the
+    paper's). Returns (loss, clipped): clipped (B, T) is True where the clip range decided (zero gradient there)."""
     loss, clipped = ppo_clip_token_loss(logprobs, old_logprobs, advantage, mask, clip_low, clip_high, dual_clip)
-    return (loss * mask).sum() / n_tokens, clipped
+    return (loss * mask * weights).sum() / n_tokens, clipped
 
 
 def ppo_clip_token_loss(logprobs, old_logprobs, advantage, mask, clip_low, clip_high, dual_clip):
@@ -228,8 +228,8 @@ def main(argv=None):
         t0 = time.time()
         stats = trainer.ppo_update(policy, optimizer, rollouts, old["batch"], advantage, loss_fn,
                                    ppo_steps=args.ppo_steps, micro_batch_size=args.micro_batch_size,
-                                   temperature=args.temperature, grad_clip=args.grad_clip,
-                                   max_tokens=args.max_tokens_per_micro_batch)
+                                   temperature=args.temperature, grad_clip=args.grad_clip, tis=args.tis,
+                                   max_tokens=args.max_tokens_per_micro_batch, check=step == start_step + 1)
         t["update"] = time.time() - t0
         devices.phase_end(on_gpu, "update")
         nonfinite = nonfinite + 1 if stats["nonfinite"] else 0
@@ -238,7 +238,7 @@ def main(argv=None):
                              f"lower --lr or check the data (metrics in {run_dir}/metrics.jsonl)")
         # 7. weight push: the next rollouts come from the updated policy
         t0 = time.time()
-        engine.push_weights(trainer.full_parameters(policy, torch.bfloat16 if args.bf16 == "on" else None))
+        engine.push_weights(full_parameters(policy, torch.bfloat16 if args.bf16 == "on" else None))
         t["weight_push"] = time.time() - t0
 
         metrics = {**step_metrics(reward, raw_advantage, advantage, rollouts, old, stats, t, group=group,

@@ -46,6 +46,9 @@ def add_variant_flags(p):
                         "group estimators: whole groups); 1: off")
     p.add_argument("--oversample_measure", action="store_true",
                    help="with --oversample: let the others finish too, to log the kept vs aborted lengths and rewards")
+    p.add_argument("--tis", type=float, default=0.0,
+                   help="truncated importance sampling against the engine/trainer mismatch: each token's loss times "
+                        "min(pi_trainer / pi_engine, C) (verl's, OpenRLHF's form); 0: off (the paper)")
 
 
 # Flags that must be at least this (a 0 or a negative value used to become a default or a traceback later).
@@ -54,8 +57,8 @@ AT_LEAST = {"batch_size": 1, "group_size": 1, "steps": 1, "max_prompt_len": 1, "
             "log_every": 1, "max_nonfinite": 1, "max_sampling_rounds": 0, "eval_max_prompts": 0,
             "probe_every": 0, "probe_prompts": 1, "probe_samples": 1, "train_prompts": 0, "seed": 0,
             "max_tool_output_chars": 1}
-POSITIVE = ("lr", "temperature", "eval_temperature", "d_half", "grad_clip", "dual_clip", "gpu_memory_utilization")
-NON_NEGATIVE = ("weight_decay", "clip_low", "clip_high", "sampling_eps", "sampling_gamma")
+POSITIVE = ("temperature", "eval_temperature", "d_half", "grad_clip", "dual_clip", "gpu_memory_utilization")
+NON_NEGATIVE = ("lr", "tis", "weight_decay", "clip_low", "clip_high", "sampling_eps", "sampling_gamma")
 
 
 # Named defaults (spo.py --preset), each chosen by measurement (docs/experiments.md). tracker_keeps_up (paper_regime
@@ -200,11 +203,13 @@ def token_sum(token_loss, mask, constant):
     return (token_loss * mask).sum() / constant
 
 
-def policy_loss(logprobs, old_logprobs, advantage, mask, n_tokens, *, token_loss, aggregation, n_sequences,
-                max_len):
-    """The loss_fn trainer.ppo_update calls, per micro-batch: a per-token loss, then the aggregation.
-    Returns (loss, clipped) like spo.ppo_clip_loss (with ppo_clip and token_mean it computes exactly that)."""
+def policy_loss(logprobs, old_logprobs, advantage, mask, n_tokens, weights=1.0, *, token_loss, aggregation,
+                n_sequences, max_len):
+    """The loss_fn trainer.ppo_update calls, per micro-batch: a per-token loss (times `weights`, --tis), then the
+    aggregation. Returns (loss, clipped) like spo.ppo_clip_loss (with ppo_clip and token_mean it computes exactly
+    that)."""
     loss, clipped = token_loss(logprobs, old_logprobs, advantage, mask)
+    loss = loss * weights
     if aggregation == "token_mean":
         return token_mean(loss, mask, n_tokens), clipped
     if aggregation == "seq_mean_token_mean":

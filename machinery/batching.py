@@ -135,9 +135,11 @@ class PackedLayout:
     """How packed_attention reads one packed row. calls: (k, L) row positions per attention call, k sequences
     attended side by side, each row a shared prefix then one sequence's own tokens, right-padded by repeating its
     last position (causal: no real token sees a pad); pick: (S,) for each row position, where its output sits among
-    the calls' (k x L) outputs, flattened and concatenated."""
+    the calls' (k x L) outputs, flattened and concatenated; gather: every call's positions, flattened and concatenated
+    (packed_attention's one gather per layer and tensor)."""
     calls: list
     pick: torch.Tensor
+    gather: torch.Tensor
 
 
 # An attention call takes sequences side by side while their padded tokens stay within this factor of their real
@@ -204,7 +206,8 @@ def packed_row(ids, rows, cols):
         pick += [np.arange(start[(lo, hi)], start[(lo, hi)] + hi - lo) for lo, hi in owns]
     device = ids.device
     layout = PackedLayout([torch.from_numpy(c).to(device) for c in calls],
-                          torch.from_numpy(np.concatenate(pick)).to(device))
+                          torch.from_numpy(np.concatenate(pick)).to(device),
+                          torch.from_numpy(np.concatenate([c.ravel() for c in calls])).to(device))
     prefix_at, own_at, shared_of = (torch.tensor(x, device=device)[rows] for x in (prefix_at, own_at, shared_of))
     index = torch.where(cols < shared_of, prefix_at + cols, own_at + cols - shared_of)  # (N,)
     return torch.tensor(tokens, device=device)[None], torch.tensor(positions, device=device)[None], layout, index
@@ -223,22 +226,39 @@ def packed_attention(module, query, key, value, attention_mask, packed_layout=No
     decoder's call. A sliding window (Mistral, some Qwen layers) becomes an explicit mask where a call is longer
     than it. Anything else that lives in the mask transformers would have built is not here: called without a
     layout, or with attention sinks, it refuses rather than attend across sequences."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward, use_gqa_in_sdpa
     if packed_layout is None or query.shape[0] != 1:
         raise RuntimeError("packed_attention: the model's attention is set for one packed row with its layout "
                            "(batching.packed_row, trainer.response_logprobs); this call passed none")
     if kwargs.get("s_aux") is not None:
         raise NotImplementedError("packed_attention: attention sinks (s_aux) are not supported")
+    # One gather per tensor for all the calls, then a view per call: a gather per call would cost each call's
+    # backward (index_add) a zero buffer the size of the whole row. (torch.nn.attention.varlen.varlen_attn would take
+    # the row without a gather, but its signature is not settled across torch versions.)
+    sizes = [positions.numel() for positions in packed_layout.calls]
+    gathered = (x[0].index_select(1, packed_layout.gather).split(sizes, 1) for x in (query, key, value))
     out = []
-    for positions in packed_layout.calls:  # (k, L)
-        q, k, v = (x[0].index_select(1, positions.flatten()).unflatten(1, positions.shape).transpose(0, 1)
-                   for x in (query, key, value))  # (k, heads, L, d); (index_select: its backward is index_add)
+    for positions, *qkv in zip(packed_layout.calls, *gathered):  # (k, L); each of q, k, v (heads, k L, d)
+        q, k, v = (x.unflatten(1, positions.shape).transpose(0, 1) for x in qkv)  # (k, heads, L, d)
         n, mask = positions.shape[1], None  # None: causal (sdpa's is_causal)
         if sliding_window is not None and n > sliding_window:
             i = torch.arange(n, device=q.device)
             mask = ((i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - sliding_window))[None, None]
+        # where transformers would pass enable_gqa (with a mask it repeats k and v itself); the math kernel's scores
+        # would take 34 GB per call of 16k tokens at Qwen3-8B
+        if use_gqa_in_sdpa(mask, k, v) and _needs_repeated_kv(q.device.type, q.dtype, q.shape[1], k.shape[1]):
+            k, v = (repeat_kv(x, q.shape[1] // k.shape[1]) for x in (k, v))
         out.append(sdpa_attention_forward(module, q, k, v, mask, **kwargs)[0].flatten(0, 1))  # (k L, heads, d)
     return torch.cat(out).index_select(0, packed_layout.pick)[None], None  # (1, S, heads, d)
+
+
+def _needs_repeated_kv(device_type, dtype, heads, kv_heads):
+    """Whether packed_attention repeats the key and value heads to the query's for torch's sdpa: on CUDA in fp32
+    (--bf16 off) with fewer key-value heads than query heads (GQA: every Qwen3). Flash attention and cuDNN take no
+    fp32 and the memory-efficient kernel no GQA, so sdpa would fall back to its math kernel, which stores every
+    head's full score matrix; on repeated heads the memory-efficient kernel runs (transformers still passes
+    enable_gqa, which on equal head counts changes nothing: torch's sdp_utils_cpp.h)."""
+    return device_type == "cuda" and dtype == torch.float32 and kv_heads < heads
 
 
 def use_packed_attention(model):

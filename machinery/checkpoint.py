@@ -224,7 +224,7 @@ EXPORT_FILE_BYTES = 2 ** 32
 
 def _export_plan(model, dtype, file_bytes):
     """The HF export's files: lists of names (parameters, tied ones once, then persistent buffers) in the order
-    trainer.full_parameters yields them, a new file whenever the next tensor would pass file_bytes."""
+    collectives.full_parameters yields them, a new file whenever the next tensor would pass file_bytes."""
     tensors = list(model.named_parameters())  # a tied output projection once, under the embedding's name
     state = model.state_dict()  # (FSDP2: DTensors, nothing gathered) persistent buffers are in it, others not
     tensors += [(name, b) for name, b in model.named_buffers() if name in state]
@@ -240,7 +240,7 @@ def _export_plan(model, dtype, file_bytes):
 
 def export_hf(model, out_dir, dtype=None, write=True, file_bytes=EXPORT_FILE_BYTES):
     """The policy's weights as a Hugging Face model's safetensors in out_dir, in `dtype` (None: as trained). Every
-    rank gathers (trainer.full_parameters: buckets, each rank's shard cast to `dtype` BEFORE the gather, as the
+    rank gathers (collectives.full_parameters: buckets, each rank's shard cast to `dtype` BEFORE the gather, as the
     weight push does); rank 0 moves each tensor to the host and writes a file as soon as its tensors are in, so it
     holds one file's tensors at most, never the whole state dict. One file: model.safetensors, byte for byte what
     save_file wrote of the full state dict before; several: model-0000k-of-0000n.safetensors and
@@ -248,7 +248,7 @@ def export_hf(model, out_dir, dtype=None, write=True, file_bytes=EXPORT_FILE_BYT
     rank 0 writes (False: it only takes part in the gathers). Returns rank 0's write error, or None."""
     from safetensors import SafetensorError
     from safetensors.torch import save_file
-    from machinery.trainer import full_parameters
+    from machinery.collectives import full_parameters
     files = _export_plan(model, dtype, file_bytes)
     names = [f"model-{k + 1:05d}-of-{len(files):05d}.safetensors" for k in range(len(files))]
     if len(files) == 1:

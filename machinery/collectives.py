@@ -5,14 +5,17 @@ built on all-gather. On gloo each collective has a fixed cost that dominates the
 all-reduce of a few numbers costs more than its all-gather, and an all-gather of 64 KiB about what one of 16 bytes
 does: docs/design.md), so a reduction is an all-gather and a sum, several arrays travel in one collective, and
 objects travel in one fixed-size buffer. On nccl the same calls move GPU tensors. FSDP2's own collectives move the
-weights and gradients (machinery/trainer.py).
+weights and gradients (machinery/trainer.py); `full_parameters` gathers the full weights from FSDP2's shards in
+buckets (the weight push, the HF export), fewer collectives than DTensor.full_tensor() one by one.
 Not run on its own; tests/test_trainer.py checks them on three ranks.
 """
+import math
 import pickle
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 
 def _comm_device():
@@ -62,3 +65,64 @@ def all_gather_objects(items):
     return [item for r, n in enumerate(lengths) for item in pickle.loads(
         gathered[r, 8: 8 + min(n, room)].tobytes() + (overflow[r, : n - room].tobytes() if n > room else b""))]
 
+
+# One all-gather for many shards (every gloo collective has a fixed cost); the bound keeps a second full copy out.
+PUSH_BUCKET_BYTES = 2 ** 28
+
+
+def full_parameters(model, dtype=None, bucket_bytes=PUSH_BUCKET_BYTES):
+    """(name, full tensor) for every parameter, gathered in buckets of at most `bucket_bytes` of full tensors (one
+    all-gather per bucket; a larger parameter is a bucket of its own): the weight push and the HF export never hold
+    a second full copy of the model. Every rank must iterate (each gather is a collective). dtype: cast each rank's
+    shard BEFORE the gather (spo.py: bf16 on GPU, the engine's dtype), which halves the bytes gathered. The bytes
+    are the shards' own: the same tensors as DTensor.full_tensor(), fewer collectives. Tied weights come under both
+    names (remove_duplicate=False): vLLM's CPU backend keeps a separately packed copy of a tied lm_head, which goes
+    stale if only the embedding is pushed (a large log-prob gap). The root unit (CPU: the whole model) is gathered
+    by FSDP2's unshard and stays so: the next forward skips its own gather, and FSDP2 reshards after the backward,
+    before an optimiser step could make it stale."""
+    from torch.distributed.tensor import Shard
+    if hasattr(model, "unshard"):  # an FSDP2 module (not a plain one)
+        model.unshard()
+    bucket, size = [], 0
+    for name, p in model.named_parameters(remove_duplicate=False):
+        p = p.detach() if dtype is None else p.detach().to(dtype)
+        if not isinstance(p, DTensor) or tuple(p.placements) != (Shard(0),):  # unsharded, or not FSDP2's layout
+            yield from _gather_bucket(bucket)
+            bucket, size = [], 0
+            yield name, p.full_tensor() if isinstance(p, DTensor) else p
+            continue
+        nbytes = p.numel() * p.element_size()
+        if bucket and (size + nbytes > bucket_bytes or p.dtype != bucket[0][1].dtype):
+            yield from _gather_bucket(bucket)
+            bucket, size = [], 0
+        bucket.append((name, p))
+        size += nbytes
+    yield from _gather_bucket(bucket)
+
+
+def _shard_rows(rows, world):
+    """Rows of dim 0 on each rank under FSDP2's Shard(0) (torch.chunk: ceil(rows / world) each, the rest last)."""
+    per = -(-rows // world)
+    return [max(0, min(per, rows - r * per)) for r in range(world)]
+
+
+def _gather_bucket(bucket):
+    """One all-gather of the local shards of `bucket` ((name, DTensor sharded on dim 0) pairs, one dtype), then the
+    full tensors, in order."""
+    if not bucket:
+        return
+    world, rank = dist.get_world_size(), dist.get_rank()
+    rows = [_shard_rows(p.shape[0], world) for _, p in bucket]
+    for (name, p), r in zip(bucket, rows):
+        if p.to_local().shape[0] != r[rank]:
+            raise RuntimeError(f"full_parameters: {name} has {p.to_local().shape[0]} rows here, not {r[rank]}")
+    numel = [[n * math.prod(p.shape[1:]) for n in r] for (_, p), r in zip(bucket, rows)]  # elements per rank
+    per_rank = [sum(n[k] for n in numel) for k in range(world)]
+    flat = torch.cat([p.to_local().reshape(-1) for _, p in bucket])
+    flat = torch.nn.functional.pad(flat, (0, max(per_rank) - flat.numel()))  # all_gather needs equal sizes
+    parts = [torch.empty_like(flat) for _ in range(world)]
+    dist.all_gather(parts, flat)
+    offset = [0] * world
+    for (name, p), n in zip(bucket, numel):  # each rank's part holds its rows of every tensor, in bucket order
+        yield name, torch.cat([parts[k][offset[k]: offset[k] + n[k]] for k in range(world)]).view(p.shape)
+        offset = [o + m for o, m in zip(offset, n)]

@@ -75,3 +75,13 @@ def peak_metrics(on_gpu):
     used = all_reduce_np([_gpu["phases"].pop(name) for name in names] + [0.0], op="max") / GIB  # every rank alike
     _gpu["peak"] = max(_gpu["peak"], float(used.max()))
     return {"memory/peak_gib": _gpu["peak"], **{f"memory/{name}_gib": float(v) for name, v in zip(names, used)}}
+
+
+def prefer_flash_attention(on_gpu):
+    """Turn cuDNN's attention off on a GPU: torch 2.11+ prefers it on sm90 (H100/H200) with cuDNN > 9.15, and cuDNN
+    builds an execution plan for each exact shape it meets (tens of ms to about a second per miss, reported on
+    other GPUs). The packed trainer brings new shapes in most micro-batches and the transformers engine in every
+    decoded token; flash attention needs no per-shape plan. Called once by setup_distributed."""
+    if on_gpu:
+        import torch
+        torch.backends.cuda.enable_cudnn_sdp(False)

@@ -127,7 +127,7 @@ def rank_memory(shape, *, world, tokens, on_gpu, gradient_checkpointing, layer_u
                     "engine asleep (while training)": GPU_ENGINE_ASLEEP_BYTES if engine else 0}
         training = sum(items.values()) + sum(resident.values())
         # while vLLM generates: the trainer's sharded weights and moments, and the root unit the weight push left
-        # gathered for the next forward (trainer.full_parameters); vLLM's share counts from the card's total
+        # gathered for the next forward (collectives.full_parameters); vLLM's share counts from the card's total
         generating = (shape.parameters * 12 / world + gathered + gpu_memory_utilization * gpu_bytes
                       + resident["CUDA context"] + resident["NCCL communicator"]) if engine else 0
         items.update(resident)

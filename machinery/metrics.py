@@ -31,6 +31,45 @@ def tool_metrics(all_reward, rollouts):
             "tools/timeout_rate": timeouts.sum() / max(calls.sum(), 1)}
 
 
+def vllm_gap(batch, rollouts):
+    """The trainer's and the engine's log-probs of the sampled tokens compared: mean and max |difference| (a weight
+    push that did not land shows here), how many token ratios pi_trainer / pi_engine lie outside [0.9, 1.1] (bf16
+    kernels differ: what --tis corrects) and the largest ratio. Policy tokens only: tool-output tokens were never
+    sampled, their engine log-prob is a placeholder 0. No rollouts: nothing to compare, 0."""
+    if not rollouts:
+        return {"logprob_gap_mean": 0.0, "logprob_gap_max": 0.0, "ratio_outside": 0, "ratio_max": 0.0, "tokens": 0}
+    diff = np.concatenate([(lp - np.asarray(r.logprobs))[np.asarray(r.response_mask) > 0]
+                           for lp, r in zip(batch, rollouts)])
+    ratio = np.exp(diff)
+    return {"logprob_gap_mean": float(np.abs(diff).mean()), "logprob_gap_max": float(np.abs(diff).max()),
+            "ratio_outside": int(((ratio < 0.9) | (ratio > 1.1)).sum()), "ratio_max": float(ratio.max()),
+            "tokens": len(diff)}
+
+
+def learning_warning(changed, old, new, advantage, masks):
+    """After the first update: None if it moved the policy the way the advantages say (the parameters changed; over
+    all ranks, the mean log-prob of positive-advantage tokens rose and that of negative-advantage ones fell), else
+    the warning line, naming the likely causes. A run that learns nothing says nothing otherwise (an exactly-zero
+    gradient trains "fine"). changed: this rank's parameters differ; old, new: (T_i,) log-probs before and after
+    the update; advantage: (B_local,); masks: the policy-token masks."""
+    sums = np.zeros(5)  # changed; the log-prob change summed over positive-advantage tokens, their count; negative
+    sums[0] = changed
+    for o, n, a, m in zip(old, new, advantage, masks):
+        delta = (np.asarray(n) - np.asarray(o))[np.asarray(m) > 0]
+        if a > 0:
+            sums[1:3] += [delta.sum(), len(delta)]
+        elif a < 0:
+            sums[3:5] += [delta.sum(), len(delta)]
+    total = all_gather_np(sums).reshape(-1, 5).sum(0)
+    rose, fell = total[1] / max(total[2], 1), total[3] / max(total[4], 1)
+    if total[0] > 0 and rose > 0 and fell < 0:
+        return None
+    return (f"the first update did not move the policy the way the advantages say (parameters "
+            f"{'changed' if total[0] else 'unchanged'}; mean log-prob change of positive-advantage tokens {rose:+.2e} "
+            f"over {total[2]:.0f}, of negative-advantage ones {fell:+.2e} over {total[4]:.0f}): likely a zero learning "
+            f"rate (--lr), all advantages zero (every reward equal to its baseline), or frozen parameters")
+
+
 def step_metrics(reward, raw_advantage, advantage, rollouts, old, stats, times, group=1, tools=False):
     """What every algorithm reports, in one flat dict over the global batch (all ranks), the signal metrics
     included; spo_metrics adds SPO's own. group: responses per prompt (consecutive)."""
@@ -39,9 +78,11 @@ def step_metrics(reward, raw_advantage, advantage, rollouts, old, stats, times, 
         reward, raw_advantage, np.asarray(advantage), np.array([len(r.response_ids) for r in rollouts]),
         np.array([sum(r.response_mask) for r in rollouts]),  # policy tokens: tool output left out
         np.array([r.finish_reason == "length" for r in rollouts], dtype=np.float64),
-        np.array([old["entropy"], old["logprob_gap_mean"], old["sequences"], old["logprob_gap_max"]]))
-    scalars = scalars.reshape(world, 4)  # per rank: entropy, mean gap, rescored sequences, max gap
-    gap_max = scalars[:, 3].max()
+        np.array([old["entropy"], old["logprob_gap_mean"], old["sequences"], old["logprob_gap_max"],
+                  old["ratio_max"], old["ratio_outside"], old["tokens"]]))
+    # per rank: entropy, mean gap, rescored sequences; max gap, max ratio; ratios outside [0.9, 1.1], tokens
+    scalars = scalars.reshape(world, 7)
+    gap_max, ratio_max, (outside, tokens) = scalars[:, 3].max(), scalars[:, 4].max(), scalars[:, 5:].sum(0)
     scalars = scalars[:, :3].sum(0)
     m = {"reward/mean": reward.mean(), "reward/all_equal": float(reward.min() == reward.max()),  # Logger counts it
          "advantage/mean": raw.mean(), "advantage/std": raw.std(),
@@ -53,6 +94,9 @@ def step_metrics(reward, raw_advantage, advantage, rollouts, old, stats, times, 
          "response/truncated": truncated.mean(),
          "policy/entropy": scalars[0] / world, "policy/logprob_gap_mean": scalars[1] / world,
          "policy/logprob_gap_max": gap_max,
+         # pi_trainer / pi_engine of the sampled tokens (the mismatch --tis corrects): share outside [0.9, 1.1], max
+         "policy/ratio_outside": outside / max(tokens, 1), "policy/ratio_max": ratio_max,
+         "policy/tis_truncated": stats["tis_truncated"],
          # sequences in the no-grad pass before the update (all ranks): SPO's revisited previous responses, plus
          # the batch when ppo_steps > 1 (with one optimiser step the update's forward gives the old log-probs)
          "policy/rescored_sequences": scalars[2],

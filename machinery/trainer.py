@@ -2,7 +2,7 @@
 
 spo.py tells the algorithm's story and holds its math (the advantages, D(x), the PPO-clip loss of Eq. 10); this
 file holds the mechanics that any policy-gradient trainer on torch FSDP2 needs (the policy, its log-probs, the
-update loop, the weights for the push):
+update loop):
 - `setup_distributed`: torch.distributed on gloo (CPU) or nccl (GPU); `python spo.py` works as a world of 1.
 - `build_policy`: a Hugging Face causal LM sharded with FSDP2 (`fully_shard` per decoder layer, then the root, or
   the whole model as one unit); on GPU bf16 compute with fp32 master weights and fp32 gradient reduction; FSDP2's
@@ -15,13 +15,13 @@ update loop, the weights for the push):
   optimiser steps around a loss function given by the caller, normalised by the GLOBAL token count. FSDP2
   averages gradients over ranks; that loss is already a global mean, so each rank scales its loss by the world
   size to get the true gradient (set_gradient_divide_factor(1) would do the same but fails on gloo).
-- `clip_grad_norm`: torch's gradient clipping on FSDP2's shards in one collective. The small collectives on numpy
-  arrays and objects are in collectives.py, checkpoints in checkpoint.py, what a run records in metrics.py.
+- `clip_grad_norm`: torch's gradient clipping on FSDP2's shards in one collective. The small collectives and the
+  full weights for the push are in collectives.py, checkpoints in checkpoint.py, what a run records in metrics.py.
 """
 import datetime
 import functools
-import math
 import os
+import sys
 
 import numpy as np
 import torch
@@ -30,6 +30,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from machinery.collectives import all_gather_np, all_gather_objects, all_reduce_np
+from machinery.device import prefer_flash_attention
+from machinery.metrics import learning_warning, vllm_gap
 from machinery.errors import fail
 from machinery.batching import (IDLE, LOGIT_CHUNK_BYTES, PACKED_ATTENTION, deal_by_tokens, micro_batches, pack,
                                 packed_row, use_packed_attention)
@@ -50,6 +52,7 @@ def setup_distributed():
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
+        prefer_flash_attention(on_gpu=True)
         dist.init_process_group("nccl", device_id=device, timeout=DIST_TIMEOUT)
     else:
         device = torch.device("cpu")
@@ -123,90 +126,49 @@ def prepare_for_training(model, gradient_checkpointing):
     return model
 
 
-# One all-gather for many shards (every gloo collective has a fixed cost); the bound keeps a second full copy out.
-PUSH_BUCKET_BYTES = 2 ** 28
-
-
-def full_parameters(model, dtype=None, bucket_bytes=PUSH_BUCKET_BYTES):
-    """(name, full tensor) for every parameter, gathered in buckets of at most `bucket_bytes` of full tensors (one
-    all-gather per bucket; a larger parameter is a bucket of its own): the weight push and the HF export never hold
-    a second full copy of the model. Every rank must iterate (each gather is a collective). dtype: cast each rank's
-    shard BEFORE the gather (spo.py: bf16 on GPU, the engine's dtype), which halves the bytes gathered. The bytes
-    are the shards' own: the same tensors as DTensor.full_tensor(), fewer collectives. Tied weights come under both
-    names (remove_duplicate=False): vLLM's CPU backend keeps a separately packed copy of a tied lm_head, which goes
-    stale if only the embedding is pushed (a large log-prob gap). The root unit (CPU: the whole model) is gathered
-    by FSDP2's unshard and stays so: the next forward skips its own gather, and FSDP2 reshards after the backward,
-    before an optimiser step could make it stale."""
-    from torch.distributed.tensor import Shard
-    if hasattr(model, "unshard"):  # an FSDP2 module (not a plain one)
-        model.unshard()
-    bucket, size = [], 0
-    for name, p in model.named_parameters(remove_duplicate=False):
-        p = p.detach() if dtype is None else p.detach().to(dtype)
-        if not isinstance(p, DTensor) or tuple(p.placements) != (Shard(0),):  # unsharded, or not FSDP2's layout
-            yield from _gather_bucket(bucket)
-            bucket, size = [], 0
-            yield name, p.full_tensor() if isinstance(p, DTensor) else p
-            continue
-        nbytes = p.numel() * p.element_size()
-        if bucket and (size + nbytes > bucket_bytes or p.dtype != bucket[0][1].dtype):
-            yield from _gather_bucket(bucket)
-            bucket, size = [], 0
-        bucket.append((name, p))
-        size += nbytes
-    yield from _gather_bucket(bucket)
-
-
-def _shard_rows(rows, world):
-    """Rows of dim 0 on each rank under FSDP2's Shard(0) (torch.chunk: ceil(rows / world) each, the rest last)."""
-    per = -(-rows // world)
-    return [max(0, min(per, rows - r * per)) for r in range(world)]
-
-
-def _gather_bucket(bucket):
-    """One all-gather of the local shards of `bucket` ((name, DTensor sharded on dim 0) pairs, one dtype), then the
-    full tensors, in order."""
-    if not bucket:
-        return
-    world, rank = dist.get_world_size(), dist.get_rank()
-    rows = [_shard_rows(p.shape[0], world) for _, p in bucket]
-    for (name, p), r in zip(bucket, rows):
-        if p.to_local().shape[0] != r[rank]:
-            raise RuntimeError(f"full_parameters: {name} has {p.to_local().shape[0]} rows here, not {r[rank]}")
-    numel = [[n * math.prod(p.shape[1:]) for n in r] for (_, p), r in zip(bucket, rows)]  # elements per rank
-    per_rank = [sum(n[k] for n in numel) for k in range(world)]
-    flat = torch.cat([p.to_local().reshape(-1) for _, p in bucket])
-    flat = torch.nn.functional.pad(flat, (0, max(per_rank) - flat.numel()))  # all_gather needs equal sizes
-    parts = [torch.empty_like(flat) for _ in range(world)]
-    dist.all_gather(parts, flat)
-    offset = [0] * world
-    for (name, p), n in zip(bucket, numel):  # each rank's part holds its rows of every tensor, in bucket order
-        yield name, torch.cat([parts[k][offset[k]: offset[k] + n[k]] for k in range(world)]).view(p.shape)
-        offset = [o + m for o, m in zip(offset, n)]
-
-
 HALF = (torch.bfloat16, torch.float16)
 
 
-def _mm_fp32(a, b):
-    """a @ b in fp32 from bf16 (or fp16) a and b: one half-precision GEMM accumulating in fp32 where torch has it
-    for the device (mm's out_dtype: CUDA; no CPU kernel in torch 2.13), else the same numbers from fp32 copies."""
-    if a.is_cuda and "dtype" in torch.ops.aten.mm.overloads():
-        return torch.mm(a, b, out_dtype=torch.float32)
-    return torch.mm(a.float(), b.float())
+def _mm_fp32(a, b, into=None):
+    """a @ b in fp32 from bf16 (or fp16) a and b, or with `into` (fp32) into += a @ b in place: one half-precision
+    GEMM accumulating in fp32 where torch has it for the device (mm's and addmm's out_dtype: CUDA; no CPU kernel in
+    torch 2.13), else the same numbers from fp32 copies."""
+    if a.is_cuda and "dtype" in torch.ops.aten.mm.overloads():  # (fp32 into, bf16 a and b: pytorch#167931)
+        return (torch.mm(a, b, out_dtype=torch.float32) if into is None else
+                torch.addmm(into, a, b, out_dtype=torch.float32, out=into))
+    return torch.mm(a.float(), b.float()) if into is None else into.addmm_(a.float(), b.float())
+
+
+class _WeightGradient(torch.autograd.Function):
+    """The output projection's weight gradient under bf16, summed over the chunks in ONE fp32 buffer, total["sum"],
+    into which each chunk's _HalfInputLogits adds its share in place (not a fresh (V, H) fp32 gradient per chunk for
+    autograd to add up). Every chunk takes this function's output (an empty tensor), so autograd runs this backward
+    after all of theirs: it hands the weight the sum in the weight's dtype, its one gradient through autograd (under
+    FSDP2 mixed precision the gathered bf16 copy's, which FSDP2 reduce-scatters after the backward)."""
+
+    @staticmethod
+    def forward(ctx, weight, total):
+        ctx.total, ctx.dtype = total, weight.dtype
+        return weight.new_empty(0)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, _):
+        return ctx.total.pop("sum").to(ctx.dtype), None  # (the buffer freed once cast)
 
 
 class _HalfInputLogits(torch.autograd.Function):
     """(n, V) fp32 logits hidden @ weight.T from bf16 hidden (n, H) and weight (V, H). A product of two bf16 values
     is exact in fp32, so these are the fp32 projection's logits (up to the order of the sum) from a bf16 GEMM, not
     an fp32 one (no TF32 by default: several times slower). mm's out_dtype has no derivative (torch 2.13): hence
-    this function. weight32: the weight's values in fp32, made once per pass, which receives the weight's gradient
-    so that autograd sums the chunks' gradients in fp32 (None: no weight gradient). The logits' gradient is rounded
-    to bf16 for the backward GEMMs, as every gradient in the bf16 decoder is."""
+    this function. token, total: _WeightGradient's output and buffer, into which the backward adds the weight's
+    gradient in fp32 (None: no weight gradient). The logits' gradient is rounded to bf16 for the backward GEMMs, as
+    every gradient in the bf16 decoder is."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, weight32):
+    def forward(ctx, hidden, weight, token, total):
         ctx.save_for_backward(hidden, weight)  # (FSDP2 keeps the root unit gathered until its backward)
+        ctx.total = total
         return _mm_fp32(hidden, weight.t())
 
     @staticmethod
@@ -215,19 +177,22 @@ class _HalfInputLogits(torch.autograd.Function):
         hidden, weight = ctx.saved_tensors
         grad = grad.to(weight.dtype)
         grad_hidden = _mm_fp32(grad, weight).to(hidden.dtype) if ctx.needs_input_grad[0] else None  # (n, H)
-        return grad_hidden, None, _mm_fp32(grad.t(), hidden) if ctx.needs_input_grad[2] else None  # (V, H) fp32
+        if ctx.needs_input_grad[2]:  # the weight's, (V, H) fp32, added into the one buffer of all chunks
+            ctx.total["sum"] = _mm_fp32(grad.t(), hidden, ctx.total.get("sum"))
+        return grad_hidden, None, grad.new_empty(0) if ctx.needs_input_grad[2] else None, None
 
 
-def _chunk_logprobs(hidden, weight, weight32, bias, targets, temperature, with_entropy):
+def _chunk_logprobs(hidden, weight, weight_sum, bias, targets, temperature, with_entropy):
     """(n,) log-probs of `targets` and (n,) entropies (or None) from (n, H) hidden states, with fp32 logits even
     when the model computes in bf16: bf16 logits near 30 are rounded to steps of 0.125, an error the log-probs (and
-    PPO's ratio) would inherit. Under bf16 _HalfInputLogits; in fp32 (CPU) an fp32 GEMM on weight32, the parameter
-    itself. log p = logit - logsumexp(logits), so the (n, V) log-softmax is never stored."""
+    PPO's ratio) would inherit. Under bf16 _HalfInputLogits, its weight gradient summed as weight_sum says
+    (_WeightGradient's token, None for no weight gradient, and buffer); in fp32 (CPU) an fp32 GEMM on the parameter.
+    log p = logit - logsumexp(logits), so the (n, V) log-softmax is never stored."""
     if weight.dtype in HALF and hidden.dtype == weight.dtype:
-        logits = _HalfInputLogits.apply(hidden, weight, weight32)  # (n, V) fp32
+        logits = _HalfInputLogits.apply(hidden, weight, *weight_sum)  # (n, V) fp32
         logits = (logits if bias is None else logits + bias.float()) / temperature
     else:
-        logits = torch.nn.functional.linear(hidden.float(), weight32, bias) / temperature  # (n, V) fp32
+        logits = torch.nn.functional.linear(hidden.float(), weight.float(), bias) / temperature  # (n, V) fp32
     normaliser = torch.logsumexp(logits, -1)  # (n,)
     logp = logits.gather(-1, targets[:, None]).squeeze(-1) - normaliser
     if not with_entropy:
@@ -258,14 +223,14 @@ def response_logprobs(model, ids, rows, cols, temperature, with_entropy=False, c
     model.decoder_tokens = getattr(model, "decoder_tokens", 0) + flat.numel()
     head = model.get_output_embeddings()
     weight = head.weight  # (V, H): the gathered bf16 copy under bf16 mixed precision, else the fp32 parameter
-    # fp32 weights that sum the chunks' weight gradients: under bf16 a copy (with gradients only), else the parameter
-    weight32 = None if weight.dtype in HALF and not torch.is_grad_enabled() else weight.float()
+    total = {}  # under bf16 with gradients: the chunks' weight gradient, summed in one fp32 buffer (_WeightGradient)
+    token = _WeightGradient.apply(weight, total) if weight.dtype in HALF and torch.is_grad_enabled() else None
     bias = None if head.bias is None else head.bias.float()
     targets = ids[rows, cols + 1]  # (N,)
     chunk = chunk or max(1, LOGIT_CHUNK_BYTES // (4 * weight.shape[0]))
     logp, entropy = [], []
     for k in range(0, len(targets), chunk):
-        part = (hidden[k: k + chunk], weight, weight32, bias, targets[k: k + chunk], temperature, with_entropy)
+        part = (hidden[k: k + chunk], weight, (token, total), bias, targets[k: k + chunk], temperature, with_entropy)
         if torch.is_grad_enabled():
             part_logp, part_entropy = checkpoint(_chunk_logprobs, *part, use_reentrant=False)
         else:
@@ -356,15 +321,13 @@ def old_logprobs(model, rollouts, revisited, temperature, micro_batch_size, max_
             "entropy": entropy, **vllm_gap(out[: len(rollouts)], rollouts)}
 
 
-def vllm_gap(batch, rollouts):
-    """Mean and max |trainer log-prob - vLLM log-prob| of the sampled tokens: a weight push that did not land
-    shows here. Policy tokens only: tool-output tokens were never sampled, their vLLM log-prob is a placeholder 0.
-    No rollouts: nothing to compare, 0."""
-    if not rollouts:
-        return {"logprob_gap_mean": 0.0, "logprob_gap_max": 0.0}
-    gap = np.concatenate([np.abs(lp - np.asarray(r.logprobs))[np.asarray(r.response_mask) > 0]
-                          for lp, r in zip(batch, rollouts)])
-    return {"logprob_gap_mean": float(gap.mean()), "logprob_gap_max": float(gap.max())}
+def tis_weights(old_logprobs, engine_logprobs, mask, cap):
+    """Truncated importance sampling (--tis; Yao et al. 2025, verl's and OpenRLHF's form): per token
+    min(pi_trainer / pi_engine, cap), the trainer's old log-prob against the engine's that sampled the token;
+    1 on tokens the policy did not generate (tool output). The samples came from the engine, the gradient is the
+    trainer's: the weight corrects for the gap, and the cap bounds its variance."""
+    ratio = np.exp(np.asarray(old_logprobs) - np.asarray(engine_logprobs))
+    return np.where(np.asarray(mask) > 0, np.minimum(ratio, cap), 1.0)
 
 
 @torch.no_grad()
@@ -381,8 +344,16 @@ def clip_grad_norm(parameters, max_norm):
     return float(total)
 
 
+@torch.no_grad()
+def _shard_norms(optimizer):
+    """(P,) norms of this rank's parameter shards in fp64: whether an update changed the parameters at all. The
+    optimiser's parameters: the model's may be FSDP2's unsharded copies at the moment."""
+    return torch.stack([(p.to_local() if isinstance(p, DTensor) else p).double().norm()
+                        for group in optimizer.param_groups for p in group["params"]])
+
+
 def ppo_update(model, optimizer, rollouts, old, advantage, loss_fn, *, ppo_steps, micro_batch_size, temperature,
-               grad_clip, max_tokens=None):
+               grad_clip, max_tokens=None, tis=0.0, check=False):
     """`ppo_steps` optimiser steps over consecutive mini-batches of the rollouts, each step's loss from
     loss_fn(logprobs, old_logprobs, advantage, mask, n_tokens=...) -> (loss, clipped) (spo.ppo_clip_loss, Eq. 10),
     where n_tokens counts the policy tokens of the GLOBAL mini-batch (all ranks): a token mean over it. The
@@ -390,41 +361,49 @@ def ppo_update(model, optimizer, rollouts, old, advantage, loss_fn, *, ppo_steps
     skipping a step whose loss or gradient norm is not finite (on every rank alike). old: (T_i,) old log-probs per
     rollout (old_logprobs'); advantage: (B_local,) one scalar per trajectory. max_tokens: the micro-batches'
     token budget (plan_micro_batches), each mini-batch's sequences then dealt to the ranks by tokens
-    (assign_by_tokens); None: micro_batch_size sequences each, every rank its own rollouts."""
+    (assign_by_tokens); None: micro_batch_size sequences each, every rank its own rollouts. tis: the cap of
+    tis_weights, passed to loss_fn as weights; 0: off. check: afterwards, a warning line on rank 0 unless the
+    update moved the policy the way the advantages say (metrics.learning_warning; one more no-grad pass)."""
     device, world = next(model.parameters()).device, dist.get_world_size()
     per = len(rollouts) // ppo_steps
     sums = {"loss": 0.0, "grad_norm": 0.0}
     # over all ranks and mini-batches: clipped tokens, k3 KL summed over tokens, tokens, and the tokens the decoder
     # ran (response_logprobs counts them on the model: packed rows, each shared prefix once)
-    totals, model.decoder_tokens = np.zeros(4), 0
+    totals, model.decoder_tokens = np.zeros(5), 0
     nonfinite = False
+    norms = _shard_norms(optimizer) if check else None
     for k in range(ppo_steps):
-        # this rank's part of mini-batch k: (prompt ids, response ids, response mask, old log-probs, advantage)
-        mini = [(r.prompt_ids, r.response_ids, r.response_mask, old[i], float(advantage[i]))
+        # this rank's part of mini-batch k: (prompt ids, response ids, response mask, old log-probs, advantage,
+        # per-token weights)
+        mini = [(r.prompt_ids, r.response_ids, r.response_mask, old[i], float(advantage[i]),
+                 tis_weights(old[i], r.logprobs, r.response_mask, tis) if tis else None)
                 for i, r in enumerate(rollouts[k * per: (k + 1) * per], start=k * per)]
         # token budgets: also even out the ranks' tokens (long responses vary a lot)
         mini, shares, everything = deal_by_tokens(mini, lambda item: len(item[0]) + len(item[1]),
                                                   max_tokens is not None)
         global_tokens = (float(sum(np.sum(item[2]) for item in everything)) if everything is not None  # exact
                          else all_reduce_np([sum(float(np.sum(item[2])) for item in mini)])[0])
-        loss_total, counts = 0.0, np.zeros(4)  # this rank's: loss, and clipped tokens, k3 KL, tokens, decoder's
+        loss_total, counts = 0.0, np.zeros(5)  # this rank's: loss; clipped tokens, k3 KL, tokens, decoder's, truncated
         before = model.decoder_tokens
         for group in micro_batches([len(p) + len(r) for p, r, *_ in mini], micro_batch_size, max_tokens, shares):
             rows = [mini[j] for j in group]
             ids, mask = pack([row[:3] for row in rows] or [IDLE], device)  # (b, T); an idle rank: mask 0, loss 0
             adv = torch.tensor([row[4] for row in rows] or [0.0], dtype=torch.float32, device=device)  # (b,)
             logp, _ = token_logprobs(model, ids, mask, temperature)
-            old_logp = torch.zeros_like(mask)  # (b, T), aligned with the packed sequences
-            for j, (p, _, _, old_row, _) in enumerate(rows):
+            old_logp, weights = torch.zeros_like(mask), torch.ones_like(mask)  # (b, T), as the packed sequences
+            for j, (p, _, _, old_row, _, weight_row) in enumerate(rows):
                 old_logp[j, len(p) - 1: len(p) - 1 + len(old_row)] = torch.from_numpy(old_row)
-            loss, clipped = loss_fn(logp, old_logp, adv, mask, n_tokens=global_tokens)
+                if weight_row is not None:
+                    weights[j, len(p) - 1: len(p) - 1 + len(weight_row)] = torch.from_numpy(weight_row)
+            loss, clipped = loss_fn(logp, old_logp, adv, mask, n_tokens=global_tokens,
+                                    **({"weights": weights} if tis else {}))
             (loss * world).backward()  # x world: FSDP2 averages gradients, our loss is already a global mean
             loss_total += loss.item()
             with torch.no_grad():
                 log_ratio = (logp - old_logp) * mask
                 counts += [float((clipped.float() * mask).sum()),
                            float(((torch.exp(log_ratio) - 1 - log_ratio) * mask).sum()),  # k3, KL(old||new)
-                           float(mask.sum()), 0.0]
+                           float(mask.sum()), 0.0, float(((weights == tis) * mask).sum()) if tis else 0.0]
         counts[3] = model.decoder_tokens - before
         grad_norm = clip_grad_norm(model.parameters(), grad_clip)
         reduced = all_reduce_np([loss_total, *counts])  # one collective for the loss and the counts
@@ -439,5 +418,12 @@ def ppo_update(model, optimizer, rollouts, old, advantage, loss_fn, *, ppo_steps
         sums["grad_norm"] += grad_norm
     stats = {"loss": sums["loss"] / ppo_steps, "grad_norm": sums["grad_norm"] / ppo_steps,
              "clip_fraction": totals[0] / totals[2], "approx_kl": totals[1] / totals[2], "nonfinite": nonfinite,
-             "decoder_tokens": totals[3] / world}  # per rank
+             "decoder_tokens": totals[3] / world,  # per rank
+             "tis_truncated": totals[4] / totals[2]}  # tokens whose weight is the cap
+    if check:
+        changed = not torch.equal(norms, _shard_norms(optimizer))
+        new = old_logprobs(model, rollouts, [], temperature, micro_batch_size, max_tokens)["batch"]
+        warning = learning_warning(changed, old, new, advantage, [r.response_mask for r in rollouts])
+        if warning and dist.get_rank() == 0:
+            print(f"warning: {warning}", file=sys.stderr, flush=True)
     return stats

@@ -137,3 +137,102 @@ def test_packed_attention_keeps_a_sliding_window_and_refuses_an_unpacked_call():
     torch.testing.assert_close(_logprobs_and_grads(windowed, ids, mask)[0], padded, atol=1e-5, rtol=0)
     with pytest.raises(RuntimeError, match="packed_attention"):
         windowed(input_ids=ids)
+
+
+def _old_packed_attention(module, query, key, value, attention_mask, packed_layout=None, sliding_window=None,
+                          **kwargs):
+    """packed_attention as it was: a gather per call and tensor (the reference its outputs must equal)."""
+    import torch
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    out = []
+    for positions in packed_layout.calls:
+        q, k, v = (x[0].index_select(1, positions.flatten()).unflatten(1, positions.shape).transpose(0, 1)
+                   for x in (query, key, value))
+        n, mask = positions.shape[1], None
+        if sliding_window is not None and n > sliding_window:
+            i = torch.arange(n, device=q.device)
+            mask = ((i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - sliding_window))[None, None]
+        out.append(sdpa_attention_forward(module, q, k, v, mask, **kwargs)[0].flatten(0, 1))
+    return torch.cat(out).index_select(0, packed_layout.pick)[None], None
+
+
+def _one_layer(seed, lengths, shared, calls):
+    """A packed row's layout with `calls` attention calls, and one GQA layer's (1, heads, S, d) query, key and value
+    (4 query heads on 2 key-value heads) that want gradients, and a stand-in for the attention module."""
+    import types
+    import torch
+    ids, mask = _sequences(seed, lengths, shared=shared)
+    _, _, layout, _ = batching.packed_row(ids, *mask.nonzero(as_tuple=True))
+    assert len(layout.calls) == calls
+    S = int(layout.pick.numel())
+    g = torch.Generator().manual_seed(seed)
+    qkv = [torch.randn(1, heads, S, 8, generator=g).requires_grad_() for heads in (4, 2, 2)]
+    return layout, qkv, types.SimpleNamespace(num_key_value_groups=2, is_causal=True, training=True)
+
+
+def _attend(function, layout, qkv, module, **kwargs):
+    """function's output on the layer and the gradients of q, k, v under a loss that weighs every output."""
+    import torch
+    for x in qkv:
+        x.grad = None
+    out, _ = function(module, *qkv, None, packed_layout=layout, scaling=8 ** -0.5, dropout=0.0, **kwargs)
+    (out * torch.linspace(-1, 1, out.numel()).view(out.shape)).sum().backward()
+    return out.detach(), [x.grad.clone() for x in qkv]
+
+
+# four prompts with nothing in common (a call each), and a shared prefix whose sequences differ so much in length
+# that they take two calls
+LAYER_CALLS = [(1, [(5, 3), (7, 9), (2, 4), (6, 1)], (), 4), (2, [(3, 2), (3, 30), (3, 3)], (7, 7, 7, 7), 2)]
+
+
+def test_packed_attention_gathers_once_per_layer_whatever_the_calls_and_keeps_its_numbers():
+    """One gather of q, k and v each (and one of the outputs, packed_layout.pick) per layer, forward and backward
+    (index_add), however many calls the layout has; a gather per call cost each call's backward a zero buffer the
+    size of the whole row. The outputs are the per-call version's to the last bit, and so are the gradients of
+    positions that one call reads; a prefix two calls share sums its gradient in another order."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if name in ("index_select", "index_add", "index_add_"):
+                self.counts[name.rstrip("_")] = self.counts.get(name.rstrip("_"), 0) + 1
+            return func(*args, **(kwargs or {}))
+
+    for seed, lengths, shared, calls in LAYER_CALLS:
+        layout, qkv, module = _one_layer(seed, lengths, shared, calls)
+        with Count() as count:
+            count.counts = {}
+            out, grads = _attend(batching.packed_attention, layout, qkv, module)
+        assert count.counts == {"index_select": 4, "index_add": 4}, count.counts  # q, k, v and the pick
+        old_out, old_grads = _attend(_old_packed_attention, layout, qkv, module)
+        assert torch.equal(out, old_out)
+        for grad, old in zip(grads, old_grads):
+            if calls == 4:  # no position in two calls
+                assert torch.equal(grad, old)
+            torch.testing.assert_close(grad, old, atol=1e-6, rtol=0)
+
+
+def test_fp32_gqa_on_a_gpu_repeats_the_key_value_heads_and_the_numbers_stay():
+    """On CUDA in fp32 with fewer key-value heads than query heads, packed_attention repeats the key-value heads
+    itself (sdpa would otherwise take its math kernel: no fused fp32 kernel takes GQA); not in bf16 or fp16, not
+    on CPU, not without GQA. Forced on here, the repeated heads give the GQA call's outputs and gradients, and a
+    sliding-window call (masked: transformers repeats the heads itself) is not repeated twice."""
+    import pytest
+    import torch
+    need = batching._needs_repeated_kv
+    assert need("cuda", torch.float32, 32, 8)
+    assert not need("cuda", torch.bfloat16, 32, 8) and not need("cuda", torch.float16, 32, 8)
+    assert not need("cpu", torch.float32, 32, 8) and not need("cuda", torch.float32, 8, 8)
+    seed, lengths, shared, calls = LAYER_CALLS[1]
+    for window in (None, 4):
+        layout, qkv, module = _one_layer(seed, lengths, shared, calls)
+        gqa = _attend(batching.packed_attention, layout, qkv, module, sliding_window=window)
+        with pytest.MonkeyPatch.context() as patch:
+            repeats = []
+            patch.setattr(batching, "_needs_repeated_kv", lambda *args: repeats.append(args) or True)
+            repeated = _attend(batching.packed_attention, layout, qkv, module, sliding_window=window)
+        assert len(repeats) == (calls if window is None else 0)  # both calls here are longer than the window
+        for mine, theirs in zip([repeated[0], *repeated[1]], [gqa[0], *gqa[1]]):
+            torch.testing.assert_close(mine, theirs, atol=1e-6, rtol=1e-5)  # another sdpa kernel

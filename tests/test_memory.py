@@ -191,3 +191,17 @@ def test_bf16_auto_is_gpu_only_and_on_without_bf16_units_is_one_line(monkeypatch
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--bf16 on: this CPU has no bf16 instructions" in err
 
+
+
+def test_cudnn_attention_is_off_on_a_gpu_and_left_alone_on_a_cpu():
+    import torch
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+        device.prefer_flash_attention(on_gpu=False)
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+        device.prefer_flash_attention(on_gpu=True)  # the flag is global, settable without a GPU
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)

@@ -154,7 +154,7 @@ def test_output_projection_in_fp32_keeps_bf16_rounding_out_of_the_logprobs():
     targets = torch.randint(0, 50, (16,), generator=g)
     exact = torch.log_softmax(hidden.double() @ weight.double().T, -1).gather(-1, targets[:, None]).squeeze(-1)
     assert (hidden.double() @ weight.double().T).abs().max() > 32  # logits where bf16 steps by 0.25
-    logp, _ = trainer._chunk_logprobs(hidden, weight, weight.float(), None, targets, 1.0, False)
+    logp, _ = trainer._chunk_logprobs(hidden, weight, (None, {}), None, targets, 1.0, False)
     torch.testing.assert_close(logp.double(), exact, atol=2e-5, rtol=0)
     bf16_logits = torch.log_softmax((hidden @ weight.T).float(), -1).gather(-1, targets[:, None]).squeeze(-1)
     assert (bf16_logits.double() - exact).abs().max() > 1e-2
@@ -163,31 +163,32 @@ def test_output_projection_in_fp32_keeps_bf16_rounding_out_of_the_logprobs():
 def test_bf16_inputs_give_the_fp32_projections_logprobs_and_gradients():
     """Under bf16 the projection is a bf16 GEMM accumulating in fp32 (_HalfInputLogits; torch.mm's out_dtype on
     CUDA, fp32 copies here): the log-probs and entropies of the fp32 projection of the same bf16 values within
-    1e-5, gradients within bf16 rounding, the weight's gradient in fp32 on weight32. fp32 inputs (CPU) keep the fp32
-    path: the old computation, linear(hidden, weight) in fp32, to the last bit."""
+    1e-5, gradients within bf16 rounding, the weight's gradient summed in fp32 (trainer._WeightGradient) and handed
+    to the weight in its dtype. fp32 inputs (CPU) keep the fp32 path: the old computation, linear(hidden, weight) in
+    fp32, to the last bit."""
     from machinery import trainer
     g = torch.Generator().manual_seed(0)
     hidden, weight = torch.randn(37, 64, generator=g), torch.randn(500, 64, generator=g) * 0.2
     targets, scale = torch.randint(0, 500, (37,), generator=g), torch.linspace(-1, 1, 37)
 
-    def run(hidden, weight, weight32):
-        hidden = hidden.clone().requires_grad_()
-        logp, entropy = trainer._chunk_logprobs(hidden, weight, weight32, None, targets, 0.7, True)
+    def run(hidden, weight):
+        hidden, total = hidden.clone().requires_grad_(), {}
+        token = trainer._WeightGradient.apply(weight, total) if weight.dtype == torch.bfloat16 else None
+        logp, entropy = trainer._chunk_logprobs(hidden, weight, (token, total), None, targets, 0.7, True)
         (logp * scale).sum().backward()
         return logp.detach(), entropy, hidden.grad
     w = weight.clone().requires_grad_()
-    logp, entropy, grad = run(hidden, w, w)  # fp32: the parameter itself is weight32
+    logp, entropy, grad = run(hidden, w)  # fp32: the parameter itself
     old = torch.nn.functional.linear(hidden, weight) / 0.7  # the fp32 path as it was, to the last bit
     assert torch.equal(logp, old.gather(-1, targets[:, None])[:, 0] - torch.logsumexp(old, -1))
     w16 = weight.bfloat16().requires_grad_()
-    w32 = w16.detach().float().requires_grad_()
-    logp16, entropy16, grad16 = run(hidden.bfloat16(), w16, w32)
-    w_ref = w32.detach().clone().requires_grad_()  # the fp32 path on the same (bf16) values
-    logp_ref, entropy_ref, grad_ref = run(hidden.bfloat16().float(), w_ref, w_ref)
+    logp16, entropy16, grad16 = run(hidden.bfloat16(), w16)
+    w_ref = w16.detach().float().requires_grad_()  # the fp32 path on the same (bf16) values
+    logp_ref, entropy_ref, grad_ref = run(hidden.bfloat16().float(), w_ref)
     torch.testing.assert_close(logp16, logp_ref, atol=1e-5, rtol=0)
     torch.testing.assert_close(entropy16, entropy_ref, atol=1e-5, rtol=0)
-    assert grad16.dtype == torch.bfloat16 and w16.grad is None and w32.grad.dtype == torch.float32
-    for mine, theirs in ((grad16.float(), grad_ref), (w32.grad, w_ref.grad)):
+    assert grad16.dtype == torch.bfloat16 and w16.grad.dtype == torch.bfloat16
+    for mine, theirs in ((grad16.float(), grad_ref), (w16.grad.float(), w_ref.grad)):
         assert (mine - theirs).norm() <= 1e-2 * theirs.norm() and theirs.norm() > 0
     assert (logp16 - logp).abs().max() > 1e-3  # bf16 inputs are not the fp32 ones: the check above can fail
 
@@ -237,7 +238,7 @@ def grad_worker(out, model_path, max_tokens, units):
     rank, world, device = trainer.setup_distributed()
     policy, _ = build(device)
     optimizer = torch.optim.SGD(policy.parameters(), lr=1.0)
-    before = {k: v.clone() for k, v in trainer.full_parameters(policy)}
+    before = {k: v.clone() for k, v in collectives.full_parameters(policy)}
     rollouts, advantage = _fixed_batch(90)
     local = len(rollouts) // world
     mine = slice(rank * local, (rank + 1) * local)
@@ -247,7 +248,7 @@ def grad_worker(out, model_path, max_tokens, units):
     old = [lp - 0.05 for lp in scored["batch"]]  # ratios away from 1, inside the clip range on both sides
     _update(policy, optimizer, rollouts[mine], old, advantage[mine], micro_batch_size=2, grad_clip=1e9,
             max_tokens=max_tokens)
-    params = {k: v.clone() for k, v in trainer.full_parameters(policy)}
+    params = {k: v.clone() for k, v in collectives.full_parameters(policy)}
     normalised = collectives.all_gather_np(global_normalise(advantage[mine]))
     micro_batches = len(batching.micro_batches([len(r.prompt_ids) + len(r.response_ids) for r in rollouts[mine]],
                                                2, max_tokens))
@@ -286,11 +287,11 @@ def gather_worker(out):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     for bucket_bytes in (1, 40, 2 ** 28):
-        got = list(trainer.full_parameters(model, bucket_bytes=bucket_bytes))
+        got = list(collectives.full_parameters(model, bucket_bytes=bucket_bytes))
         plain = [(n, p.detach().full_tensor()) for n, p in model.named_parameters(remove_duplicate=False)]
         assert [n for n, _ in got] == [n for n, _ in plain] == list(unsharded)
         assert all(torch.equal(a, b) and torch.equal(a, unsharded[n]) for (n, a), (_, b) in zip(got, plain))
-        for name, full in trainer.full_parameters(model, torch.bfloat16, bucket_bytes=bucket_bytes):
+        for name, full in collectives.full_parameters(model, torch.bfloat16, bucket_bytes=bucket_bytes):
             assert full.dtype == torch.bfloat16 and torch.equal(full, unsharded[name].to(torch.bfloat16))
     # all_gather_objects: pickles that fit its first buffer, one just over it (rank 1), none (rank 2)
     room = collectives.OBJECT_BUCKET_BYTES
@@ -308,7 +309,7 @@ def gather_worker(out):
 
 
 def push_worker(out, model_path):
-    from machinery import trainer
+    from machinery import collectives, trainer
     from rollout import Engine
     rank, world, device = trainer.setup_distributed()
     policy, optimizer = trainer.build_policy(model_path, device, lr=1e-2, weight_decay=0.0)
@@ -320,14 +321,14 @@ def push_worker(out, model_path):
     prompts = [r.prompt_ids for r in rollouts]
     sampled = engine.generate(prompts, seeds=range(len(prompts)), max_tokens=16)
     gap_before = trainer.old_logprobs(policy, sampled, [], 1.0, 8)["logprob_gap_max"]
-    engine.push_weights(trainer.full_parameters(policy))
+    engine.push_weights(collectives.full_parameters(policy))
     sampled = engine.generate(prompts, seeds=range(len(prompts)), max_tokens=16)
     gap_after = trainer.old_logprobs(policy, sampled, [], 1.0, 8)["logprob_gap_max"]
     # A non-finite loss is flagged and the step skipped: the weights stay as they were.
-    before = {k: v.clone() for k, v in trainer.full_parameters(policy)}
+    before = {k: v.clone() for k, v in collectives.full_parameters(policy)}
     stats = _update(policy, optimizer, rollouts, old, np.full(len(rollouts), np.nan), micro_batch_size=8,
                     grad_clip=1.0)
-    unchanged = all(torch.equal(before[k], v) for k, v in trainer.full_parameters(policy))
+    unchanged = all(torch.equal(before[k], v) for k, v in collectives.full_parameters(policy))
     torch.save({"gap_before_push": gap_before, "gap_after_push": gap_after,
                 "nonfinite_flagged": stats["nonfinite"], "nonfinite_left_weights_alone": unchanged}, out)
     engine.shutdown()

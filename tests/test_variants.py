@@ -221,7 +221,8 @@ def test_signal_metrics_by_hand():
     (["--reward", "reward:no_such_function"], "--reward reward:no_such_function: reward has no function"),
     # out of range: each used to be a traceback, or a 0 that silently became the default
     (["--group_size", "0"], "--group_size must be at least 1, got 0"),
-    (["--lr=-1e-3"], "--lr must be positive, got -0.001"),
+    (["--lr=-1e-3"], "--lr must be at least 0, got -0.001"),  # 0 runs (and the first update warns)
+    (["--tis=-1"], "--tis must be at least 0, got -1.0"),
     (["--max_response_len", "-1"], "--max_response_len must be at least 1, got -1"),
     (["--max_response_len", "0"], "--max_response_len must be at least 1, got 0"),
     (["--batch_size", "0"], "--batch_size must be at least 1, got 0"),
