@@ -8,8 +8,10 @@ Its own copy of the policy receives the weight push as vLLM's does; it decodes t
 - the sampled tokens' processed log-probs (`processed_logprobs`): after temperature, top-k and top-p, renormalised,
   as vLLM's logprobs_mode="processed_logprobs" returns them (temperature 0: greedy, the raw log-softmax);
 - stop strings kept in the text, as vLLM's include_stop_str_in_output; end of turn at the model's EOS ids.
-Requests started between two steps are decoded together, left-padded, each row leaving the batch and the KV cache
-when it ends. No continuous batching, paged KV cache, CUDA graphs or sleep mode: it is for where vLLM is absent.
+Requests started between two steps are decoded together, left-padded, in a KV cache allocated once for the batch
+(`preallocated_cache`), each row leaving the batch when it ends; a step reads its sampled tokens back in one host
+sync (only the per-row noise draws loop over rows). No continuous batching, paged KV cache, CUDA graphs or sleep
+mode: it is for where vLLM is absent.
 
     engine = start_engine("hf", model_dir, seed=0, max_model_len=512, device=torch.device("cpu"))
 """
@@ -47,6 +49,44 @@ def processed_logprobs(logits, temperature, top_k=-1, top_p=1.0):
     return logits.log_softmax(-1)
 
 
+def preallocated_cache(length):
+    """A transformers Cache whose layers hold `length` positions each in storage allocated once (at the first
+    forward, in the model's KV heads and dtype): each step writes its positions in place and attention reads a view
+    of those filled, so nothing is copied per token (DynamicCache concatenates: quadratic in the length)."""
+    from transformers.cache_utils import Cache, DynamicLayer
+
+    class PreallocatedLayer(DynamicLayer):
+        # transformers' mask code reads is_compileable as "storage of a fixed size": a decode step then builds its
+        # attention mask rather than first asking the device whether it could skip it (a host sync per token).
+        # Nothing else here reads it (generate() would, to compile: this engine does not call generate).
+        is_compileable = True
+
+        def lazy_initialization(self, key_states, value_states):
+            rows, heads = key_states.shape[:2]  # the KV heads: fewer than the query heads under GQA
+            self.key_store = key_states.new_empty((rows, heads, length, key_states.shape[-1]))
+            self.value_store = value_states.new_empty((rows, heads, length, value_states.shape[-1]))
+            self.dtype, self.device, self.filled, self.is_initialized = key_states.dtype, key_states.device, 0, True
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            rows, start, end = key_states.shape[0], self.filled, self.filled + key_states.shape[-2]
+            self.key_store[:rows, :, start:end] = key_states
+            self.value_store[:rows, :, start:end] = value_states
+            self.keys, self.values, self.filled = self.key_store[:rows, :, :end], self.value_store[:rows, :, :end], end
+            return self.keys, self.values
+
+        def get_seq_length(self):
+            return self.filled if self.is_initialized else 0
+
+        def batch_select_indices(self, indices):
+            # the rows kept move to the front of the same storage: the next update writes and reads the first ones
+            for store in (self.key_store, self.value_store):
+                store[:len(indices), :, :self.filled] = store[indices, :, :self.filled]
+
+    return Cache(layer_class_to_replicate=PreallocatedLayer)
+
+
 class HFEngine:
     """rollout.Engine's interface on transformers: generate (with tools), push_weights, sleep / wake_up, shutdown,
     .tokenizer. State: its own copy of the policy."""
@@ -66,6 +106,10 @@ class HFEngine:
         self.end_ids = ({self.tokenizer.eos_token_id} | set(eos if isinstance(eos, list) else [eos])) - {None}
         self.pad_id = self.tokenizer.pad_token_id or 0  # any id: padding is masked
         self.params = dict(self.model.named_parameters(remove_duplicate=False))  # tied weights under both names
+        # The preallocated cache's layers are attention layers (a sliding window's mask drops what lies beyond it);
+        # a model with others (linear attention) keeps transformers' own cache.
+        kinds = set(getattr(self.model.config.get_text_config(), "layer_types", None) or ())
+        self.preallocate = kinds <= {"full_attention", "sliding_attention"}
         self.requests_sent = 0
 
     def generate(self, prompt_ids, seeds, *, max_tokens, temperature=None, top_p=1.0, top_k=-1, stop=None,
@@ -101,32 +145,38 @@ class HFEngine:
         names, device = list(requests), self.device
         prompts = [requests[n][0] for n in names]
         width = max(len(p) for p in prompts)
+        padded = min(len(p) for p in prompts) < width  # else no mask at all: SDPA's causal kernels, as before
+        length = width + max(requests[n][1] for n in names)  # the most any row can reach: the cache's size
         ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)  # (B, P)
-        mask = torch.zeros((len(prompts), width), dtype=torch.long)  # (B, P): 1 on real tokens
+        mask = torch.ones((len(prompts), length), dtype=torch.bool)  # (B, L): False on the left padding
         for b, p in enumerate(prompts):
             ids[b, width - len(p):] = torch.tensor(p)
-            mask[b, width - len(p):] = 1
+            mask[b, :width - len(p)] = False
         ids, mask = ids.to(device), mask.to(device)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, P): each row counts from its first real token
+        positions = (mask[:, :width].cumsum(-1) - 1).clamp(min=0)  # (B, P): each row counts from its first token
         generators = [torch.Generator(device).manual_seed(requests[n][2]) for n in names]
         from transformers import DynamicCache
-        cache = DynamicCache(config=self.model.config)
+        cache = preallocated_cache(length) if self.preallocate else DynamicCache(config=self.model.config)
         rows = list(range(len(names)))  # the requests still decoding, in batch order
         out = [([], []) for _ in names]  # per request: sampled ids, their log-probs
-        ended = []
+        ended, columns = [], width  # columns: the positions the cache holds after this step's forward
         while rows:
-            logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+            attend = mask[:, :columns] if padded else None
+            logits = self.model(input_ids=ids, attention_mask=attend, position_ids=positions, past_key_values=cache,
                                 use_cache=True, logits_to_keep=1).logits[:, -1].float()  # (b, V)
             logp = processed_logprobs(logits, temperature, top_k, top_p)  # (b, V)
             if temperature < GREEDY_BELOW:
                 chosen = logits.argmax(-1)  # (b,)
             else:  # p / q with q ~ Exp(1) from the row's own generator: its argmax is a sample of p (vLLM's way)
-                chosen = torch.stack([(row.exp() / torch.empty_like(row).exponential_(generator=generators[r]))
-                                      .argmax() for r, row in zip(rows, logp)])
+                noise = torch.empty_like(logp)
+                for k, r in enumerate(rows):  # a generator draws for one row only: a launch per row, no sync
+                    noise[k].exponential_(generator=generators[r])
+                chosen = (logp.exp() / noise).argmax(-1)
+            picked = torch.stack([chosen.double(), logp.gather(-1, chosen[:, None])[:, 0].double()])  # (2, b)
+            tokens, chosen_logp = picked.tolist()  # the step's one host sync (the ids are exact in fp64)
             keep = []
-            chosen_logp = logp.gather(-1, chosen[:, None])[:, 0].tolist()
-            for k, (r, token, lp) in enumerate(zip(rows, chosen.tolist(), chosen_logp)):
-                out[r][0].append(token)
+            for k, (r, token, lp) in enumerate(zip(rows, tokens, chosen_logp)):
+                out[r][0].append(int(token))
                 out[r][1].append(lp)
                 end = self.segment_end(out[r][0], requests[names[r]][1], stop)
                 if end is None:
@@ -139,8 +189,8 @@ class HFEngine:
                 mask, positions, chosen = mask[index], positions[index], chosen[index]
                 rows = [rows[k] for k in keep]
             ids = chosen[:, None]  # (b, 1): the next step feeds only the new token
-            mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=-1)
             positions = positions[:, -1:] + 1
+            columns += 1
         return ended
 
     def segment_end(self, ids, room, stop):

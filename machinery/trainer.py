@@ -133,9 +133,13 @@ def _mm_fp32(a, b, into=None):
     """a @ b in fp32 from bf16 (or fp16) a and b, or with `into` (fp32) into += a @ b in place: one half-precision
     GEMM accumulating in fp32 where torch has it for the device (mm's and addmm's out_dtype: CUDA; no CPU kernel in
     torch 2.13), else the same numbers from fp32 copies."""
-    if a.is_cuda and "dtype" in torch.ops.aten.mm.overloads():  # (fp32 into, bf16 a and b: pytorch#167931)
-        return (torch.mm(a, b, out_dtype=torch.float32) if into is None else
-                torch.addmm(into, a, b, out_dtype=torch.float32, out=into))
+    if a.is_cuda and "dtype" in torch.ops.aten.mm.overloads():
+        if into is None:
+            return torch.mm(a, b, out_dtype=torch.float32)
+        try:  # fp32 into with bf16 a and b: allowed since pytorch#167931, not in torch 2.8/2.9; 2.11 unverified
+            return torch.addmm(into, a, b, out_dtype=torch.float32, out=into)
+        except RuntimeError:  # the same sum through a temporary: the memory the buffer saves, not the numbers
+            return into.add_(torch.mm(a, b, out_dtype=torch.float32))
     return torch.mm(a.float(), b.float()) if into is None else into.addmm_(a.float(), b.float())
 
 

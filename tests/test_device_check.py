@@ -1,39 +1,49 @@
-"""The device check (bench/gpu.py, `python -m bench gpu`): the command a GPU lease runs, here on a CPU with tiny
-shapes: (a) the trainer path on a Qwen3 shape, (b) spo.py's whole loop with the transformers engine (the toy, then
-a random-weight Qwen3 shape checkpointed, stopped halfway and resumed), and its refusals.
+"""The device check (bench/gpu.py, `python -m bench gpu --part trainer` and `--part loop`): the two commands a GPU
+lease runs, here on a CPU with tiny shapes: (a) the trainer path on a Qwen3 shape over packed, variable-length,
+shared-prompt micro-batches, (b) spo.py's whole loop with the transformers engine (the toy, then a random-weight
+Qwen3 shape run twice from scratch and once stopped halfway and resumed), each spo.py under its own time budget;
+and its refusals.
 
     .venv/bin/python -m pytest tests/test_device_check.py -q
 """
 import os
 import re
+import subprocess
 
 import pytest
 
-from common import ok, python
+from common import ENV, PYTHON, ROOT, live_pids_with, ok, python
 
 
 @pytest.mark.slow
-def test_the_device_check_runs_the_trainer_path_on_a_tiny_qwen3_shape():
-    """`python -m bench gpu` is the device check (docs/scale.md); here on a CPU with a tiny Qwen3 shape (the real
-    vocabulary).
-    Its fp32 "reference" is the same weights unsharded, so on a CPU the FSDP2 log-probs must equal it."""
-    proc = ok(python("-m", "bench", "gpu", "--parts", "trainer", "--shape", "tiny", "--response_len", "96",
-                     "--sequences", "3", "--max_tokens_per_micro_batch", "700"))
-    assert re.search(r"old log-probs +[\d.]+ s +\d+ tokens/s +peak memory [\d.]+ GiB", proc.stdout), proc.stdout
-    assert re.search(r"PPO step +[\d.]+ s +\d+ tokens/s +peak memory [\d.]+ GiB", proc.stdout), proc.stdout
-    gap_mean, gap_max, grad_norm = map(float, re.search(r"mean \|gap\| (\S+), max (\S+); loss \S+, grad norm (\S+)",
-                                                         proc.stdout).groups())
-    assert gap_mean <= gap_max < 1e-5 and 0 < grad_norm < float("inf")
-    # what really runs: 608 tokens per sequence, two would need 1216 > 700, so one sequence per micro-batch
-    assert "3 micro-batches on rank 0: 3 x (1 sequence of 608 tokens) (budget 700 tokens" in proc.stdout, proc.stdout
-    assert "1 warm-up round(s) not timed" in proc.stdout
+def test_the_trainer_part_times_its_first_round_apart_over_packed_shared_prompt_batches():
+    """--part trainer on a tiny Qwen3 shape (the real vocabulary). Every round is a fresh batch of responses of
+    random lengths that share their prompts, packed by the trainer itself: prompts shared in a micro-batch run once,
+    and later rounds bring attention shapes the first had not. On a CPU the policy computes in fp32, so its
+    log-probs must equal the unsharded fp32 copy's."""
+    proc = ok(python("-m", "bench", "gpu", "--part", "trainer", "--shape", "tiny", "--prompts", "2", "--samples", "3",
+                     "--prompt_lens", "8", "24", "--response_lens", "20", "60", "--rounds", "3",
+                     "--max_tokens_per_micro_batch", "150"))
+    out = proc.stdout
+    for label, phase in [("round 1", "old log-probs"), ("round 1", "PPO step")]:
+        assert re.search(rf"{label} +{phase} +[\d.]+ s +\d+ tokens/s +peak memory [\d.]+ GiB", out), out
+    for phase in ("old log-probs", "PPO step"):
+        assert re.search(rf"rounds 2-3 +{phase} +[\d.]+ s per round \([\d.]+ to [\d.]+\) +\d+ tokens/s", out), out
+    packing = re.search(r"round 1: (\d+) tokens, the decoder ran (\d+) .* in (\d+) micro-batches \(budget 150 "
+                        r"tokens\) .* rounds 2-3 bring (\d+) shapes round 1 had not", out)
+    total, ran, micro_batches, new_shapes = map(int, packing.groups())
+    assert ran < total and micro_batches > 1 and new_shapes > 0, out
+    assert re.search(r"attention: SDPA backends enabled .*; dispatched to aten::_scaled_dot_product_\w+", out), out
+    gap_mean, gap_max, grad_norm = map(float, re.search(r"mean \|gap\| (\S+), max (\S+); last PPO step's loss \S+, "
+                                                         r"grad norm ([\d.]+);", out).groups())
+    assert gap_mean <= gap_max < 1e-5 and 0 < grad_norm < float("inf"), out
 
 
 @pytest.mark.slow
 def test_the_device_check_refuses_a_shape_that_cannot_fit_in_one_line():
     """--shape 8b in fp32 master weights: 8.19B x 16 bytes of weights, gradients and AdamW moments alone are 122 GiB,
     more than this machine (or one H200) has: exit 2 with one line, before any model is built."""
-    proc = python("-m", "bench", "gpu", "--shape", "8b")
+    proc = python("-m", "bench", "gpu", "--part", "trainer", "--shape", "8b")
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-3000:]
     assert errors[0].startswith("error: --shape 8b: one rank needs about") and "take 122 GiB for 8.19B" in errors[0]
@@ -49,6 +59,15 @@ def test_the_device_peak_comes_from_the_device_name():
     assert {name: dense_bf16_peak(name) for name in names} == names
 
 
+def test_the_whole_loops_disk_need_counts_a_tied_head_once():
+    """Qwen3-0.6B has 596,049,920 parameters with its output head tied to the embedding (one tensor). On the disk
+    at once: the bf16 model (2 bytes each) and two checkpoints of fp32 weights, two fp32 AdamW moments and the bf16
+    export (14 bytes each) on a GPU; on a CPU the export is fp32 (16)."""
+    from bench.gpu import disk_need
+    assert disk_need("0.6b", on_gpu=True) == 596_049_920 * (2 + 2 * 14)
+    assert disk_need("0.6b", on_gpu=False) == 596_049_920 * (2 + 2 * 16)
+
+
 def test_the_device_checks_toy_data_is_the_shipped_toys(tmp_path):
     """The whole-loop check writes the toy's prompts as JSON lines (a GPU machine may lack pyarrow): the same
     prompts, keys and answers as the shipped parquet files, in the same order."""
@@ -62,25 +81,41 @@ def test_the_device_checks_toy_data_is_the_shipped_toys(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_device_checks_whole_loop_trains_checkpoints_and_resumes_exactly(tmp_path):
-    """(b) on a CPU: the toy learns nothing in 2 steps but must run and evaluate; on the tiny Qwen3 shape the
-    engine's log-probs are the trainer's (fp32 both), and the resumed run equals the straight one exactly."""
-    proc = ok(python("-m", "bench", "gpu", "--parts", "loop", "--loop_shape", "tiny", "--loop_response_len", "16",
-                     "--loop_batch", "4", "--loop_steps", "2", "--toy_steps", "2",
-                     "--loop_budget_s", "3600", timeout=3600))  # the device's 6-minute budget is not a test's
-    toy = re.search(r"toy, --engine hf, 2 steps, held-out ([\d.]+)% -> ([\d.]+)%: .* generation (\d+) tokens/s", proc.stdout)
-    assert toy and 0 < float(toy.group(1)) < 40 and int(toy.group(3)) > 0, proc.stdout
+def test_the_loop_part_trains_checkpoints_and_resumes_exactly_at_the_floor():
+    """--part loop on a CPU: the toy learns nothing in 2 steps but must run and evaluate; on the tiny Qwen3 shape the
+    engine's log-probs are the trainer's (fp32 both); a CPU is deterministic, so the floor (two fresh runs) and the
+    resume's difference are both exactly 0, in the metrics and in the fp32 weights."""
+    proc = ok(python("-m", "bench", "gpu", "--part", "loop", "--loop_shape", "tiny", "--loop_response_len", "16",
+                     "--loop_batch", "4", "--run_budget_s", "900", timeout=3600))  # the GPU's budgets are not a CPU's
+    out = proc.stdout
+    toy = re.search(r"toy, --engine hf, 2 steps, held-out ([\d.]+)% -> ([\d.]+)%: .* generation (\d+) tokens/s", out)
+    assert toy and 0 < float(toy.group(1)) < 40 and int(toy.group(3)) > 0, out
     qwen = re.search(r"Qwen3-tiny shape \(random weights\), --engine hf, 4 x 16 tokens, 2 steps: .* \(responses "
                      r"16 tokens\), .* peak memory ([\d.]+) GiB, trainer-vs-engine log-prob gap mean (\S+) max (\S+)",
-                     proc.stdout)
-    assert qwen and float(qwen.group(1)) > 0 and float(qwen.group(3)) < 1e-5, proc.stdout  # noise never ends early
-    resume = re.search(r"largest difference of a training metric (\S+), of a weight (\S+)", proc.stdout)
-    assert resume and float(resume.group(1)) == 0 and float(resume.group(2)) == 0, proc.stdout
-    assert re.search(r"fresh runs' first 1 step\(s\) differ by up to 0\.00e\+00", proc.stdout), proc.stdout
+                     out)
+    assert qwen and float(qwen.group(1)) > 0 and float(qwen.group(3)) < 1e-5, out  # noise never ends early
+    assert len(re.findall(r"spo\.py .*: \d+ s of its 900 s budget", out)) == 5, out
+    for said in ("two fresh runs", "stopped at step 1 and --resume'd"):
+        gap = re.search(rf"{said}.*: largest difference of a training metric (\S+), of an fp32 weight after step 2 "
+                        r"(\S+) \(mean (\S+);", out)
+        assert gap and all(float(x) == 0 for x in gap.groups()), out
+
+
+@pytest.mark.slow
+def test_a_run_past_its_budget_is_killed_with_its_children_and_named(tmp_path):
+    """Every spo.py run of --part loop has its own budget: at one second each is killed (its process group: nothing
+    of it outlives the check), its log's tail printed, and the check ends with exit 1 naming what did not finish."""
+    proc = subprocess.run([PYTHON, "-m", "bench", "gpu", "--part", "loop", "--loop_shape", "tiny",
+                           "--loop_response_len", "16", "--loop_batch", "4", "--run_budget_s", "1"], cwd=ROOT,
+                          env={**ENV, "TMPDIR": str(tmp_path)}, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert len(re.findall(r"failed \(killed at its time budget\) after \d+ s", proc.stdout)) == 4, proc.stdout
+    assert "(b) incomplete: fresh_1, fresh_2, resumed did not finish" in proc.stdout, proc.stdout
+    assert live_pids_with(str(tmp_path)) == []
 
 
 def test_the_device_check_asks_for_an_even_step_count_in_one_line():
-    proc = python("-m", "bench", "gpu", "--parts", "loop", "--loop_steps", "3")
+    proc = python("-m", "bench", "gpu", "--part", "loop", "--loop_steps", "3")
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert proc.returncode == 2 and errors == ["error: --loop_steps 3: give an even number of at least 2 (the resume "
                                                "check stops halfway)"], proc.stderr[-2000:]

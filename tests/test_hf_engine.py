@@ -130,6 +130,134 @@ def test_the_tool_loop_runs_on_the_hf_engine(scripted_model):
     assert (loop.turns, loop.tool_calls, loop.finish_reason) == (3, 2, "length") and loop.text.endswith(CODE_STOP)
 
 
+# ---- the decode loop's costs: one KV cache storage, one host sync a token, today's numbers
+SHIPPED_TOY = "tasks/built/toy/model"
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    """The shipped toy's engine and prompts of different lengths (left padding, rows ending at different steps)."""
+    from machinery.data import load_dataset, load_tokenizer
+    engine = HFEngine(SHIPPED_TOY, seed=0, max_model_len=288, device=torch.device("cpu"))
+    p = load_dataset("tasks/built/toy/test.parquet", load_tokenizer(SHIPPED_TOY), 256, False).prompt_ids[:8]
+    return engine, [p[0], p[1][2:], p[2] + p[3], p[4][3:], *p[5:]]
+
+
+def _each_step(engine, record):
+    """Calls record(past_key_values) after every forward of the engine's model; returns the hook's handle."""
+    return engine.model.register_forward_hook(lambda m, args, kwargs, out: record(kwargs["past_key_values"]),
+                                              with_kwargs=True)
+
+
+def test_the_kv_cache_is_allocated_once_and_written_in_place(shipped):
+    """Every step's keys and values, in every layer, are views of the same storage (DynamicCache concatenates a
+    new tensor each token), through rows leaving the batch."""
+    engine, prompts = shipped
+    pointers = []
+    hook = _each_step(engine, lambda cache: pointers.append(
+        [(layer.keys.data_ptr(), layer.values.data_ptr()) for layer in cache.layers]))
+    try:
+        with one_thread():
+            out = engine.generate(prompts, range(len(prompts)), max_tokens=32, temperature=1.5)
+    finally:
+        hook.remove()
+    assert len(pointers) > 5 and len({len(r.response_ids) for r in out}) > 1  # rows ended at different steps
+    assert all(p == pointers[0] for p in pointers), "the KV cache was reallocated during the generation"
+
+
+def test_each_decoded_token_costs_at_most_one_host_sync(shipped, monkeypatch):
+    """A host sync on a GPU: a scalar read (item, bool, a comparison in an `if`: seen here as dispatched ops) or a
+    copy to the host (.tolist, .numpy, .cpu: counted as calls). The first step (the prefill) may check its padding
+    on the host; each later step reads its tokens once."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    engine, prompts = shipped
+    syncs = [0]
+
+    class Scalars(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            syncs[0] += func._overloadpacket.__name__ in ("_local_scalar_dense", "is_nonzero", "item", "equal")
+            return func(*args, **(kwargs or {}))
+
+    for name in ("tolist", "numpy", "cpu"):
+        def counted(tensor, *args, _original=getattr(torch.Tensor, name), **kwargs):
+            syncs[0] += 1
+            return _original(tensor, *args, **kwargs)
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    at_step = []
+    hook = _each_step(engine, lambda cache: at_step.append(syncs[0]))
+    try:
+        with one_thread(), Scalars():
+            engine.generate(prompts, range(len(prompts)), max_tokens=32, stop=["}"], **SAMPLED)
+    finally:
+        hook.remove()
+    per_step = np.diff(at_step)  # the syncs from one forward's end to the next one's: one step's sampling and checks
+    assert len(per_step) > 5 and per_step.max() <= 1, per_step.tolist()
+
+
+class TodaysEngine(HFEngine):
+    """The decode loop as it was before the preallocated cache (DynamicCache, a sample per row): the reference."""
+
+    @torch.inference_mode()
+    def decode_segments(self, requests, temperature, top_k, top_p, stop):
+        from transformers import DynamicCache
+        from rollout import Segment
+        names = list(requests)
+        prompts = [requests[n][0] for n in names]
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for b, p in enumerate(prompts):
+            ids[b, width - len(p):] = torch.tensor(p)
+            mask[b, width - len(p):] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        generators = [torch.Generator().manual_seed(requests[n][2]) for n in names]
+        cache = DynamicCache(config=self.model.config)
+        rows, out, ended = list(range(len(names))), [([], []) for _ in names], []
+        while rows:
+            logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                                use_cache=True, logits_to_keep=1).logits[:, -1].float()
+            logp = processed_logprobs(logits, temperature, top_k, top_p)
+            if temperature < 1e-5:
+                chosen = logits.argmax(-1)
+            else:
+                chosen = torch.stack([(row.exp() / torch.empty_like(row).exponential_(generator=generators[r]))
+                                      .argmax() for r, row in zip(rows, logp)])
+            keep = []
+            chosen_logp = logp.gather(-1, chosen[:, None])[:, 0].tolist()
+            for k, (r, token, lp) in enumerate(zip(rows, chosen.tolist(), chosen_logp)):
+                out[r][0].append(token)
+                out[r][1].append(lp)
+                end = self.segment_end(out[r][0], requests[names[r]][1], stop)
+                if end is None:
+                    keep.append(k)
+                else:
+                    ended.append((names[r], Segment(out[r][0], out[r][1], *end)))
+            if len(keep) < len(rows):
+                index = torch.tensor(keep, dtype=torch.long)
+                cache.batch_select_indices(index)
+                mask, positions, chosen = mask[index], positions[index], chosen[index]
+                rows = [rows[k] for k in keep]
+            ids = chosen[:, None]
+            mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=-1)
+            positions = positions[:, -1:] + 1
+        return ended
+
+
+def test_the_samples_are_todays_to_the_bit(shipped):
+    """Prompts of different lengths, sampled (with top-k, top-p), a stop string, greedy: the same tokens, log-probs
+    (exactly), texts and ends as the reference loop."""
+    engine, prompts = shipped
+    today = TodaysEngine(SHIPPED_TOY, seed=0, max_model_len=288, device=torch.device("cpu"))
+    settings = [SAMPLED, {"temperature": 1.5, "stop": ["}"]}, {"temperature": 0.0, "stop": ["{", "zz"]}]
+    with one_thread():
+        for kw in settings:
+            ours, theirs = (e.generate(prompts, range(len(prompts)), max_tokens=32, **kw) for e in (engine, today))
+            assert [(r.response_ids, r.logprobs, r.text, r.finish_reason) for r in ours] == [
+                (r.response_ids, r.logprobs, r.text, r.finish_reason) for r in theirs], kw
+        alone = [e.generate(prompts[:1], [3], max_tokens=32, **SAMPLED)[0] for e in (engine, today)]  # no padding
+        assert alone[0].response_ids == alone[1].response_ids and alone[0].logprobs == alone[1].logprobs
+
+
 # ---- beside vLLM (a world of one), and training with it (two ranks)
 @pytest.fixture(scope="module")
 def both(small_toy, tmp_path_factory):
