@@ -49,6 +49,11 @@ def setup_distributed():
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    # torch.distributed.nn's functions take `group=group.WORLD` as a default, evaluated on import: imported after
+    # init_process_group (transformers' model and tokenizer modules do), they hold the group past
+    # destroy_process_group, and its gloo threads can abort the exit ("terminate called without an active
+    # exception", exit -6, seen in CI). Imported first, the defaults are None.
+    import torch.distributed.nn  # noqa: F401
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)

@@ -87,6 +87,19 @@ def test_a_second_writer_to_one_output_gets_one_line(tmp_path, live, program, fl
     assert "Traceback" not in proc.stderr and not out.exists()
 
 
+def test_the_process_group_is_released_once_destroyed_though_transformers_imports_after_it():
+    """What a program that stops with one line relies on (machinery.errors.fail): transformers' modules import
+    torch.distributed.nn, whose defaults would hold the group; its gloo threads alive at exit can abort it (-6)."""
+    code = ("import os, time, torch.distributed as dist\nfrom machinery.trainer import setup_distributed\n"
+            "setup_distributed()\nfrom transformers import AutoTokenizer\ndist.destroy_process_group()\n"
+            "time.sleep(1)\nnames = [open(f'/proc/self/task/{t}/comm').read().strip() for t in os.listdir('/proc/self/task')]\n"
+            "print(sorted(n for n in names if 'gloo' in n or 'tcpstore' in n))\n")
+    env = {k: v for k, v in ENV.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "[]", proc.stdout
+
+
 def test_a_lock_left_by_a_writer_that_is_gone_is_taken_over(tmp_path, live):
     lock = tmp_path / "values.json.lock"
     lock.write_text(f"{socket.gethostname()} {live[0]} {live[1] - 1}\n")  # its pid went to a later process

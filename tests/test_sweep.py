@@ -212,7 +212,7 @@ def test_sweep_resumes_reports_failures_and_leaves_training_alone(small_toy, spo
     console = second.stdout + second.stderr
     assert "spo-s0: finished, skipped" in console
     assert (out / "runs" / "spo-s0" / "metrics.jsonl").stat().st_mtime == spo_metrics
-    assert "bad-s0: FAILED (exit" in console and "--lr must be positive" in console
+    assert "bad-s0: FAILED (exit" in console and "--lr must be at least 0" in console
     state = json.loads((out / "sweep.json").read_text())
     assert state["runs"]["grpo-s0"]["resumed"] and state["runs"]["grpo-s0"]["status"] == "finished"
     assert state["runs"]["bad-s0"]["status"] == "failed"
