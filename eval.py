@@ -192,24 +192,22 @@ def sample_and_score(engine, data, n, seeds_base, *, temperature, top_p, top_k, 
     return [merged[p] for p in range(len(data.keys))], rollouts
 
 
-def evaluations(engine, test, data, tracker, args, tools, step):
-    """What spo.py measures between steps (step 0: before training; then after each step's weight push), each
-    when due: the held-out accuracy (every --eval_every steps and at the end) and the tracker probe (every
-    --probe_every steps and at the end). Neither touches training's random state: both sample with their own
-    per-request seeds, and the sampler's generator is not read."""
+def evaluations(engine, test, data, tracker, args, tools, step, exact=None):
+    """What spo.py measures between steps (step 0: before training; then after each step's weight push), when due
+    (every --eval_every / --probe_every steps and at the end): held-out accuracy and the tracker probe, with
+    `exact_metric`'s function where given. Neither touches training's random state (their own request seeds)."""
     metrics = {}
     if test is not None and args.eval_every and (step % args.eval_every == 0 or step == args.steps):
-        metrics.update(heldout_metrics(engine, test, args, tools))
+        metrics.update(heldout_metrics(engine, test, args, tools, exact))
     if args.probe_every and (step % args.probe_every == 0 or step == args.steps):
-        metrics.update(tracker_probe(engine, data, tracker, args, step, tools))
+        metrics.update(tracker_probe(engine, data, tracker, args, step, tools, exact))
     return metrics
 
 
-def heldout_metrics(engine, test, args, tools):
-    """spo.py's held-out evaluation: accuracy (avg@n at the evaluation temperature) over all ranks, by
-    sample_and_score, the shares of samples with no parsed answer and cut by the budget, and with tools the share
-    of samples that called the tool. The seeds do not depend on the step: every evaluation scores the same
-    draws, so differences are the model's. No bar: it runs between training steps, under spo.py's own bar."""
+def heldout_metrics(engine, test, args, tools, exact=None):
+    """spo.py's held-out evaluation: accuracy (avg@n at the evaluation temperature, sample_and_score), the shares
+    of samples with no parsed answer and cut by the budget, with tools the share that called the tool, with `exact`
+    the mean exact success probability. Seeds independent of the step: every evaluation scores the same draws."""
     import torch.distributed as dist
     from machinery.collectives import all_reduce_np
     samples, rollouts = sample_and_score(engine, test, args.eval_samples, [args.seed, 1],
@@ -225,7 +223,46 @@ def heldout_metrics(engine, test, args, tools):
     if tools:
         used = all_reduce_np([sum(r.tool_calls > 0 for rs in rollouts.values() for r in rs)])[0]
         metrics["eval/tool_use"] = used / (len(test.keys) * args.eval_samples)
+    if exact:
+        metrics["eval/exact"] = float(exact(test, range(len(test.keys)), args.eval_temperature).mean())
     return metrics
+
+
+# ---------------------------------------------------------------------------------------------- exact metric
+def exact_template(flag, on_toy, top_p, top_k):
+    """--eval_reference resolved: auto is the toy's only correct response on the toy's data (no tools), else
+    off (None). With --eval_top_p or --eval_top_k the probability would not be the sampler's: one line."""
+    from tasks.toy import ONLY_CORRECT
+    template = {"auto": ONLY_CORRECT if on_toy else None, "off": None}.get(flag, flag)
+    if template and (top_p < 1 or top_k > 0):
+        from machinery.errors import fail
+        fail(f"--eval_reference {flag}: the exact probability is of sampling at the temperature alone; pass "
+             f"--eval_top_p 1 --eval_top_k -1 (now {top_p}, {top_k}) or --eval_reference off", once=True)
+    return template
+
+
+def exact_metric(policy, tokenizer, template, micro_batch_size, max_tokens):
+    """None without a template, else `exact(data, indices, temperature)` -> (K,): the probability that the policy,
+    sampling at `temperature`, answers each prompt with `template` ({answer}: its ground truth) and ends its turn,
+    exp of the summed log-probs of the trainer's no-grad pass (step 4's). Where that response is the only one
+    scored correct, the success probability without sampling noise; elsewhere a lower bound. Call on every rank."""
+    if template is None:
+        return None
+    import torch.distributed as dist
+    from machinery.collectives import all_gather_objects
+    from machinery.trainer import old_logprobs
+
+    def exact(data, indices, temperature):
+        indices = list(indices)
+        mine = indices[dist.get_rank()::dist.get_world_size()]  # each rank scores its share, then all gather
+        responses = [tokenizer.encode(template.replace("{answer}", str(data.answers[i])), add_special_tokens=False)
+                     + [tokenizer.eos_token_id] for i in mine]
+        scored = old_logprobs(policy, [], [(data.prompt_ids[i], r, np.ones(len(r))) for i, r in zip(mine, responses)],
+                              temperature, micro_batch_size, max_tokens)["revisited"]
+        local = {i: float(np.exp(np.sum(lp, dtype=np.float64))) for i, lp in zip(mine, scored)}
+        merged = {i: p for part in all_gather_objects([local]) for i, p in part.items()}
+        return np.array([merged[i] for i in indices])
+    return exact
 
 
 # ---------------------------------------------------------------------------------------------- tracker probe
@@ -242,6 +279,10 @@ def add_eval_flags(p):
     p.add_argument("--eval_top_p", type=float, default=1.0, help="evaluation top-p (paper: 0.95)")
     p.add_argument("--eval_top_k", type=int, default=-1, help="evaluation top-k (-1: off; paper: 20)")
     p.add_argument("--eval_max_prompts", type=int, default=500, help="held-out prompts used, the first N (0: all)")
+    p.add_argument("--eval_reference", default="auto",
+                   help="the only correct response, {answer} for the ground truth: evaluations and the probe also log "
+                        "its exact probability (eval/exact, probe/*_exact); auto: the toy's \\boxed{{answer}} on the "
+                        "toy, else off")
     p.add_argument("--probe_every", type=int, default=0,
                    help="tracker probe every N steps and at the end (0: off; spo only): v(x) of a fixed subset of "
                         "training prompts against the policy's success rate from fresh samples (probe.jsonl)")
@@ -273,14 +314,15 @@ def probe_stats(value, success, n_samples, n_eff=None):
     return stats
 
 
-def tracker_probe(engine, data, tracker, args, step, tools):
+def tracker_probe(engine, data, tracker, args, step, tools, exact=None):
     """--probe_every: for the fixed subset of training prompts, the tracker's v(x) as it stands now (after this
     step's tracker update: the baseline that x's next visit would use) against the success rate of the current
     policy (after this step's update: the one that would act at that visit), from --probe_samples fresh samples
     per prompt at the training temperature, scored with training's reward. Sampled on every rank (prompts
     rank, rank + world, ...), with request seeds from (seed, 2, step, prompt key): never training's or the held-out
     evaluation's. Rank 0 appends one line per probe to <run_dir>/probe.jsonl (a resumed run may repeat a step: the
-    last line of a step wins). Returns probe_stats (the same on every rank)."""
+    last line of a step wins). Returns probe_stats (the same on every rank); with `exact`, v(x) also against the
+    exact success probability at the training temperature (probe/mae_exact, probe/bias_exact: no sampling noise)."""
     import torch.distributed as dist
     from reward import rewards
     from machinery.collectives import all_gather_objects
@@ -298,11 +340,15 @@ def tracker_probe(engine, data, tracker, args, step, tools):
         success = {int(i): float(r.mean()) for i, r in zip(mine, reward)}
     merged = {i: s for part in all_gather_objects([success]) for i, s in part.items()}
     measured = np.array([merged[int(i)] for i in index])  # (K,)
-    stats = probe_stats(value, measured, n, n_eff)
+    stats, exact_p = probe_stats(value, measured, n, n_eff), {}
+    if exact:
+        exact_p = {"exact": exact(data, index, args.temperature).tolist()}
+        stats.update({"probe/mae_exact": float(np.mean(np.abs(value - exact_p["exact"]))),
+                      "probe/bias_exact": float(np.mean(value - exact_p["exact"]))})
     if rank == 0:
         with open(os.path.join(args.run_dir, "probe.jsonl"), "a") as f:
             f.write(json.dumps({"step": step, "prompt": index.tolist(), "value": value.tolist(),
-                                "success": measured.tolist(), "n_eff": n_eff.tolist(),
+                                "success": measured.tolist(), **exact_p, "n_eff": n_eff.tolist(),
                                 "visits": tracker.visits[index].tolist(), "n_samples": n, **stats}) + "\n")
     return stats
 

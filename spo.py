@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 import variants
-from eval import add_eval_flags, evaluations
+from eval import add_eval_flags, evaluations, exact_metric, exact_template
 from machinery import checkpoint, device as devices, memory, trainer
 from machinery.collectives import all_gather_np, all_gather_objects, all_reduce_np, full_parameters
 from machinery.data import check_context, find_model, load_tokenizer, load_train_and_test
@@ -172,8 +172,10 @@ def main(argv=None):
                                  keep_first=local if started > local and not args.oversample_measure else None)
     score = functools.partial(rewards, think_format=args.think_format, truncated_reward=args.truncated_reward,
                               reward=args.reward, timeout_s=args.reward_timeout)
+    exact = exact_metric(policy, tokenizer, args.eval_reference, args.micro_batch_size,
+                         args.max_tokens_per_micro_batch)  # the exact success probability, where one is known
     started_at, nonfinite = time.time(), 0
-    if start_step == 0 and (before := evaluations(engine, test, data, tracker, args, tools, 0)):
+    if start_step == 0 and (before := evaluations(engine, test, data, tracker, args, tools, 0, exact)):
         logger.log(0, before)  # held-out accuracy and the tracker probe before training, when asked for
     for step in logger.progress(range(start_step + 1, args.steps + 1), total=args.steps, initial=start_step):
         # 1-3. prompts, responses, rewards; per-request seeds, so that ranks, steps and rounds sample differently
@@ -243,7 +245,7 @@ def main(argv=None):
 
         metrics = {**step_metrics(reward, raw_advantage, advantage, rollouts, old, stats, t, group=group,
                                   tools=tools is not None), **algo_metrics, **sampling, **devices.peak_metrics(on_gpu)}
-        metrics.update(evaluations(engine, test, data, tracker, args, tools, step))  # when due (eval.py)
+        metrics.update(evaluations(engine, test, data, tracker, args, tools, step, exact))  # when due (eval.py)
         logger.log(step, metrics, console=(step % args.log_every == 0 or step == args.steps))
         if (args.save_every and step % args.save_every == 0) or step == args.steps:
             checkpoint.save_checkpoint(run_dir, step, policy, optimizer, tokenizer, world, data.keys,
@@ -333,6 +335,8 @@ def start(args):
     args.run_dir = open_run_dir(args.resume or args.run_dir, resumed=bool(args.resume), algo=args.algo,
                                 program="spo.py")
     on_toy = args.train is None  # on the toy, 'auto' offline values are built here
+    args.eval_reference = exact_template(args.eval_reference, on_toy and not args.tools, args.eval_top_p,
+                                         args.eval_top_k)  # auto: the toy's only correct response
     args.toy_dir, args.model, args.train, args.test = toy.fill_in(args.toy_dir, args.tools, args.model, args.train,
                                                                   "train", args.test)
     tools = make_tools(args.tools, args.max_turns, args.sandbox_workers, args.sandbox_timeout, args.sandbox_memory_mb,

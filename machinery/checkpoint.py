@@ -47,7 +47,7 @@ RESUME_MAY_CHANGE = {"steps", "resume", "run_dir", "log_every", "eval_every", "s
                      "tensorboard", "micro_batch_size", "max_tokens_per_micro_batch", "cpu_kv_cache_gib",
                      "gpu_memory_utilization", "sandbox_workers", "given", "probe_every", "probe_prompts",
                      "probe_samples", "gradient_checkpointing", "fsdp_units", "ignore_memory_estimate",
-                     "engine_compile"}
+                     "engine_compile", "eval_reference"}
 
 
 def resumed_settings(saved, given):

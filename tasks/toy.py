@@ -95,6 +95,11 @@ def build_model(tokenizer, seed):
     return Qwen3ForCausalLM(config)
 
 
+# The toy's only correct response, {answer} for the sum: its probability is the exact success probability
+# (eval.py:exact_metric; measured against sampling in docs/experiments.md).
+ONLY_CORRECT = "\\boxed{{answer}}"
+
+
 def boxed(answer):
     """A response that is only the boxed answer, as (text, in the loss) pieces (encode_segments)."""
     return [(f"\\boxed{{{answer}}}", True)]
