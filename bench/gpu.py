@@ -243,8 +243,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOY_MODEL = os.path.join(REPO, "tasks", "built", "toy", "model")
 SAME_FIELDS = ("reward/", "advantage/", "response/", "policy/", "signal/", "tracker/", "sampling/")  # compared
 # Each spo.py run's time budget in seconds (`--run_budget_s` sets one for all); their sum, with the model's build
-# and the weights' reads, plans part (b) under six minutes. docs/benchmarks.md says how each was estimated.
-RUN_BUDGET_S = {"toy": 35, "fresh": 75, "stopped": 60, "resumed": 70}
+# and the weights' reads, plans part (b) under six minutes. From the first H200 run (docs/benchmarks.md).
+RUN_BUDGET_S = {"toy": 35, "fresh": 85, "stopped": 70, "resumed": 80}
 
 
 def write_toy_jsonl(folder):
@@ -368,7 +368,7 @@ def disk_need(shape, on_gpu):
     return 2 * n_parameters + 2 * checkpoint_bytes(n_parameters, 2 if on_gpu else 4)
 
 
-def whole_loop(root, shape="0.6b", response_len=256, batch=64, steps=2, toy_steps=2, peak_tflops=None,
+def whole_loop(root, shape="0.6b", response_len=128, batch=64, steps=2, toy_steps=2, peak_tflops=None,
                budget_s=None):
     """(b) spo.py end to end with the transformers engine (module docstring), in root; exit 1 where a run did not
     finish. budget_s: every spo.py run's time budget (None: RUN_BUDGET_S's)."""
@@ -463,7 +463,7 @@ def main(argv=None):
     parser.add_argument("--max_tokens_per_micro_batch", type=int, default=2048,
                         help="(a): the micro-batch token budget (spo.py's default)")
     parser.add_argument("--loop_shape", choices=sorted(QWEN3_SHAPES), default="0.6b", help="(b): the model's shape")
-    parser.add_argument("--loop_response_len", type=int, default=256, help="(b): tokens per response")
+    parser.add_argument("--loop_response_len", type=int, default=128, help="(b): tokens per response")
     parser.add_argument("--loop_batch", type=int, default=64, help="(b): responses per step")
     parser.add_argument("--loop_steps", type=int, default=2, help="(b): steps of the random-weight runs (even)")
     parser.add_argument("--toy_steps", type=int, default=2, help="(b): steps of the toy run")
