@@ -8,7 +8,8 @@ between two visits of x, an exponential average lags a steady drift: the tracker
     change of p(x) between two visits       (delta; against the memory 1 / (1 - rho))
 This reads both from a run made with --probe_every (spo.py): the probe follows a fixed subset of training
 prompts and records, at each probe step, the tracker's v(x), N_eff(x), visit count and the success rate measured
-from fresh samples (eval.py:tracker_probe). Per interval between two probes:
+from fresh samples (eval.py:tracker_probe), and on the toy the exact success probability (eval.py:exact_metric),
+which then replaces the sampled rate in delta (no sampling noise). Per interval between two probes:
     delta     = mean over probed prompts of (success change) / mean (visits in between)   (signed drift per visit)
     memory    = 1 / (1 - rho), rho the mean forgetting factor over the interval's steps (metrics.jsonl)
     lag       = -delta * rho / (1 - rho)                                    (the bias a steady drift predicts)
@@ -36,19 +37,21 @@ def regime(run_dir):
     probes = [run["probe"][s] for s in sorted(run["probe"]) if "visits" in run["probe"][s]]
     metrics = [run["rows"][s] for s in sorted(run["rows"])]
     rho_at = {m["step"]: m["tracker/rho_mean"] for m in metrics if "tracker/rho_mean" in m}
+    p_key = "exact" if probes and all("exact" in p for p in probes) else "success"  # exact: no sampling noise
     rows = []
     for p in probes:
         ratio = p["probe/mae"] / p["probe/mae_unbiased"] if p.get("probe/mae_unbiased") else float("nan")
         rows.append({"step": p["step"], "bias": p["probe/bias"], "mae": p["probe/mae"],
                      "mae_unbiased": p.get("probe/mae_unbiased", float("nan")), "mae_ratio": ratio,
                      "success": float(np.mean(p["success"])), "value": float(np.mean(p["value"])),
-                     "n_eff": float(np.mean(p["n_eff"])), "visits": float(np.mean(p["visits"]))})
+                     "n_eff": float(np.mean(p["n_eff"])), "visits": float(np.mean(p["visits"])),
+                     "bias_exact": p.get("probe/bias_exact", float("nan"))})
     intervals = []
     whole = [(probes[0], probes[-1])] if len(probes) > 2 else []
     for a, b in list(zip(probes, probes[1:])) + whole:
         visits = np.mean(np.subtract(b["visits"], a["visits"]))
         rho = np.mean([rho_at[s] for s in range(a["step"] + 1, b["step"] + 1) if s in rho_at] or [np.nan])
-        delta = np.mean(np.subtract(b["success"], a["success"])) / visits if visits > 0 else np.nan
+        delta = np.mean(np.subtract(b[p_key], a[p_key])) / visits if visits > 0 else np.nan
         # rho = 1 (--rho none) forgets nothing: an unbounded memory, and a lag that grows with the run (inf)
         memory = 1 / (1 - rho) if rho < 1 else np.inf
         intervals.append({"steps": f"{a['step']}-{b['step']}" + (" (whole run)" if [(a, b)] == whole else ""),
@@ -63,11 +66,11 @@ def regime(run_dir):
 
 def report(run_dir, r):
     """The measurement as markdown: two tables and one line."""
-    lines = [f"### {run_dir}", "", "| probe step | success | v(x) | bias | MAE | unbiased MAE | ratio | N_eff | visits |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [f"### {run_dir}", "", "| probe step | success | v(x) | bias | MAE | unbiased MAE | ratio | N_eff | visits "
+             "| bias against the exact p |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     lines += [f"| {p['step']} | {p['success']:.3f} | {p['value']:.3f} | {p['bias']:+.3f} | {p['mae']:.3f} | "
-              f"{p['mae_unbiased']:.3f} | {p['mae_ratio']:.2f} | {p['n_eff']:.1f} | {p['visits']:.1f} |"
-              for p in r["probes"]]
+              f"{p['mae_unbiased']:.3f} | {p['mae_ratio']:.2f} | {p['n_eff']:.1f} | {p['visits']:.1f} | "
+              f"{p['bias_exact']:+.3f} |" for p in r["probes"]]
     lines += ["", "| steps | visits between probes | delta p per visit | mean rho | memory 1/(1-rho) | predicted bias |",
               "| --- | --- | --- | --- | --- | --- |"]
     lines += [f"| {i['steps']} | {i['visits']:.1f} | {i['delta']:+.4f} | {i['rho']:.3f} | {i['memory']:.1f} | "
