@@ -32,16 +32,9 @@ def at(run, key, step=600):
     return row.get(key, float("nan"))
 
 
-def over_run(run, key):
-    """The mean of `key` over the run's evaluations (steps 0, 50, ..., 600: equal generated samples between them):
-    the area under its curve against generated samples, divided by the run's samples."""
-    if not run:
-        return float("nan")
-    values = [row[key] for step, row in sorted(run["rows"].items()) if key in row]
-    return float(np.mean(values)) if values else float("nan")
-
-
-def mean_over(run, key, first=1):
+def mean_of(run, key, first=0):
+    """The mean of `key` over the run's rows from step `first` on. For eval/* (logged at steps 0, 50, ..., 600, with
+    equal generated samples between them) it is the area under the curve against samples, over the run's samples."""
     if not run:
         return float("nan")
     values = [row[key] for step, row in run["rows"].items() if step >= first and key in row]
@@ -58,8 +51,8 @@ def main():
     runs = {v: {s: load(v, s) for s in SEEDS} for v in variants}
     metrics = {"held-out avg@2, step 600": lambda r: at(r, "eval/accuracy"),
                "exact, step 600": lambda r: at(r, "eval/exact"),
-               "exact, mean over evaluations": lambda r: over_run(r, "eval/exact"),
-               "avg@2, mean over evaluations": lambda r: over_run(r, "eval/accuracy")}
+               "exact, mean over evaluations": lambda r: mean_of(r, "eval/exact"),
+               "avg@2, mean over evaluations": lambda r: mean_of(r, "eval/accuracy")}
     print("| variant | seeds | " + " | ".join(metrics) + " | zero-advantage share | all-agree share |")
     print("| --- | --- |" + " --- |" * (len(metrics) + 2))
     for v in variants:
@@ -69,8 +62,8 @@ def main():
             mean, low, high, n = mean_ci([fn(runs[v][s]) for s in have])
             cells.append(f"{100 * mean:.1f} [{100 * low:.1f}, {100 * high:.1f}]" if n > 1 else
                          (f"{100 * mean:.1f}" if n else ""))
-        zero = mean_ci([mean_over(runs[v][s], "signal/zero_advantage") for s in have])[0]
-        agree = mean_ci([mean_over(runs[v][s], "zero_signal/degenerate_groups") for s in have])[0]
+        zero = mean_ci([mean_of(runs[v][s], "signal/zero_advantage", 1) for s in have])[0]
+        agree = mean_ci([mean_of(runs[v][s], "zero_signal/degenerate_groups", 1) for s in have])[0]
         print(f"| {v} | {','.join(map(str, have))} | " + " | ".join(cells) +
               f" | {100 * zero:.1f}% | " + (f"{100 * agree:.1f}% |" if np.isfinite(agree) else "|"))
     print("\n| difference | isolates | " + " | ".join(metrics) + " | paired sd, step 600 (points) |")
