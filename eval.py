@@ -199,6 +199,9 @@ def evaluations(engine, test, data, tracker, args, tools, step, exact=None):
     metrics = {}
     if test is not None and args.eval_every and (step % args.eval_every == 0 or step == args.steps):
         metrics.update(heldout_metrics(engine, test, args, tools, exact))
+        if exact:  # the training pool's regime, for every algorithm (docs/experiments.md: the calibrated regime)
+            pool = probe_subset(len(data.keys), POOL_PROMPTS, args.seed)
+            metrics.update(pool_statistics(exact(data, pool, args.temperature)))
     if args.probe_every and (step % args.probe_every == 0 or step == args.steps):
         metrics.update(tracker_probe(engine, data, tracker, args, step, tools, exact))
     return metrics
@@ -229,6 +232,24 @@ def heldout_metrics(engine, test, args, tools, exact=None):
 
 
 # ---------------------------------------------------------------------------------------------- exact metric
+POOL_PROMPTS = 2048  # the training prompts pool_statistics reads (a fixed subset of a larger set)
+
+
+def pool_statistics(p, group=8, mastered=0.9):
+    """What decides whether a baseline and a sampler have work to do, from the exact success probabilities p (K,)
+    of training prompts at the training temperature: their mean; the shares of prompts mastered (p >= 0.9) and
+    unsolved (p <= 0.1); the expected share of `group`-sample groups whose rewards all agree (p^G + (1-p)^G: GRPO's
+    samples with no signal, Fig. 3a); and the share of the reward variance that lies between prompts,
+    var(p) / (mean(p) (1 - mean(p))) (total variance of a Bernoulli reward over a uniformly drawn prompt): the
+    most any per-prompt baseline can remove."""
+    p = np.asarray(p, np.float64)
+    total = p.mean() * (1 - p.mean())
+    return {"pool/exact": float(p.mean()), "pool/mastered": float(np.mean(p >= mastered)),
+            "pool/unsolved": float(np.mean(p <= 1 - mastered)),
+            "pool/all_agree8": float(np.mean(p ** group + (1 - p) ** group)),
+            "pool/between_share": float(p.var() / total) if total > 0 else 0.0}
+
+
 def exact_template(flag, on_toy, top_p, top_k):
     """--eval_reference resolved: auto is the toy's only correct response on the toy's data (no tools), else
     off (None). With --eval_top_p or --eval_top_k the probability would not be the sampler's: one line."""

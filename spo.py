@@ -268,7 +268,7 @@ def parse_args(argv=None):
     p.add_argument("--model", default=None, help="HF model name or local path (default: the built-in toy)")
     p.add_argument("--train", default=None, help="training prompts, a parquet or JSONL file (default: the toy's)")
     p.add_argument("--test", default=None, help="held-out prompts, a parquet or JSONL file (default: the toy's)")
-    p.add_argument("--toy_dir", default=None, help=argparse.SUPPRESS)  # another copy of the toy (tests only)
+    p.add_argument("--toy_dir", default=None, help="a built toy where no --model / --train is given (default tasks/built/toy; tasks/built/toy_sharp: --preset calibrated's)")
     add_v0_flags(p)  # --offline_values, --n0, --accept_offline_mismatch, --init_smoothing (Algorithm 2)
     p.add_argument("--max_prompt_len", type=int, default=256, help="token limit; longer prompts left out")
     p.add_argument("--train_prompts", type=int, default=0, help="train on the first N prompts only (0: all)")
