@@ -12,7 +12,7 @@ The targets (issue 41; the paper's values from SPO_NOTES.md and the authors' scr
     tracker keeps up          max |bias| of v(x) after step 50       <= 0.05    (the paper's premise)
     still learning            exact success at the last evaluation above the one before   (not saturated)
     fits the machine          wall time of a run                     <= ~15 min on 2 cores
-p(x) is the exact success probability at the training temperature on the training pool (eval.py:pool_statistics,
+p(x) is the exact success probability at the training temperature on the training pool (machinery/metrics.py:pool_statistics,
 logged at every held-out evaluation on the toy); the bias is the tracker probe's against the exact probability.
 
     python -m experiments.calibration --spo RUN_DIR --grpo RUN_DIR [--markdown]
@@ -30,8 +30,13 @@ PAPER = {"drawn": "7-15% (1,024-2,048 of ~14k)", "samples": "~22-36", "all_agree
 
 
 def pool_size(config):
-    """The number of training prompts a run drew from: --train_prompts, else every row of its training file."""
+    """The number of training prompts a run drew from: --train_prompts (at most the rows of its training file), else
+    every row of that file."""
     import pyarrow.parquet as pq
+    if not os.path.exists(config["train"]):  # a record read on another machine: its --train_prompts, if it said
+        if config.get("train_prompts"):
+            return config["train_prompts"]
+        raise SystemExit(f"error: {config['train']} (the run's --train) is not here: its pool size is unknown")
     rows = pq.ParquetFile(config["train"]).metadata.num_rows
     return min(rows, config["train_prompts"]) if config.get("train_prompts") else rows
 

@@ -14,7 +14,7 @@ which then replaces the sampled rate in delta (no sampling noise). Per interval 
     memory    = 1 / (1 - rho), rho the mean forgetting factor over the interval's steps (metrics.jsonl)
     lag       = -delta * rho / (1 - rho)                                    (the bias a steady drift predicts)
 and per probe the tracker's bias and MAE against the MAE an unbiased tracker with N_eff samples would show beside
-the probe's own sampling noise (probe/mae_unbiased, eval.py:probe_stats). The bounds it checks (docs/experiments.md):
+the probe's own sampling noise (probe/mae_unbiased, machinery/metrics.py:probe_stats). The bounds it checks (docs/experiments.md):
 |bias| <= 0.05 at every probe, and MAE <= 1.5 x probe/mae_unbiased.
 
     python -m experiments.regime RUN_DIR [RUN_DIR ...]

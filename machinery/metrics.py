@@ -316,6 +316,43 @@ RUN_PLOT_PANELS = (("eval/accuracy", "held-out accuracy"), ("reward/mean", "trai
                    ("policy/entropy", "entropy"))
 
 
+# ------------------------------------------------ between steps (eval.py): the tracker probe's error, the pool
+def probe_stats(value, success, n_samples, n_eff=None):
+    """The probe's summary: mean absolute error and mean signed error (bias) of v(x) against the measured success
+    rate, and the error a PERFECT tracker would still show because the rate is measured from n samples: the mean
+    of sqrt(2/pi) sqrt(p(1-p)/n) (normal approximation of E|p_hat - p|, with p(1-p) estimated without bias from
+    the same samples). A tracker error near this floor cannot be told apart from measurement noise.
+    n_eff (K,): the tracker's N_eff(x) = alpha + beta; probe/mae_unbiased is then the error of an UNBIASED tracker
+    holding N_eff independent samples of the current policy, beside the probe's noise:
+    mean of sqrt(2/pi) sqrt(p(1-p) (1/N_eff + 1/n)). A tracker that keeps up shows an MAE close to it."""
+    value, success = np.asarray(value, np.float64), np.asarray(success, np.float64)
+    spread = success * (1 - success) * n_samples / max(n_samples - 1, 1)  # unbiased p(1-p) from n Bernoulli draws
+    stats = {"probe/mae": float(np.mean(np.abs(value - success))), "probe/bias": float(np.mean(value - success)),
+             "probe/mae_floor": float(np.mean(np.sqrt(2 / np.pi * spread / n_samples)))}
+    if n_eff is not None:
+        noise = spread * (1 / np.asarray(n_eff, np.float64) + 1 / n_samples)
+        stats["probe/mae_unbiased"] = float(np.mean(np.sqrt(2 / np.pi * noise)))
+    return stats
+
+
+POOL_PROMPTS = 2048  # the training prompts pool_statistics reads (a fixed subset of a larger set)
+
+
+def pool_statistics(p, group=8, mastered=0.9):
+    """What decides whether a baseline and a sampler have work to do, from the exact success probabilities p (K,)
+    of training prompts at the training temperature: their mean; the shares of prompts mastered (p >= 0.9) and
+    unsolved (p <= 0.1); the expected share of `group`-sample groups whose rewards all agree (p^G + (1-p)^G: GRPO's
+    samples with no signal, Fig. 3a); and the share of the reward variance that lies between prompts,
+    var(p) / (mean(p) (1 - mean(p))) (total variance of a Bernoulli reward over a uniformly drawn prompt): the
+    most any per-prompt baseline can remove."""
+    p = np.asarray(p, np.float64)
+    total = p.mean() * (1 - p.mean())
+    return {"pool/exact": float(p.mean()), "pool/mastered": float(np.mean(p >= mastered)),
+            "pool/unsolved": float(np.mean(p <= 1 - mastered)),
+            "pool/all_agree8": float(np.mean(p ** group + (1 - p) ** group)),
+            "pool/between_share": float(p.var() / total) if total > 0 else 0.0}
+
+
 def plot_run(run_dir):
     """run_dir/run.png: one panel against step for each of RUN_PLOT_PANELS that metrics.jsonl has (held-out
     accuracy at the evaluation steps; reward, the tracker's mean v(x) and rho, entropy every step). Never fails a

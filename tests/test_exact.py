@@ -39,13 +39,16 @@ def test_the_exact_metric_is_the_probability_of_the_only_correct_response(small_
 
 
 @pytest.mark.slow
-def test_a_run_logs_the_exact_metric_at_each_evaluation_and_the_probe_uses_it(small_toy, tmp_path):
+def test_a_run_logs_the_exact_metric_and_the_pool_at_each_evaluation_and_the_probe_uses_it(small_toy, tmp_path):
     from common import toy_args
     run = tmp_path / "run"
     ok(python(*toy_args(small_toy, run, "--steps", "2", "--probe_every", "2", "--probe_prompts", "8",
                         "--eval_reference", "\\boxed{{answer}}"), timeout=900))
     rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
     assert [0.0 < rows[i]["eval/exact"] < 1.0 for i in (0, 2)] == [True, True] and "eval/exact" not in rows[1]
+    # the training pool's regime beside it (machinery/metrics.py:pool_statistics), for every algorithm
+    assert [0.0 < rows[i]["pool/exact"] < 1.0 for i in (0, 2)] == [True, True] and "pool/exact" not in rows[1]
+    assert {"pool/mastered", "pool/unsolved", "pool/all_agree8", "pool/between_share"} <= set(rows[2])
     probes = [json.loads(line) for line in open(run / "probe.jsonl")]
     for probe in probes:
         assert len(probe["exact"]) == 8 and all(0.0 < p < 1.0 for p in probe["exact"])

@@ -1,0 +1,91 @@
+"""The calibrated regime: the pool statistics every toy evaluation logs (machinery/metrics.py:pool_statistics), the regime
+targets (experiments/calibration.py), the preregistered primary metric and power (experiments/primary.py), and
+the sharper warm start --preset calibrated ships.
+
+    .venv/bin/python -m pytest tests/test_calibration.py -q
+"""
+import os
+
+import numpy as np
+import pytest
+
+import spo
+import variants
+from machinery.metrics import pool_statistics
+from experiments.calibration import targets
+from experiments.primary import area_mean, detectable, exact_curve, seeds_for
+
+
+def test_pool_statistics_split_the_reward_variance_between_and_within_prompts():
+    """Two prompts at 0 and 1: every group agrees and all the variance is between prompts; one prompt at 0.5 for
+    all: none of it is, and 8 samples all agree with probability 2 / 2^8."""
+    ends = pool_statistics([0.0, 1.0])
+    assert ends["pool/all_agree8"] == 1.0 and ends["pool/between_share"] == pytest.approx(1.0)
+    assert ends["pool/mastered"] == ends["pool/unsolved"] == 0.5
+    middle = pool_statistics([0.5] * 4)
+    assert middle["pool/between_share"] == 0.0 and middle["pool/all_agree8"] == pytest.approx(2 / 256)
+    assert middle["pool/mastered"] == middle["pool/unsolved"] == 0.0
+
+
+def test_pool_statistics_of_a_pool_all_solved_is_not_nan():
+    assert pool_statistics([1.0, 1.0])["pool/between_share"] == 0.0
+
+
+def _measured(**change):
+    base = {"drawn": 0.125, "samples": 37.5, "all_agree_first": 0.6, "all_agree_last": 0.7, "mastered_first": 0.5,
+            "mastered_last": 0.6, "between": 0.6, "clip": 0.001, "window": 0.5, "bias": 0.05, "rising": 0.001,
+            "minutes": 15.0}
+    return {**base, **change}
+
+
+def test_every_target_is_met_at_its_bound_and_missed_just_past_it():
+    assert all(met for *_, met in targets(_measured(), _measured()))
+    past = {"drawn": 0.16, "samples": 61, "all_agree_first": 0.59, "between": 0.49, "clip": 0.0, "window": 0.49,
+            "bias": 0.051, "rising": 0.0, "minutes": 16.5}
+    for key, value in past.items():
+        missed = [name for name, _, _, met in targets(_measured(**{key: value}), _measured(**{key: value}))
+                  if not met]
+        assert len(missed) == 1, (key, missed)
+
+
+def test_an_all_agree_share_that_falls_misses_its_target():
+    grpo = _measured(all_agree_first=0.7, all_agree_last=0.65)
+    assert [met for name, *_, met in targets(_measured(), grpo) if name.startswith("GRPO")] == [False]
+
+
+def test_the_primary_metric_counts_the_offline_generations_at_the_base_value():
+    """SPO with offline values (n0 = 2 on 4 prompts: 8 samples) starts its curve 8 samples in; over a budget of 16
+    samples a run that jumps from 0 to 1 at its first step averages less than one that spent nothing first."""
+    rows = {0: {"step": 0, "eval/exact": 0.0}, 1: {"step": 1, "sampling/generated": 8, "eval/exact": 1.0},
+            2: {"step": 2, "sampling/generated": 8, "eval/exact": 1.0}}
+    spo_run = {"config": {"algo": "spo", "n0": 2, "offline_values": "auto"}, "rows": rows}
+    grpo_run = {"config": {"algo": "grpo", "n0": 2, "offline_values": "auto"}, "rows": rows}
+    spo_curve, grpo_curve = exact_curve(spo_run, pool=4), exact_curve(grpo_run, pool=4)
+    assert spo_curve == [(0.0, 0.0), (8.0, 0.0), (16.0, 1.0), (24.0, 1.0)]
+    assert area_mean(spo_curve, 16) == pytest.approx(0.25) and area_mean(grpo_curve, 16) == pytest.approx(0.75)
+    no_offline = {"config": {"algo": "spo", "n0": 2, "offline_values": "none"}, "rows": rows}
+    assert exact_curve(no_offline, pool=4) == grpo_curve
+
+
+def test_a_curve_short_of_the_budget_is_refused():
+    with pytest.raises(ValueError, match="before the budget"):
+        area_mean([(0.0, 0.1), (10.0, 0.2)], 20)
+
+
+def test_power_needs_more_seeds_for_a_noisier_difference():
+    """(t_{.975} + t_{.80}) sd / sqrt(n): with sd 1 point 5 seeds cannot detect 1 point (3.7 / sqrt(5) = 1.65 sd),
+    and the seed count grows about as sd^2."""
+    assert detectable(0.01, 5) == pytest.approx((2.776 + 0.941) * 0.01 / np.sqrt(5))
+    assert seeds_for(0.01, 0.004) < seeds_for(0.01, 0.008) < seeds_for(0.01, 0.012)
+    n = seeds_for(0.01, 0.008)
+    assert detectable(0.008, n) <= 0.01 < detectable(0.008, n - 1)
+    assert seeds_for(0.01, 0.05) is None  # more than 30 seeds
+
+
+def test_the_calibrated_preset_trains_the_shipped_sharper_toy():
+    from tasks import toy
+    args = spo.parse_args(["--preset", "calibrated"])
+    assert args.toy_dir == variants.SHARP_TOY and os.path.isdir(args.toy_dir)
+    assert toy.checksum_error(args.toy_dir) is None
+    assert toy.ensure_toy(args.toy_dir)[0] == os.path.join(args.toy_dir, "model")
+    assert args.batch_size // args.ppo_steps >= args.group_size * 2  # whole GRPO groups on each of 2 ranks
