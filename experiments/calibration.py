@@ -15,7 +15,8 @@ The targets (issue 41; the paper's values from SPO_NOTES.md and the authors' scr
 p(x) is the exact success probability at the training temperature on the training pool (machinery/metrics.py:pool_statistics,
 logged at every held-out evaluation on the toy); the bias is the tracker probe's against the exact probability.
 
-    python -m experiments.calibration --spo RUN_DIR --grpo RUN_DIR [--markdown]
+    python -m experiments.calibration --spo RUN_DIR --grpo RUN_DIR
+    python -m experiments.calibration --sweep experiments/calibrated/round2     # one column per seed
 """
 import argparse
 import os
@@ -99,7 +100,7 @@ def targets(spo, grpo):
         ("PPO-clip clip fraction (mean over steps)", PAPER["clip"],
          f"SPO {spo['clip']:.4f}, GRPO {grpo['clip']:.4f}", min(spo["clip"], grpo["clip"]) > 0),
         ("SPO revisits with D inside rho's window", PAPER["window"], pct(spo["window"]), spo["window"] >= 0.5),
-        ("SPO tracker's largest |bias| after step 50", PAPER["bias"], f"{spo['bias']:.3f}", spo["bias"] <= 0.05),
+        ("SPO tracker's largest abs(bias) after step 50", PAPER["bias"], f"{spo['bias']:.3f}", spo["bias"] <= 0.05),
         ("exact success still rising at the end (last evaluation minus the one before)", PAPER["rising"],
          f"SPO {100 * spo['rising']:+.1f}, GRPO {100 * grpo['rising']:+.1f} points",
          min(spo["rising"], grpo["rising"]) > 0),
@@ -121,11 +122,38 @@ def report(spo_dir, grpo_dir):
     return "\n".join(lines)
 
 
+def sweep_report(out):
+    """One column per seed of a sweep's spo-sS and grpo-sS runs (or records): each target's measured value, and
+    how many seeds met it."""
+    from experiments.plots import finished_run_dir
+    seeds = sorted(int(name.rsplit("-s", 1)[1]) for name in os.listdir(os.path.join(out, "records"))
+                   if name.startswith("spo-s") and os.path.isdir(os.path.join(out, "records", f"grpo-s{name[5:]}")))
+    if not seeds:
+        raise SystemExit(f"error: {out}: no seed with both an spo and a grpo record")
+    columns = [targets(measure(finished_run_dir(out, f"spo-s{s}")), measure(finished_run_dir(out, f"grpo-s{s}")))
+               for s in seeds]
+    lines = ["| target | the paper | " + " | ".join(f"seed {s}" for s in seeds) + " | seeds met |",
+             "| --- | --- | " + "--- | " * len(seeds) + "--- |"]
+    for i, (name, paper, _, _) in enumerate(columns[0]):
+        cells = [c[i][2] + ("" if c[i][3] else " (**no**)") for c in columns]
+        lines.append(f"| {name} | {paper} | " + " | ".join(cells) + f" | {sum(c[i][3] for c in columns)} of "
+                     f"{len(seeds)} |")
+    return "\n".join(lines)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--spo", required=True, help="an spo.py run directory (or record) of --algo spo with a probe")
-    p.add_argument("--grpo", required=True, help="an spo.py run directory (or record) of --algo grpo")
+    p.add_argument("--spo", help="an spo.py run directory (or record) of --algo spo with a probe")
+    p.add_argument("--grpo", help="an spo.py run directory (or record) of --algo grpo")
+    p.add_argument("--sweep", help="instead: a sweep's directory with spo-sS and grpo-sS runs, one column per seed")
     args = p.parse_args(argv)
+    if args.sweep:
+        if not os.path.isdir(os.path.join(args.sweep, "records")):
+            raise SystemExit(f"error: {args.sweep}: not a sweep directory (no records/)")
+        print(sweep_report(args.sweep))
+        return
+    if not (args.spo and args.grpo):
+        raise SystemExit("error: give --spo RUN and --grpo RUN, or --sweep DIR")
     for path in (args.spo, args.grpo):
         if not os.path.isdir(path):
             raise SystemExit(f"error: {path}: not a run directory")

@@ -89,3 +89,25 @@ def test_the_calibrated_preset_trains_the_shipped_sharper_toy():
     assert toy.checksum_error(args.toy_dir) is None
     assert toy.ensure_toy(args.toy_dir)[0] == os.path.join(args.toy_dir, "model")
     assert args.batch_size // args.ppo_steps >= args.group_size * 2  # whole GRPO groups on each of 2 ranks
+
+
+def test_a_sweep_report_has_one_column_per_paired_seed_and_counts_the_seeds_that_met(tmp_path):
+    """The committed round-1 records: three seeds of spo and grpo; an spo record without its grpo seed is left out,
+    and a directory without any pair is one error line."""
+    import shutil
+    from experiments.calibration import sweep_report
+    round1 = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments", "calibrated",
+                          "round1")
+    shutil.copytree(os.path.join(round1, "records"), tmp_path / "records")
+    shutil.copytree(tmp_path / "records" / "spo-s2", tmp_path / "records" / "spo-s7")  # no grpo-s7
+    lines = sweep_report(str(tmp_path)).splitlines()
+    assert lines[0].count("| seed ") == 3 and "seed 7" not in lines[0]
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in lines[2:]}
+    assert len(rows) == 10 and all(line.count("|") == 7 for line in rows.values())  # markdown: no stray pipes
+    assert rows["samples per prompt over the run"].endswith("| 3 of 3 |")  # 300 x 128 / 1024 = 37.5 each
+    assert rows["PPO-clip clip fraction (mean over steps)"].endswith("| 0 of 3 |")
+    for name in os.listdir(tmp_path / "records"):
+        if name.startswith("grpo"):
+            shutil.rmtree(tmp_path / "records" / name)
+    with pytest.raises(SystemExit, match="no seed with both"):
+        sweep_report(str(tmp_path))
