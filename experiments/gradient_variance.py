@@ -19,6 +19,7 @@ reward.
         --train tasks/built/toy_sharp/train.parquet --batches 8
     python -m experiments.gradient_variance --model RUN/checkpoints/step_000100/model --algo spo --train T.parquet
     (spo on a checkpoint: the tracker of its sibling state.pt; on the base model: --offline_values FILE)
+    python -m experiments.gradient_variance summary RESULT.json ...   # mean [95% CI] over measurement seeds
 """
 import argparse
 import json
@@ -195,7 +196,34 @@ def markdown_row(result):
                               for v in (result[c] for c in COLUMNS)) + " |"
 
 
+def summary(paths):
+    """Markdown: for each (model, algo) among the --json results, the mean [95% t-interval] over its measurement
+    seeds of the covariance trace, the noise-to-signal ratio, the residual's variance and the zero-advantage share."""
+    from experiments.plots import mean_ci
+    groups = {}
+    for path in paths:
+        with open(path) as f:
+            result = json.load(f)
+        groups.setdefault((result["model"], result["algo"]), []).append(result)
+    keys = ["cov_trace", "ratio", "adv_var_raw", "zero_adv_share", "mean_reward"]
+    lines = ["| model | algo | seeds | " + " | ".join(keys) + " |", "|" + " --- |" * (len(keys) + 3)]
+    for (model, algo), results in groups.items():
+        if len({r["seed"] for r in results}) != len(results):
+            raise SystemExit(f"error: {model} {algo}: two results with the same --seed (the same batches twice)")
+        cells = []
+        for key in keys:
+            mean, low, high, n = mean_ci([r[key] for r in results])
+            cells.append(f"{mean:.4g}" + (f" [{low:.4g}, {high:.4g}]" if n > 1 else ""))
+        lines.append(f"| {model} | {algo} | {len(results)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv=None):
+    import sys
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["summary"]:
+        print(summary(argv[1:]))
+        return None
     torch.set_num_threads(1)  # other jobs share this machine's cores
     args = parse_args(argv)
     result = measure(args)

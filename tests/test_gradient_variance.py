@@ -112,3 +112,20 @@ def test_spo_on_the_toy_with_a_constant_value_of_one_half(tmp_path):
     assert result["G"] == 1 and result["adv_var_raw"] == pytest.approx(rewards.var(1).mean())
     assert result["zero_adv_share"] == pytest.approx((rewards == rewards[:, :1]).all(1).mean())
     assert result["zero_raw_share"] == 0.0
+
+
+def test_the_summary_averages_each_model_and_algo_over_its_measurement_seeds_and_refuses_a_repeated_seed(tmp_path,
+                                                                                                         capsys):
+    base = {"model": "m", "algo": "spo", "ratio": 1.0, "adv_var_raw": 0.1, "zero_adv_share": 0.0, "mean_reward": 0.5}
+    paths = []
+    for i, (algo, seed, trace) in enumerate([("spo", 0, 1.0), ("spo", 1, 3.0), ("grpo", 0, 5.0)]):
+        paths.append(str(tmp_path / f"{i}.json"))
+        with open(paths[-1], "w") as f:
+            json.dump({**base, "algo": algo, "seed": seed, "cov_trace": trace}, f)
+    main(["summary", *paths])
+    rows = {line.split(" | ")[1]: line for line in capsys.readouterr().out.splitlines()[2:]}
+    assert rows["spo"].startswith("| m | spo | 2 | 2 [") and rows["grpo"].startswith("| m | grpo | 1 | 5 |")
+    with open(paths[1], "w") as f:
+        json.dump({**base, "seed": 0, "cov_trace": 3.0}, f)
+    with pytest.raises(SystemExit, match="same --seed"):
+        main(["summary", *paths])
