@@ -73,18 +73,21 @@ def analyse(out, reference, budget=None):
     """{"budget", "variants": {name: {"primary": {seed: v}, "final": {seed: v}}}, "paired": {name: {...}}}."""
     from experiments.calibration import pool_size
     sweep = read_sweep(out)
-    runs = {}
+    runs, zero = {}, {}
     for e in sweep["runs"].values():
         if e.get("status") == "finished":
             run = read_run(finished_run_dir(out, e["name"]))
             runs[(e["variant"], e["seed"])] = exact_curve(run, pool_size(run["config"]))
+            shares = [r["signal/zero_advantage"] for r in run["rows"].values() if "signal/zero_advantage" in r]
+            zero[(e["variant"], e["seed"])] = float(np.mean(shares)) if shares else float("nan")
     if not runs:
         raise SystemExit(f"error: {out}: no finished run with eval/exact")
     budget = budget or min(curve[-1][0] for curve in runs.values())
     variants = {}
     for (variant, seed), curve in sorted(runs.items()):
-        v = variants.setdefault(variant, {"primary": {}, "final": {}})
+        v = variants.setdefault(variant, {"primary": {}, "final": {}, "zero_advantage": {}})
         v["primary"][seed], v["final"][seed] = area_mean(curve, budget), curve[-1][1]
+        v["zero_advantage"][seed] = zero[(variant, seed)]  # Fig. 3a: training samples with no signal
     paired = {}
     for name, v in variants.items():
         if name == reference or reference not in variants:
@@ -105,9 +108,11 @@ def markdown(result):
     lines = [f"Primary metric: held-out exact success averaged over {result['budget']:.0f} generated samples "
              f"(offline values counted); secondary: exact success at the last evaluation. Mean [95% t-interval] "
              f"over seeds, %; paired difference to `{result['reference']}` in points, its sd and the smallest "
-             f"difference its seeds detect with 80% power.\n",
-             "| variant | seeds | primary | final | primary - ref | sd | detectable | final - ref | detectable |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             f"difference its seeds detect with 80% power; zero-advantage: the share of training samples with no signal "
+             f"(Fig. 3a), mean over steps and seeds.\n",
+             "| variant | seeds | primary | final | primary - ref | sd | detectable | final - ref | detectable | "
+             "zero-advantage |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, v in result["variants"].items():
         cells = []
         for metric in ("primary", "final"):
@@ -119,7 +124,8 @@ def markdown(result):
             f"{100 * d['primary']['sd']:.2f}", f"{100 * d['primary']['detectable']:.2f}",
             f"{pts(d['final']['mean'])} [{pts(d['final']['ci95'][0])}, {pts(d['final']['ci95'][1])}]",
             f"{100 * d['final']['detectable']:.2f}"]
-        lines.append(f"| {name} | {len(v['primary'])} | " + " | ".join(cells + diff) + " |")
+        zero_share = f"{100 * np.mean(list(v['zero_advantage'].values())):.1f}%"
+        lines.append(f"| {name} | {len(v['primary'])} | " + " | ".join(cells + diff + [zero_share]) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -111,3 +111,20 @@ def test_a_sweep_report_has_one_column_per_paired_seed_and_counts_the_seeds_that
             shutil.rmtree(tmp_path / "records" / name)
     with pytest.raises(SystemExit, match="no seed with both"):
         sweep_report(str(tmp_path))
+
+
+def test_the_analysis_of_the_committed_sweep_records_pairs_by_seed_and_counts_grpos_silent_samples():
+    """The calibrated sweep's records (whatever seeds have landed): every variant paired with spo on the same seeds,
+    the primary metric an average of exact success, and Fig. 3a's share: GRPO's all-agree groups give a large share
+    of samples no signal, SPO's tracker baseline gives none."""
+    from experiments.primary import analyse
+    out = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments", "calibrated")
+    result = analyse(out, "spo", budget=46592)
+    assert {"spo", "grpo", "no_baseline", "uniform", "no_offline"} <= set(result["variants"])
+    spo_seeds = set(result["variants"]["spo"]["primary"])
+    for name, v in result["variants"].items():
+        assert set(v["primary"]) == spo_seeds and all(0.5 < x < 1.0 for x in v["primary"].values())
+        assert all(v["final"][s] > v["primary"][s] for s in spo_seeds)  # still learning: the end above the average
+    assert result["paired"]["grpo"]["primary"]["n"] == len(spo_seeds)
+    assert min(result["variants"]["grpo"]["zero_advantage"].values()) > 0.3
+    assert max(result["variants"]["spo"]["zero_advantage"].values()) < 0.01
