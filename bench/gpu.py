@@ -8,10 +8,8 @@ packed by the trainer itself (token-budget micro-batches, batching.packed_row): 
 shapes not met before. The first round is timed apart: what is paid once (kernels, plans, the allocator's growth).
 Also which attention kernel runs, MFU and HFU, peak memory, the bf16-vs-fp32 log-prob gap. A shape that cannot fit
 is refused in one line.
-(b) `--part loop`: spo.py `--engine hf` on the toy, then on a random-weight Qwen3 shape twice from scratch (their
-difference: the device's own nondeterminism, the floor) and once stopped halfway and resumed (its difference from
-the first, printed beside the floor); every spo.py run under its own time budget.
-`--part vllm`, where vLLM imports on a GPU: spo.py on the toy under each of vLLM's model runners (V1 and V2).
+(b) `--part loop` (bench/gpu_loop.py): spo.py end to end, a run twice from scratch and once resumed, side by side.
+`--part vllm` (bench/gpu_loop.py), where vLLM imports on a GPU: spo.py under each of vLLM's model runners.
 
     python -m bench gpu --part trainer    # one GPU: the Qwen3-1.7B shape
     python -m bench gpu --part loop       # one GPU: the toy, then the Qwen3-0.6B shape
@@ -19,17 +17,12 @@ the first, printed beside the floor); every spo.py run under its own time budget
 import argparse
 import collections
 import functools
-import importlib.util
-import json
 import os
 import re
-import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
-import warnings
 
 import numpy as np
 
@@ -237,216 +230,6 @@ def bench_gpu(shape="1.7b", prompts=8, samples=8, prompt_lens=(64, 512), respons
         f"(a) took {time.time() - started:.0f} s after its imports")
     torch.distributed.destroy_process_group()
 
-
-# ------------------------------------------------------------------------------------------------ (b) the whole loop
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TOY_MODEL = os.path.join(REPO, "tasks", "built", "toy", "model")
-SAME_FIELDS = ("reward/", "advantage/", "response/", "policy/", "signal/", "tracker/", "sampling/")  # compared
-# Each spo.py run's time budget in seconds (`--run_budget_s` sets one for all); their sum, with the model's build
-# and the weights' reads, plans part (b) under six minutes. From the first H200 run (docs/benchmarks.md).
-RUN_BUDGET_S = {"toy": 35, "fresh": 85, "stopped": 70, "resumed": 80}
-
-
-def write_toy_jsonl(folder):
-    """The shipped toy's prompts and answers as JSON lines (tasks/toy.py:make_problems: the rows of its parquet
-    files, so the same prompt keys), for a machine without pyarrow. Returns (train, test) paths."""
-    from tasks.toy import make_problems
-    paths = [os.path.join(folder, f"{split}.jsonl") for split in ("train", "test")]
-    for path, problems in zip(paths, make_problems(0, 2000, 500)):
-        with open(path, "w") as f:
-            f.writelines(json.dumps({"prompt": [{"role": "user", "content": f"{a}+{b}="}], "answer": str(a + b)})
-                         + "\n" for a, b in problems)
-    return paths
-
-
-def random_qwen3(folder, shape, max_len):
-    """A Qwen3 shape with random weights (bf16, Qwen3's vocabulary) and the toy's tokenizer, built on the host (the
-    GPU is left to the spo.py runs): its samples are noise, never an end of turn, so every response runs to its
-    token budget, which is what a throughput and memory check wants. Returns the folder."""
-    import torch
-    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
-    tokenizer = AutoTokenizer.from_pretrained(TOY_MODEL)
-    config = Qwen3Config(vocab_size=151_936, max_position_embeddings=max_len, rope_theta=1e6,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                         **QWEN3_SHAPES[shape])
-    torch.manual_seed(0)
-    Qwen3ForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
-
-
-def _device_name():
-    """The GPU's name, asked in a child process: this one creates no CUDA context, which would sit on the card
-    beside every spo.py run (counted in their memory, or locking them out of a card in exclusive-process mode)."""
-    import torch
-    if not torch.cuda.is_available():  # (asks the driver for a device count: no context)
-        return None
-    return subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.get_device_name())"],
-                          capture_output=True, text=True, check=True).stdout.strip()
-
-
-def _spo(run_dir, flags, budget_s, resume=False, env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}):
-    """spo.py in a world of one, its output in run_dir.log, `env` added, killed with its children past budget_s:
-    ({step: metrics row}, seconds). A run that fails or is killed prints its log's tail and gives None rows.
-    Expandable segments: the transformers engine's KV cache grows by one token per step, and without them the
-    caching allocator keeps every outgrown block (memory/peak_gib would read the fragments, not the need)."""
-    command = [sys.executable, "spo.py", *flags, "--resume" if resume else "--run_dir", run_dir]
-    t0 = time.time()
-    with open(run_dir + ".log", "w") as log:
-        proc = subprocess.Popen(command, cwd=REPO, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)  # its own process group: a kill reaches its children too
-        try:
-            code = proc.wait(timeout=budget_s)
-        except subprocess.TimeoutExpired:
-            code = "killed at its time budget"
-        finally:  # past its budget, or this check stopped (a SIGTERM is a SystemExit here: main)
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-    seconds, said = time.time() - t0, f"spo.py {'--resume ' if resume else ''}{os.path.basename(run_dir)}"
-    if code != 0:
-        with open(run_dir + ".log", errors="replace") as log:
-            print(log.read()[-5000:], flush=True)
-        print(f"{said} failed ({code}) after {seconds:.0f} s; the end of its output is above", flush=True)
-        return None, seconds
-    print(f"  {said}: {seconds:.0f} s of its {budget_s:.0f} s budget", flush=True)
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return {row["step"]: row for row in map(json.loads, f)}, seconds
-
-
-def _loop_numbers(name, rows, seconds, config, prompt_len, batch, peak_tflops):
-    """Per-step means over the steps after the first (compilation, allocator growth), said: generation tokens/s, the
-    update's MFU (forward + backward = 3 forwards, recompute not counted), peak memory, the log-prob gap."""
-    steps = [row for step, row in rows.items() if step > 1] or [row for step, row in rows.items() if step > 0]
-    mean = lambda key: float(np.mean([row[key] for row in steps if key in row]))  # noqa: E731
-    length = mean("response/length_mean")
-    flops = 3 * _forward_flops(config, [round(prompt_len + length)] * batch, batch * round(length))
-    mfu = f", update MFU {100 * flops / mean('time/update') / (peak_tflops * 1e12):.1f}%" if peak_tflops else ""
-    print(f"{name}: {seconds:.0f} s in all, {mean('time/step'):.2f} s/step, generation "
-          f"{mean('throughput/tokens_per_second'):.0f} tokens/s (responses {length:.0f} tokens), update "
-          f"{mean('time/update'):.2f} s{mfu}, peak memory {max(r.get('memory/peak_gib', 0) for r in steps):.2f} GiB, "
-          f"trainer-vs-engine log-prob gap mean {mean('policy/logprob_gap_mean'):.2e} max "
-          f"{max(r['policy/logprob_gap_max'] for r in steps):.2e}", flush=True)
-
-
-def trained_weights(run_dir, step):
-    """The fp32 weights of run_dir's checkpoint at `step`, from its DCP shards (the HF export is bf16 on a GPU, too
-    coarse to show a learning rate's steps); the run's checkpoints are then removed, to leave the disk to the next."""
-    import torch
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-    shards = os.path.join(run_dir, "checkpoints", f"step_{step:06d}", "shards")
-    weights = {key: torch.empty(m.size, dtype=m.properties.dtype)
-               for key, m in dcp.FileSystemReader(shards).read_metadata().state_dict_metadata.items()
-               if key.startswith("model.") and isinstance(m, TensorStorageMetadata)}
-    warnings.filterwarnings("ignore", "torch.distributed is disabled")  # (none here: read as a world of one)
-    dcp.load(weights, checkpoint_id=shards)
-    shutil.rmtree(os.path.join(run_dir, "checkpoints"))
-    return weights
-
-
-def run_gap(run, other, steps):
-    """Between two runs' (metrics rows, fp32 weights): the largest |difference| of a training metric over `steps`,
-    and the largest and the mean |difference| of a weight at the end (0, 0, 0: the same run)."""
-    (rows_a, wa), (rows_b, wb) = run, other
-    metric = max((abs(rows_a[s][k] - rows_b[s][k]) for s in steps for k in rows_a[s] if k.startswith(SAME_FIELDS)),
-                 default=float("nan"))
-    diffs = [(wa[k] - wb[k]).abs() for k in wa]
-    mean = sum(float(d.sum()) for d in diffs) / sum(d.numel() for d in diffs)
-    return metric, max(float(d.max()) for d in diffs), mean
-
-
-def disk_need(shape, on_gpu):
-    """Bytes (b) holds on the disk at once: the random-weight model (bf16) and, while the stopped run resumes, its
-    two checkpoints (run_dir.checkpoint_bytes: fp32 weights and AdamW moments, the export in bf16 on a GPU and fp32
-    on a CPU); each run's checkpoints are removed once its weights are read. A tied head is one tensor, once."""
-    from transformers import AutoConfig
-    from machinery import memory
-    from machinery.run_dir import checkpoint_bytes
-    config = AutoConfig.for_model("qwen3", vocab_size=151_936, **QWEN3_SHAPES[shape])
-    n_parameters = memory.model_shape(None, config).parameters  # (parameters() yields a tied tensor once)
-    return 2 * n_parameters + 2 * checkpoint_bytes(n_parameters, 2 if on_gpu else 4)
-
-
-def whole_loop(root, shape="0.6b", response_len=128, batch=64, steps=2, toy_steps=2, peak_tflops=None,
-               budget_s=None):
-    """(b) spo.py end to end with the transformers engine (module docstring), in root; exit 1 where a run did not
-    finish. budget_s: every spo.py run's time budget (None: RUN_BUDGET_S's)."""
-    from transformers import AutoConfig
-    from machinery.data import load_dataset, load_tokenizer
-    t0, budget = time.time(), {kind: budget_s or s for kind, s in RUN_BUDGET_S.items()}
-    name = _device_name()
-    peak_tflops = device_peak(name, peak_tflops)
-    if (free := shutil.disk_usage(root).free) < (need := disk_need(shape, on_gpu=name is not None)):
-        fail(f"--loop_shape {shape}: {root} has {free / 2**30:.0f} GiB free, the runs' checkpoints need about "
-             f"{need / 2**30:.0f} GiB; set TMPDIR to a larger disk or use a smaller --loop_shape", once=True)
-    print(f"(b) the whole loop in {root} ({free / 2**30:.0f} GiB free, about {need / 2**30:.1f} needed), device "
-          f"{name or 'cpu'}; spo.py time budgets: {', '.join(f'{k} {v:.0f} s' for k, v in budget.items())}", flush=True)
-    train, test = write_toy_jsonl(root)
-    common = ["--train", train, "--test", test, "--engine", "hf", "--offline_values", "none", "--log_every", "1"]
-    prompt_len = float(np.mean([len(ids) for ids in
-                                load_dataset(train, load_tokenizer(TOY_MODEL), 256, False).prompt_ids]))
-    # The toy: its model learns, and the held-out evaluation runs on the engine.
-    rows, seconds = _spo(os.path.join(root, "toy"), ["--model", TOY_MODEL, *common, "--steps", str(toy_steps),
-                                                     "--eval_every", str(toy_steps), "--eval_max_prompts", "200",
-                                                     "--save_every", "0"], budget["toy"])
-    if rows:
-        _loop_numbers(f"toy, --engine hf, {toy_steps} steps, held-out {rows[0]['eval/accuracy']:.1%} -> "
-                      f"{rows[toy_steps]['eval/accuracy']:.1%}", rows, seconds, AutoConfig.from_pretrained(TOY_MODEL),
-                      prompt_len, 64, peak_tflops)
-    # A Qwen3 shape with random weights, long responses and spo.py's GPU defaults (bf16 with fp32 master weights,
-    # gradient checkpointing, chunked log-probs, its token budget per micro-batch): two fresh runs, then one
-    # stopped at a checkpoint halfway and resumed.
-    model = random_qwen3(os.path.join(root, f"qwen3-{shape}"), shape, 512 + response_len)
-    flags = ["--model", model, *common, "--batch_size", str(batch), "--max_response_len", str(response_len),
-             "--max_prompt_len", "64", "--lr", "1e-6", "--eval_every", "0"]
-    runs = {}  # run: (metrics rows, fp32 weights at the end)
-    for run in ("fresh_1", "fresh_2"):
-        rows, seconds = _spo(os.path.join(root, run), flags + ["--steps", str(steps), "--save_every", "0"],
-                             budget["fresh"])
-        if rows and not runs:
-            _loop_numbers(f"Qwen3-{shape} shape (random weights), --engine hf, {batch} x {response_len} tokens, "
-                          f"{steps} steps", rows, seconds, AutoConfig.from_pretrained(model), prompt_len, batch,
-                          peak_tflops)
-        if rows:
-            runs[run] = rows, trained_weights(os.path.join(root, run), steps)
-    stopped, half = os.path.join(root, "stopped"), ["--save_every", str(steps // 2)]
-    if _spo(stopped, flags + ["--steps", str(steps // 2)] + half, budget["stopped"])[0]:
-        rows, _ = _spo(stopped, flags + ["--steps", str(steps)] + half, budget["resumed"], resume=True)
-        if rows:
-            runs["resumed"] = rows, trained_weights(stopped, steps)
-    for run, said, over in (("fresh_2", "two fresh runs (the floor: the device's own nondeterminism)", range(steps)),
-                            ("resumed", f"stopped at step {steps // 2} and --resume'd, against fresh_1",
-                             range(steps // 2, steps))):
-        if "fresh_1" in runs and run in runs:
-            metric, largest, mean = run_gap(runs["fresh_1"], runs[run], [step + 1 for step in over])
-            print(f"{said}: largest difference of a training metric {metric:.2e}, of an fp32 weight after step "
-                  f"{steps} {largest:.2e} (mean {mean:.2e}; --lr 1e-6)", flush=True)
-    print(f"(b) took {time.time() - t0:.0f} s in all", flush=True)
-    if failed := [run for run in ("fresh_1", "fresh_2", "resumed") if run not in runs]:
-        print(f"(b) incomplete: {', '.join(failed)} did not finish (above), so not everything is compared", flush=True)
-        sys.exit(1)
-
-
-def vllm_runners(run_root, steps=2):
-    """spo.py on the toy under each of vLLM's model runners and the trainer-vs-engine log-prob gap of each: vLLM's
-    V2 runner (its default on CUDA since 0.3x) has never run this code, and a weight push it did not take, or
-    log-probs it processes otherwise, shows as a gap far above V1's. Skipped, in one line, without vLLM."""
-    if importlib.util.find_spec("vllm") is None:
-        print("vLLM model runners V1 / V2: skipped (vLLM is not installed here)", flush=True)
-        return
-    for runner, flag in {"V1": "0", "V2": "1"}.items():  # VLLM_USE_V2_MODEL_RUNNER (unset: V2 where supported)
-        rows, _ = _spo(os.path.join(run_root, f"runner_{runner}"),
-                       ["--steps", str(steps), "--eval_every", "0", "--save_every", "0", "--offline_values", "none",
-                        "--engine_compile", "off", "--log_every", "1"], 600,
-                       env={"VLLM_USE_V2_MODEL_RUNNER": flag})  # vLLM refuses expandable segments
-        if rows:
-            rows = [row for step, row in rows.items() if step]
-            print(f"vLLM model runner {runner}: {steps} steps, trainer-vs-engine log-prob gap mean "
-                  f"{np.mean([r['policy/logprob_gap_mean'] for r in rows]):.2e}, max "
-                  f"{max(r['policy/logprob_gap_max'] for r in rows):.2e}", flush=True)
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m bench gpu", description="the GPU device check, two commands: "
                                      "--part trainer, --part loop (docs/benchmarks.md#the-gpu-device-check)")
@@ -468,7 +251,7 @@ def main(argv=None):
     parser.add_argument("--loop_steps", type=int, default=2, help="(b): steps of the random-weight runs (even)")
     parser.add_argument("--toy_steps", type=int, default=2, help="(b): steps of the toy run")
     parser.add_argument("--run_budget_s", type=float, default=None,
-                        help="(b): every spo.py run's time budget (default: bench/gpu.py:RUN_BUDGET_S, per run)")
+                        help="(b): every spo.py run's time budget (default: bench/gpu_loop.py:RUN_BUDGET_S, per run)")
     args = parser.parse_args(argv)
     if args.part == "loop" and (args.loop_steps < 2 or args.loop_steps % 2):
         fail(f"--loop_steps {args.loop_steps}: give an even number of at least 2 (the resume check stops halfway)")
@@ -478,6 +261,7 @@ def main(argv=None):
         return
     # a `timeout` or a lease's end: the spo.py running (in a process group of its own) killed, the directory removed
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    from bench.gpu_loop import vllm_runners, whole_loop
     with tempfile.TemporaryDirectory() as root:
         if args.part == "loop":
             whole_loop(root, args.loop_shape, args.loop_response_len, args.loop_batch, args.loop_steps,

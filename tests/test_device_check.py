@@ -1,8 +1,8 @@
-"""The device check (bench/gpu.py, `python -m bench gpu --part trainer` and `--part loop`): the two commands a GPU
-lease runs, here on a CPU with tiny shapes: (a) the trainer path on a Qwen3 shape over packed, variable-length,
-shared-prompt micro-batches, (b) spo.py's whole loop with the transformers engine (the toy, then a random-weight
-Qwen3 shape run twice from scratch and once stopped halfway and resumed), each spo.py under its own time budget;
-and its refusals.
+"""The device check (bench/gpu.py, bench/gpu_loop.py; `python -m bench gpu --part trainer` and `--part loop`): the
+two commands a GPU lease runs, here on a CPU with tiny shapes: (a) the trainer path on a Qwen3 shape over packed,
+variable-length, shared-prompt micro-batches, (b) spo.py's whole loop with the transformers engine (the toy, then a
+random-weight Qwen3 shape run twice from scratch and once stopped halfway and resumed), each spo.py under its own
+time budget; and its refusals.
 
     .venv/bin/python -m pytest tests/test_device_check.py -q
 """
@@ -63,7 +63,7 @@ def test_the_whole_loops_disk_need_counts_a_tied_head_once():
     """Qwen3-0.6B has 596,049,920 parameters with its output head tied to the embedding (one tensor). On the disk
     at once: the bf16 model (2 bytes each) and two checkpoints of fp32 weights, two fp32 AdamW moments and the bf16
     export (14 bytes each) on a GPU; on a CPU the export is fp32 (16)."""
-    from bench.gpu import disk_need
+    from bench.gpu_loop import disk_need
     assert disk_need("0.6b", on_gpu=True) == 596_049_920 * (2 + 2 * 14)
     assert disk_need("0.6b", on_gpu=False) == 596_049_920 * (2 + 2 * 16)
 
@@ -71,7 +71,7 @@ def test_the_whole_loops_disk_need_counts_a_tied_head_once():
 def test_the_device_checks_toy_data_is_the_shipped_toys(tmp_path):
     """The whole-loop check writes the toy's prompts as JSON lines (a GPU machine may lack pyarrow): the same
     prompts, keys and answers as the shipped parquet files, in the same order."""
-    from bench.gpu import write_toy_jsonl
+    from bench.gpu_loop import write_toy_jsonl
     from machinery.data import load_prompts
     from tasks.toy import BUILT
     shipped = [os.path.join(BUILT, "toy", f"{split}.parquet") for split in ("train", "test")]
@@ -83,17 +83,19 @@ def test_the_device_checks_toy_data_is_the_shipped_toys(tmp_path):
 @pytest.mark.slow
 def test_the_loop_part_trains_checkpoints_and_resumes_exactly_at_the_floor():
     """--part loop on a CPU: the toy learns nothing in 2 steps but must run and evaluate; on the tiny Qwen3 shape the
-    engine's log-probs are the trainer's (fp32 both); a CPU is deterministic, so the floor (two fresh runs) and the
-    resume's difference are both exactly 0, in the metrics and in the fp32 weights."""
+    engine's log-probs are the trainer's (fp32 both) and, from random v0, step 1 already moves the weights; a CPU is
+    deterministic, so the floor (two fresh runs) and the resume's difference are both exactly 0, in the metrics and
+    in the fp32 weights."""
     proc = ok(python("-m", "bench", "gpu", "--part", "loop", "--loop_shape", "tiny", "--loop_response_len", "16",
                      "--loop_batch", "4", "--run_budget_s", "900", timeout=3600))  # the GPU's budgets are not a CPU's
     out = proc.stdout
     toy = re.search(r"toy, --engine hf, 2 steps, held-out ([\d.]+)% -> ([\d.]+)%: .* generation (\d+) tokens/s", out)
     assert toy and 0 < float(toy.group(1)) < 40 and int(toy.group(3)) > 0, out
     qwen = re.search(r"Qwen3-tiny shape \(random weights\), --engine hf, 4 x 16 tokens, 2 steps: .* \(responses "
-                     r"16 tokens\), .* peak memory ([\d.]+) GiB, trainer-vs-engine log-prob gap mean (\S+) max (\S+)",
-                     out)
+                     r"16 tokens\), .* peak memory ([\d.]+) GiB, trainer-vs-engine log-prob gap mean (\S+) max (\S+), "
+                     r"step 1's grad norm (\S+)", out)
     assert qwen and float(qwen.group(1)) > 0 and float(qwen.group(3)) < 1e-5, out  # noise never ends early
+    assert float(qwen.group(4)) > 0, out  # random v0: step 1 moves the weights and the moments the resume restores
     assert len(re.findall(r"spo\.py .*: \d+ s of its 900 s budget", out)) == 5, out
     for said in ("two fresh runs", "stopped at step 1 and --resume'd"):
         gap = re.search(rf"{said}.*: largest difference of a training metric (\S+), of an fp32 weight after step 2 "
