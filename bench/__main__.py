@@ -5,7 +5,8 @@ Speed lives here, never in the tests. Run from the repository root:
                                               # tools, collectives
     python -m bench tracker steps             # some of them (bench/parts.py, bench/throughput.py)
     python -m bench peer --trl_python PYTHON  # spo.py against TRL's GRPOTrainer (bench/peer.py; --task smollm)
-    python -m bench gpu --part trainer        # the GPU device check (bench/gpu.py, bench/gpu_loop.py): --part trainer, loop, vllm
+    python -m bench gpu --part trainer        # the GPU device check (bench/gpu.py, bench/gpu_trainer.py):
+                                              # --part trainer, loop, vllm
 
 `python -m bench peer --help` and `python -m bench gpu --help` list their own flags.
 """

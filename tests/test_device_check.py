@@ -1,4 +1,4 @@
-"""The device check (bench/gpu.py, bench/gpu_loop.py; `python -m bench gpu --part trainer` and `--part loop`): the
+"""The device check (bench/gpu.py, bench/gpu_trainer.py; `python -m bench gpu --part trainer` and `--part loop`): the
 two commands a GPU lease runs, here on a CPU with tiny shapes: (a) the trainer path on a Qwen3 shape over packed,
 variable-length, shared-prompt micro-batches, (b) spo.py's whole loop with the transformers engine (the toy, then a
 random-weight Qwen3 shape run twice from scratch and once stopped halfway and resumed), each spo.py under its own
@@ -51,7 +51,7 @@ def test_the_device_check_refuses_a_shape_that_cannot_fit_in_one_line():
 
 
 def test_the_device_peak_comes_from_the_device_name():
-    from bench.gpu import dense_bf16_peak
+    from bench.gpu_trainer import dense_bf16_peak
     names = {"NVIDIA H100 80GB HBM3": 989.0, "NVIDIA H100 PCIe": 756.0, "NVIDIA H100 NVL": 835.0, "NVIDIA H200": 989.0,
              "NVIDIA H200 NVL": 835.0, "NVIDIA GH200 480GB": 989.0, "NVIDIA A100-SXM4-80GB": 312.0,
              "NVIDIA A100 80GB PCIe": 312.0, "NVIDIA L40S": 362.0, "NVIDIA L4": 121.0, "NVIDIA A10": 125.0,
@@ -63,7 +63,7 @@ def test_the_whole_loops_disk_need_counts_a_tied_head_once():
     """Qwen3-0.6B has 596,049,920 parameters with its output head tied to the embedding (one tensor). On the disk
     at once: the bf16 model (2 bytes each) and two checkpoints of fp32 weights, two fp32 AdamW moments and the bf16
     export (14 bytes each) on a GPU; on a CPU the export is fp32 (16)."""
-    from bench.gpu_loop import disk_need
+    from bench.gpu import disk_need
     assert disk_need("0.6b", on_gpu=True) == 596_049_920 * (2 + 2 * 14)
     assert disk_need("0.6b", on_gpu=False) == 596_049_920 * (2 + 2 * 16)
 
@@ -71,7 +71,7 @@ def test_the_whole_loops_disk_need_counts_a_tied_head_once():
 def test_the_device_checks_toy_data_is_the_shipped_toys(tmp_path):
     """The whole-loop check writes the toy's prompts as JSON lines (a GPU machine may lack pyarrow): the same
     prompts, keys and answers as the shipped parquet files, in the same order."""
-    from bench.gpu_loop import write_toy_jsonl
+    from bench.gpu import write_toy_jsonl
     from machinery.data import load_prompts
     from tasks.toy import BUILT
     shipped = [os.path.join(BUILT, "toy", f"{split}.parquet") for split in ("train", "test")]
