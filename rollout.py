@@ -182,14 +182,15 @@ def make_tools(tools, max_turns, sandbox_workers, sandbox_timeout, sandbox_memor
         if value < low:  # caught here: inside the loop a bad limit would only come back as tool error text
             fail(f"--{flag} must be at least {low}, got {value}", once=True)
     import sandbox
+    from machinery.isolation import visible_dirs, visible_to_snippets
     try:
         sandbox.isolation()  # probed once, here: a machine that cannot isolate snippets refuses before the engine
     except Exception as e:  # noqa: BLE001 - SandboxUnavailable, or a failure it did not foresee: one line either way
         fail(f"--tools: {e}", once=True)
     for path, flag in dict(private).items():
-        if path and os.path.exists(path) and sandbox.visible_to_snippets(path):
+        if path and os.path.exists(path) and visible_to_snippets(path):
             fail(f"--{flag} {path} lies under a directory that tool snippets can read (the system's or the "
-                 f"interpreter's: {', '.join(sandbox.visible_dirs())}): move it elsewhere", once=True)
+                 f"interpreter's: {', '.join(visible_dirs())}): move it elsewhere", once=True)
     pool = sandbox.SandboxPool(workers=sandbox_workers, timeout_s=sandbox_timeout, memory_mb=sandbox_memory_mb)
     return Tools(pool, max_turns=max_turns, max_tool_output_chars=max_tool_output_chars)
 

@@ -10,19 +10,11 @@ as a SandboxResult.
     with SandboxPool(workers=8) as pool:           # threads: each run is a subprocess
         results = pool.map(codes)                   # in order; futures via pool.submit(code)
 
-How a run is built (`isolation()` checks once that this machine allows it; if not, SandboxUnavailable and --tools
-refuses to start in one line; there is no weaker fallback):
-  prlimit   memory (RLIMIT_AS), CPU seconds, processes (as root), open files, file size, no core dumps.
-  unshare   network namespace (a downed loopback: no network, no abstract Unix socket of the host), pid namespace
-            (all of the run dies with it), IPC namespace (as root also capped: shmmax, shmall at memory_mb), and
-            a mount namespace with a root of its own (_root_setup): fresh size-capped tmpfs on /tmp, /var/tmp,
-            /dev/shm, /run/lock (all it may write), the system's and the interpreter's dirs read-only, then
-            pivot_root: the repository, the data and their answers, the run directory, homes are not there.
-  seccomp   a filter fails socket(AF_UNIX), datagram socketpair(AF_UNIX), io_uring_setup and other ABIs' syscalls
-            with EPERM (multiprocessing and asyncio still work: they use stream pairs).
-  identity  as root: a dedicated uid per concurrent run (60000 + slot, flock in a dir only root can write), no
-            groups, no_new_privs (RLIMIT_NPROC then stops a fork bomb). Otherwise: a nested user namespace that
-            maps no one, so the snippet holds no capability: it cannot undo its mounts or make namespaces.
+How a run is isolated (machinery/isolation.py, `isolation()` checks once that this machine allows it; if not,
+SandboxUnavailable and --tools refuses to start in one line; there is no weaker fallback): prlimit's limits, its own
+network, pid, IPC and mount namespaces with a root of its own (only the system's and the interpreter's dirs, read
+only), a seccomp filter against Unix sockets, a dedicated uid as root or a user namespace of no one otherwise.
+
 Plus `python -I`, a scrubbed environment (nothing of ours), stdin closed; output capped while it arrives (first
 and last halves kept); at the wall-clock limit every process of the run is SIGKILLed and hunted down.
 
@@ -32,37 +24,23 @@ tmpfs dirs (a memory cgroup would be the fix); without root on Linux before 5.14
 snippets of a killed caller (RLIMIT_CPU bounds them). Linux only (rollout.make_tools refuses --tools elsewhere).
 """
 import ast
-import atexit
-import contextlib
 import functools
 import os
 import re
 import selectors
 import shutil
-import shlex
 import signal
-import stat
 import subprocess
-import sys
-import tempfile
 import threading
 import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-from machinery.seccomp import LAUNCHER, seccomp_program
+from machinery.isolation import Isolation, SandboxUnavailable, claim_uid, command
+from machinery.seccomp import seccomp_program
 
-UID_BASE, UID_SLOTS = 60000, 256  # dedicated uids for runs; outside normal user ranges, inside 16 bits
-_LOCK_DIR = "/run/spo_sandbox_uids"  # only root claims uids, and only root can write /run: no one can plant files here
-_SCRATCH_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")  # fresh size-capped tmpfs: all a snippet may write
-_SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")  # read-only in the root
-_DEVICES = ("null", "zero", "random", "urandom")
 _OOM_PATTERN = re.compile(r"MemoryError|Cannot allocate memory|std::bad_alloc")
-
-
-class SandboxUnavailable(RuntimeError):
-    """The sandbox itself cannot run (not the snippet): a run must stop rather than train on tool errors."""
 
 
 @dataclass
@@ -75,12 +53,6 @@ class SandboxResult:
     output_truncated: bool  # a stream exceeded max_output_bytes; its middle was dropped
     unix_sockets_blocked: bool  # socket(AF_UNIX) refused by seccomp: no Unix socket of the host is reachable
     duration_s: float
-
-
-@dataclass(frozen=True)
-class Isolation:
-    dedicated_uid: bool  # runs as an unprivileged uid of its own (we are root); else in a user namespace of no one
-    seccomp: bool  # a seccomp filter refuses AF_UNIX sockets and io_uring
 
 
 class _HeadTail:
@@ -104,129 +76,6 @@ class _HeadTail:
         cut = self.total - len(self.head) - len(tail)
         return (self.head.decode("utf-8", errors="replace") + f"\n...[{cut} bytes cut]...\n"
                 + tail.decode("utf-8", errors="replace"))
-
-
-def _claim_uid() -> tuple[int, int]:
-    """A dedicated uid no other run (thread or process) holds now; the lock dies with the fd."""
-    import fcntl  # Unix only: imported here so that rollout.py, which imports this file, loads on Windows too
-    with contextlib.suppress(FileExistsError):
-        os.mkdir(_LOCK_DIR, 0o700)  # anything else: the probe's traceback names it
-    info = os.lstat(_LOCK_DIR)
-    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o077:
-        raise SandboxUnavailable(f"sandbox: {_LOCK_DIR} is not a private directory of ours (owner uid {info.st_uid}, "
-                                 f"mode {info.st_mode & 0o777:o}): someone else made it; remove it and start again")
-    for uid in range(UID_BASE, UID_BASE + UID_SLOTS):
-        fd = os.open(os.path.join(_LOCK_DIR, str(uid)), os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return uid, fd
-        except BlockingIOError:
-            os.close(fd)
-    raise SandboxUnavailable(f"sandbox: all {UID_SLOTS} dedicated uids from {UID_BASE} are busy "
-                             f"(--sandbox_workers across all trainers of this machine)")
-
-
-def _under(path: str, directory: str) -> bool:
-    return path == directory or path.startswith(directory.rstrip("/") + "/")
-
-
-@functools.cache
-def visible_dirs() -> tuple[str, ...]:
-    """What a snippet sees, read-only: the system's dirs and the interpreter's own (its venv, its install)."""
-    system = tuple(d for d in _SYSTEM_DIRS if os.path.lexists(d))
-    python = {os.path.abspath(p) for p in (sys.prefix, sys.base_prefix, os.path.dirname(os.path.dirname(
-        os.path.realpath(sys.executable))))}
-    resolved = [os.path.realpath(d) for d in system]
-    python = sorted(p for p in python if not any(_under(p, d) for d in resolved))
-    return system + tuple(p for p in python if not any(_under(p, q) for q in python if q != p))
-
-
-def visible_to_snippets(path: str) -> bool:
-    """Whether a snippet can read this path: it lies under a dir of visible_dirs."""
-    path = os.path.realpath(path)
-    return any(_under(path, os.path.realpath(d)) for d in visible_dirs())
-
-
-@functools.cache
-def _mount_point() -> str:
-    """An empty dir of ours where each run mounts its root, in its own mount namespace (the host's stays empty)."""
-    atexit.register(os.rmdir, directory := tempfile.mkdtemp(prefix="spo_sandbox_root_"))
-    return directory
-
-
-def _mount_points_under(directory: str) -> list[str]:
-    """The host's mount points at or under directory (submounts such as a container's /etc/hosts), parents first."""
-    with open("/proc/self/mountinfo") as f:
-        points = [re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), line.split()[4]) for line in f]
-    return [directory] + [p for p in points if _under(p, directory) and p != directory]
-
-
-@functools.cache
-def _root_setup(scratch_bytes: int) -> str:
-    """Shell commands (as root of the run's mount namespace) that build the snippet's root and enter it; after
-    pivot_root nothing of the host's tree stays reachable, not even through /proc/1/root."""
-    q, root = shlex.quote, _mount_point()
-    links = [d for d in visible_dirs() if d in _SYSTEM_DIRS and os.path.islink(d)]  # /bin -> usr/bin
-    dirs = [d for d in visible_dirs() if d not in links]
-    first = [d for d in dirs if not any(_under(d, s) for s in _SCRATCH_DIRS)]  # a venv under /tmp: after its tmpfs
-    devices = [f"/dev/{n}" for n in _DEVICES if os.path.exists(f"/dev/{n}")]
-    # Few processes: each command here is a fork and exec on every tool call.
-    cmds = [f"mount -t tmpfs -o size=1m,mode=755 tmpfs {q(root)}", f"cd {q(root)}",
-            "mkdir -p " + " ".join(q(root + d) for d in (*_SCRATCH_DIRS, *first, "/proc", "/dev", "/.old"))]
-    cmds += [f"mount -t tmpfs -o size={scratch_bytes},mode=1777 tmpfs {q(root + d)}" for d in _SCRATCH_DIRS]
-    if later := [d for d in dirs if d not in first]:
-        cmds.append("mkdir -p " + " ".join(q(root + d) for d in later))
-    for d in dirs:  # read-only, each submount too (bind,ro remounts the top one only)
-        cmds.append(f"mount --rbind -o ro {q(d)} {q(root + d)}")
-        cmds += [f"mount -o remount,bind,ro {q(root + p)}" for p in _mount_points_under(d)[1:]]
-    if links:
-        cmds.append("cp -P " + " ".join(q(d) for d in links) + f" {q(root)}/")
-    cmds += [f": > {q(root + d)}; mount --bind {d} {q(root + d)}" for d in devices]
-    cmds += [f"mount --rbind /proc {q(root)}/proc", f"ln -s /proc/self/fd {q(root)}/dev/fd", "pivot_root . .old",
-             "umount -l /.old", "mount -o remount,bind,ro /", "cd /tmp"]
-    return "; ".join(cmds) + "; "
-
-
-# The limits of a run's own IPC namespace that do not depend on the run: few message queues (each holds at
-# most kernel.msgmnb bytes, which only CAP_SYS_RESOURCE raises) and semaphores (the kernel's old defaults:
-# per set, in all, per semop call, sets), and shm segments freed once nobody has them attached.
-_IPC_SYSCTLS = {"msgmni": "32", "sem": "250 32000 32 128", "shm_rmid_forced": "1"}
-
-
-def _per_namespace_nproc() -> bool:
-    release = re.match(r"(\d+)\.(\d+)", os.uname().release)
-    return bool(release) and (int(release[1]), int(release[2])) >= (5, 14)
-
-
-def _command(code: str, iso: Isolation, uid: int | None, limits: dict) -> list[str]:
-    """prlimit -> unshare -> sh: IPC limits, the new root -> [seccomp launcher] -> setpriv (root) or a user
-    namespace of no one (otherwise) -> python -I -c code."""
-    # Without root, RLIMIT_NPROC counts all the user's processes (the trainer's threads too) outside the snippet's
-    # own user namespace: it is set inside it, where (Linux 5.14+) it counts the snippet's processes only.
-    outer = {k: v for k, v in limits.items() if k != "nproc" or iso.dedicated_uid}
-    argv = ["prlimit", *(f"--{name}={value}" for name, value in outer.items()), "--"]
-    argv += ["unshare", "--mount", "--net", "--pid", "--ipc", "--fork", "--kill-child", "--mount-proc"]
-    argv += [] if iso.dedicated_uid else ["--user", "--map-root-user"]
-    # The shell stays pid 1 of the namespace (no exec), so python keeps ordinary signal
-    # semantics and orphans get reaped; when the shell exits, the kernel kills the namespace.
-    setup = ""
-    if iso.dedicated_uid:  # without root, the snippet would be root of the IPC namespace's owner: it could lift them
-        sysctls = {**_IPC_SYSCTLS, "shmmax": limits["as"], "shmall": limits["as"] // os.sysconf("SC_PAGE_SIZE")}
-        setup = "".join(f"echo '{value}' > /proc/sys/kernel/{name}; " for name, value in sysctls.items())
-    argv += ["sh", "-c", f'set -e; {setup}{_root_setup(limits["fsize"])}"$@"', "sh"]
-    if iso.seccomp:
-        argv += [sys.executable, "-I", "-S", "-c", LAUNCHER, seccomp_program().hex()]
-    if iso.dedicated_uid:
-        # setpriv resolves the interpreter path before its capabilities go; afterwards the snippet has
-        # no capabilities and cannot gain any.
-        argv += ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--no-new-privs"]
-    else:
-        # A nested user namespace that maps no one: the snippet holds no capability at all, so it cannot undo
-        # its mounts (made by the namespace above), and an unmapped uid cannot make namespaces of its own.
-        argv += ["unshare", "--user"]
-        if "nproc" in limits and _per_namespace_nproc():
-            argv += ["prlimit", f"--nproc={limits['nproc']}", "--"]
-    return argv + [sys.executable, "-I", "-c", code]
 
 
 def _read_until_exit(proc: subprocess.Popen, timeout_s: float, cap: int) -> tuple[_HeadTail, _HeadTail, bool]:
@@ -289,13 +138,13 @@ def _kill_everything(pgid: int, uid: int | None):
 
 def _run(code: str, iso: Isolation, timeout_s: float, max_output_bytes: int, limits: dict) -> SandboxResult:
     start = time.perf_counter()
-    uid, lock_fd = _claim_uid() if iso.dedicated_uid else (None, None)
+    uid, lock_fd = claim_uid() if iso.dedicated_uid else (None, None)
     try:
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin", "HOME": "/tmp", "TMPDIR": "/tmp", "LANG": "C.UTF-8",
                # one BLAS thread: less contention with the trainer, and fewer threads for RLIMIT_NPROC
                "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
         try:
-            proc = subprocess.Popen(_command(code, iso, uid, limits), cwd="/", env=env,
+            proc = subprocess.Popen(command(code, iso, uid, limits), cwd="/", env=env,
                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, start_new_session=True)
         except (OSError, ValueError) as e:  # e.g. a NUL byte in the code, or code over 128 KiB

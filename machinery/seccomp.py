@@ -3,9 +3,9 @@
 A seccomp filter for sandbox.py: a classic-BPF program, built here in readable Python, that makes a few system
 calls fail with EPERM, and the short launcher that installs it before exec'ing the rest of a command.
 
-Why each call is refused is in sandbox.py's docstring (the `seccomp` step): AF_UNIX sockets (the network namespace
-does not cover path sockets), datagram socketpairs (they can sendto() any path), io_uring (it makes sockets
-without a syscall the filter sees), every syscall of another ABI.
+Why each call is refused is in machinery/isolation.py's docstring (the `seccomp` step): AF_UNIX sockets (the
+network namespace does not cover path sockets), datagram socketpairs (they can sendto() any path), io_uring (it
+makes sockets without a syscall the filter sees), every syscall of another ABI.
 
     argv = [sys.executable, "-I", "-S", "-c", LAUNCHER, seccomp_program().hex(), *command]
 """

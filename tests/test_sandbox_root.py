@@ -1,6 +1,7 @@
-"""A snippet's own root (sandbox.py:_root_setup): it holds the system's and the interpreter's dirs, read-only, and
-nothing else of the host (the repository, the data and their answers, run directories, homes); without root the
-snippet cannot write or undo that either; a machine that cannot give it refuses --tools in one line.
+"""A snippet's own root (machinery/isolation.py:_root_setup): it holds the system's and the interpreter's dirs,
+read-only, and nothing else of the host (the repository, the data and their answers, run directories, homes);
+without root the snippet cannot write or undo that either; a machine that cannot give it refuses --tools in one
+line.
 
     .venv/bin/python -m pytest tests/test_sandbox_root.py -q
 """
@@ -15,6 +16,7 @@ import pytest
 
 import sandbox
 from common import ENV, PYTHON, ROOT, SNIPPET_TIMEOUT_S
+from machinery import isolation
 from sandbox import run_code
 
 ATTEMPTS = r'''
@@ -47,13 +49,13 @@ def test_a_snippet_sees_no_repository_data_run_dir_or_home(tmp_path):
     r = run_code(code, timeout_s=SNIPPET_TIMEOUT_S)
     assert r.exit_code == 0 and r.stdout.splitlines()[:3] == ["False"] * 3, r
     # Home holds at most the way to the interpreter's dirs (a pyenv, say), never the user's files.
-    leading = {d[len(home) + 1:].split("/")[0] for d in sandbox.visible_dirs() if d.startswith(home + "/")}
+    leading = {d[len(home) + 1:].split("/")[0] for d in isolation.visible_dirs() if d.startswith(home + "/")}
     assert set(eval(r.stdout.splitlines()[3])) <= leading, r.stdout
 
 
 def test_visible_to_snippets_tells_what_a_snippet_can_read():
-    assert sandbox.visible_to_snippets(sys.executable) and sandbox.visible_to_snippets("/etc/passwd")
-    assert not sandbox.visible_to_snippets(os.path.join(ROOT, "tasks", "built", "toy", "train.parquet"))
+    assert isolation.visible_to_snippets(sys.executable) and isolation.visible_to_snippets("/etc/passwd")
+    assert not isolation.visible_to_snippets(os.path.join(ROOT, "tasks", "built", "toy", "train.parquet"))
 
 
 def test_data_a_snippet_could_read_is_refused_in_one_line():
@@ -84,7 +86,7 @@ def _as_an_ordinary_user(code, hold_dir):
     argv = [PYTHON, "-c", code]
     if os.geteuid() == 0:
         cmds = []
-        for d in sandbox.visible_dirs():
+        for d in isolation.visible_dirs():
             parts = d.strip("/").split("/")
             closed = [i for i in range(1, len(parts)) if not os.stat("/" + "/".join(parts[:i])).st_mode & 0o001]
             if closed:
@@ -134,12 +136,12 @@ def test_a_lock_dir_another_user_planted_is_refused(tmp_path, monkeypatch):
     planted = tmp_path / "locks"
     planted.mkdir(mode=0o777)
     os.chown(planted, 65534, 65534)  # made by "nobody", who could link its files anywhere
-    monkeypatch.setattr(sandbox, "_LOCK_DIR", str(planted))
+    monkeypatch.setattr(isolation, "_LOCK_DIR", str(planted))
     with pytest.raises(sandbox.SandboxUnavailable, match="not a private directory of ours"):
-        sandbox._claim_uid()
+        isolation.claim_uid()
     assert os.listdir(planted) == []  # nothing created in it
     link = tmp_path / "link"
     link.symlink_to(tmp_path / "elsewhere")
-    monkeypatch.setattr(sandbox, "_LOCK_DIR", str(link))
+    monkeypatch.setattr(isolation, "_LOCK_DIR", str(link))
     with pytest.raises(sandbox.SandboxUnavailable):
-        sandbox._claim_uid()
+        isolation.claim_uid()
