@@ -270,6 +270,8 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=5, help="(a): old log-probs + PPO step, the first timed apart")
     parser.add_argument("--max_tokens_per_micro_batch", type=int, default=2048,
                         help="(a): the micro-batch token budget (spo.py's default)")
+    parser.add_argument("--profile", choices=["on", "off"], default="on",
+                        help="(a): one more PPO step under torch.profiler: device busy time, host syncs, top ops")
     parser.add_argument("--loop_shape", choices=sorted(QWEN3_SHAPES), default="0.6b", help="(b): the model's shape")
     parser.add_argument("--loop_response_len", type=int, default=128, help="(b): tokens per response")
     parser.add_argument("--loop_batch", type=int, default=64, help="(b): responses per step")
@@ -282,7 +284,7 @@ def main(argv=None):
         fail(f"--loop_steps {args.loop_steps}: give an even number of at least 2 (the resume check stops halfway)")
     if args.part == "trainer":
         bench_gpu(args.shape, args.prompts, args.samples, args.prompt_lens, args.response_lens, args.rounds,
-                  args.max_tokens_per_micro_batch, peak_tflops=args.peak_tflops)
+                  args.max_tokens_per_micro_batch, peak_tflops=args.peak_tflops, profile=args.profile == "on")
         return
     # a `timeout` or a lease's end: the spo.py running (in a process group of its own) killed, the directory removed
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

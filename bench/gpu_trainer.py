@@ -108,9 +108,40 @@ def attention_kernel(run, on_gpu):
             + (f"first attention kernel {kernel[:160]}" if on_gpu else "(a CPU runs no device kernel)"))
 
 
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
+
+
+def profile_step(run, on_gpu, top=8):
+    """Where one run()'s time goes (lines to print), from torch.profiler: the wall clock against the device's busy
+    time (its kernels and copies, summed; far below the wall clock: the host's launches, syncs and Python set the
+    pace, not the kernels), the host's reads of tensor values (.item(), float(): aten::_local_scalar_dense; a sync
+    where the tensor is on the device), the sync and kernel-launch calls, and the `top` ops by self time: the
+    device's on a GPU, the host's on both."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    t0 = time.time()
+    with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * on_gpu) as prof:
+        run()
+        if on_gpu:
+            torch.cuda.synchronize()
+    wall, averages = time.time() - t0, prof.key_averages()
+    count = {a.key: a.count for a in averages}
+    busy = sum(e.time_range.elapsed_us() for e in prof.events() if e.device_type != torch.autograd.DeviceType.CPU)
+    lines = [f"wall {wall:.2f} s" + (f", device busy {busy / 1e6:.2f} s ({100 * busy / 1e6 / wall:.0f}%)" if on_gpu
+                                     else "") + f"; host reads of tensor values {count.get('aten::_local_scalar_dense', 0)}"
+             + (f", sync calls {sum(count.get(k, 0) for k in SYNC_CALLS)}, kernel launches "
+                f"{sum(count.get(k, 0) for k in LAUNCH_CALLS)}" if on_gpu else "")]
+    for label, key in (("device", "self_device_time_total"),) * on_gpu + (("host", "self_cpu_time_total"),):
+        for a in sorted(averages, key=lambda a: getattr(a, key), reverse=True)[:top]:
+            lines.append(f"  self {label} time {getattr(a, key) / 1e3:9.1f} ms  x{a.count:<6d} {a.key[:100]}")
+    return lines
+
+
 def bench_gpu(shape="1.7b", prompts=8, samples=8, prompt_lens=(64, 512), response_lens=(200, 900), rounds=5,
-              max_tokens=2048, seed=0, peak_tflops=None):
-    """(a) The trainer path spo.py runs on a GPU, without vLLM (module docstring)."""
+              max_tokens=2048, seed=0, peak_tflops=None, profile=True):
+    """(a) The trainer path spo.py runs on a GPU, without vLLM (module docstring); profile: one more PPO step on the
+    last batch under torch.profiler, after the rounds (profile_step)."""
     import torch
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -202,6 +233,11 @@ def bench_gpu(shape="1.7b", prompts=8, samples=8, prompt_lens=(64, 512), respons
                 + (f", MFU {100 * mfu * per_s:.1f}%, HFU {100 * hfu * per_s:.1f}%" if on_gpu else "")
                 + f"  peak memory {max(peak) / 2**30:.2f} GiB"
                 + (f" ({max(in_use) / 2**30:.2f} GiB in use on the device)" if on_gpu else ""))
+    if profile:  # after the rounds: nothing here warms the first
+        out = {}
+        run("old log-probs", batches[-1], out)
+        lines = profile_step(functools.partial(run, "PPO step", batches[-1], out), on_gpu)
+        say("profile of one more PPO step on the last batch (rank 0): " + "\n".join(lines))
     # One prompt's responses of the last batch, after the rounds (so nothing here warms the first): which attention
     # kernel runs, and the same weights (the fp32 masters, gathered) run unsharded in fp32 beside the policy.
     ids, mask = batching.pack([(r.prompt_ids, r.response_ids, r.response_mask) for r in batches[-1][:samples]],

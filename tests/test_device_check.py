@@ -19,8 +19,8 @@ from common import ENV, PYTHON, ROOT, live_pids_with, ok, python
 def test_the_trainer_part_times_its_first_round_apart_over_packed_shared_prompt_batches():
     """--part trainer on a tiny Qwen3 shape (the real vocabulary). Every round is a fresh batch of responses of
     random lengths that share their prompts, packed by the trainer itself: prompts shared in a micro-batch run once,
-    and later rounds bring attention shapes the first had not. On a CPU the policy computes in fp32, so its
-    log-probs must equal the unsharded fp32 copy's."""
+    and later rounds bring attention shapes the first had not; one more PPO step is profiled. On a CPU the policy
+    computes in fp32, so its log-probs must equal the unsharded fp32 copy's."""
     proc = ok(python("-m", "bench", "gpu", "--part", "trainer", "--shape", "tiny", "--prompts", "2", "--samples", "3",
                      "--prompt_lens", "8", "24", "--response_lens", "20", "60", "--rounds", "3",
                      "--max_tokens_per_micro_batch", "150"))
@@ -33,6 +33,9 @@ def test_the_trainer_part_times_its_first_round_apart_over_packed_shared_prompt_
                         r"tokens\) .* rounds 2-3 bring (\d+) shapes round 1 had not", out)
     total, ran, micro_batches, new_shapes = map(int, packing.groups())
     assert ran < total and micro_batches > 1 and new_shapes > 0, out
+    profile = re.search(r"profile of one more PPO step on the last batch \(rank 0\): wall ([\d.]+) s; host reads of "
+                        r"tensor values (\d+)\n((?:  self host time +[\d.]+ ms  x\d+ +aten::\w+.*\n){8})", out)
+    assert profile and float(profile.group(1)) > 0 and int(profile.group(2)) > 0, out  # (the loss, AdamW's steps)
     assert re.search(r"attention: SDPA backends enabled .*; dispatched to aten::_scaled_dot_product_\w+", out), out
     gap_mean, gap_max, grad_norm = map(float, re.search(r"mean \|gap\| (\S+), max (\S+); last PPO step's loss \S+, "
                                                          r"grad norm ([\d.]+);", out).groups())
