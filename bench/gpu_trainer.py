@@ -140,8 +140,8 @@ def profile_step(run, on_gpu, top=8):
 
 def bench_gpu(shape="1.7b", prompts=8, samples=8, prompt_lens=(64, 512), response_lens=(200, 900), rounds=5,
               max_tokens=2048, seed=0, peak_tflops=None, profile=True):
-    """(a) The trainer path spo.py runs on a GPU, without vLLM (module docstring); profile: one more PPO step on the
-    last batch under torch.profiler, after the rounds (profile_step)."""
+    """(a) The trainer path spo.py runs on a GPU, without vLLM (module docstring); profile: one more PPO step on two
+    responses of one prompt under torch.profiler, after the rounds (profile_step)."""
     import torch
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -233,11 +233,11 @@ def bench_gpu(shape="1.7b", prompts=8, samples=8, prompt_lens=(64, 512), respons
                 + (f", MFU {100 * mfu * per_s:.1f}%, HFU {100 * hfu * per_s:.1f}%" if on_gpu else "")
                 + f"  peak memory {max(peak) / 2**30:.2f} GiB"
                 + (f" ({max(in_use) / 2**30:.2f} GiB in use on the device)" if on_gpu else ""))
-    if profile:  # after the rounds: nothing here warms the first
-        out = {}
-        run("old log-probs", batches[-1], out)
-        lines = profile_step(functools.partial(run, "PPO step", batches[-1], out), on_gpu)
-        say("profile of one more PPO step on the last batch (rank 0): " + "\n".join(lines))
+    if profile:  # after the rounds (nothing here warms the first), on two responses of one prompt: about 8,000
+        out = {}     # profiled host events per layer and micro-batch (more on a GPU), a second to process per 20,000
+        run("old log-probs", batches[-1][:2], out)
+        lines = profile_step(functools.partial(run, "PPO step", batches[-1][:2], out), on_gpu)
+        say("profile of one more PPO step on two responses of one prompt (rank 0): " + "\n".join(lines))
     # One prompt's responses of the last batch, after the rounds (so nothing here warms the first): which attention
     # kernel runs, and the same weights (the fp32 masters, gathered) run unsharded in fp32 beside the policy.
     ids, mask = batching.pack([(r.prompt_ids, r.response_ids, r.response_mask) for r in batches[-1][:samples]],
