@@ -128,8 +128,9 @@ def profile_step(run, on_gpu, top=8):
     wall, averages = time.time() - t0, prof.key_averages()
     count = {a.key: a.count for a in averages}
     busy = sum(e.time_range.elapsed_us() for e in prof.events() if e.device_type != torch.autograd.DeviceType.CPU)
+    reads = count.get("aten::_local_scalar_dense", 0)  # .item() and friends: each one a sync on a GPU
     lines = [f"wall {wall:.2f} s" + (f", device busy {busy / 1e6:.2f} s ({100 * busy / 1e6 / wall:.0f}%)" if on_gpu
-                                     else "") + f"; host reads of tensor values {count.get('aten::_local_scalar_dense', 0)}"
+                                     else "") + f"; host reads of tensor values {reads}"
              + (f", sync calls {sum(count.get(k, 0) for k in SYNC_CALLS)}, kernel launches "
                 f"{sum(count.get(k, 0) for k in LAUNCH_CALLS)}" if on_gpu else "")]
     for label, key in (("device", "self_device_time_total"),) * on_gpu + (("host", "self_cpu_time_total"),):

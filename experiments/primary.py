@@ -108,8 +108,8 @@ def markdown(result):
     lines = [f"Primary metric: held-out exact success averaged over {result['budget']:.0f} generated samples "
              f"(offline values counted); secondary: exact success at the last evaluation. Mean [95% t-interval] "
              f"over seeds, %; paired difference to `{result['reference']}` in points, its sd and the smallest "
-             f"difference its seeds detect with 80% power; zero-advantage: the share of training samples with no signal "
-             f"(Fig. 3a), mean over steps and seeds.\n",
+             f"difference its seeds detect with 80% power; zero-advantage: the share of training samples with no "
+             f"signal (Fig. 3a), mean over steps and seeds.\n",
              "| variant | seeds | primary | final | primary - ref | sd | detectable | final - ref | detectable | "
              "zero-advantage |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]

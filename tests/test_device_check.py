@@ -33,8 +33,9 @@ def test_the_trainer_part_times_its_first_round_apart_over_packed_shared_prompt_
                         r"tokens\) .* rounds 2-3 bring (\d+) shapes round 1 had not", out)
     total, ran, micro_batches, new_shapes = map(int, packing.groups())
     assert ran < total and micro_batches > 1 and new_shapes > 0, out
-    profile = re.search(r"profile of one more PPO step on two responses of one prompt \(rank 0\): wall ([\d.]+) s; host reads of "
-                        r"tensor values (\d+)\n((?:  self host time +[\d.]+ ms  x\d+ +\S.*\n){8})", out)  # ops, autograd nodes
+    profile = re.search(r"profile of one more PPO step on two responses of one prompt \(rank 0\): wall ([\d.]+) s; "
+                        r"host reads of tensor values (\d+)\n((?:  self host time +[\d.]+ ms  x\d+ +\S.*\n){8})",
+                        out)  # the top ops: aten ops or autograd nodes
     assert profile and float(profile.group(1)) > 0 and int(profile.group(2)) > 0, out  # (the loss, AdamW's steps)
     assert re.search(r"attention: SDPA backends enabled .*; dispatched to aten::_scaled_dot_product_\w+", out), out
     gap_mean, gap_max, grad_norm = map(float, re.search(r"mean \|gap\| (\S+), max (\S+); last PPO step's loss \S+, "
