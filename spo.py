@@ -35,7 +35,7 @@ from machinery.data import check_context, find_model, load_tokenizer, load_train
 from machinery.metrics import (Logger, PromptReach, add_logging_flags, oversample_metrics, plot_run, run_summary,
                                spo_metrics, step_metrics)
 from machinery.run_dir import check_disk, open_run_dir
-from offline_values import add_v0_flags, check_values_header, init_tracker, training_v0_settings
+from offline_values import add_v0_flags, check_values_header, claim_toy_values, init_tracker, training_v0_settings
 from reward import add_reward_flags, rewards
 from hf_engine import start_engine
 from rollout import (TOOL_INSTRUCTION, add_budget_flag, add_engine_flags, add_tool_flags, make_tools,
@@ -350,9 +350,11 @@ def start(args):
                                      test_prompts=args.eval_max_prompts, verbose=rank == 0,
                                      min_prompts=math.ceil(args.oversample * args.batch_size / world / args.group_size)
                                      * world)
+    args.held_out = checkpoint.same_held_out(vars(args), test and test.keys, args.resume)  # --test: by content
     v0_settings = training_v0_settings(args, tools, system_prompt)
     if args.algo == "spo" and not args.resume and args.offline_values not in ("auto", "none"):
         check_values_header(args.offline_values, v0_settings, args.accept_offline_mismatch)
+    args.offline_values = claim_toy_values(args, v0_settings, on_toy)  # where the toy's v0 is kept, said now
     return args, rank, world, device, tools, on_toy, tokenizer, data, test, v0_settings
 
 
