@@ -242,10 +242,9 @@ def claim_toy_values(args, v0_settings, on_toy):
     return shared_output(path, args.run_dir, "spo.py", "the toy's offline values")
 
 
-def toy_values(engine, data, args, tools, v0_settings, progress):
-    """The toy's offline values for spo.py's run (`args`) measured with its engine (with the run's own sampling
-    settings, so they match by construction) into the file `claim_toy_values` claimed."""
-    path = args.offline_values
+def toy_values(engine, data, args, tools, v0_settings, progress, path):
+    """path, the toy's offline values for spo.py's run (`args`), measured there with its engine (with the run's own
+    sampling settings, so they match by construction) unless there already."""
     if not os.path.exists(path):
         system_prompt = v0_settings["system_prompt"]
         estimate_offline_values(engine, data, path, n0=args.n0, temperature=args.temperature,
@@ -268,8 +267,10 @@ def init_tracker(tracker, args, engine, data, tools, v0_settings, on_toy, is_mai
     """spo.py's Algorithm 2: the tracker from --offline_values (on the toy, 'auto' measures v0 here once with the
     run's own engine and settings, then caches it), or left at the uninformed prior with 'none'."""
     path = args.offline_values
-    if on_toy and path not in ("auto", "none"):  # the toy's (`claim_toy_values`): measured here if not yet
-        path = toy_values(engine, data, args, tools, v0_settings, progress=is_main)
+    if on_toy and path == "auto":  # (spo.py's start resolves it: `claim_toy_values`)
+        path = toy_values_path(args.toy_dir, args.n0, args.seed, v0_settings, args.train_prompts)
+    if on_toy and path != "none":  # the toy's: measured here if not yet
+        path = toy_values(engine, data, args, tools, v0_settings, is_main, path)
     if path not in ("auto", "none"):
         init_tracker_from_file(tracker, path, data, args.init_smoothing, is_main)
     elif is_main:

@@ -36,7 +36,7 @@ from machinery.metrics import (Logger, PromptReach, add_logging_flags, oversampl
                                spo_metrics, step_metrics)
 from machinery.run_dir import check_disk, open_run_dir
 from offline_values import add_v0_flags, check_values_header, claim_toy_values, init_tracker, training_v0_settings
-from reward import add_reward_flags, rewards
+from reward import BUILT_IN, add_reward_flags, rewards
 from hf_engine import start_engine
 from rollout import (TOOL_INSTRUCTION, add_budget_flag, add_engine_flags, add_tool_flags, make_tools,
                      response_budget, start_program)
@@ -329,7 +329,8 @@ def start(args):
     rank, world, device, args.engine = start_program(args.engine, args.cpu_kv_cache_gib)
     if args.resume:  # the run's own settings; only some flags may change (checkpoint.RESUME_MAY_CHANGE)
         given, values = args.given, {f: getattr(args, f) for f in args.given}
-        args = argparse.Namespace(**{**vars(args), **checkpoint.resumed_config(args.resume, values), "given": given})
+        resumed = checkpoint.resumed_config(args.resume, values, BUILT_IN, toy.BUILT)  # running nothing it names
+        args = argparse.Namespace(**{**vars(args), **resumed, "given": given})
     variants.check_flags(vars(args), world)  # one clear line for a bad flag or combination
     args.bf16 = devices.use_bf16(args.bf16, device.type == "cuda")  # auto: on GPU only; "on" needs bf16 units
     args.run_dir = open_run_dir(args.resume or args.run_dir, resumed=bool(args.resume), algo=args.algo,

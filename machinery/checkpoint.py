@@ -2,9 +2,9 @@
 
 Checkpoints: nothing lost, nothing silent, resume exact. (Who may write a run directory: machinery/run_dir.py.)
 
-`--resume` restores the run's own settings from
-its config.json (`resumed_settings`): only flags in RESUME_MAY_CHANGE may differ, any other flag given with
-another value is an error naming both values.
+`--resume` restores the run's own settings from its config.json (`resumed_settings`): only flags in
+RESUME_MAY_CHANGE may differ, and those that name where a file is (LOCATIONS: checked by its content instead); any
+other flag given with another value is an error naming both values.
 
 A checkpoint is a directory written atomically (into step_N.tmp, renamed when complete, then `latest` replaced):
 - shards/: the fp32 weights and the optimiser state as torch.distributed.checkpoint shards, every rank writing
@@ -19,11 +19,11 @@ A checkpoint is a directory written atomically (into step_N.tmp, renamed when co
 Every file is fsynced before the rename; a failed write (a full disk, read-only) removes the partial directory and
 says why, on every rank. Rotation removes only the step_N directories it wrote (`checkpoint_dirs`: a user's
 step_N_best stays), and a symbolic link where a checkpoint is written is removed, never followed (nothing is written
-outside the run directory). A run directory from elsewhere is data (machinery/untrusted.py). Resume takes the newest published checkpoint (`resume_point`), checks its files, the
-world size and the training set, builds the policy from model/ and loads shards/ over it. A damaged newest
-checkpoint is never stepped back from silently: the error names the damaged file and the newest intact checkpoint,
-to resume from by deleting the damaged one. A directory whose run saved no checkpoint is not a run to continue:
-a fresh run takes it over.
+outside the run directory). A run directory from elsewhere is data (machinery/untrusted.py). Resume takes the newest
+published checkpoint (`resume_point`), checks its files, the world size and the training set, builds the policy from
+model/ and loads shards/ over it. A damaged newest checkpoint is never stepped back from silently: the error names
+the damaged file and the newest intact checkpoint, to resume from by deleting the damaged one. A directory whose run
+saved no checkpoint is not a run to continue: a fresh run takes it over.
 Not run on its own: spo.py calls it; tests/test_end_to_end.py resumes runs and compares them with straight ones.
 """
 import errno
@@ -66,15 +66,16 @@ def resumed_settings(saved, given):
     return settings, errors
 
 
-def resumed_config(run_dir, given):
+def resumed_config(run_dir, given, built_in=(), shipped=""):
     """--resume: the run's own settings (its config.json) with the flags given now (given: {flag: value}) that may
-    change; one line naming each flag that may not, and a --steps that would not go past the checkpoint, are errors.
-    Returns the settings (a dict, resume and run_dir set to run_dir)."""
+    change; one line naming each flag that may not, a value that names code or a file that is not there
+    (`foreign_values`, with built_in and shipped), and a --steps that would not go past the checkpoint, are errors.
+    Returns the settings (a dict, resume and run_dir set to run_dir; model: the checkpoint's model/)."""
     path, error = resume_point(run_dir)  # before the config: "no checkpoint" is the error that says what to do
     if error:
         fail(error, once=True)
     settings, errors = resumed_settings(read_config(run_dir), given)
-    settings, foreign = foreign_values(run_dir, settings, given, os.path.join(path, "model"))
+    settings, foreign = foreign_values(run_dir, settings, given, os.path.join(path, "model"), built_in, shipped)
     errors = foreign + errors
     step = int(os.path.basename(path).removeprefix("step_"))
     if settings["steps"] <= step:

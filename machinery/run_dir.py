@@ -6,11 +6,12 @@ A run directory belongs to one run (`claim_run_dir`): a fresh run refuses a dire
 takes over one that holds none (a run that stopped before its first checkpoint: its files are moved aside), default
 names are unique (`default_run_dir`), and a lock file (host, pid and start time of rank 0) keeps a second job out
 while the first lives; a lock whose process is gone on this host (or whose pid another process has now: its start
-time differs) is stale and taken over. A run writes nothing through a symbolic link in its directory (`_linked`). `check_disk` asks for room for one more
-checkpoint before the engine starts. eval.py reads a run's newest checkpoint through `checkpoint_model`, which holds
-it against the run's rotation (machinery/checkpoint.py writes, checks and resumes checkpoints); a hold whose
-evaluation is gone is removed by the next that looks (rotation, the next hold, the disk check). An output of
-eval.py or offline_values.py has one writer at a time (`claim_output`) and appears whole (`atomic_write`).
+time differs) is stale and taken over. A run writes nothing through a symbolic link in its directory (`_linked`).
+`check_disk` asks for room for one more checkpoint before the engine starts. eval.py reads a run's newest checkpoint
+through `checkpoint_model`, which holds it against the run's rotation (machinery/checkpoint.py writes, checks and
+resumes checkpoints); a hold whose evaluation is gone is removed by the next that looks (rotation, the next hold,
+the disk check). An output of eval.py or offline_values.py has one writer at a time (`claim_output`) and appears
+whole (`atomic_write`).
 """
 import atexit
 import contextlib

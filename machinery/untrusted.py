@@ -39,16 +39,15 @@ LOCATIONS = {"model", "train", "test", "toy_dir"}
 SHIPPED = re.compile(r".*[/\\]tasks[/\\]built[/\\](\w+)[/\\](\w+\.parquet)")  # a shipped toy's data, in any checkout
 
 
-def foreign_values(run_dir, settings, given, model_dir):
+def foreign_values(run_dir, settings, given, model_dir, built_in, shipped):
     """--resume: the settings read from run_dir's config.json with every value that names code or a place checked
-    (given: the flags this command line names; model_dir: the checkpoint's model/). Returns (settings, errors):
-    error lines for a verifier that is not built in and not named now, and for data that is not where the run left
-    it. The training and held-out files: named now, where the run left them, or (moved from another checkout)
-    this checkout's copy of the shipped toy's file, said in one line."""
-    from reward import BUILT_IN
-    from tasks.toy import BUILT
+    (given: the flags this command line names; model_dir: the checkpoint's model/; built_in: the --reward specs that
+    are ours; shipped: this checkout's built toys, tasks/built). Returns (settings, errors): error lines for a
+    verifier that is not built in and not named now, and for data that is not where the run left it. The training
+    and held-out files: named now, where the run left them, or (moved from another checkout) this checkout's copy
+    of the shipped toy's file, said in one line."""
     settings, errors = {**settings, "model": model_dir}, []
-    if settings.get("reward") not in BUILT_IN and "reward" not in given:
+    if settings.get("reward") not in built_in and "reward" not in given:
         errors.append(f"--resume {run_dir}: its config.json names the verifier {settings.get('reward')!r}, which is "
                       f"not built in, and --resume runs no code a run directory names: pass --reward "
                       f"{settings.get('reward')} to run it (if you trust it)")
@@ -60,8 +59,8 @@ def foreign_values(run_dir, settings, given, model_dir):
         path = settings.get(flag)
         if flag in given or (path is None and flag == "test") or (isinstance(path, str) and os.path.isfile(path)):
             continue
-        shipped = SHIPPED.fullmatch(path) if isinstance(path, str) else None
-        here = shipped and os.path.join(BUILT, shipped[1], shipped[2])
+        toy = SHIPPED.fullmatch(path) if isinstance(path, str) else None
+        here = toy and shipped and os.path.join(shipped, toy[1], toy[2])
         if here and os.path.isfile(here):
             print(f"--resume {run_dir}: --{flag} {path} is not there; using this checkout's {here} (the same "
                   f"shipped toy: its prompts are checked against the run's)", flush=True)

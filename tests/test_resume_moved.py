@@ -24,7 +24,8 @@ saved_run = test_checkpoint.saved_run  # the fixture: a run directory with two r
 
 
 def _can_mount():
-    return subprocess.run(["unshare", "-m", "mount", "-t", "tmpfs", "none", "/mnt"], capture_output=True).returncode == 0
+    proc = subprocess.run(["unshare", "-m", "mount", "-t", "tmpfs", "none", "/mnt"], capture_output=True)
+    return proc.returncode == 0
 
 
 def _in_mount_namespace(setup, command, tmp_path):
@@ -41,16 +42,18 @@ def test_resume_runs_no_verifier_that_its_config_names(saved_run, tmp_path, caps
     """A run directory from elsewhere whose config.json names a verifier file: --resume stops with one line before
     anything imports it; named on the command line it is the user's choice."""
     from machinery import checkpoint
+    from reward import BUILT_IN
     run = shutil.copytree(saved_run, tmp_path / "run")
     hook = run / "hook.py"
     hook.write_text(f"open({str(tmp_path / 'ran')!r}, 'w').close()\ndef score(text, truth):\n    return 1\n")
     for reward in (f"{hook}:score", "hook.py:score", "hook:score"):
         (run / "config.json").write_text(json.dumps({"steps": 4, "reward": reward, "train": str(run / "hook.py")}))
-        err = _one_error(capsys, lambda: checkpoint.resumed_config(str(run), {"steps": 8}))
+        err = _one_error(capsys, lambda: checkpoint.resumed_config(str(run), {"steps": 8}, BUILT_IN))
         assert f"names the verifier {reward!r}, which is not built in" in err and f"--reward {reward}" in err, err
     assert not (tmp_path / "ran").exists()
-    settings = checkpoint.resumed_config(str(run), {"steps": 8, "reward": "hook:score"})
-    assert settings["reward"] == "hook:score" and settings["model"] == str(run / "checkpoints" / "step_000004" / "model")
+    settings = checkpoint.resumed_config(str(run), {"steps": 8, "reward": "hook:score"}, BUILT_IN)
+    assert settings["reward"] == "hook:score"
+    assert settings["model"] == str(run / "checkpoints" / "step_000004" / "model")  # the checkpoint's own
 
 
 # ---- a stale lock whose pid was reused
@@ -168,7 +171,8 @@ def test_the_tool_toys_offline_values_ship_for_the_readmes_tools_run():
     assert toy.checksum_error(toy_dir, tools=True) is None
     with open(path) as f:
         header = json.load(f)["header"]
-    assert (header["model"], header["dataset"]) == ("tasks/built/toy_tools/model", "tasks/built/toy_tools/train.parquet")
+    assert header["model"] == "tasks/built/toy_tools/model"  # the same in every clone
+    assert header["dataset"] == "tasks/built/toy_tools/train.parquet"
 
 
 # ---- a run made in another checkout
