@@ -79,8 +79,9 @@ def claim_run_dir(run_dir, resume, name):
     return None
 
 
-# What a run writes in its directory (metrics.py, spo.py, eval's probe, TensorBoard, wandb) and, in checkpoints/,
-# what save_checkpoint writes: a symbolic link at any of these would take the writes outside the run directory.
+# What a run writes in its directory (metrics.py, spo.py, eval's probe, TensorBoard, wandb, the toy's v0 where the toy
+# is read-only: `shared_output`) and, in checkpoints/, what save_checkpoint writes: a symbolic link at any of these
+# would take the writes outside the run directory.
 WRITTEN = {"config.json", "metrics.jsonl", "probe.jsonl", "run.png", "checkpoints", "wandb", ".write_test"}
 
 
@@ -89,7 +90,7 @@ def _linked(run_dir):
     step_N.tmp, latest and latest.tmp), or None."""
     root = os.path.join(run_dir, "checkpoints")
     paths = [os.path.join(run_dir, n) for n in os.listdir(run_dir)
-             if n.removesuffix(".tmp") in WRITTEN or n.startswith("events.out.")]
+             if n.removesuffix(".tmp") in WRITTEN or n.startswith(("events.out.", "offline_values_"))]
     paths += [os.path.join(root, n) for n in (os.listdir(root) if os.path.isdir(root) and not os.path.islink(root)
                                                 else []) if STEP.fullmatch(n.removesuffix(".tmp")) or n in
               ("latest", "latest.tmp")]
