@@ -29,7 +29,7 @@ import torch
 
 import variants
 from eval import add_eval_flags, evaluations, exact_metric, exact_template
-from machinery import checkpoint, device as devices, memory, trainer
+from machinery import checkpoint, device as devices, memory, trainer, untrusted
 from machinery.collectives import all_gather_np, all_gather_objects, all_reduce_np, full_parameters
 from machinery.data import check_context, find_model, load_tokenizer, load_train_and_test
 from machinery.metrics import (Logger, PromptReach, add_logging_flags, oversample_metrics, plot_run, run_summary,
@@ -351,7 +351,7 @@ def start(args):
                                      test_prompts=args.eval_max_prompts, verbose=rank == 0,
                                      min_prompts=math.ceil(args.oversample * args.batch_size / world / args.group_size)
                                      * world)
-    args.held_out = checkpoint.same_held_out(vars(args), test and test.keys, args.resume)  # --test: by content
+    args.held_out = untrusted.same_held_out(vars(args), test and test.keys, args.resume)  # --test: by content
     v0_settings = training_v0_settings(args, tools, system_prompt)
     if args.algo == "spo" and not args.resume and args.offline_values not in ("auto", "none"):
         check_values_header(args.offline_values, v0_settings, args.accept_offline_mismatch)

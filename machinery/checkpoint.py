@@ -38,8 +38,7 @@ import torch
 import torch.distributed as dist
 
 from machinery.errors import fail
-from machinery.untrusted import (LOCATIONS, foreign_values, nested, read_config, read_shards_metadata, read_state,
-                                 same_held_out)
+from machinery.untrusted import LOCATIONS, foreign_values, nested, read_config, read_shards_metadata, read_state
 
 
 # ------------------------------------------------------------------------------------------------ resume
