@@ -47,13 +47,13 @@ def foreign_values(run_dir, settings, given, model_dir, built_in, shipped):
     and held-out files: named now, where the run left them, or (moved from another checkout) this checkout's copy
     of the shipped toy's file, said in one line."""
     settings, errors = {**settings, "model": model_dir}, []
-    if settings.get("reward") not in built_in and "reward" not in given:
-        errors.append(f"--resume {run_dir}: its config.json names the verifier {settings.get('reward')!r}, which is "
+    if "reward" in settings and settings["reward"] not in built_in and "reward" not in given:  # (absent: the default)
+        errors.append(f"--resume {run_dir}: its config.json names the verifier {settings['reward']!r}, which is "
                       f"not built in, and --resume runs no code a run directory names: pass --reward "
-                      f"{settings.get('reward')} to run it (if you trust it)")
+                      f"{settings['reward']} to run it (if you trust it)")
     if settings.get("wandb") and "wandb" not in given:
-        print(f"--resume {run_dir}: its run logged to the wandb project {settings['wandb']!r}; not logging there "
-              f"unless --wandb names it now", flush=True)
+        _say(f"--resume {run_dir}: its run logged to the wandb project {settings['wandb']!r}; not logging there "
+             f"unless --wandb names it now")
         settings["wandb"] = None
     for flag in ("train", "test"):
         path = settings.get(flag)
@@ -62,13 +62,18 @@ def foreign_values(run_dir, settings, given, model_dir, built_in, shipped):
         toy = SHIPPED.fullmatch(path) if isinstance(path, str) else None
         here = toy and shipped and os.path.join(shipped, toy[1], toy[2])
         if here and os.path.isfile(here):
-            print(f"--resume {run_dir}: --{flag} {path} is not there; using this checkout's {here} (the same "
-                  f"shipped toy: its prompts are checked against the run's)", flush=True)
+            _say(f"--resume {run_dir}: --{flag} {path} is not there; using this checkout's {here} (the same "
+                 f"shipped toy: its prompts are checked against the run's)")
             settings[flag] = here
         else:
             errors.append(f"--resume {run_dir}: its --{flag} {path} is not there (a run moved, or made in another "
                           f"checkout): name where the file is now with --{flag} (checked against the run's prompts)")
     return settings, errors
+
+
+def _say(line):
+    if os.environ.get("RANK", "0") == "0":  # every rank reads the config; one says it
+        print(line, flush=True)
 
 
 def same_held_out(settings, keys, resumed):
