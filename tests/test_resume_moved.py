@@ -126,7 +126,8 @@ def test_out_of_inodes_while_the_tokenizer_is_written_is_one_line(tmp_path):
 # ---- the toy's offline values: one writer, kept where the run can write
 VALUES = ("import torch.distributed as dist\nfrom machinery import run_dir\n"
           "dist.init_process_group('gloo', init_method='tcp://127.0.0.1:0', rank=0, world_size=1)\n"
-          "print('->', run_dir.shared_output({path!r}, {run!r}, 'spo.py', 'the values'))\n")
+          "print('->', run_dir.shared_output({path!r}, {run!r}, 'spo.py', 'the values'))\n"
+          "dist.destroy_process_group()\n")  # (a gloo group left at exit can abort the interpreter)
 
 
 def test_the_toys_values_have_one_writer_and_a_read_only_toy_keeps_them_in_the_run(tmp_path):
