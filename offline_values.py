@@ -230,15 +230,26 @@ def estimate_offline_values(engine, data, out_path, *, n0=8, temperature=1.0, to
     return result
 
 
-def toy_values(engine, data, args, tools, v0_settings, progress):
-    """The path of the toy's offline values for spo.py's run (`args`), measured once with its engine (with the
-    run's own sampling settings, so they match by construction) and cached in the toy's directory."""
+def claim_toy_values(args, v0_settings, on_toy):
+    """spo.py's --offline_values, before the engine starts: on the toy, 'auto' becomes the file of the toy's v0 for
+    the run's settings, beside the toy (shipped for the README's runs, cached for others) or, where this run cannot
+    claim it (a read-only toy, another run measuring it now: machinery/run_dir.py's `shared_output`), in its run
+    directory, said in one line."""
+    if not (on_toy and args.algo == "spo" and not args.resume and args.offline_values == "auto"):
+        return args.offline_values
+    from machinery.run_dir import shared_output
     path = toy_values_path(args.toy_dir, args.n0, args.seed, v0_settings, args.train_prompts)
+    return shared_output(path, args.run_dir, "spo.py", "the toy's offline values")
+
+
+def toy_values(engine, data, args, tools, v0_settings, progress, path):
+    """path, the toy's offline values for spo.py's run (`args`), measured there with its engine (with the run's own
+    sampling settings, so they match by construction) unless there already."""
     if not os.path.exists(path):
         system_prompt = v0_settings["system_prompt"]
         estimate_offline_values(engine, data, path, n0=args.n0, temperature=args.temperature,
                                 max_tokens=args.max_response_len, seed=args.seed,
-                                header={"model": args.model, "dataset": args.train,
+                                header={"model": shipped_name(args.model), "dataset": shipped_name(args.train),
                                         **({"system_prompt": system_prompt} if system_prompt else {})},
                                 truncated_reward=args.truncated_reward, progress=progress, tools=tools,
                                 think_format=args.think_format, reward=args.reward,
@@ -246,12 +257,20 @@ def toy_values(engine, data, args, tools, v0_settings, progress):
     return path
 
 
+def shipped_name(path):
+    """A shipped toy's file by its place in the repository (a header that reads the same in every clone)."""
+    from tasks.toy import BUILT
+    return os.path.relpath(path, os.path.dirname(os.path.dirname(BUILT))) if path.startswith(BUILT + os.sep) else path
+
+
 def init_tracker(tracker, args, engine, data, tools, v0_settings, on_toy, is_main):
     """spo.py's Algorithm 2: the tracker from --offline_values (on the toy, 'auto' measures v0 here once with the
     run's own engine and settings, then caches it), or left at the uninformed prior with 'none'."""
     path = args.offline_values
-    if path == "auto" and on_toy:
-        path = toy_values(engine, data, args, tools, v0_settings, progress=is_main)
+    if on_toy and path == "auto":  # (spo.py's start resolves it: `claim_toy_values`)
+        path = toy_values_path(args.toy_dir, args.n0, args.seed, v0_settings, args.train_prompts)
+    if on_toy and path != "none":  # the toy's: measured here if not yet
+        path = toy_values(engine, data, args, tools, v0_settings, is_main, path)
     if path not in ("auto", "none"):
         init_tracker_from_file(tracker, path, data, args.init_smoothing, is_main)
     elif is_main:

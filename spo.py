@@ -29,14 +29,14 @@ import torch
 
 import variants
 from eval import add_eval_flags, evaluations, exact_metric, exact_template
-from machinery import checkpoint, device as devices, memory, trainer
+from machinery import checkpoint, device as devices, memory, trainer, untrusted
 from machinery.collectives import all_gather_np, all_gather_objects, all_reduce_np, full_parameters
 from machinery.data import check_context, find_model, load_tokenizer, load_train_and_test
 from machinery.metrics import (Logger, PromptReach, add_logging_flags, oversample_metrics, plot_run, run_summary,
                                spo_metrics, step_metrics)
 from machinery.run_dir import check_disk, open_run_dir
-from offline_values import add_v0_flags, check_values_header, init_tracker, training_v0_settings
-from reward import add_reward_flags, rewards
+from offline_values import add_v0_flags, check_values_header, claim_toy_values, init_tracker, training_v0_settings
+from reward import BUILT_IN, add_reward_flags, rewards
 from hf_engine import start_engine
 from rollout import (TOOL_INSTRUCTION, add_budget_flag, add_engine_flags, add_tool_flags, make_tools,
                      response_budget, start_program)
@@ -329,7 +329,8 @@ def start(args):
     rank, world, device, args.engine = start_program(args.engine, args.cpu_kv_cache_gib)
     if args.resume:  # the run's own settings; only some flags may change (checkpoint.RESUME_MAY_CHANGE)
         given, values = args.given, {f: getattr(args, f) for f in args.given}
-        args = argparse.Namespace(**{**vars(args), **checkpoint.resumed_config(args.resume, values), "given": given})
+        resumed = checkpoint.resumed_config(args.resume, values, BUILT_IN, toy.BUILT)  # running nothing it names
+        args = argparse.Namespace(**{**vars(args), **resumed, "given": given})
     variants.check_flags(vars(args), world)  # one clear line for a bad flag or combination
     args.bf16 = devices.use_bf16(args.bf16, device.type == "cuda")  # auto: on GPU only; "on" needs bf16 units
     args.run_dir = open_run_dir(args.resume or args.run_dir, resumed=bool(args.resume), algo=args.algo,
@@ -350,9 +351,11 @@ def start(args):
                                      test_prompts=args.eval_max_prompts, verbose=rank == 0,
                                      min_prompts=math.ceil(args.oversample * args.batch_size / world / args.group_size)
                                      * world)
+    args.held_out = untrusted.same_held_out(vars(args), test and test.keys, args.resume)  # --test: by content
     v0_settings = training_v0_settings(args, tools, system_prompt)
     if args.algo == "spo" and not args.resume and args.offline_values not in ("auto", "none"):
         check_values_header(args.offline_values, v0_settings, args.accept_offline_mismatch)
+    args.offline_values = claim_toy_values(args, v0_settings, on_toy)  # where the toy's v0 is kept, said now
     return args, rank, world, device, tools, on_toy, tokenizer, data, test, v0_settings
 
 

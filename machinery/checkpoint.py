@@ -2,9 +2,9 @@
 
 Checkpoints: nothing lost, nothing silent, resume exact. (Who may write a run directory: machinery/run_dir.py.)
 
-`--resume` restores the run's own settings from
-its config.json (`resumed_settings`): only flags in RESUME_MAY_CHANGE may differ, any other flag given with
-another value is an error naming both values.
+`--resume` restores the run's own settings from its config.json (`resumed_settings`): only flags in
+RESUME_MAY_CHANGE may differ, and those that name where a file is (LOCATIONS: checked by its content instead); any
+other flag given with another value is an error naming both values.
 
 A checkpoint is a directory written atomically (into step_N.tmp, renamed when complete, then `latest` replaced):
 - shards/: the fp32 weights and the optimiser state as torch.distributed.checkpoint shards, every rank writing
@@ -17,19 +17,19 @@ A checkpoint is a directory written atomically (into step_N.tmp, renamed when co
 - manifest.json: every file's size as written, so a truncated or missing file is named before anything reads it
   (`damaged`).
 Every file is fsynced before the rename; a failed write (a full disk, read-only) removes the partial directory and
-says why, on every rank. A run directory from elsewhere is data: its pickles are read allowing no code (`read_state`,
-`read_shards_metadata`). Resume takes the newest published checkpoint (`resume_point`), checks its files, the
-world size and the training set, builds the policy from model/ and loads shards/ over it. A damaged newest
-checkpoint is never stepped back from silently: the error names the damaged file and the newest intact checkpoint,
-to resume from by deleting the damaged one. A directory whose run saved no checkpoint is not a run to continue:
-a fresh run takes it over.
+says why, on every rank. Rotation removes only the step_N directories it wrote (`checkpoint_dirs`: a user's
+step_N_best stays), and a symbolic link where a checkpoint is written is removed, never followed (nothing is written
+outside the run directory). A run directory from elsewhere is data (machinery/untrusted.py). Resume takes the newest
+published checkpoint (`resume_point`), checks its files, the world size and the training set, builds the policy from
+model/ and loads shards/ over it. A damaged newest checkpoint is never stepped back from silently: the error names
+the damaged file and the newest intact checkpoint, to resume from by deleting the damaged one. A directory whose run
+saved no checkpoint is not a run to continue: a fresh run takes it over.
 Not run on its own: spo.py calls it; tests/test_end_to_end.py resumes runs and compares them with straight ones.
 """
 import errno
 import itertools
 import json
 import os
-import pickle
 import re
 import shutil
 
@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from machinery.errors import fail
+from machinery.untrusted import LOCATIONS, foreign_values, nested, read_config, read_shards_metadata, read_state
 
 
 # ------------------------------------------------------------------------------------------------ resume
@@ -56,7 +57,7 @@ def resumed_settings(saved, given):
     another value than the run's that may not change."""
     settings, errors = dict(saved), []
     for flag, value in sorted(given.items()):
-        if flag in RESUME_MAY_CHANGE or flag not in saved:
+        if flag in RESUME_MAY_CHANGE or flag in LOCATIONS or flag not in saved:
             settings[flag] = value
         elif value != saved[flag]:
             errors.append(f"--{flag} {value}: the run being resumed has {saved[flag]}, and --resume continues a run "
@@ -64,14 +65,17 @@ def resumed_settings(saved, given):
     return settings, errors
 
 
-def resumed_config(run_dir, given):
+def resumed_config(run_dir, given, built_in=(), shipped=""):
     """--resume: the run's own settings (its config.json) with the flags given now (given: {flag: value}) that may
-    change; one line naming each flag that may not, and a --steps that would not go past the checkpoint, are errors.
-    Returns the settings (a dict, resume and run_dir set to run_dir)."""
+    change; one line naming each flag that may not, a value that names code or a file that is not there
+    (`foreign_values`, with built_in and shipped), and a --steps that would not go past the checkpoint, are errors.
+    Returns the settings (a dict, resume and run_dir set to run_dir; model: the checkpoint's model/)."""
     path, error = resume_point(run_dir)  # before the config: "no checkpoint" is the error that says what to do
     if error:
         fail(error, once=True)
     settings, errors = resumed_settings(read_config(run_dir), given)
+    settings, foreign = foreign_values(run_dir, settings, given, os.path.join(path, "model"), built_in, shipped)
+    errors = foreign + errors
     step = int(os.path.basename(path).removeprefix("step_"))
     if settings["steps"] <= step:
         errors.append(f"--steps {settings['steps']}: the run's latest checkpoint is at step {step}; pass a larger "
@@ -96,11 +100,24 @@ def checkpoint_dirs(run_dir):
     Not `latest`: it may name a step directory the user deleted (a damaged one), or lag a crash behind."""
     root = os.path.join(run_dir, "checkpoints")
     try:
-        names = [n for n in os.listdir(root) if n.startswith("step_") and n[5:].isdigit()]
+        names = [n for n in os.listdir(root) if STEP.fullmatch(n)]
     except OSError:
         return []
     return [os.path.join(root, n) for n in sorted(names, key=lambda n: int(n[5:]))
             if os.path.isdir(os.path.join(root, n))]
+
+
+STEP = re.compile(r"step_[0-9]{6,}")  # save_checkpoint's names: only these are read, rotated and replaced
+
+
+def remove(path):
+    """path gone: a symbolic link itself (never what it points to), a directory with all it holds. Returns whether
+    it is gone (a tree that cannot be removed, say read-only, stays, and must not be reported removed)."""
+    if os.path.islink(path) or os.path.isfile(path):
+        os.remove(path)
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+    return not os.path.lexists(path)
 
 
 def no_checkpoint(run_dir):
@@ -127,19 +144,6 @@ def resume_point(run_dir):
         bad.append(path)
     return None, (f"--resume {run_dir}: its latest checkpoint is damaged ({problem}) and no earlier one is intact: "
                   f"start a new run with another --run_dir")
-
-
-def read_config(run_dir):
-    """The run's flags as spo.py wrote them (a JSON object): anything else is one line, not a traceback later."""
-    try:
-        with open(os.path.join(run_dir, "config.json")) as f:
-            config = json.load(f)
-    except (OSError, ValueError) as e:
-        fail(f"--resume {run_dir}: cannot read its config.json ({e})", once=True)
-    if not isinstance(config, dict) or not isinstance(config.get("steps"), int):
-        fail(f"--resume {run_dir}: its config.json is not a run's configuration (a JSON object of spo.py's flags, "
-             f"with steps); was it edited?", once=True)
-    return config
 
 
 def _fsync_tree(root):
@@ -300,7 +304,7 @@ def save_checkpoint(run_dir, step, model, optimizer, tokenizer, world, prompt_ke
         if error is None:
             return
         if dist.get_rank() == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
+            remove(tmp)
         kept = ([f"the previous checkpoint ({os.path.basename(p)}) is intact" for p in checkpoint_dirs(run_dir)]
                 or ["there is no previous checkpoint"])[-1]
         if error in (os.strerror(errno.ENOSPC), os.strerror(errno.EDQUOT)):
@@ -311,7 +315,7 @@ def save_checkpoint(run_dir, step, model, optimizer, tokenizer, world, prompt_ke
              f"and {kept}", once=True)
     if dist.get_rank() == 0:
         try:
-            shutil.rmtree(tmp, ignore_errors=True)
+            remove(tmp)  # a link there is removed, not followed: nothing is written outside the run directory
             os.makedirs(os.path.join(tmp, "model"))
         except OSError as e:
             error = _why(e)
@@ -332,23 +336,23 @@ def save_checkpoint(run_dir, step, model, optimizer, tokenizer, world, prompt_ke
             state = {"step": step, "world_size": world, "prompt_keys": prompt_keys, "tracker": tracker_state,
                      "sampler": sampler_state, "previous": previous, "config": config, "reach": reach}
             with open(os.path.join(tmp, "state.pt"), "wb") as f:  # a Python file: a full disk raises an OSError
-                torch.save(_nested(state, lambda v: torch.from_numpy(v) if isinstance(v, np.ndarray) else v), f)
+                torch.save(nested(state, lambda v: torch.from_numpy(v) if isinstance(v, np.ndarray) else v), f)
             _write_manifest(tmp)  # last: every rank's shards are in (dcp.save returned on every rank)
-            with open(os.path.join(root, "latest.tmp"), "w") as f:  # written now: publishing is renames only
+            remove(os.path.join(root, "latest.tmp"))  # a link there is not written through
+            with open(os.path.join(root, "latest.tmp"), "x") as f:  # written now: publishing is renames only
                 f.write(os.path.basename(final))
                 f.flush()
                 os.fsync(f.fileno())
             _fsync_tree(tmp)
-        except (OSError, RuntimeError) as e:  # RuntimeError: torch.save's, raised while handling the OSError
+        except Exception as e:  # noqa: BLE001 - OSError; torch.save's RuntimeError; the Rust tokenizer's Exception
             error = _why(e)
     agree(error)
     if dist.get_rank() == 0:
-        shutil.rmtree(final, ignore_errors=True)
+        remove(final)
         os.replace(tmp, final)
         os.replace(os.path.join(root, "latest.tmp"), os.path.join(root, "latest"))
-        done = sorted(d for d in os.listdir(root) if d.startswith("step_") and not d.endswith(".tmp"))
-        for old in done[:-keep]:
-            shutil.rmtree(os.path.join(root, old), ignore_errors=True)
+        for old in checkpoint_dirs(run_dir)[:-keep]:  # its own step_N only: a user's step_N_best stays
+            remove(old)
     dist.barrier()
 
 
@@ -373,9 +377,12 @@ def load_checkpoint(run_dir, world, prompt_keys):
     if error:
         fail(error, once=True)
     for name in sorted(os.listdir(os.path.dirname(path))) if os.environ.get("RANK", "0") == "0" else []:
-        if name.startswith("step_") and name.endswith(".tmp"):
-            shutil.rmtree(os.path.join(os.path.dirname(path), name), ignore_errors=True)
-            print(f"--resume {run_dir}: removed {name}, a checkpoint whose writing did not finish", flush=True)
+        if STEP.fullmatch(name.removesuffix(".tmp")) and name.endswith(".tmp"):
+            link = os.path.islink(os.path.join(os.path.dirname(path), name))
+            gone = remove(os.path.join(os.path.dirname(path), name))
+            print(f"--resume {run_dir}: {'removed' if gone else 'cannot remove'} {name}, " + (
+                "a symbolic link (not followed: what it names is untouched)" if link else
+                "a checkpoint whose writing did not finish"), flush=True)
 
     def read(file, reader):
         try:
@@ -393,39 +400,6 @@ def load_checkpoint(run_dir, world, prompt_keys):
              f"{state['world_size']}")
     state["model_dir"], state["shards"] = os.path.join(path, "model"), os.path.join(path, "shards")
     return state
-
-
-def _nested(x, f):
-    """x with f applied to each value of its nested dicts: state.pt's numpy arrays <-> tensors."""
-    return {k: _nested(v, f) for k, v in x.items()} if isinstance(x, dict) else f(x)
-
-
-def read_state(path):
-    """A checkpoint's state.pt (save_checkpoint's), its tensors back to numpy arrays. weights_only: plain data
-    and tensors only, so a state file from elsewhere cannot run code when read."""
-    return _nested(torch.load(path, weights_only=True), lambda v: v.numpy() if isinstance(v, torch.Tensor) else v)
-
-
-# DCP's .metadata is a pickle of these, nothing else (`read_shards_metadata`).
-DCP_METADATA_TYPES = {("torch", name) for name, v in vars(torch).items() if isinstance(v, torch.dtype)} | {
-    ("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), *(("torch.distributed.checkpoint.metadata", name)
-    for name in ("Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
-                 "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING"))}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module, name):  # checked before anything is imported: an import runs a module's code
-        if (module, name) not in DCP_METADATA_TYPES:
-            raise pickle.UnpicklingError(f"GLOBAL {module}.{name} is not one of DCP's metadata types")
-        return super().find_class(module, name)
-
-
-def read_shards_metadata(path):
-    """DCP's metadata file (shards/.metadata), unpickled with only DCP's metadata types allowed: DCP's own reader
-    unpickles it with code execution allowed."""
-    with open(path, "rb") as f:
-        return _MetadataUnpickler(f).load()
 
 
 def _read_error(path, e):

@@ -4,12 +4,14 @@ Run directories: one run per directory, nothing overwritten, and a run's checkpo
 
 A run directory belongs to one run (`claim_run_dir`): a fresh run refuses a directory that holds a checkpoint and
 takes over one that holds none (a run that stopped before its first checkpoint: its files are moved aside), default
-names are unique (`default_run_dir`), and a lock file (host and pid of rank 0) keeps a second job out while the first
-lives; a lock whose process is gone on this host is stale and taken over. `check_disk` asks for room for one more
-checkpoint before the engine starts. eval.py reads a run's newest checkpoint through `checkpoint_model`, which holds
-it against the run's rotation (machinery/checkpoint.py writes, checks and resumes checkpoints); a hold whose
-evaluation is gone is removed by the next that looks (rotation, the next hold, the disk check). An output of
-eval.py or offline_values.py has one writer at a time (`claim_output`) and appears whole (`atomic_write`).
+names are unique (`default_run_dir`), and a lock file (host, pid and start time of rank 0) keeps a second job out
+while the first lives; a lock whose process is gone on this host (or whose pid another process has now: its start
+time differs) is stale and taken over. A run writes nothing through a symbolic link in its directory (`_linked`).
+`check_disk` asks for room for one more checkpoint before the engine starts. eval.py reads a run's newest checkpoint
+through `checkpoint_model`, which holds it against the run's rotation (machinery/checkpoint.py writes, checks and
+resumes checkpoints); a hold whose evaluation is gone is removed by the next that looks (rotation, the next hold,
+the disk check). An output of eval.py or offline_values.py has one writer at a time (`claim_output`) and appears
+whole (`atomic_write`).
 """
 import atexit
 import contextlib
@@ -21,7 +23,7 @@ import time
 
 import torch.distributed as dist
 
-from machinery.checkpoint import MANIFEST, checkpoint_dirs, damaged, no_checkpoint
+from machinery.checkpoint import MANIFEST, STEP, checkpoint_dirs, damaged, no_checkpoint
 from machinery.errors import fail
 
 
@@ -49,7 +51,7 @@ def claim_run_dir(run_dir, resume, name):
     None. A run is continued only from a checkpoint: a fresh run refuses a directory that holds one, and takes
     over one that holds none (a run that stopped before its first checkpoint, or a directory the user made);
     --resume needs one. So neither refusal sends the user to the other. The lock is a file created exclusively;
-    a lock left by a process that is gone (same host) is stale and replaced."""
+    a lock left by a process that is gone (same host; its pid reused by another: `_held`) is stale and replaced."""
     saved = checkpoint_dirs(run_dir)
     if not resume and saved:
         return (f"--run_dir {run_dir} already holds a run with checkpoints (newest: {os.path.basename(saved[-1])}): "
@@ -59,10 +61,14 @@ def claim_run_dir(run_dir, resume, name):
     lock, existed = os.path.join(run_dir, ".lock"), os.path.isdir(run_dir)
     try:
         os.makedirs(run_dir, exist_ok=True)
-        if busy := _take_lock(lock, name, f"{socket.gethostname()} {os.getpid()}\n"):
+        if busy := _take_lock(lock, name, _owner_line()):
             return f"--run_dir {run_dir} is {busy}"
+        if link := _linked(run_dir):
+            os.remove(lock)
+            return (f"--run_dir {run_dir}: {link} is a symbolic link (to {os.readlink(link)}), and a run writes only "
+                    f"inside its directory: remove the link")
         probe = os.path.join(run_dir, ".write_test")
-        with open(probe, "w") as f:
+        with open(probe, "w") as f:  # (not a link: `_linked`)
             f.write("ok")
         os.remove(probe)
         if not resume:
@@ -71,6 +77,24 @@ def claim_run_dir(run_dir, resume, name):
         return f"--run_dir {run_dir}: cannot write there ({e.strerror or e})"
     atexit.register(_release, lock, run_dir, existed)
     return None
+
+
+# What a run writes in its directory (metrics.py, spo.py, eval's probe, TensorBoard, wandb, the toy's v0 where the toy
+# is read-only: `shared_output`) and, in checkpoints/, what save_checkpoint writes: a symbolic link at any of these
+# would take the writes outside the run directory.
+WRITTEN = {"config.json", "metrics.jsonl", "probe.jsonl", "run.png", "checkpoints", "wandb", ".write_test"}
+
+
+def _linked(run_dir):
+    """The first symbolic link where a run writes in run_dir (WRITTEN, their .tmp files, checkpoints/'s step_N,
+    step_N.tmp, latest and latest.tmp), or None."""
+    root = os.path.join(run_dir, "checkpoints")
+    paths = [os.path.join(run_dir, n) for n in os.listdir(run_dir)
+             if n.removesuffix(".tmp") in WRITTEN or n.startswith(("events.out.", "offline_values_"))]
+    paths += [os.path.join(root, n) for n in (os.listdir(root) if os.path.isdir(root) and not os.path.islink(root)
+                                                else []) if STEP.fullmatch(n.removesuffix(".tmp")) or n in
+              ("latest", "latest.tmp")]
+    return next((p for p in sorted(paths) if os.path.islink(p)), None)
 
 
 def _take_over(run_dir, name):
@@ -233,6 +257,18 @@ def claim_output(path, flag, program, earlier=()):
     except OSError as e:
         return f"{flag} {path}: cannot write there ({e.strerror or e})"
     return None
+
+
+def shared_output(path, run_dir, program, what):
+    """A file runs share (the toy's offline values beside the toy), on every rank: path when it is there or rank 0
+    claims it for this run (`claim_output`: one writer per output, so two runs starting together never write one
+    file), else the same name in run_dir (a read-only toy, another run writing it now), said in one line."""
+    from machinery.collectives import all_gather_objects
+    if dist.get_rank() == 0 and not os.path.exists(path) and (error := claim_output(path, what, program)):
+        kept = os.path.join(run_dir, os.path.basename(path))
+        print(f"{program}: {error}; this run keeps its own in {kept}", flush=True)
+        path = kept
+    return all_gather_objects([path])[0]
 
 
 @contextlib.contextmanager

@@ -14,7 +14,9 @@ model and its tokenizer) that transformers and vLLM load. spo.py never knows it 
 
 The toys ship built in tasks/built/ (toy/, toy_tools/): a build is deterministic only on one kind of CPU (800
 warm-start steps amplify float differences), so the bytes ship and SHA256SUMS in each folder lists them; loading
-checks it. The recipe rebuilds them or builds others:
+checks it. The tool toy also ships its offline values (v0) for the README's `spo.py --tools` run, as spo.py measures
+them with the default settings (minutes of sampling before step 1 otherwise), listed in its SHA256SUMS. The recipe
+rebuilds the toys (a rebuilt tool toy measures its values again on first use) or builds others:
 
     python -m tasks.toy --toy_dir tasks/built/toy                # rebuild the shipped toy (this CPU's bytes)
     python -m tasks.toy --toy_dir mytoy --steps 400               # another toy; then spo.py --toy_dir mytoy
@@ -214,7 +216,7 @@ def write_checksums(toy_dir):
 def checksum_error(toy_dir, tools=False):
     """None if every file SHA256SUMS lists is there with its digest; else one line naming the first file that is
     missing or differs, and how to restore or rebuild the toy. Files the list does not name (the offline values
-    spo.py caches beside the toy) are not checked."""
+    spo.py caches beside the toy for other settings) are not checked."""
     with open(os.path.join(toy_dir, CHECKSUMS)) as f:
         expected = [line.rstrip("\n").split("  ", 1) for line in f if line.strip()]
     for digest, name in expected:

@@ -6,6 +6,7 @@ offline values and evaluation with tools.
 import json
 import os
 import re
+import shutil
 import sys
 
 import numpy as np
@@ -224,10 +225,9 @@ def test_resume_with_another_world_size_or_dataset(small_toy, spo_run, tmp_path)
     run, _ = spo_run
     err = _run_fail("--model", small_toy["model"], "--train", small_toy["train"], "--resume", str(run), "--steps", "6")
     assert "world size 2" in err
-    other = tmp_path / "other.jsonl"
-    other.write_text(json.dumps({"problem": "1+1=", "answer": "2"}) + "\n")
-    err = _run_fail("--model", small_toy["model"], "--train", str(other), "--resume", str(run))
-    assert f"--train {other}: the run being resumed has {small_toy['train']}" in err
+    other = shutil.copy(small_toy["test"], tmp_path / "other.parquet")  # --train names a place: checked by content
+    err = _run_fail("--model", small_toy["model"], "--train", str(other), "--resume", str(run), "--steps", "6")
+    assert "the checkpoint was made with another training set" in err
 
 
 @pytest.mark.slow
