@@ -23,23 +23,11 @@ import os
 
 import numpy as np
 
-from experiments.plots import read_run
+from experiments.analysis import pool_size, read_run
 
 PAPER = {"drawn": "7-15% (1,024-2,048 of ~14k)", "samples": "~22-36", "all_agree": "~60% rising past 80%",
          "mastered": "many, growing", "between": "~0.5 (a 'nearly 50%' cut)", "clip": "> 0 (8 mini-batches)",
          "window": "adaptive by design", "bias": "tracks (premise)", "rising": "rising", "minutes": "-"}
-
-
-def pool_size(config):
-    """The number of training prompts a run drew from: --train_prompts (at most the rows of its training file), else
-    every row of that file."""
-    import pyarrow.parquet as pq
-    if not os.path.exists(config["train"]):  # a record read on another machine: its --train_prompts, if it said
-        if config.get("train_prompts"):
-            return config["train_prompts"]
-        raise SystemExit(f"error: {config['train']} (the run's --train) is not here: its pool size is unknown")
-    rows = pq.ParquetFile(config["train"]).metadata.num_rows
-    return min(rows, config["train_prompts"]) if config.get("train_prompts") else rows
 
 
 def measure(run_dir):
@@ -125,7 +113,7 @@ def report(spo_dir, grpo_dir):
 def sweep_report(out):
     """One column per seed of a sweep's spo-sS and grpo-sS runs (or records): each target's measured value, and
     how many seeds met it."""
-    from experiments.plots import finished_run_dir
+    from experiments.analysis import finished_run_dir
     seeds = sorted(int(name.rsplit("-s", 1)[1]) for name in os.listdir(os.path.join(out, "records"))
                    if name.startswith("spo-s") and os.path.isdir(os.path.join(out, "records", f"grpo-s{name[5:]}")))
     if not seeds:

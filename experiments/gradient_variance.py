@@ -199,7 +199,7 @@ def markdown_row(result):
 def summary(paths):
     """Markdown: for each (model, algo) among the --json results, the mean [95% t-interval] over its measurement
     seeds of the covariance trace, the noise-to-signal ratio, the residual's variance and the zero-advantage share."""
-    from experiments.plots import mean_ci
+    from experiments.analysis import mean_ci
     groups = {}
     for path in paths:
         with open(path) as f:

@@ -25,7 +25,7 @@ import os
 
 import numpy as np
 
-from experiments.plots import read_run
+from experiments.analysis import read_run
 
 BIAS_BOUND, MAE_RATIO_BOUND = 0.05, 1.5
 

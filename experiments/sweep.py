@@ -39,8 +39,9 @@ import time
 
 import numpy as np
 
-from experiments.plots import (eval_curve, finished_run_dir, groups_from_paths, make_plots, mean_ci,
-                               paired_difference, prediction_interval, read_run)
+from experiments.analysis import (eval_curve, finished_run_dir, mean_ci, paired_difference, prediction_interval,
+                                  read_run, read_sweep)
+from experiments.plots import groups_from_paths, make_plots
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: spo.py runs from there
 
@@ -175,19 +176,6 @@ def save_json(path, obj):
     os.replace(path + ".tmp", path)
 
 
-def read_sweep(out):
-    """sweep.json, or on a machine without it (it is not committed) the finished runs its records stand for."""
-    if os.path.exists(os.path.join(out, "sweep.json")):
-        with open(os.path.join(out, "sweep.json")) as f:
-            return json.load(f)
-    records = os.path.join(out, "records")
-    names = sorted(os.listdir(records)) if os.path.isdir(records) else []
-    if not names:
-        raise SystemExit(f"error: {out}: neither a sweep.json nor records/ to summarise")
-    return {"runs": {name: {"name": name, "variant": name.rsplit("-s", 1)[0], "seed": int(name.rsplit("-s", 1)[1]),
-                            "status": "finished"} for name in names}}
-
-
 def run_sweep(args, extra):
     from tqdm import tqdm
     runs = plan(args, extra)
@@ -302,7 +290,8 @@ def markdown(summary):
     steps = sorted({int(s) for v in variants.values() for s in v["steps"]})
     lines = [f"# Sweep summary\n\nHeld-out accuracy (%) at each evaluation step: mean [95% t-interval over seeds] "
              f"of the seeds that finished (n: seeds used). Paired difference: variant minus `{ref}` on the seeds "
-             f"both finished, in points, with its own 95% t-interval. No interval with fewer than 2 seeds.\n"]
+             f"both finished, in points, with its own 95% t-interval. No interval with fewer than 2 seeds. The "
+             f"intervals cover training randomness only (same initial model, pool and test set in every seed).\n"]
     if len(summary["budgets"]) == 1:
         lines.append(f"Budget: every run generated {summary['budgets'][0][1]:.0f} samples in "
                      f"{summary['budgets'][0][0]} steps (equal budget).\n")

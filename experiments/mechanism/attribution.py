@@ -7,7 +7,7 @@ import os
 
 import numpy as np
 
-from experiments.plots import finished_run_dir, mean_ci, paired_difference, read_run
+from experiments.analysis import finished_run_dir, mean_ci, paired_difference, read_run
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 EARLIER = os.path.join(os.path.dirname(HERE), "paper_regime")
