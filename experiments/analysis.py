@@ -1,24 +1,21 @@
-"""How every number of the notebook was computed: the statistics over seeds, reading the committed records (one
-archive per sweep), the preregistered primary metric and its power, the calibration targets, the tracker's regime,
-and the checks docs/experiments.md cites. Figures: plots.py; running a sweep: sweep.py.
+"""How the notebook's numbers are computed: statistics over seeds, reading the records, the preregistered primary
+metric and its power, the mechanism sweep's attribution, and the checks docs/experiments.md cites. The regime
+targets and the tracker's lag: regime.py; figures: plots.py; running a sweep: sweep.py.
 
-Records: a folder of runs D/NAME/ (config.json, metrics.jsonl[.gz], probe.jsonl[.gz]) may be packed as D.tar.gz
-holding NAME/config.json, NAME/metrics.jsonl, NAME/probe.jsonl; read_run(D/NAME) reads either, so every path below
-works on the committed archives. Intervals are over training seeds only: every seed starts from the same model and
-pool and is evaluated on the same test set, so they say nothing about another model, pool or test set.
+Records: a folder of runs D/NAME/ may be packed as one archive D.tar.gz of NAME/config.json, NAME/metrics.jsonl and
+NAME/probe.jsonl; read_run(D/NAME) reads either. Intervals are over training seeds only: every seed starts from the
+same model and pool and is evaluated on the same test set.
 
     python -m experiments.analysis primary experiments/calibrated --reference spo --budget 46592
-    python -m experiments.analysis power 0.0057                  # seeds for 1 point at a paired sd of 0.57 points
-    python -m experiments.analysis calibration experiments/calibrated/round2   # the targets, one column per seed
-    python -m experiments.analysis regime experiments/paper_regime/records/spo-s0 [--brief]
-    python -m experiments.analysis checks                        # the numbers docs/experiments.md's checks cite
+    python -m experiments.analysis power 0.0057          # the seeds for 1 point at a paired sd of 0.57 points
+    python -m experiments.analysis checks                # the numbers docs/experiments.md's checks cite
+    python -m experiments.analysis attribution           # experiments/mechanism/attribution.md's tables
 """
 import functools
 import gzip
 import io
 import json
 import os
-import sys
 import tarfile
 
 import numpy as np
@@ -103,12 +100,23 @@ def archive(path):
     return _archive(path, (os.stat(path).st_mtime_ns, os.stat(path).st_size)) if os.path.isfile(path) else {}
 
 
+def write_archive(path, members):
+    """{member name: bytes} as a tar.gz, the same bytes for the same members (sorted, mtime 0, no owner or name)."""
+    with open(path + ".tmp", "wb") as raw, gzip.GzipFile("", "wb", 9, raw, mtime=0) as gz, \
+            tarfile.open(fileobj=gz, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for name in sorted(members):
+            info = tarfile.TarInfo(name)
+            info.size = len(members[name])
+            tar.addfile(info, io.BytesIO(members[name]))
+    os.replace(path + ".tmp", path)
+
+
 def _text(run_dir, name):
     """A run file's text: RUN/NAME, RUN/NAME.gz, or NAME of RUN in its folder's archive (D.tar.gz); None if none."""
     path = os.path.join(run_dir, name)
-    for name, opener in ((path, open), (path + ".gz", gzip.open)):
-        if os.path.exists(name):
-            with opener(name, "rt") as f:
+    for candidate, opener in ((path, open), (path + ".gz", gzip.open)):
+        if os.path.exists(candidate):
+            with opener(candidate, "rt") as f:
                 return f.read()
     folder, run = os.path.split(os.path.normpath(run_dir))
     data = archive(folder + ".tar.gz").get(f"{run}/{name}")
@@ -136,13 +144,6 @@ def record_names(folder):
     return loose or sorted({name.split("/")[0] for name in archive(folder + ".tar.gz")})
 
 
-def finished_run_dir(out, name):
-    """Where a sweep's finished run is read from: its run directory where it exists (this machine ran it), else
-    its record (OUT/records/NAME, or NAME in OUT/records.tar.gz), committed, so a sweep carries across machines."""
-    run_dir = os.path.join(out, "runs", name)
-    return run_dir if os.path.isdir(run_dir) else os.path.join(out, "records", name)
-
-
 def read_sweep(out):
     """sweep.json, or on a machine without it (it is not committed) the finished runs its records stand for."""
     if os.path.exists(os.path.join(out, "sweep.json")):
@@ -156,7 +157,20 @@ def read_sweep(out):
 
 
 def load(out, name):
-    return read_run(finished_run_dir(out, name))
+    """A sweep's finished run: its run directory where it exists (this machine ran it), else its record
+    (OUT/records/NAME, or NAME in OUT/records.tar.gz: committed, so a sweep carries across machines)."""
+    run_dir = os.path.join(out, "runs", name)
+    return read_run(run_dir if os.path.isdir(run_dir) else os.path.join(out, "records", name))
+
+
+def sweep_runs(out, sweep=None, only=None):
+    """{variant: {seed: run}} of a sweep's finished runs (sweep: sweep.json's dict, default read_sweep(out)'s; only:
+    the run names to include, None: all)."""
+    groups = {}
+    for e in (sweep or read_sweep(out))["runs"].values():
+        if e.get("status") == "finished" and (only is None or e["name"] in only):
+            groups.setdefault(e["variant"], {})[e["seed"]] = load(out, e["name"])
+    return groups
 
 
 def eval_curve(run, key="eval/accuracy"):
@@ -216,18 +230,12 @@ def area_mean(curve, budget):
     return float(np.sum((grid[1:] - grid[:-1]) * (values[1:] + values[:-1]) / 2) / budget)
 
 
-def finished_runs(out):
-    """{(variant, seed): run} of a sweep's finished runs (sweep.json's, or what its records hold)."""
-    return {(e["variant"], e["seed"]): load(out, e["name"])
-            for e in read_sweep(out)["runs"].values() if e.get("status") == "finished"}
-
-
 def analyse(out, reference, budget=None):
     """The preregistered analysis: primary metric = exact success averaged over an equal budget of generated
     samples (offline values counted); secondary = exact success at the last evaluation; each paired with
     `reference` by seed, with its sd and the difference its seeds detect at 80% power; Fig. 3a's zero-advantage
     share. {"budget", "reference", "variants": {name: {metric: {seed: v}}}, "paired": {name: {metric: {...}}}}."""
-    runs = finished_runs(out)
+    runs = {(variant, seed): run for variant, seeds in sweep_runs(out).items() for seed, run in seeds.items()}
     curves = {key: exact_curve(run, pool_size(run["config"])) for key, run in runs.items()}
     if not curves or not all(curves.values()):
         raise SystemExit(f"error: {out}: no finished run with eval/exact")
@@ -277,10 +285,63 @@ def primary_markdown(result):
     return "\n".join(lines) + "\n"
 
 
+# ------------------------------------------------------------------------------------------------ the mechanism
+# experiments/mechanism/PLAN.md: (variant, against, what the difference isolates); "*": the earlier tracker_keeps_up
+# sweep's records (paper_regime/, older code)
+COMPARISONS = [("rpp_g8", "grpo", "group z-score -> batch whitening, at 8 x 8"),
+               ("rpp_g1", "rpp_g8", "8 x 8 -> 64 x 1, batch whitening"),
+               ("spo*", "rpp_g1", "SPO's tracker baseline, sampler and offline values (cross-code)"),
+               ("no_baseline*", "rpp_g1", "SPO's sampler and offline values alone (cross-code)"),
+               ("spo*", "grpo", "the whole gap, today's grpo against the earlier spo (cross-code)"),
+               ("spo*", "grpo*", "the whole gap in the earlier sweep")]
+
+
+def attribution(root=ROOT, seeds=range(5)):
+    """The mechanism sweep's tables (experiments/mechanism/attribution.md): per variant, then per comparison, the
+    held-out avg@2 and exact success at step 600 and their means over the evaluations (logged every 50 steps with
+    equal samples between them: the area under the curve against samples), paired by seed."""
+    def load_finished(variant, seed):
+        run = load(os.path.join(root, "paper_regime" if variant.endswith("*") else "mechanism"),
+                   f"{variant.rstrip('*')}-s{seed}")
+        return run if 600 in run["rows"] else None
+    variants = sorted({v for c in COMPARISONS for v in c[:2]})
+    runs = {v: {s: load_finished(v, s) for s in seeds} for v in variants}
+    at = lambda key: lambda r: r["rows"][600].get(key, float("nan"))  # noqa: E731
+    over = lambda key: lambda r: run_mean(r, key, 0)  # noqa: E731
+    metrics = {"held-out avg@2, step 600": at("eval/accuracy"), "exact, step 600": at("eval/exact"),
+               "exact, mean over evaluations": over("eval/exact"),
+               "avg@2, mean over evaluations": over("eval/accuracy")}
+    lines = ["| variant | seeds | " + " | ".join(metrics) + " | zero-advantage share | all-agree share |",
+             "| --- | --- |" + " --- |" * (len(metrics) + 2)]
+    for v in variants:
+        have = [s for s in seeds if runs[v][s]]
+        cells = []
+        for fn in metrics.values():
+            mean, low, high, n = mean_ci([fn(runs[v][s]) for s in have])
+            cells.append(f"{100 * mean:.1f} [{100 * low:.1f}, {100 * high:.1f}]" if n > 1 else
+                         (f"{100 * mean:.1f}" if n else ""))
+        zero = mean_ci([run_mean(runs[v][s], "signal/zero_advantage") for s in have])[0]
+        agree = mean_ci([run_mean(runs[v][s], "zero_signal/degenerate_groups") for s in have])[0]
+        lines.append(f"| {v} | {','.join(map(str, have))} | " + " | ".join(cells) + f" | {100 * zero:.1f}% | "
+                     + (f"{100 * agree:.1f}% |" if np.isfinite(agree) else "|"))
+    lines += ["", "| difference | isolates | " + " | ".join(metrics) + " | paired sd, step 600 (points) |",
+              "| --- | --- |" + " --- |" * (len(metrics) + 1)]
+    for a, b, what in COMPARISONS:
+        cells = []
+        for fn in metrics.values():
+            d = paired_difference({s: fn(runs[a][s]) for s in seeds if runs[a][s]},
+                                  {s: fn(runs[b][s]) for s in seeds if runs[b][s]})
+            cells.append(f"{100 * d[0]:+.1f} [{100 * d[1]:+.1f}, {100 * d[2]:+.1f}] (n {d[3]})" if d[3] else "")
+        first = metrics["held-out avg@2, step 600"]
+        d = [first(runs[a][s]) - first(runs[b][s]) for s in seeds if runs[a][s] and runs[b][s]]
+        sd = f"{100 * np.std(d, ddof=1):.2f}" if len(d) > 1 else ""
+        lines.append(f"| {a} - {b} | {what} | " + " | ".join(cells) + f" | {sd} |")
+    return "\n".join(lines)
+
+
 # ------------------------------------------------------------------------------------------------ the checks
-def _pct(ci, scale=100.0, sign="+"):
-    mean, low, high, _ = ci
-    return f"{scale * mean:{sign}.2f} [{scale * low:{sign}.2f}, {scale * high:{sign}.2f}]"
+def _pct(mean, low, high, *_, sign="+"):
+    return f"{100 * mean:{sign}.2f} [{100 * low:{sign}.2f}, {100 * high:{sign}.2f}]"
 
 
 def probe_bias(run, after=50, learning=(0.1, 0.9)):
@@ -309,7 +370,7 @@ def checks(root=ROOT):
     # 1. the paper's variance cut: SPO's raw-advantage variance against its no-baseline ablation (r itself)
     cut = [1 - run_mean(run("calibrated", f"spo-s{s}"), "signal/adv_var_raw")
            / run_mean(run("calibrated", f"no_baseline-s{s}"), "signal/adv_var_raw") for s in seeds]
-    out.append(f"| 1. raw-advantage variance cut, spo against no_baseline (%) | {_pct(mean_ci(cut), sign='')} |")
+    out.append(f"| 1. raw-advantage variance cut, spo against no_baseline (%) | {_pct(*mean_ci(cut), sign='')} |")
     # 2. the tracker probe per variant and seed: the bias bound (0.05) and the lag on prompts being learned
     for variant in ("spo", "no_baseline", "no_offline", "uniform"):
         cells = [probe_bias(run("calibrated", f"{variant}-s{s}")) for s in seeds]
@@ -318,21 +379,19 @@ def checks(root=ROOT):
     # 3. the sweep's spo and grpo seeds 0-2 against calibration round 2's runs of the same seeds
     for variant in ("spo", "grpo"):
         same = []
-        for s in range(3):
-            a, b = run("calibrated", f"{variant}-s{s}"), run("calibrated/round2", f"{variant}-s{s}")
-            steps = sorted(set(a["rows"]) & set(b["rows"]))
-            same.append(f"{len(steps) - 1} steps " + ("equal" if {k: comparable(a["rows"])[k] for k in steps}
-                                                       == comparable(b["rows"]) and a["probe"] == b["probe"]
-                                                       else "DIFFER"))
+        for s in range(3):  # round 2 ran 300 steps; the sweep's grpo trains on to 364: round 2's steps compared
+            new, old = run("calibrated", f"{variant}-s{s}"), run("calibrated/round2", f"{variant}-s{s}")
+            rows, before = comparable(new["rows"]), comparable(old["rows"])
+            equal = {step: rows.get(step) for step in before} == before and new["probe"] == old["probe"]
+            same.append(f"{len(before) - 1} steps {'equal' if equal else 'DIFFER'}")
         out.append(f"| 3. {variant} seeds 0-2 against round 2 (logged values but wall-clock times, probes) | "
                    + ", ".join(same) + " |")
-    # 4. the mechanism sweep's contrasts at step 600: point estimates with their intervals
-    mech = {(v, s): run("mechanism", f"{v}-s{s}") for v in ("grpo", "rpp_g8", "rpp_g1") for s in seeds}
-    mech.update({("spo*", s): run("paper_regime", f"spo-s{s}") for s in seeds})
-    for a, b in (("rpp_g8", "grpo"), ("rpp_g1", "rpp_g8"), ("spo*", "rpp_g1"), ("spo*", "grpo")):
-        at = {s: mech[(a, s)]["rows"][600]["eval/accuracy"] for s in seeds}
-        out.append(f"| 4. {a} - {b}, avg@2 at step 600 (points) | "
-                   f"{_pct(paired_difference(at, {s: mech[(b, s)]['rows'][600]['eval/accuracy'] for s in seeds}))} |")
+    # 4. the mechanism sweep's contrasts at step 600 (attribution()'s, to two decimals): point estimates, intervals
+    folders = {"grpo": "mechanism", "rpp_g8": "mechanism", "rpp_g1": "mechanism", "spo": "paper_regime"}
+    acc = {v: {s: run(folder, f"{v}-s{s}")["rows"][600]["eval/accuracy"] for s in seeds}
+           for v, folder in folders.items()}
+    for a, b in (("rpp_g8", "grpo"), ("rpp_g1", "rpp_g8"), ("spo", "rpp_g1")):
+        out.append(f"| 4. {a} - {b}, avg@2 at step 600 (points) | {_pct(*paired_difference(acc[a], acc[b]))} |")
     # 5. PPO-clip in the calibration's learning-rate scans
     for name in record_names(os.path.join(cal, "scans")):
         clip = [row["policy/clip_fraction"] for row in read_run(os.path.join(cal, "scans", name))["rows"].values()
@@ -343,22 +402,19 @@ def checks(root=ROOT):
         a, b = run("mechanism", f"grpo-s{s}")["rows"], run("paper_regime", f"grpo-s{s}")["rows"]
         moved = [st for st in sorted(a) for k in ("reward/mean", "response/length_mean", "eval/accuracy")
                  if a[st].get(k) != b.get(st, {}).get(k)]
-        out.append(f"| 6. grpo-s{s}: first step whose rewards, lengths or accuracy differ | {moved[0] if moved else 'none'}"
-                   " |")
+        first = moved[0] if moved else "none"
+        out.append(f"| 6. grpo-s{s}: first step whose rewards, lengths or accuracy differ | {first} |")
     # 7. SPO's near-zero advantages at the paper's threshold (Fig. 3a)
     zero = [run_mean(run("calibrated", f"spo-s{s}"), "zero_signal/abs_adv_le_0.02") for s in seeds]
-    out.append(f"| 7. spo: share of samples with abs(A) <= 0.02 (%) | {_pct(mean_ci(zero), sign='')} |")
-    # 8. prioritised sampling at the last evaluation
-    last = {v: {s: read["rows"][max(read["rows"])]["eval/exact"] for s in seeds
-                for read in [run("calibrated", f"{v}-s{s}")]} for v in ("uniform", "spo")}
-    out.append(f"| 8. uniform - spo, exact success at the last evaluation (points) | "
-               f"{_pct(paired_difference(last['uniform'], last['spo']))} |")
+    out.append(f"| 7. spo: share of samples with abs(A) <= 0.02 (%) | {_pct(*mean_ci(zero), sign='')} |")
+    # 8. prioritised sampling at the last evaluation: the preregistered analysis's secondary metric
+    d = analyse(cal, "spo", 46592)["paired"]["uniform"]["final"]
+    out.append(f"| 8. uniform - spo, exact success at the last evaluation (points) | {_pct(d['mean'], *d['ci95'])} |")
     return "\n".join(out)
 
 
 def main(argv=None):
     import argparse
-    argv = sys.argv[1:] if argv is None else list(argv)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="what", required=True)
     a = sub.add_parser("primary", help="the preregistered analysis of a sweep's runs or records")
@@ -371,13 +427,14 @@ def main(argv=None):
     a.add_argument("sd", type=float, help="the paired sd, a fraction (0.004 = 0.4 points)")
     a.add_argument("--effect", type=float, default=0.01, help="the effect to detect (0.01: 1 point)")
     sub.add_parser("checks", help="the numbers docs/experiments.md's checks cite, from the records")
+    sub.add_parser("attribution", help="the mechanism sweep's tables (experiments/mechanism/attribution.md)")
     args = p.parse_args(argv)
     if args.what == "power":
         n = seeds_for(args.effect, args.sd)
         print(f"paired sd {100 * args.sd:.2f} points: {n or 'more than 30'} seeds detect {100 * args.effect:.1f} "
               f"points with 80% power" + (f" (detectable with {n}: {100 * detectable(args.sd, n):.2f})" if n else ""))
-    elif args.what == "checks":
-        print(checks())
+    elif args.what in ("checks", "attribution"):
+        print(checks() if args.what == "checks" else attribution())
     else:
         if not os.path.isdir(args.out):
             raise SystemExit(f"error: {args.out}: not a sweep directory")

@@ -14,15 +14,13 @@ runs with a 95% t-interval band over runs (no band for a single run):
      quantiles), and the shares pinned at rho_min (solid) and rho_max (dashed).
 Per-step curves (2, 3, 5) are trailing means over SMOOTH steps; a plot without data in any run is skipped (named).
 
-    python -m experiments.sweep plot runs/spo-20261130-184232 runs/grpo --out plots  # your runs, one group each
-    python -m experiments.sweep plot experiments/toy --out plots                    # a sweep's runs, by variant
+    python -m experiments.sweep plot runs/spo-1 runs/grpo-1 experiments/calibrated --out plots  # a sweep: by variant
 """
-import json
 import os
 
 import numpy as np
 
-from experiments.analysis import eval_curve, finished_run_dir, mean_ci, read_run
+from experiments.analysis import eval_curve, mean_ci, read_run, record_names, sweep_runs
 
 SMOOTH = 10  # steps in the trailing mean of per-step curves (one step is 64 samples: noisy)
 
@@ -165,17 +163,13 @@ def make_plots(groups, out_dir):
 
 
 def groups_from_paths(paths):
-    """Command-line paths to groups: a sweep directory (it holds sweep.json) gives one group per variant (its
-    finished runs, as its summary counts them); any other directory is one run, its own group."""
+    """Command-line paths to groups: a sweep directory (it holds sweep.json or records) gives one group per variant
+    (its finished runs, as its summary counts them); any other directory is one run, its own group."""
     groups = {}
     for path in paths:
         path = path.rstrip("/")
-        if os.path.exists(os.path.join(path, "sweep.json")):
-            with open(os.path.join(path, "sweep.json")) as f:
-                sweep = json.load(f)
-            for run in sweep["runs"].values():
-                if run["status"] == "finished":
-                    groups.setdefault(run["variant"], []).append(read_run(finished_run_dir(path, run["name"])))
+        if os.path.exists(os.path.join(path, "sweep.json")) or record_names(os.path.join(path, "records")):
+            groups.update({variant: list(runs.values()) for variant, runs in sweep_runs(path).items()})
         else:
             groups[os.path.basename(path)] = [read_run(path)]
     return groups

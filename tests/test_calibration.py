@@ -1,5 +1,5 @@
-"""The calibrated regime: the pool statistics every toy evaluation logs (machinery/metrics.py:pool_statistics), the regime
-targets (experiments/calibration.py), the preregistered primary metric and power (experiments/analysis.py), and
+"""The calibrated regime: the pool statistics every toy evaluation logs (machinery/metrics.py:pool_statistics), the
+regime targets (experiments/regime.py), the preregistered primary metric and power (experiments/analysis.py), and
 the sharper warm start --preset calibrated ships.
 
     .venv/bin/python -m pytest tests/test_calibration.py -q
@@ -12,7 +12,7 @@ import pytest
 import spo
 import variants
 from machinery.metrics import pool_statistics
-from experiments.calibration import targets
+from experiments.regime import targets
 from experiments.analysis import area_mean, detectable, exact_curve, seeds_for
 
 
@@ -94,21 +94,20 @@ def test_the_calibrated_preset_trains_the_shipped_sharper_toy():
 def test_a_sweep_report_has_one_column_per_paired_seed_and_counts_the_seeds_that_met(tmp_path):
     """The committed round-1 records: three seeds of spo and grpo; an spo record without its grpo seed is left out,
     and a directory without any pair is one error line."""
-    import shutil
-    from experiments.calibration import sweep_report
+    from experiments.analysis import archive, write_archive
+    from experiments.regime import sweep_report
     round1 = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments", "calibrated",
-                          "round1")
-    shutil.copytree(os.path.join(round1, "records"), tmp_path / "records")
-    shutil.copytree(tmp_path / "records" / "spo-s2", tmp_path / "records" / "spo-s7")  # no grpo-s7
+                          "round1", "records.tar.gz")
+    members = archive(round1)
+    members.update({k.replace("spo-s2/", "spo-s7/"): v for k, v in members.items() if k.startswith("spo-s2/")})
+    write_archive(str(tmp_path / "records.tar.gz"), members)  # spo-s7 has no grpo-s7
     lines = sweep_report(str(tmp_path)).splitlines()
     assert lines[0].count("| seed ") == 3 and "seed 7" not in lines[0]
     rows = {line.split(" | ")[0].lstrip("| "): line for line in lines[2:]}
     assert len(rows) == 10 and all(line.count("|") == 7 for line in rows.values())  # markdown: no stray pipes
     assert rows["samples per prompt over the run"].endswith("| 3 of 3 |")  # 300 x 128 / 1024 = 37.5 each
     assert rows["PPO-clip clip fraction (mean over steps)"].endswith("| 0 of 3 |")
-    for name in os.listdir(tmp_path / "records"):
-        if name.startswith("grpo"):
-            shutil.rmtree(tmp_path / "records" / name)
+    write_archive(str(tmp_path / "records.tar.gz"), {k: v for k, v in members.items() if not k.startswith("grpo")})
     with pytest.raises(SystemExit, match="no seed with both"):
         sweep_report(str(tmp_path))
 

@@ -116,7 +116,8 @@ def test_run_state(tmp_path):
 
 
 def test_a_record_stands_in_for_its_run(tmp_path):
-    """A finished run's record (config + gzipped logs, committed) is read like the run: on a machine without the
+    """A finished run's record (config and logs in the sweep's one archive, committed) is read like the run: on a
+    machine without the
     run directory the sweep counts it finished and the summary is the same; a record of a shorter run is not."""
     out = str(tmp_path)
     run_dir, record = os.path.join(out, "runs", "spo-s0"), os.path.join(out, "records", "spo-s0")
@@ -127,9 +128,9 @@ def test_a_record_stands_in_for_its_run(tmp_path):
                                                       "status": "finished"}}}
     from_run = sweep.summarize(out, state)
     sweep.write_record(run_dir, record)
-    first = open(os.path.join(record, "metrics.jsonl.gz"), "rb").read()
+    first = open(os.path.join(out, "records.tar.gz"), "rb").read()
     sweep.write_record(run_dir, record)
-    assert open(os.path.join(record, "metrics.jsonl.gz"), "rb").read() == first  # the same bytes: commits stay quiet
+    assert open(os.path.join(out, "records.tar.gz"), "rb").read() == first  # the same bytes: commits stay quiet
     shutil.rmtree(run_dir)
     assert sweep.run_state(run_dir, 4, record) == "finished" and sweep.run_state(run_dir, 8, record) == "new"
     assert json.dumps(sweep.summarize(out, state)) == json.dumps(from_run)  # (NaN intervals: compare as text)
