@@ -223,6 +223,7 @@ def test_sweep_resumes_reports_failures_and_leaves_training_alone(small_toy, spo
     assert summary["failed"][0]["run"] == "bad-s0" and summary["budgets"] == [[4, 64]]
     assert set(summary["variants"]["grpo"]["steps"]) == {"0", "2", "4"}
     assert "bad-s0" in (out / "summary.md").read_text()
+    assert analysis.record_names(str(out / "records")) == ["grpo-s0", "spo-s0"]  # one archive, the resumed run in it
     assert sorted(os.listdir(out / "plots")) == sorted(f"{name}.png" for name in
                                                        ("accuracy", "zero_signal", "adv_variance", "tracker_probe",
                                                         "rho"))
