@@ -1,1 +1,1 @@
-"""Experiments: sweeps of variants x seeds (sweep.py), their plots (plots.py), and the results they wrote."""
+"""The lab notebook: the sweep runner (sweep.py), the analysis (analysis.py, regime.py, plots.py) and the records."""

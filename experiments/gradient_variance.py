@@ -58,7 +58,6 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0, help="seeds the prompt draws and the samples")
     p.add_argument("--micro_batch_size", type=int, default=64, help="sequences per forward/backward pass")
     p.add_argument("--json", default=None, help="also write the result here")
-    p.add_argument("--header", action="store_true", help="print the markdown table's header first")
     return check(p.parse_args(argv))
 
 
@@ -199,7 +198,7 @@ def markdown_row(result):
 def summary(paths):
     """Markdown: for each (model, algo) among the --json results, the mean [95% t-interval] over its measurement
     seeds of the covariance trace, the noise-to-signal ratio, the residual's variance and the zero-advantage share."""
-    from experiments.plots import mean_ci
+    from experiments.analysis import mean_ci
     groups = {}
     for path in paths:
         with open(path) as f:
@@ -227,8 +226,6 @@ def main(argv=None):
     torch.set_num_threads(1)  # other jobs share this machine's cores
     args = parse_args(argv)
     result = measure(args)
-    if args.header:
-        print("| " + " | ".join(COLUMNS) + " |\n|" + " --- |" * len(COLUMNS))
     print(markdown_row(result))
     if args.json:
         with open(args.json, "w") as f:

@@ -14,115 +14,15 @@ runs with a 95% t-interval band over runs (no band for a single run):
      quantiles), and the shares pinned at rho_min (solid) and rho_max (dashed).
 Per-step curves (2, 3, 5) are trailing means over SMOOTH steps; a plot without data in any run is skipped (named).
 
-    python -m experiments.sweep plot runs/spo-20261130-184232 runs/grpo --out plots  # your runs, one group each
-    python -m experiments.sweep plot experiments/toy --out plots                    # a sweep's runs, by variant
+    python -m experiments.sweep plot runs/spo-1 runs/grpo-1 experiments/calibrated --out plots  # a sweep: by variant
 """
-import gzip
-import json
 import os
 
 import numpy as np
 
+from experiments.analysis import eval_curve, mean_ci, read_run, record_names, sweep_runs
+
 SMOOTH = 10  # steps in the trailing mean of per-step curves (one step is 64 samples: noisy)
-
-# Two-sided 95% quantiles t_{0.975, df} of Student's t, df = 1..30 (standard tables; scipy is not a dependency).
-T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
-        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
-
-
-def t975(df):
-    """t_{0.975, df}: the table up to 30, then the Cornish-Fisher expansion around z = 1.96 (Abramowitz & Stegun
-    26.7.5, three terms), which agrees with the tables to 1e-3 from df = 30 on."""
-    if df < 1:
-        return float("nan")
-    if df <= 30:
-        return T975[int(df) - 1]
-    z = 1.959964
-    g1, g2 = (z ** 3 + z) / 4, (5 * z ** 5 + 16 * z ** 3 + 3 * z) / 96
-    g3 = (3 * z ** 7 + 19 * z ** 5 + 17 * z ** 3 - 15 * z) / 384
-    return z + g1 / df + g2 / df ** 2 + g3 / df ** 3
-
-
-def mean_ci(values):
-    """(mean, low, high, n) of the finite values: a 95% t-interval mean +- t_{0.975, n-1} sd / sqrt(n), sd with
-    n - 1. With fewer than two values there is no interval (low = high = NaN), never a fake zero width."""
-    x = np.asarray([v for v in values if v is not None and np.isfinite(v)], np.float64)
-    n = x.size
-    if n == 0:
-        return float("nan"), float("nan"), float("nan"), 0
-    mean = float(x.mean())
-    if n < 2:
-        return mean, float("nan"), float("nan"), 1
-    half = t975(n - 1) * float(x.std(ddof=1)) / np.sqrt(n)
-    return mean, mean - half, mean + half, n
-
-
-def prediction_interval(values):
-    """(low, high): where ONE more run falls with 95% probability (normal model), mean +- t_{0.975, n-1} sd
-    sqrt(1 + 1/n): what a single run on another machine is checked against. NaN with fewer than two values."""
-    x = np.asarray([v for v in values if v is not None and np.isfinite(v)], np.float64)
-    if x.size < 2:
-        return float("nan"), float("nan")
-    half = t975(x.size - 1) * float(x.std(ddof=1)) * np.sqrt(1 + 1 / x.size)
-    return float(x.mean()) - half, float(x.mean()) + half
-
-
-def paired_difference(values, reference):
-    """values, reference: {seed: number}. The mean_ci of values[s] - reference[s] over the seeds both have
-    (finite): a paired comparison, since runs with one seed share the held-out samples' seeds and the start."""
-    common = sorted(s for s in set(values) & set(reference)
-                    if np.isfinite(values[s]) and np.isfinite(reference[s]))
-    return mean_ci([values[s] - reference[s] for s in common])
-
-
-# ------------------------------------------------------------------------------------------------ reading runs
-def open_log(path):
-    """A run's JSONL log for reading: PATH, or PATH.gz where a sweep's record keeps it compressed; None if neither."""
-    if os.path.exists(path):
-        return open(path)
-    return gzip.open(path + ".gz", "rt") if os.path.exists(path + ".gz") else None
-
-
-def _jsonl_by_step(path):
-    """{step: row}; a resumed run may repeat steps (probe.jsonl keeps old lines): the last line of a step wins."""
-    rows = {}
-    if (f := open_log(path)) is not None:
-        with f:
-            for line in f:
-                if line.strip():
-                    row = json.loads(line)
-                    rows[row["step"]] = row
-    return rows
-
-
-def read_run(run_dir):
-    """An spo.py run directory, or a sweep's record of one: its config, metrics rows and probe rows (each
-    {step: row})."""
-    config = {}
-    if os.path.exists(os.path.join(run_dir, "config.json")):
-        with open(os.path.join(run_dir, "config.json")) as f:
-            config = json.load(f)
-    return {"dir": run_dir, "config": config, "rows": _jsonl_by_step(os.path.join(run_dir, "metrics.jsonl")),
-            "probe": _jsonl_by_step(os.path.join(run_dir, "probe.jsonl"))}
-
-
-def finished_run_dir(out, name):
-    """Where a sweep's finished run is read from: its run directory where it exists (this machine ran it), else
-    its record (OUT/records/NAME: config and gzipped logs, committed, so a sweep carries across machines)."""
-    run_dir = os.path.join(out, "runs", name)
-    return run_dir if os.path.isdir(run_dir) else os.path.join(out, "records", name)
-
-
-def eval_curve(run):
-    """{step: (generated samples so far, held-out accuracy)} at the run's evaluation steps (step 0: 0 samples)."""
-    out, generated = {}, 0.0
-    per_step = run["config"].get("batch_size", float("nan"))  # runs from before sampling/generated was logged
-    for step in sorted(run["rows"]):
-        row = run["rows"][step]
-        generated += row.get("sampling/generated", per_step) if step > 0 else 0.0
-        if "eval/accuracy" in row:
-            out[step] = (generated, row["eval/accuracy"])
-    return out
 
 
 def _smooth(y, window):
@@ -263,17 +163,13 @@ def make_plots(groups, out_dir):
 
 
 def groups_from_paths(paths):
-    """Command-line paths to groups: a sweep directory (it holds sweep.json) gives one group per variant (its
-    finished runs, as its summary counts them); any other directory is one run, its own group."""
+    """Command-line paths to groups: a sweep directory (it holds sweep.json or records) gives one group per variant
+    (its finished runs, as its summary counts them); any other directory is one run, its own group."""
     groups = {}
     for path in paths:
         path = path.rstrip("/")
-        if os.path.exists(os.path.join(path, "sweep.json")):
-            with open(os.path.join(path, "sweep.json")) as f:
-                sweep = json.load(f)
-            for run in sweep["runs"].values():
-                if run["status"] == "finished":
-                    groups.setdefault(run["variant"], []).append(read_run(finished_run_dir(path, run["name"])))
+        if os.path.exists(os.path.join(path, "sweep.json")) or record_names(os.path.join(path, "records")):
+            groups.update({variant: list(runs.values()) for variant, runs in sweep_runs(path).items()})
         else:
             groups[os.path.basename(path)] = [read_run(path)]
     return groups

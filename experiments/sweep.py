@@ -1,21 +1,19 @@
 """Sweeps: spo.py for a list of variants x seeds at an equal budget, resumable, with one summary and the plots.
 
 Why: one seed of an RL run on the toy moves the held-out accuracy by a few points, so comparing variants needs
-several seeds, an interval over them, and paired differences (runs with the same seed share the held-out samples'
-seeds and, for SPO, the offline values). This runs the grid, one torchrun at a time, and writes:
+several seeds and paired differences (analysis.py). This runs the grid, one torchrun at a time, and writes:
 
   OUT/runs/<variant>-s<seed>/      spo.py run directories
-  OUT/records/<variant>-s<seed>/   a finished run's config.json, metrics.jsonl.gz, probe.jsonl.gz: commit these; the
-                                   summary reads a record where the run is absent, and counts it as finished
+  OUT/records.tar.gz               every finished run's config.json, metrics.jsonl, probe.jsonl (one archive: commit
+                                   it); the summary reads a run's record where the run is absent
   OUT/logs/<variant>-s<seed>.log   everything the run printed (its latest attempt)
   OUT/sweep.json                   per run: variant, seed, command, status, exit code, seconds, error lines
   OUT/summary.json, summary.md     per variant and evaluation step the held-out accuracy, mean and 95% t-interval
                                    over the seeds that finished, and the paired difference to --reference
   OUT/plots/*.png                  the five plots of plots.py
 
-Equal budget: every variant generates --batch_size responses per step for the same --steps (nothing here
-over-samples or resamples); the summary checks it from each run's `sampling/generated`. The probe's and the
-held-out evaluation's samples are measurements, not counted.
+Equal budget: every variant generates --batch_size responses per step for the same --steps (the probe's and the
+evaluation's samples are measurements, not counted); the summary checks it from each run's `sampling/generated`.
 Resume: rerun the same command. A run whose latest checkpoint is at its last step is skipped; one with an earlier
 checkpoint continues from it (spo.py --resume, exact); one that never reached a checkpoint starts again. A failed
 run (non-zero exit) is reported on the console, in sweep.json and in summary.md, left out of every mean, and tried
@@ -39,8 +37,9 @@ import time
 
 import numpy as np
 
-from experiments.plots import (eval_curve, finished_run_dir, groups_from_paths, make_plots, mean_ci,
-                               paired_difference, prediction_interval, read_run)
+from experiments.analysis import (archive, eval_curve, mean_ci, paired_difference, prediction_interval, read_run,
+                                  read_sweep, record_names, sweep_runs, write_archive)
+from experiments.plots import groups_from_paths, make_plots
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: spo.py runs from there
 
@@ -106,7 +105,7 @@ def run_state(run_dir, steps_wanted, record_dir=None):
     directory without a checkpoint: the run died before its first)."""
     from machinery.checkpoint import latest_step
     if not os.path.isdir(run_dir):
-        record = read_run(record_dir) if record_dir and os.path.isdir(record_dir) else None
+        record = read_run(record_dir) if record_dir else None
         done = record and record["config"].get("steps") == steps_wanted and steps_wanted in record["rows"]
         return "finished" if done else "new"
     latest = latest_step(run_dir)
@@ -125,17 +124,16 @@ def steps_of(flags):
 
 
 def write_record(run_dir, record_dir):
-    """A finished run's record: its config.json and its logs gzipped (about a fifth of their size; no checkpoints),
-    small enough to commit, so the sweep's summary and plots, and its resume, work on a machine without the runs."""
-    import gzip
-    os.makedirs(record_dir, exist_ok=True)
-    shutil.copyfile(os.path.join(run_dir, "config.json"), os.path.join(record_dir, "config.json"))
-    for name in ("metrics.jsonl", "probe.jsonl"):
-        source, record = os.path.join(run_dir, name), os.path.join(record_dir, name + ".gz")
-        if os.path.exists(source):
-            with open(source, "rb") as f, gzip.GzipFile(record + ".tmp", "wb", mtime=0) as g:  # mtime 0: same bytes
-                shutil.copyfileobj(f, g)
-            os.replace(record + ".tmp", record)
+    """A finished run's record, NAME/{config.json, metrics.jsonl, probe.jsonl} (no checkpoints) in its sweep's one
+    archive OUT/records.tar.gz (record_dir: OUT/records/NAME), replacing an older record of NAME: small enough to
+    commit, so the sweep's summary, plots and resume work on a machine without the runs."""
+    path, name = os.path.dirname(record_dir) + ".tar.gz", os.path.basename(record_dir)
+    members = {k: v for k, v in archive(path).items() if not k.startswith(name + "/")}
+    for log in ("config.json", "metrics.jsonl", "probe.jsonl"):
+        if os.path.exists(os.path.join(run_dir, log)):
+            with open(os.path.join(run_dir, log), "rb") as f:
+                members[f"{name}/{log}"] = f.read()
+    write_archive(path, members)
 
 
 def free_port():
@@ -175,19 +173,6 @@ def save_json(path, obj):
     os.replace(path + ".tmp", path)
 
 
-def read_sweep(out):
-    """sweep.json, or on a machine without it (it is not committed) the finished runs its records stand for."""
-    if os.path.exists(os.path.join(out, "sweep.json")):
-        with open(os.path.join(out, "sweep.json")) as f:
-            return json.load(f)
-    records = os.path.join(out, "records")
-    names = sorted(os.listdir(records)) if os.path.isdir(records) else []
-    if not names:
-        raise SystemExit(f"error: {out}: neither a sweep.json nor records/ to summarise")
-    return {"runs": {name: {"name": name, "variant": name.rsplit("-s", 1)[0], "seed": int(name.rsplit("-s", 1)[1]),
-                            "status": "finished"} for name in names}}
-
-
 def run_sweep(args, extra):
     from tqdm import tqdm
     runs = plan(args, extra)
@@ -205,7 +190,7 @@ def run_sweep(args, extra):
         entry.update(name=name, variant=variant, seed=seed, flags=flags)
         if state == "finished":
             entry["status"] = "finished"
-            if os.path.isdir(run_dir) and not os.path.isdir(record_dir):
+            if os.path.isdir(run_dir) and name not in record_names(os.path.dirname(record_dir)):
                 write_record(run_dir, record_dir)
             print(f"{name}: finished, skipped", flush=True)
         else:
@@ -253,10 +238,8 @@ def run_sweep(args, extra):
 def summarize(out, sweep, only=None):
     """The summary dict from the finished runs in sweep.json (only: run names to include; None: all)."""
     entries = [e for e in sweep["runs"].values() if only is None or e["name"] in only]
-    curves = {}  # variant -> {seed: {step: (generated, accuracy)}}
-    for e in entries:
-        if e.get("status") == "finished":
-            curves.setdefault(e["variant"], {})[e["seed"]] = eval_curve(read_run(finished_run_dir(out, e["name"])))
+    curves = {variant: {seed: eval_curve(run) for seed, run in runs.items()}  # {seed: {step: (generated, acc)}}
+              for variant, runs in sweep_runs(out, sweep, only).items()}
     variants = list(dict.fromkeys(e["variant"] for e in entries))
     reference = sweep.get("reference", "spo")
     ref = curves.get(reference, {})
@@ -302,7 +285,8 @@ def markdown(summary):
     steps = sorted({int(s) for v in variants.values() for s in v["steps"]})
     lines = [f"# Sweep summary\n\nHeld-out accuracy (%) at each evaluation step: mean [95% t-interval over seeds] "
              f"of the seeds that finished (n: seeds used). Paired difference: variant minus `{ref}` on the seeds "
-             f"both finished, in points, with its own 95% t-interval. No interval with fewer than 2 seeds.\n"]
+             f"both finished, in points, with its own 95% t-interval. No interval with fewer than 2 seeds. The "
+             f"intervals cover training randomness only (same initial model, pool and test set in every seed).\n"]
     if len(summary["budgets"]) == 1:
         lines.append(f"Budget: every run generated {summary['budgets'][0][1]:.0f} samples in "
                      f"{summary['budgets'][0][0]} steps (equal budget).\n")
@@ -310,17 +294,16 @@ def markdown(summary):
         lines.append("**Budgets differ** (last step, generated samples): " +
                      ", ".join(f"({s}, {g:.0f})" for s, g in summary["budgets"]) + "\n")
     header = "| variant | n | " + " | ".join(f"step {s}" for s in steps) + " |\n" + "|---" * (len(steps) + 2) + "|"
-    lines += ["## Held-out accuracy\n", header]
-    for name, v in variants.items():
-        cells = [_pct(c["accuracy_mean"], *c["accuracy_ci95"]) if (c := v["steps"].get(str(s))) else ""
-                 for s in steps]
-        used = (f"{len(v['seeds_used'])}" + (f" ({len(v['seeds_failed'])} failed)" if v["seeds_failed"] else "")
-                + (f" ({len(v['seeds_not_run'])} not run yet)" if v.get("seeds_not_run") else ""))
-        lines.append(f"| {name} | {used} | " + " | ".join(cells) + " |")
-    lines += ["\n## A single run's range (95% prediction interval over seeds)\n", header]
-    for name, v in variants.items():
-        cells = [_pct(c["accuracy_mean"], *c["accuracy_pi95"]) if (c := v["steps"].get(str(s))) else "" for s in steps]
-        lines.append(f"| {name} | {len(v['seeds_used'])} | " + " | ".join(cells) + " |")
+    for title, interval in (("## Held-out accuracy\n", "accuracy_ci95"),
+                            ("\n## A single run's range (95% prediction interval over seeds)\n", "accuracy_pi95")):
+        lines += [title, header]
+        for name, v in variants.items():
+            cells = [_pct(c["accuracy_mean"], *c[interval]) if (c := v["steps"].get(str(s))) else "" for s in steps]
+            used = f"{len(v['seeds_used'])}"
+            if interval == "accuracy_ci95":  # the first table says which seeds are missing, and why
+                used += ((f" ({len(v['seeds_failed'])} failed)" if v["seeds_failed"] else "")
+                         + (f" ({len(v['seeds_not_run'])} not run yet)" if v.get("seeds_not_run") else ""))
+            lines.append(f"| {name} | {used} | " + " | ".join(cells) + " |")
     if ref in variants and len(variants) > 1:
         lines += [f"\n## Paired difference to {ref} (points)\n", header]
         for name, v in variants.items():
@@ -347,10 +330,7 @@ def write_summary(out, sweep, only=None):
     with open(os.path.join(out, "summary.md"), "w") as f:
         f.write(text)
     print(text, flush=True)
-    groups = {}
-    for e in sweep["runs"].values():
-        if e.get("status") == "finished" and (only is None or e["name"] in only):
-            groups.setdefault(e["variant"], []).append(read_run(finished_run_dir(out, e["name"])))
+    groups = {variant: list(runs.values()) for variant, runs in sweep_runs(out, sweep, only).items()}
     written, skipped = make_plots(groups, os.path.join(out, "plots"))
     print(f"plots: {', '.join(written.values()) or 'none'}" + (f" (no data for: {', '.join(skipped)})"
                                                                  if skipped else ""), flush=True)

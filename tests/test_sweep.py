@@ -14,6 +14,7 @@ import shutil
 import numpy as np
 import pytest
 
+from experiments import analysis
 from experiments import plots
 from experiments import sweep
 from common import ENV, PYTHON, ROOT, toy_args
@@ -21,39 +22,39 @@ from common import ENV, PYTHON, ROOT, toy_args
 
 # ------------------------------------------------------------------------------------------------ statistics
 def test_t_quantiles_match_the_tables():
-    assert plots.t975(1) == 12.706 and plots.t975(4) == 2.776 and plots.t975(30) == 2.042
+    assert analysis.t975(1) == 12.706 and analysis.t975(4) == 2.776 and analysis.t975(30) == 2.042
     # past the table: the expansion, against the printed tables' 2.021 (40), 2.000 (60), 1.980 (120)
     for df, table in ((31, 2.040), (40, 2.021), (60, 2.000), (120, 1.980), (10 ** 6, 1.960)):
-        assert abs(plots.t975(df) - table) < 1.5e-3, (df, plots.t975(df))
-    assert math.isnan(plots.t975(0))
+        assert abs(analysis.t975(df) - table) < 1.5e-3, (df, analysis.t975(df))
+    assert math.isnan(analysis.t975(0))
 
 
 def test_mean_ci_by_hand():
-    mean, low, high, n = plots.mean_ci([1.0, 2.0, 3.0])  # sd 1, half-width 4.303 / sqrt(3)
+    mean, low, high, n = analysis.mean_ci([1.0, 2.0, 3.0])  # sd 1, half-width 4.303 / sqrt(3)
     assert (mean, n) == (2.0, 3) and low == pytest.approx(2 - 4.303 / 3 ** 0.5) and high == pytest.approx(
         2 + 4.303 / 3 ** 0.5)
-    mean, low, high, n = plots.mean_ci([0.5, float("nan"), None])  # one finite value: no interval, not a zero one
+    mean, low, high, n = analysis.mean_ci([0.5, float("nan"), None])  # one finite value: no interval, not a zero one
     assert (mean, n) == (0.5, 1) and math.isnan(low) and math.isnan(high)
-    assert plots.mean_ci([])[3] == 0
+    assert analysis.mean_ci([])[3] == 0
 
 
 def test_prediction_interval_by_hand():
     """One more run's 95% range: mean +- t_{0.975, 4} sd sqrt(1 + 1/5) for 1..5 (2.776 x 1.581 x 1.095 = 4.808):
     sqrt(n + 1) times the mean's interval; none from one value."""
-    low, high = plots.prediction_interval([1, 2, 3, 4, 5])
+    low, high = analysis.prediction_interval([1, 2, 3, 4, 5])
     assert abs(high - 3 - 4.808) < 2e-3 and abs((3 - low) - (high - 3)) < 1e-12
-    mean, ci_low, _, _ = plots.mean_ci([1, 2, 3, 4, 5])
+    mean, ci_low, _, _ = analysis.mean_ci([1, 2, 3, 4, 5])
     assert abs((high - mean) / (mean - ci_low) - math.sqrt(6)) < 1e-9
-    assert all(math.isnan(x) for x in plots.prediction_interval([0.4]))
+    assert all(math.isnan(x) for x in analysis.prediction_interval([0.4]))
 
 
 def test_paired_difference_uses_common_seeds_only():
     values, reference = {0: 0.5, 1: 0.6, 2: 0.7}, {0: 0.4, 1: 0.4, 3: 0.9}  # seeds 0 and 1 in both: diffs .1, .2
-    mean, low, high, n = plots.paired_difference(values, reference)
+    mean, low, high, n = analysis.paired_difference(values, reference)
     half = 12.706 * np.std([0.1, 0.2], ddof=1) / 2 ** 0.5
     assert n == 2 and mean == pytest.approx(0.15) and (low, high) == pytest.approx((0.15 - half, 0.15 + half))
     # pairing removes what the seeds share: a constant offset has a zero-width interval
-    assert plots.paired_difference({0: 0.3, 1: 0.8}, {0: 0.2, 1: 0.7})[1:3] == pytest.approx((0.1, 0.1))
+    assert analysis.paired_difference({0: 0.3, 1: 0.8}, {0: 0.2, 1: 0.7})[1:3] == pytest.approx((0.1, 0.1))
 
 
 # ------------------------------------------------------------------------------------------------ planning
@@ -115,7 +116,8 @@ def test_run_state(tmp_path):
 
 
 def test_a_record_stands_in_for_its_run(tmp_path):
-    """A finished run's record (config + gzipped logs, committed) is read like the run: on a machine without the
+    """A finished run's record (config and logs in the sweep's one archive, committed) is read like the run: on a
+    machine without the
     run directory the sweep counts it finished and the summary is the same; a record of a shorter run is not."""
     out = str(tmp_path)
     run_dir, record = os.path.join(out, "runs", "spo-s0"), os.path.join(out, "records", "spo-s0")
@@ -126,13 +128,13 @@ def test_a_record_stands_in_for_its_run(tmp_path):
                                                       "status": "finished"}}}
     from_run = sweep.summarize(out, state)
     sweep.write_record(run_dir, record)
-    first = open(os.path.join(record, "metrics.jsonl.gz"), "rb").read()
+    first = open(os.path.join(out, "records.tar.gz"), "rb").read()
     sweep.write_record(run_dir, record)
-    assert open(os.path.join(record, "metrics.jsonl.gz"), "rb").read() == first  # the same bytes: commits stay quiet
+    assert open(os.path.join(out, "records.tar.gz"), "rb").read() == first  # the same bytes: commits stay quiet
     shutil.rmtree(run_dir)
     assert sweep.run_state(run_dir, 4, record) == "finished" and sweep.run_state(run_dir, 8, record) == "new"
     assert json.dumps(sweep.summarize(out, state)) == json.dumps(from_run)  # (NaN intervals: compare as text)
-    assert plots.read_run(record)["probe"][4]["success"] == [0.5]
+    assert analysis.read_run(record)["probe"][4]["success"] == [0.5]
     assert sweep.read_sweep(out)["runs"] == state["runs"]  # no sweep.json here: the records say what finished
     with pytest.raises(SystemExit, match="neither a sweep.json nor records"):
         sweep.read_sweep(str(tmp_path / "empty"))
@@ -171,7 +173,7 @@ def test_summary_and_plots_on_hand_written_runs(tmp_path):
     assert "| spo | 2 (1 not run yet) |" in text
     for name in ("accuracy", "zero_signal", "adv_variance", "tracker_probe", "rho"):
         assert os.path.getsize(os.path.join(out, "plots", f"{name}.png")) > 10_000, name
-    assert plots.read_run(os.path.join(out, "runs", "spo-s0"))["probe"][4]["success"][1] == pytest.approx(0.54)
+    assert analysis.read_run(os.path.join(out, "runs", "spo-s0"))["probe"][4]["success"][1] == pytest.approx(0.54)
 
 
 # ------------------------------------------------------------------------------------------------ a real sweep
@@ -221,6 +223,7 @@ def test_sweep_resumes_reports_failures_and_leaves_training_alone(small_toy, spo
     assert summary["failed"][0]["run"] == "bad-s0" and summary["budgets"] == [[4, 64]]
     assert set(summary["variants"]["grpo"]["steps"]) == {"0", "2", "4"}
     assert "bad-s0" in (out / "summary.md").read_text()
+    assert analysis.record_names(str(out / "records")) == ["grpo-s0", "spo-s0"]  # one archive, the resumed run in it
     assert sorted(os.listdir(out / "plots")) == sorted(f"{name}.png" for name in
                                                        ("accuracy", "zero_signal", "adv_variance", "tracker_probe",
                                                         "rho"))

@@ -1,0 +1,449 @@
+"""How the notebook's numbers are computed: statistics over seeds, reading the records, the preregistered primary
+metric and its power, the mechanism sweep's attribution, and the checks docs/experiments.md cites. The regime
+targets and the tracker's lag: regime.py; figures: plots.py; running a sweep: sweep.py.
+
+Records: a folder of runs D/NAME/ may be packed as one archive D.tar.gz of NAME/config.json, NAME/metrics.jsonl and
+NAME/probe.jsonl; read_run(D/NAME) reads either. Intervals are over training seeds only: every seed starts from the
+same model and pool and is evaluated on the same test set.
+
+    python -m experiments.analysis primary experiments/calibrated --reference spo --budget 46592
+    python -m experiments.analysis power 0.0057          # the seeds for 1 point at a paired sd of 0.57 points
+    python -m experiments.analysis checks                # the numbers docs/experiments.md's checks cite
+    python -m experiments.analysis attribution           # experiments/mechanism/attribution.md's tables
+"""
+import functools
+import gzip
+import io
+import json
+import os
+import tarfile
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+# Two-sided 95% quantiles t_{0.975, df} of Student's t, df = 1..30 (standard tables; scipy is not a dependency).
+T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
+# One-sided 80% quantiles t_{0.80, df}, df = 1..30, then the normal's 0.8416.
+T80 = [1.376, 1.061, 0.978, 0.941, 0.920, 0.906, 0.896, 0.889, 0.883, 0.879, 0.876, 0.873, 0.870, 0.868, 0.866,
+       0.865, 0.863, 0.862, 0.861, 0.860, 0.859, 0.858, 0.858, 0.857, 0.856, 0.856, 0.855, 0.855, 0.854, 0.854]
+
+
+# ------------------------------------------------------------------------------------------------ statistics
+def t975(df):
+    """t_{0.975, df}: the table up to 30, then the Cornish-Fisher expansion around z = 1.96 (Abramowitz & Stegun
+    26.7.5, three terms), which agrees with the tables to 1e-3 from df = 30 on."""
+    if df < 1:
+        return float("nan")
+    if df <= 30:
+        return T975[int(df) - 1]
+    z = 1.959964
+    g1, g2 = (z ** 3 + z) / 4, (5 * z ** 5 + 16 * z ** 3 + 3 * z) / 96
+    g3 = (3 * z ** 7 + 19 * z ** 5 + 17 * z ** 3 - 15 * z) / 384
+    return z + g1 / df + g2 / df ** 2 + g3 / df ** 3
+
+
+def _finite(values):
+    return np.asarray([v for v in values if v is not None and np.isfinite(v)], np.float64)
+
+
+def mean_ci(values):
+    """(mean, low, high, n) of the finite values: a 95% t-interval mean +- t_{0.975, n-1} sd / sqrt(n), sd with
+    n - 1. With fewer than two values there is no interval (low = high = NaN), never a fake zero width."""
+    x = _finite(values)
+    if x.size == 0:
+        return float("nan"), float("nan"), float("nan"), 0
+    if x.size < 2:
+        return float(x.mean()), float("nan"), float("nan"), 1
+    half = t975(x.size - 1) * float(x.std(ddof=1)) / np.sqrt(x.size)
+    return float(x.mean()), float(x.mean()) - half, float(x.mean()) + half, x.size
+
+
+def prediction_interval(values):
+    """(low, high): where ONE more run falls with 95% probability (normal model), mean +- t_{0.975, n-1} sd
+    sqrt(1 + 1/n): what a single run on another machine is checked against. NaN with fewer than two values."""
+    x = _finite(values)
+    if x.size < 2:
+        return float("nan"), float("nan")
+    half = t975(x.size - 1) * float(x.std(ddof=1)) * np.sqrt(1 + 1 / x.size)
+    return float(x.mean()) - half, float(x.mean()) + half
+
+
+def paired_difference(values, reference):
+    """values, reference: {seed: number}. The mean_ci of values[s] - reference[s] over the seeds both have
+    (finite): a paired comparison, since runs with one seed share the held-out samples' seeds and the start."""
+    common = sorted(s for s in set(values) & set(reference) if np.isfinite(values[s]) and np.isfinite(reference[s]))
+    return mean_ci([values[s] - reference[s] for s in common])
+
+
+def detectable(sd, n):
+    """The smallest true paired difference that n seeds detect with 80% power (two-sided 5% t-test), for a paired
+    standard deviation sd: (t_{0.975, n-1} + t_{0.80, n-1}) sd / sqrt(n). NaN below 2 seeds."""
+    return (t975(n - 1) + (T80[n - 2] if n <= 31 else 0.8416)) * sd / np.sqrt(n) if n >= 2 else float("nan")
+
+
+def seeds_for(effect, sd, most=30):
+    """The fewest seeds (at least 2) whose detectable() difference is at most `effect`; None if more than `most`."""
+    return next((n for n in range(2, most + 1) if detectable(sd, n) <= effect), None)
+
+
+# ------------------------------------------------------------------------------------------------ reading records
+@functools.lru_cache(maxsize=16)
+def _archive(path, stamp):
+    """{member name: bytes} of a tar.gz (stamp: its mtime and size, so a rewritten archive is read again)."""
+    with tarfile.open(path) as tar:
+        return {m.name: tar.extractfile(m).read() for m in tar if m.isfile()}
+
+
+def archive(path):
+    return _archive(path, (os.stat(path).st_mtime_ns, os.stat(path).st_size)) if os.path.isfile(path) else {}
+
+
+def write_archive(path, members):
+    """{member name: bytes} as a tar.gz, the same bytes for the same members (sorted, mtime 0, no owner or name)."""
+    with open(path + ".tmp", "wb") as raw, gzip.GzipFile("", "wb", 9, raw, mtime=0) as gz, \
+            tarfile.open(fileobj=gz, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for name in sorted(members):
+            info = tarfile.TarInfo(name)
+            info.size = len(members[name])
+            tar.addfile(info, io.BytesIO(members[name]))
+    os.replace(path + ".tmp", path)
+
+
+def _text(run_dir, name):
+    """A run file's text: RUN/NAME, RUN/NAME.gz, or NAME of RUN in its folder's archive (D.tar.gz); None if none."""
+    path = os.path.join(run_dir, name)
+    for candidate, opener in ((path, open), (path + ".gz", gzip.open)):
+        if os.path.exists(candidate):
+            with opener(candidate, "rt") as f:
+                return f.read()
+    folder, run = os.path.split(os.path.normpath(run_dir))
+    data = archive(folder + ".tar.gz").get(f"{run}/{name}")
+    return None if data is None else data.decode()
+
+
+def _jsonl_by_step(text):
+    """{step: row}; a resumed run may repeat steps (probe.jsonl keeps old lines): the last line of a step wins."""
+    rows = [json.loads(line) for line in io.StringIO(text or "") if line.strip()]
+    return {row["step"]: row for row in rows}
+
+
+def read_run(run_dir):
+    """An spo.py run directory, or a sweep's record of one (loose or in its folder's archive): its config, metrics
+    rows and probe rows (each {step: row})."""
+    config = _text(run_dir, "config.json")
+    return {"dir": run_dir, "config": json.loads(config) if config else {},
+            "rows": _jsonl_by_step(_text(run_dir, "metrics.jsonl")),
+            "probe": _jsonl_by_step(_text(run_dir, "probe.jsonl"))}
+
+
+def record_names(folder):
+    """The runs of a folder of runs: its sub-directories, or the runs its archive FOLDER.tar.gz holds."""
+    loose = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+    return loose or sorted({name.split("/")[0] for name in archive(folder + ".tar.gz")})
+
+
+def read_sweep(out):
+    """sweep.json, or on a machine without it (it is not committed) the finished runs its records stand for."""
+    if os.path.exists(os.path.join(out, "sweep.json")):
+        with open(os.path.join(out, "sweep.json")) as f:
+            return json.load(f)
+    names = record_names(os.path.join(out, "records"))
+    if not names:
+        raise SystemExit(f"error: {out}: neither a sweep.json nor records/ to summarise")
+    return {"runs": {name: {"name": name, "variant": name.rsplit("-s", 1)[0], "seed": int(name.rsplit("-s", 1)[1]),
+                            "status": "finished"} for name in names}}
+
+
+def load(out, name):
+    """A sweep's finished run: its run directory where it exists (this machine ran it), else its record
+    (OUT/records/NAME, or NAME in OUT/records.tar.gz: committed, so a sweep carries across machines)."""
+    run_dir = os.path.join(out, "runs", name)
+    return read_run(run_dir if os.path.isdir(run_dir) else os.path.join(out, "records", name))
+
+
+def sweep_runs(out, sweep=None, only=None):
+    """{variant: {seed: run}} of a sweep's finished runs (sweep: sweep.json's dict, default read_sweep(out)'s; only:
+    the run names to include, None: all)."""
+    groups = {}
+    for e in (sweep or read_sweep(out))["runs"].values():
+        if e.get("status") == "finished" and (only is None or e["name"] in only):
+            groups.setdefault(e["variant"], {})[e["seed"]] = load(out, e["name"])
+    return groups
+
+
+def eval_curve(run, key="eval/accuracy"):
+    """{step: (generated samples so far, held-out `key`)} at the run's evaluation steps (step 0: 0 samples)."""
+    out, generated = {}, 0.0
+    per_step = run["config"].get("batch_size", float("nan"))  # runs from before sampling/generated was logged
+    for step in sorted(run["rows"]):
+        row = run["rows"][step]
+        generated += row.get("sampling/generated", per_step) if step > 0 else 0.0
+        if key in row:
+            out[step] = (generated, row[key])
+    return out
+
+
+def run_mean(run, key, first=1):
+    """The mean of a per-step metric over the run's steps from `first` on (NaN where never logged)."""
+    values = [row[key] for step, row in run["rows"].items() if step >= first and key in row]
+    return float(np.mean(values)) if values else float("nan")
+
+
+# ------------------------------------------------------------------------------------------------ the primary metric
+def pool_size(config):
+    """The number of training prompts a run drew from: --train_prompts (at most the rows of its training file), else
+    every row of that file."""
+    if not os.path.exists(config["train"]):  # a record read on another machine: its --train_prompts, if it said
+        if config.get("train_prompts"):
+            return config["train_prompts"]
+        raise SystemExit(f"error: {config['train']} (the run's --train) is not here: its pool size is unknown")
+    import pyarrow.parquet as pq
+    rows = pq.ParquetFile(config["train"]).metadata.num_rows
+    return min(rows, config["train_prompts"]) if config.get("train_prompts") else rows
+
+
+def offline_samples(config, pool):
+    """Generations spent on the offline values before step 1: n0 per pool prompt for SPO with --offline_values."""
+    return config.get("n0", 0) * pool if config.get("algo") == "spo" and config.get("offline_values") != "none" else 0
+
+
+def exact_curve(run, pool):
+    """[(generated samples, eval/exact)] at the run's evaluations, the offline values' samples counted first (spent
+    at the base model's value, step 0's): the primary metric's curve."""
+    offline = float(offline_samples(run["config"], pool))
+    curve = [(generated + offline if step > 0 else 0.0, exact)
+             for step, (generated, exact) in sorted(eval_curve(run, "eval/exact").items())]
+    if curve and len(curve) > 1 and offline:
+        curve.insert(1, (offline, curve[0][1]))  # the budget v0 spent: flat
+    return curve
+
+
+def area_mean(curve, budget):
+    """The mean of a piecewise-linear curve [(x, y)] over x in [0, budget] (the curve must reach the budget)."""
+    x, y = map(np.asarray, zip(*curve))
+    if x[-1] < budget - 1e-9:
+        raise ValueError(f"the curve ends at {x[-1]:.0f} samples, before the budget {budget:.0f}")
+    grid = np.append(x[x < budget], budget)
+    values = np.interp(grid, x, y)
+    return float(np.sum((grid[1:] - grid[:-1]) * (values[1:] + values[:-1]) / 2) / budget)
+
+
+def analyse(out, reference, budget=None):
+    """The preregistered analysis: primary metric = exact success averaged over an equal budget of generated
+    samples (offline values counted); secondary = exact success at the last evaluation; each paired with
+    `reference` by seed, with its sd and the difference its seeds detect at 80% power; Fig. 3a's zero-advantage
+    share. {"budget", "reference", "variants": {name: {metric: {seed: v}}}, "paired": {name: {metric: {...}}}}."""
+    runs = {(variant, seed): run for variant, seeds in sweep_runs(out).items() for seed, run in seeds.items()}
+    curves = {key: exact_curve(run, pool_size(run["config"])) for key, run in runs.items()}
+    if not curves or not all(curves.values()):
+        raise SystemExit(f"error: {out}: no finished run with eval/exact")
+    budget = budget or min(curve[-1][0] for curve in curves.values())
+    variants = {}
+    for (variant, seed), curve in sorted(curves.items()):
+        v = variants.setdefault(variant, {"primary": {}, "final": {}, "zero_advantage": {}})
+        v["primary"][seed], v["final"][seed] = area_mean(curve, budget), curve[-1][1]
+        v["zero_advantage"][seed] = run_mean(runs[(variant, seed)], "signal/zero_advantage", 0)
+    paired = {}
+    for name, v in variants.items():
+        if name == reference or reference not in variants:
+            continue
+        paired[name] = {}
+        for metric in ("primary", "final"):
+            ref = variants[reference][metric]
+            diffs = [v[metric][s] - ref[s] for s in sorted(set(v[metric]) & set(ref))]
+            mean, low, high, n = mean_ci(diffs)
+            sd = float(np.std(diffs, ddof=1)) if n > 1 else float("nan")
+            paired[name][metric] = {"mean": mean, "ci95": [low, high], "n": n, "sd": sd,
+                                    "detectable": detectable(sd, n)}
+    return {"budget": budget, "reference": reference, "variants": variants, "paired": paired}
+
+
+def primary_markdown(result):
+    pts = lambda x: f"{100 * x:+.2f}" if np.isfinite(x) else "-"  # noqa: E731
+    lines = [f"Primary metric: held-out exact success averaged over {result['budget']:.0f} generated samples "
+             f"(offline values counted); secondary: exact success at the last evaluation. Mean [95% t-interval] "
+             f"over seeds (training randomness only: same model, pool and test set), %; paired difference to "
+             f"`{result['reference']}` in points, its sd and the smallest difference its seeds detect with 80% power; "
+             f"zero-advantage: the share of training samples with no signal (Fig. 3a), mean over steps and seeds.\n",
+             "| variant | seeds | primary | final | primary - ref | sd | detectable | final - ref | detectable | "
+             "zero-advantage |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for name, v in result["variants"].items():
+        cells = []
+        for metric in ("primary", "final"):
+            mean, low, high, n = mean_ci(v[metric].values())
+            cells.append(f"{100 * mean:.2f}" + (f" [{100 * low:.2f}, {100 * high:.2f}]" if n > 1 else ""))
+        d = result["paired"].get(name)
+        diff = ["", "", "", "", ""] if d is None else [
+            f"{pts(d['primary']['mean'])} [{pts(d['primary']['ci95'][0])}, {pts(d['primary']['ci95'][1])}]",
+            f"{100 * d['primary']['sd']:.2f}", f"{100 * d['primary']['detectable']:.2f}",
+            f"{pts(d['final']['mean'])} [{pts(d['final']['ci95'][0])}, {pts(d['final']['ci95'][1])}]",
+            f"{100 * d['final']['detectable']:.2f}"]
+        zero_share = f"{100 * np.mean(list(v['zero_advantage'].values())):.1f}%"
+        lines.append(f"| {name} | {len(v['primary'])} | " + " | ".join(cells + diff + [zero_share]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------------------------------------------ the mechanism
+# experiments/mechanism/PLAN.md: (variant, against, what the difference isolates); "*": the earlier tracker_keeps_up
+# sweep's records (paper_regime/, older code)
+COMPARISONS = [("rpp_g8", "grpo", "group z-score -> batch whitening, at 8 x 8"),
+               ("rpp_g1", "rpp_g8", "8 x 8 -> 64 x 1, batch whitening"),
+               ("spo*", "rpp_g1", "SPO's tracker baseline, sampler and offline values (cross-code)"),
+               ("no_baseline*", "rpp_g1", "SPO's sampler and offline values alone (cross-code)"),
+               ("spo*", "grpo", "the whole gap, today's grpo against the earlier spo (cross-code)"),
+               ("spo*", "grpo*", "the whole gap in the earlier sweep")]
+
+
+def attribution(root=ROOT, seeds=range(5)):
+    """The mechanism sweep's tables (experiments/mechanism/attribution.md): per variant, then per comparison, the
+    held-out avg@2 and exact success at step 600 and their means over the evaluations (logged every 50 steps with
+    equal samples between them: the area under the curve against samples), paired by seed."""
+    def load_finished(variant, seed):
+        run = load(os.path.join(root, "paper_regime" if variant.endswith("*") else "mechanism"),
+                   f"{variant.rstrip('*')}-s{seed}")
+        return run if 600 in run["rows"] else None
+    variants = sorted({v for c in COMPARISONS for v in c[:2]})
+    runs = {v: {s: load_finished(v, s) for s in seeds} for v in variants}
+    at = lambda key: lambda r: r["rows"][600].get(key, float("nan"))  # noqa: E731
+    over = lambda key: lambda r: run_mean(r, key, 0)  # noqa: E731
+    metrics = {"held-out avg@2, step 600": at("eval/accuracy"), "exact, step 600": at("eval/exact"),
+               "exact, mean over evaluations": over("eval/exact"),
+               "avg@2, mean over evaluations": over("eval/accuracy")}
+    lines = ["| variant | seeds | " + " | ".join(metrics) + " | zero-advantage share | all-agree share |",
+             "| --- | --- |" + " --- |" * (len(metrics) + 2)]
+    for v in variants:
+        have = [s for s in seeds if runs[v][s]]
+        cells = []
+        for fn in metrics.values():
+            mean, low, high, n = mean_ci([fn(runs[v][s]) for s in have])
+            cells.append(f"{100 * mean:.1f} [{100 * low:.1f}, {100 * high:.1f}]" if n > 1 else
+                         (f"{100 * mean:.1f}" if n else ""))
+        zero = mean_ci([run_mean(runs[v][s], "signal/zero_advantage") for s in have])[0]
+        agree = mean_ci([run_mean(runs[v][s], "zero_signal/degenerate_groups") for s in have])[0]
+        lines.append(f"| {v} | {','.join(map(str, have))} | " + " | ".join(cells) + f" | {100 * zero:.1f}% | "
+                     + (f"{100 * agree:.1f}% |" if np.isfinite(agree) else "|"))
+    lines += ["", "| difference | isolates | " + " | ".join(metrics) + " | paired sd, step 600 (points) |",
+              "| --- | --- |" + " --- |" * (len(metrics) + 1)]
+    for a, b, what in COMPARISONS:
+        cells = []
+        for fn in metrics.values():
+            d = paired_difference({s: fn(runs[a][s]) for s in seeds if runs[a][s]},
+                                  {s: fn(runs[b][s]) for s in seeds if runs[b][s]})
+            cells.append(f"{100 * d[0]:+.1f} [{100 * d[1]:+.1f}, {100 * d[2]:+.1f}] (n {d[3]})" if d[3] else "")
+        first = metrics["held-out avg@2, step 600"]
+        d = [first(runs[a][s]) - first(runs[b][s]) for s in seeds if runs[a][s] and runs[b][s]]
+        sd = f"{100 * np.std(d, ddof=1):.2f}" if len(d) > 1 else ""
+        lines.append(f"| {a} - {b} | {what} | " + " | ".join(cells) + f" | {sd} |")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------ the checks
+def _pct(mean, low, high, *_, sign="+"):
+    return f"{100 * mean:{sign}.2f} [{100 * low:{sign}.2f}, {100 * high:{sign}.2f}]"
+
+
+def probe_bias(run, after=50, learning=(0.1, 0.9)):
+    """(largest |bias| of v(x) against the exact p(x) over the probes after `after`; the largest |mean v - p| over
+    the probed prompts still being learned, learning[0] < p < learning[1], at those probes: the tracker's lag)."""
+    probes = [p for step, p in sorted(run["probe"].items()) if step > after]
+    lags = []
+    for p in probes:
+        exact, value = np.asarray(p["exact"]), np.asarray(p["value"])
+        inside = (exact > learning[0]) & (exact < learning[1])
+        lags.append(abs(float(np.mean(value[inside] - exact[inside]))) if inside.any() else 0.0)
+    return max(abs(p["probe/bias_exact"]) for p in probes), max(lags)
+
+
+def comparable(rows):
+    """Training's logged values per step without the wall-clock ones (times, throughput, peak memory)."""
+    return {s: {k: v for k, v in row.items() if not k.startswith(("time", "throughput", "memory/"))}
+            for s, row in rows.items()}
+
+
+def checks(root=ROOT):
+    """The numbers docs/experiments.md cites for the eight corrections of issue 52, from the records (markdown)."""
+    cal, seeds = os.path.join(root, "calibrated"), range(5)
+    run = functools.lru_cache(maxsize=None)(lambda folder, name: load(os.path.join(root, folder), name))
+    out = ["| check | measured |", "| --- | --- |"]
+    # 1. the paper's variance cut: SPO's raw-advantage variance against its no-baseline ablation (r itself)
+    cut = [1 - run_mean(run("calibrated", f"spo-s{s}"), "signal/adv_var_raw")
+           / run_mean(run("calibrated", f"no_baseline-s{s}"), "signal/adv_var_raw") for s in seeds]
+    out.append(f"| 1. raw-advantage variance cut, spo against no_baseline (%) | {_pct(*mean_ci(cut), sign='')} |")
+    # 2. the tracker probe per variant and seed: the bias bound (0.05) and the lag on prompts being learned
+    for variant in ("spo", "no_baseline", "no_offline", "uniform"):
+        cells = [probe_bias(run("calibrated", f"{variant}-s{s}")) for s in seeds]
+        out.append(f"| 2. {variant}: max abs(bias) after step 50 (lag where 0.1 < p < 0.9), seeds 0-4 | "
+                   + ", ".join(f"{b:.3f}{'' if b <= 0.05 else ' (miss)'} ({lag:.2f})" for b, lag in cells) + " |")
+    # 3. the sweep's spo and grpo seeds 0-2 against calibration round 2's runs of the same seeds
+    for variant in ("spo", "grpo"):
+        same = []
+        for s in range(3):  # round 2 ran 300 steps; the sweep's grpo trains on to 364: round 2's steps compared
+            new, old = run("calibrated", f"{variant}-s{s}"), run("calibrated/round2", f"{variant}-s{s}")
+            rows, before = comparable(new["rows"]), comparable(old["rows"])
+            equal = {step: rows.get(step) for step in before} == before and new["probe"] == old["probe"]
+            same.append(f"{len(before) - 1} steps {'equal' if equal else 'DIFFER'}")
+        out.append(f"| 3. {variant} seeds 0-2 against round 2 (logged values but wall-clock times, probes) | "
+                   + ", ".join(same) + " |")
+    # 4. the mechanism sweep's contrasts at step 600 (attribution()'s, to two decimals): point estimates, intervals
+    folders = {"grpo": "mechanism", "rpp_g8": "mechanism", "rpp_g1": "mechanism", "spo": "paper_regime"}
+    acc = {v: {s: run(folder, f"{v}-s{s}")["rows"][600]["eval/accuracy"] for s in seeds}
+           for v, folder in folders.items()}
+    for a, b in (("rpp_g8", "grpo"), ("rpp_g1", "rpp_g8"), ("spo", "rpp_g1")):
+        out.append(f"| 4. {a} - {b}, avg@2 at step 600 (points) | {_pct(*paired_difference(acc[a], acc[b]))} |")
+    # 5. PPO-clip in the calibration's learning-rate scans
+    for name in record_names(os.path.join(cal, "scans")):
+        clip = [row["policy/clip_fraction"] for row in read_run(os.path.join(cal, "scans", name))["rows"].values()
+                if "policy/clip_fraction" in row]
+        out.append(f"| 5. scan {name}: steps where clipping fired | {sum(c > 0 for c in clip)} of {len(clip)} |")
+    # 6. the mechanism sweep's grpo against the earlier sweep's: the first step a sampled token moved
+    for s in seeds:
+        a, b = run("mechanism", f"grpo-s{s}")["rows"], run("paper_regime", f"grpo-s{s}")["rows"]
+        moved = [st for st in sorted(a) for k in ("reward/mean", "response/length_mean", "eval/accuracy")
+                 if a[st].get(k) != b.get(st, {}).get(k)]
+        first = moved[0] if moved else "none"
+        out.append(f"| 6. grpo-s{s}: first step whose rewards, lengths or accuracy differ | {first} |")
+    # 7. SPO's near-zero advantages at the paper's threshold (Fig. 3a)
+    zero = [run_mean(run("calibrated", f"spo-s{s}"), "zero_signal/abs_adv_le_0.02") for s in seeds]
+    out.append(f"| 7. spo: share of samples with abs(A) <= 0.02 (%) | {_pct(*mean_ci(zero), sign='')} |")
+    # 8. prioritised sampling at the last evaluation: the preregistered analysis's secondary metric
+    d = analyse(cal, "spo", 46592)["paired"]["uniform"]["final"]
+    out.append(f"| 8. uniform - spo, exact success at the last evaluation (points) | {_pct(d['mean'], *d['ci95'])} |")
+    return "\n".join(out)
+
+
+def main(argv=None):
+    import argparse
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="what", required=True)
+    a = sub.add_parser("primary", help="the preregistered analysis of a sweep's runs or records")
+    a.add_argument("out", help="a sweep's directory (experiments/sweep.py --out)")
+    a.add_argument("--reference", default="spo", help="the variant paired differences are taken against")
+    a.add_argument("--budget", type=float, default=None, help="generated samples to average over (default: the "
+                   "smallest total of any run)")
+    a.add_argument("--json", default=None, help="also write the result here")
+    a = sub.add_parser("power", help="the seeds that detect --effect with 80%% power for a paired sd")
+    a.add_argument("sd", type=float, help="the paired sd, a fraction (0.004 = 0.4 points)")
+    a.add_argument("--effect", type=float, default=0.01, help="the effect to detect (0.01: 1 point)")
+    sub.add_parser("checks", help="the numbers docs/experiments.md's checks cite, from the records")
+    sub.add_parser("attribution", help="the mechanism sweep's tables (experiments/mechanism/attribution.md)")
+    args = p.parse_args(argv)
+    if args.what == "power":
+        n = seeds_for(args.effect, args.sd)
+        print(f"paired sd {100 * args.sd:.2f} points: {n or 'more than 30'} seeds detect {100 * args.effect:.1f} "
+              f"points with 80% power" + (f" (detectable with {n}: {100 * detectable(args.sd, n):.2f})" if n else ""))
+    elif args.what in ("checks", "attribution"):
+        print(checks() if args.what == "checks" else attribution())
+    else:
+        if not os.path.isdir(args.out):
+            raise SystemExit(f"error: {args.out}: not a sweep directory")
+        result = analyse(args.out, args.reference, args.budget)
+        print(primary_markdown(result))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
