@@ -2,8 +2,8 @@
 
 How the trainer cuts its work so that every forward pass fits a token budget, the same way on every rank.
 
-- `plan_micro_batches`: sequences packed longest first into micro-batches of at most --max_tokens_per_micro_batch
-  tokens (padding included) and --micro_batch_size sequences;
+- `plan_micro_batches`: sequences packed longest first (first fit) into micro-batches of at most
+  --max_tokens_per_micro_batch tokens, as the packed row runs them, and --micro_batch_size sequences;
 - `assign_by_tokens` / `deal_by_tokens`: all ranks' sequences dealt to the ranks by tokens, so the slowest rank
   is not the one that drew the longest responses;
 - `micro_batches`: the plan padded to one count on every rank (FSDP2's passes are collectives);
@@ -24,24 +24,31 @@ import torch
 LOGIT_CHUNK_BYTES = 2 ** 28
 
 
-def plan_micro_batches(lengths, max_sequences, max_tokens=None):
+def plan_micro_batches(lengths, max_sequences, max_tokens=None, padded=False):
     """Micro-batches as lists of positions into `lengths` (prompt + response tokens per sequence).
 
-    max_tokens None: consecutive groups of max_sequences. Otherwise a token budget: sequences sorted longest first
-    and packed while (sequences x the longest one) stays within max_tokens, padding included (sequences in a
-    micro-batch are padded to its longest); a sequence longer than the budget gets a micro-batch of its own.
-    The loss is a sum over tokens divided by a global count, so how sequences are grouped never changes the
-    gradient, only the memory each forward needs."""
+    max_tokens None: consecutive groups of max_sequences. Otherwise a token budget, sequences taken longest first,
+    each into the first micro-batch it fits (first-fit decreasing): the decoder runs a micro-batch as one packed
+    row (packed_row), so what it costs is the sum of its lengths; padded (a model without packed_attention runs
+    right-padded rows): (sequences x the longest one) instead, and only the last micro-batch takes more. At most
+    max_sequences each; a sequence longer than the budget gets a micro-batch of its own. The loss is a sum over
+    tokens divided by a global count, so how sequences are grouped never changes the gradient, only the memory each
+    forward needs (and the order of the sums: rounding)."""
     n = len(lengths)
     if max_tokens is None:
         return [list(range(k, min(k + max_sequences, n))) for k in range(0, n, max_sequences)]
-    plan, current = [], []
+    plan, used = [], []  # the micro-batches, and the tokens of each
     for i in sorted(range(n), key=lambda i: -lengths[i]):  # stable: ties keep their order
-        if current and ((len(current) + 1) * lengths[current[0]] > max_tokens or len(current) >= max_sequences):
-            plan.append(current)
-            current = []
-        current.append(i)
-    return plan + ([current] if current else [])
+        cost = (lambda k: (len(plan[k]) + 1) * lengths[plan[k][0]]) if padded else (lambda k: used[k] + lengths[i])
+        candidates = range(max(len(plan) - 1, 0) if padded else 0, len(plan))  # padded: the last one only
+        k = next((k for k in candidates if len(plan[k]) < max_sequences and cost(k) <= max_tokens), None)
+        if k is None:  # a new micro-batch
+            k = len(plan)
+            plan.append([])
+            used.append(0)
+        plan[k].append(i)
+        used[k] += lengths[i]
+    return plan
 
 
 def assign_by_tokens(lengths, world):
@@ -57,14 +64,14 @@ def assign_by_tokens(lengths, world):
     return owner
 
 
-def micro_batches(lengths, max_sequences, max_tokens=None, shares=None):
+def micro_batches(lengths, max_sequences, max_tokens=None, shares=None, padded=False):
     """plan_micro_batches, padded with empty micro-batches to the same count on every rank: FSDP2's forward and
     backward are collectives, so a rank with less work still runs as many (on a dummy sequence). shares: every
     rank's lengths (deal_by_tokens), from which each rank plans them all; None: one collective finds the most."""
     from machinery.collectives import all_reduce_np
-    plan = plan_micro_batches(lengths, max_sequences, max_tokens)
+    plan = plan_micro_batches(lengths, max_sequences, max_tokens, padded)
     count = (int(all_reduce_np([len(plan)], op="max")[0]) if shares is None else
-             max(len(plan_micro_batches(share, max_sequences, max_tokens)) for share in shares))
+             max(len(plan_micro_batches(share, max_sequences, max_tokens, padded)) for share in shares))
     return plan + [[]] * (count - len(plan))
 
 

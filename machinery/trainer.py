@@ -317,7 +317,7 @@ def old_logprobs(model, rollouts, revisited, temperature, micro_batch_size, max_
     work, shares, _ = deal_by_tokens(work, lambda item: len(item[2][0]) + len(item[2][1]), max_tokens is not None)
     scored = []
     for group in micro_batches([len(p) + len(r) for _, _, (p, r, _) in work], micro_batch_size, max_tokens,
-                                shares):
+                                shares, padded=model.config._attn_implementation != PACKED_ATTENTION):
         chunk = [work[j][2] for j in group] or [IDLE]  # an idle rank still joins the collective forward
         ids, mask = pack(chunk, device)
         # (the entropy is of this batch's responses only: a pass of revisited ones alone skips it)
@@ -394,7 +394,8 @@ def ppo_update(model, optimizer, rollouts, old, advantage, loss_fn, *, ppo_steps
                          else all_reduce_np([sum(float(np.sum(item[2])) for item in mini)])[0])
         loss_total, counts = 0.0, np.zeros(5)  # this rank's: loss; clipped tokens, k3 KL, tokens, decoder's, truncated
         before = model.decoder_tokens
-        for group in micro_batches([len(p) + len(r) for p, r, *_ in mini], micro_batch_size, max_tokens, shares):
+        for group in micro_batches([len(p) + len(r) for p, r, *_ in mini], micro_batch_size, max_tokens, shares,
+                                   padded=model.config._attn_implementation != PACKED_ATTENTION):
             rows = [mini[j] for j in group]
             ids, mask = pack([row[:3] for row in rows] or [IDLE], device)  # (b, T); an idle rank: mask 0, loss 0
             adv = torch.tensor([row[4] for row in rows] or [0.0], dtype=torch.float32, device=device)  # (b,)
