@@ -228,10 +228,12 @@ def main(argv=None):
             algo_metrics = {}  # (all-equal groups: in step_metrics, for every estimator with groups)
         # 6. PPO-clip (Eq. 10; or --loss, --loss_agg), `ppo_steps` optimiser steps over the global batch
         t0 = time.time()
-        stats = trainer.ppo_update(policy, optimizer, rollouts, old["batch"], advantage, loss_fn,
-                                   ppo_steps=args.ppo_steps, micro_batch_size=args.micro_batch_size,
-                                   temperature=args.temperature, grad_clip=args.grad_clip, tis=args.tis,
-                                   max_tokens=args.max_tokens_per_micro_batch, check=step == start_step + 1)
+        with trainer.learning_check(policy, optimizer, rollouts, old["batch"], advantage, args.temperature,
+                                    args.micro_batch_size, args.max_tokens_per_micro_batch, on=step == start_step + 1):
+            stats = trainer.ppo_update(policy, optimizer, rollouts, old["batch"], advantage, loss_fn,
+                                       ppo_steps=args.ppo_steps, micro_batch_size=args.micro_batch_size,
+                                       temperature=args.temperature, grad_clip=args.grad_clip, tis=args.tis,
+                                       max_tokens=args.max_tokens_per_micro_batch)
         t["update"] = time.time() - t0
         devices.phase_end(on_gpu, "update")
         nonfinite = nonfinite + 1 if stats["nonfinite"] else 0

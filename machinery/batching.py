@@ -91,21 +91,69 @@ def deal_by_tokens(items, length, budget=True):
 
 
 # ------------------------------------------------------------------------------------------------ packing
-def pack(sequences, device):
-    """Right-padded (B, T) ids and the (B, T-1) mask of predicted response tokens that count in the loss.
+@dataclass
+class Sequence:
+    """One sequence of a micro-batch: prompt and response token ids and the response's loss mask (0: tool output,
+    never sampled); for the update its (T,) old log-probs, advantage and (T,) TIS weights (None: none); owner,
+    index: the rank it came from and its position there (old_logprobs sends the result back)."""
+    prompt: list
+    response: list
+    mask: object
+    old: object = None
+    advantage: float = 0.0
+    weights: object = None
+    owner: int = 0
+    index: int = 0
+
+    def __len__(self):
+        return len(self.prompt) + len(self.response)
+
+
+IDLE = Sequence([0], [0], [0])  # a one-token dummy sequence with mask 0, for a rank with no work in a micro-batch
+
+
+def pack(sequences, device="cpu"):
+    """Right-padded (B, T) ids and the (B, T-1) mask of predicted response tokens that count in the loss, built on
+    the host and moved in one copy (to_device). sequences: Sequence records or (prompt, response, mask) triples.
 
     Right padding needs no attention mask: with causal attention real tokens never see the pads after them. The
     decoder does not run on these rows where the model takes packed_attention (packed_row)."""
-    T = max(len(p) + len(r) for p, r, _ in sequences)
-    ids = torch.zeros(len(sequences), T, dtype=torch.long)
-    mask = torch.zeros(len(sequences), T - 1)
-    for i, (p, r, m) in enumerate(sequences):
-        ids[i, : len(p) + len(r)] = torch.tensor(list(p) + list(r))
-        mask[i, len(p) - 1: len(p) - 1 + len(r)] = torch.as_tensor(m, dtype=torch.float)
-    return ids.to(device), mask.to(device)
+    sequences = [s if isinstance(s, Sequence) else Sequence(*s) for s in sequences]
+    ids = np.zeros((len(sequences), max(map(len, sequences))), dtype=np.int64)
+    mask = np.zeros((len(sequences), ids.shape[1] - 1), dtype=np.float32)
+    for i, s in enumerate(sequences):
+        ids[i, : len(s)] = list(s.prompt) + list(s.response)
+        mask[i, len(s.prompt) - 1: len(s) - 1] = s.mask
+    return to_device([torch.from_numpy(ids), torch.from_numpy(mask)], torch.device(device))
 
 
-IDLE = ([0], [0], [0])  # a one-token dummy sequence with mask 0, for a rank with no work in a micro-batch
+def loss_terms(sequences):
+    """(B, T-1) old log-probs and per-token weights (1 where a sequence has none) laid out as pack's mask, and the
+    (B,) advantages, of Sequence records: host tensors."""
+    old = np.zeros((len(sequences), max(map(len, sequences)) - 1), dtype=np.float32)
+    weights = np.ones_like(old)
+    for i, s in enumerate(sequences):
+        if s.old is not None:
+            old[i, len(s.prompt) - 1: len(s) - 1] = s.old
+        if s.weights is not None:
+            weights[i, len(s.prompt) - 1: len(s) - 1] = s.weights
+    advantage = np.array([s.advantage for s in sequences], dtype=np.float32)
+    return torch.from_numpy(old), torch.from_numpy(weights), torch.from_numpy(advantage)
+
+
+def to_device(tensors, device):
+    """Host tensors on `device`. On CUDA in ONE copy from one pinned buffer, without waiting (non_blocking): a copy
+    from pageable memory, or one per tensor, would make the host wait for the device each time (torch's
+    memcpy_and_sync), so it could not queue the next micro-batch while this one runs. Elsewhere as they are."""
+    if device.type != "cuda":
+        return list(tensors)
+    raw = [t.contiguous().reshape(-1).view(torch.uint8) for t in tensors]
+    offsets = np.cumsum([0] + [-(-r.numel() // 8) * 8 for r in raw])  # each part 8-byte aligned, for its view
+    buffer = torch.empty(int(offsets[-1]), dtype=torch.uint8, pin_memory=True)
+    for r, at in zip(raw, offsets):
+        buffer[at: at + r.numel()] = r
+    moved = buffer.to(device, non_blocking=True)
+    return [moved[at: at + r.numel()].view(t.dtype).view(t.shape) for t, r, at in zip(tensors, raw, offsets)]
 
 
 def shared_prefix_groups(sequences):
@@ -180,19 +228,20 @@ def packed_row(ids, rows, cols):
     """The rows of (B, T) ids that hold the N positions (rows, cols) asked for, packed into ONE row without padding,
     each prefix that several rows share once (shared_prefix_groups): (1, S) ids, (1, S) positions (each sequence
     counting from 0, a row's own tokens continuing its shared prefix), the PackedLayout packed_attention reads, and
-    (N,) the index in the row of each asked position (inside a shared prefix: the prefix's).
+    (N,) the index in the row of each asked position (inside a shared prefix: the prefix's). Built on the host from
+    host tensors (numpy and lists: nothing waits for a device), returned as host tensors for one copy (to_device).
 
     A row is cut after its last asked position + 1 (the target): with causal attention the tokens after it change
     nothing asked for. Padding costs a micro-batch's decoder (longest x count) / (sum of lengths) in FLOPs, 1.23x for
     8 SmolLM2 sequences of 99 prompt tokens and up to 48 response tokens; their shared 77-token prefix, once instead
     of 8 times, spares more than half of the rest."""
-    needed = torch.zeros(ids.shape[0], dtype=torch.long, device=ids.device).scatter_reduce_(
-        0, rows, cols + 2, "amax")  # (B,) tokens each row needs; 0 for rows nothing is asked of
-    kept = needed.nonzero().squeeze(1).tolist()
-    host = ids.cpu()
-    sequences = [host[row, :n].tolist() for row, n in zip(kept, needed[kept].tolist())]
+    ids, rows, cols = (np.asarray(x.cpu() if torch.is_tensor(x) else x) for x in (ids, rows, cols))
+    needed = np.zeros(len(ids), dtype=np.int64)  # (B,) tokens each row needs; 0 for rows nothing is asked of
+    np.maximum.at(needed, rows, cols + 2)
+    kept = np.flatnonzero(needed).tolist()
+    sequences = [ids[row, :needed[row]].tolist() for row in kept]
     tokens, positions, calls, pick, base = [], [], [], [], 0  # base: outputs of the calls so far, flattened
-    prefix_at, own_at, shared_of = [0] * ids.shape[0], [0] * ids.shape[0], [0] * ids.shape[0]
+    prefix_at, own_at, shared_of = np.zeros((3, len(ids)), dtype=np.int64)
     for shared, members in shared_prefix_groups(sequences):
         prefix = np.arange(len(tokens), len(tokens) + shared)  # its row positions
         tokens += sequences[members[0]][:shared]
@@ -211,13 +260,11 @@ def packed_row(ids, rows, cols):
             calls.append(at)
             base += at.size
         pick += [np.arange(start[(lo, hi)], start[(lo, hi)] + hi - lo) for lo, hi in owns]
-    device = ids.device
-    layout = PackedLayout([torch.from_numpy(c).to(device) for c in calls],
-                          torch.from_numpy(np.concatenate(pick)).to(device),
-                          torch.from_numpy(np.concatenate([c.ravel() for c in calls])).to(device))
-    prefix_at, own_at, shared_of = (torch.tensor(x, device=device)[rows] for x in (prefix_at, own_at, shared_of))
-    index = torch.where(cols < shared_of, prefix_at + cols, own_at + cols - shared_of)  # (N,)
-    return torch.tensor(tokens, device=device)[None], torch.tensor(positions, device=device)[None], layout, index
+    layout = PackedLayout([torch.from_numpy(c) for c in calls], torch.from_numpy(np.concatenate(pick)),
+                          torch.from_numpy(np.concatenate([c.ravel() for c in calls])))
+    prefix_at, own_at, shared_of = prefix_at[rows], own_at[rows], shared_of[rows]
+    index = np.where(cols < shared_of, prefix_at + cols, own_at + cols - shared_of)  # (N,)
+    return torch.tensor(tokens)[None], torch.tensor(positions)[None], layout, torch.from_numpy(index)
 
 
 # The name under which packed_attention is registered with transformers' AttentionInterface.
