@@ -362,7 +362,7 @@ def build_policy_and_engine(args, world, device, data, is_main):
     """The policy (FSDP2), its optimiser and colocated engine once the memory estimate fits, and the checkpoint."""
     on_gpu = device.type == "cuda"  # (auto: gradient checkpointing and one FSDP2 unit per layer on GPU only)
     checkpointing, layer_units = (devices.use_gradient_checkpointing(args.gradient_checkpointing, on_gpu),
-                                  devices.use_layer_units(args.fsdp_units, on_gpu))
+                                  devices.use_layer_units(args.fsdp_units, on_gpu, world))
     memory.check_rank_memory(args.model, world=world, on_gpu=on_gpu, is_main=is_main, batch_size=args.batch_size,
                              micro_batch_size=args.micro_batch_size, max_tokens=args.max_tokens_per_micro_batch,
                              max_sequence_len=args.max_prompt_len + args.max_response_len,

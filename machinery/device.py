@@ -37,10 +37,11 @@ def use_bf16(choice, on_gpu):
     return ("on" if on_gpu else "off") if choice == "auto" else choice
 
 
-def use_layer_units(choice, on_gpu):
-    """--fsdp_units auto/layers/model -> bool: each decoder layer its own FSDP2 unit (auto: on GPU only,
-    trainer.build_policy's default), resolved once so that the estimate and the policy agree."""
-    return on_gpu if choice == "auto" else choice == "layers"
+def use_layer_units(choice, on_gpu, world=1):
+    """--fsdp_units auto/layers/model -> bool: each decoder layer its own FSDP2 unit (auto: on more than one GPU,
+    trainer.build_policy's default), resolved once so that the estimate and the policy agree. One GPU has no
+    gather to overlap, and per-layer units cost it each layer's cast and hooks twice per micro-batch."""
+    return on_gpu and world > 1 if choice == "auto" else choice == "layers"
 
 
 _gpu = {"phases": {}, "peak": 0.0}  # GPU: memory in use at this step's phase ends (phase_end), the largest so far

@@ -221,7 +221,7 @@ def add_memory_flags(p):
                    help="recompute each decoder layer in the backward pass (auto: on GPU only)")
     p.add_argument("--fsdp_units", choices=["auto", "layers", "model"], default="auto",
                    help="FSDP2 units: each decoder layer (one layer's full weights at a time) or the whole model "
-                        "(one gather per pass; auto: layers on GPU, model on CPU)")
+                        "(one gather per pass; auto: layers on more than one GPU, else model)")
     p.add_argument("--bf16", choices=["auto", "on", "off"], default="auto",
                    help="compute in bf16: the trainer (FSDP2 mixed precision, fp32 master weights) and the engine "
                         "(auto: on GPU only; on a CPU with bf16 instructions 'on' is faster: docs/benchmarks.md)")
@@ -240,11 +240,13 @@ def main():
     p.add_argument("--tokens", type=int, default=2048, help="tokens per forward pass")
     p.add_argument("--gradient_checkpointing", action="store_true", help="checkpoint each decoder layer")
     p.add_argument("--fsdp_units", choices=["auto", "layers", "model"], default="auto",
-                   help="FSDP2 units (auto: layers on GPU, model on CPU)")
+                   help="FSDP2 units (auto: layers on more than one GPU, else model)")
     args = p.parse_args()
+    from machinery import device
     items = rank_memory(model_shape(args.model), world=args.world, tokens=args.tokens, on_gpu=args.gpu,
                         gradient_checkpointing=args.gradient_checkpointing,
-                        layer_units=args.gpu if args.fsdp_units == "auto" else args.fsdp_units == "layers", kv_cache_gib=args.cpu_kv_cache_gib or 1,
+                        layer_units=device.use_layer_units(args.fsdp_units, args.gpu, args.world),
+                        kv_cache_gib=args.cpu_kv_cache_gib or 1,
                         gpu_bytes=args.gpu_gib * GIB, gpu_memory_utilization=args.gpu_memory_utilization)
     for name, value in items.items():
         if name == "peak" and args.gpu:  # the GPU's two peaks: the trainer at work, and vLLM generating

@@ -1,20 +1,17 @@
 """On torch FSDP2 (fully_shard) and transformers: the policy-gradient trainer TRL or verl has, in one readable file.
 
 spo.py tells the algorithm's story and holds its math (the advantages, D(x), the PPO-clip loss of Eq. 10); this
-file holds the mechanics that any policy-gradient trainer on torch FSDP2 needs (the policy, its log-probs, the
-update loop):
+file holds the mechanics any policy-gradient trainer on torch FSDP2 needs:
 - `setup_distributed`: torch.distributed on gloo (CPU) or nccl (GPU); `python spo.py` works as a world of 1.
-- `build_policy`: a Hugging Face causal LM sharded with FSDP2 (`fully_shard` per decoder layer, then the root, or
-  the whole model as one unit); on GPU bf16 compute with fp32 master weights and fp32 gradient reduction; FSDP2's
-  own weight gather and gradient reduce-scatter (gloo's or nccl's).
+- `build_policy`: a Hugging Face causal LM sharded with FSDP2 (per decoder layer, or the whole model as one unit);
+  on GPU bf16 compute with fp32 master weights and fp32 gradient reduction.
 - `token_logprobs` (via `response_logprobs`): the decoder once per micro-batch, its sequences packed into one row
   without padding and shared prefixes once (batching.packed_row, packed_attention), the output projection only
-  at response positions, with fp32 logits (from a bf16 GEMM accumulating in fp32 under bf16) and in chunks, so
-  no (B, T, V) logits tensor exists at any vocabulary size.
-- `old_logprobs` / `ppo_update`: per-token log-probs of prompt + response sequences in micro-batches, and the
-  optimiser steps around a loss function given by the caller, normalised by the GLOBAL token count. FSDP2
-  averages gradients over ranks; that loss is already a global mean, so each rank scales its loss by the world
-  size to get the true gradient (set_gradient_divide_factor(1) would do the same but fails on gloo).
+  at response positions, with fp32 logits and in chunks, so no (B, T, V) logits tensor exists.
+- `old_logprobs` / `ppo_update`: per-token log-probs in micro-batches, and the optimiser steps around a loss
+  function given by the caller, normalised by the GLOBAL token count. FSDP2 averages gradients over ranks; that
+  loss is already a global mean, so each rank scales its loss by the world size to get the true gradient
+  (set_gradient_divide_factor(1) would do the same but fails on gloo). Neither loop waits for the device.
 - `clip_grad_norm`: torch's gradient clipping on FSDP2's shards in one collective. The small collectives and the
   full weights for the push are in collectives.py, checkpoints in checkpoint.py, what a run records in metrics.py.
 """
@@ -71,8 +68,9 @@ def build_policy(path, device, lr, weight_decay, gradient_checkpointing=None, la
     """The policy: a Hugging Face causal LM in training mode, sharded with FSDP2, and its AdamW optimiser.
     gradient_checkpointing: recompute each decoder layer's activations in the backward pass (None: on GPU only,
     where long responses make the saved activations the largest memory item).
-    layer_units: each decoder layer its own FSDP2 unit (None: on GPU only, where FSDP2 overlaps the next layer's
-    gather with compute); on CPU a rank's one thread pays every unit's gathers in turn, so one unit is faster.
+    layer_units: each decoder layer its own FSDP2 unit (None: on more than one GPU, where FSDP2 overlaps the next
+    layer's gather with compute; device.use_layer_units); one GPU has nothing to gather, and on CPU a rank's one
+    thread pays every unit's gathers in turn.
     bf16: forward and backward in bf16 with FSDP2's mixed precision (the fp32 parameters stay the master copy the
     optimiser updates; gradients are reduced in fp32). None: on GPU only; on CPU it pays only where the cores have
     bf16 instructions (device.use_bf16 refuses it elsewhere).
@@ -93,7 +91,8 @@ def build_policy(path, device, lr, weight_decay, gradient_checkpointing=None, la
     mesh = init_device_mesh(device.type, (world,))
     bf16 = on_gpu if bf16 is None else bf16
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
-    for unit in [*(model.model.layers if (on_gpu if layer_units is None else layer_units) else []), model]:
+    layer_units = on_gpu and world > 1 if layer_units is None else layer_units
+    for unit in [*(model.model.layers if layer_units else []), model]:
         fully_shard(unit, mesh=mesh, **({"mp_policy": mp} if mp else {}))
     attach_logprob_forward(model)
     model.to_empty(device=device)  # storage for this rank's shards (and the buffers), contents undefined
@@ -127,8 +126,10 @@ def prepare_for_training(model, gradient_checkpointing):
         if isinstance(getattr(module, "attention_dropout", None), float):
             module.attention_dropout = 0.0  # attention modules pass it to the attention kernel in training mode
     if gradient_checkpointing:
-        # Non-reentrant checkpointing: the variant that composes with FSDP2 and with inputs that need no grad.
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # Non-reentrant checkpointing: the variant that composes with FSDP2 and with inputs that need no grad. No RNG
+        # state stashed and restored per layer: with dropout off the recompute draws no random numbers.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False,
+                                                                           "preserve_rng_state": False})
     return model
 
 
@@ -247,7 +248,7 @@ def response_logprobs(model, ids, rows, cols, temperature, with_entropy=False, c
     for k in range(0, len(targets), chunk):
         part = (hidden[k: k + chunk], weight, (token, total), bias, targets[k: k + chunk], temperature, with_entropy)
         if torch.is_grad_enabled():
-            part_logp, part_entropy = checkpoint(_chunk_logprobs, *part, use_reentrant=False)
+            part_logp, part_entropy = checkpoint(_chunk_logprobs, *part, use_reentrant=False, preserve_rng_state=False)
         else:
             part_logp, part_entropy = _chunk_logprobs(*part)
         logp.append(part_logp)
@@ -289,19 +290,6 @@ def token_logprobs(model, ids, mask, temperature, with_entropy=False):
     return scatter(logp), (scatter(entropy) if with_entropy else None)
 
 
-def _to_owners(scored, n, max_tokens, counted):
-    """old_logprobs' results back to the rank that owns each sequence (with a token budget they were dealt to the
-    ranks by tokens): (n,) log-probs by index, and the entropy per policy token over the indices `counted` accepts."""
-    if max_tokens is not None:
-        scored = [item for item in all_gather_objects(scored) if item[0] == dist.get_rank()]
-    out, entropy_sum, token_count = [None] * n, 0.0, 0.0
-    for _, i, logp, row_entropy, tokens in scored:
-        out[i] = logp
-        if counted(i):
-            entropy_sum, token_count = entropy_sum + row_entropy, token_count + tokens
-    return out, entropy_sum / max(token_count, 1.0)
-
-
 @torch.no_grad()
 def old_logprobs(model, rollouts, revisited, temperature, micro_batch_size, max_tokens=None):
     """The trainer's log-probs, before this step's update, of this batch's responses (PPO's old log-probs) and of
@@ -313,6 +301,7 @@ def old_logprobs(model, rollouts, revisited, temperature, micro_batch_size, max_
     and each result goes back to the rank that owns the sequence. The results stay on the device until the loop
     ends and are read in one copy: the host queues the micro-batches without waiting for any."""
     rank, padded = dist.get_rank(), model.config._attn_implementation != PACKED_ATTENTION
+    model.eval()  # transformers checkpoints a layer only in training mode: no RNG stash, no checkpoint hooks here
     work = [Sequence(*seq, owner=rank, index=i) for i, seq in enumerate(
         [(r.prompt_ids, r.response_ids, r.response_mask) for r in rollouts] + list(revisited))]
     # token budgets: score a token-balanced share of all ranks' sequences
@@ -332,10 +321,16 @@ def old_logprobs(model, rollouts, revisited, temperature, micro_batch_size, max_
         at += mask.size + len(mask)
         scored += [(s.owner, s.index, logp[j, len(s.prompt) - 1: len(s) - 1].copy(), float(entropy[j]),
                     float(mask[j].sum())) for j, s in enumerate(sequences)]
-    n = len(rollouts) + len(revisited)  # (the entropy: of this batch's responses, not of the revisited ones)
-    out, entropy = _to_owners(scored, n, max_tokens, lambda i: i < len(rollouts))
-    return {"batch": out[: len(rollouts)], "revisited": out[len(rollouts):], "sequences": n, "entropy": entropy,
-            **vllm_gap(out[: len(rollouts)], rollouts)}
+    model.train()
+    if max_tokens is not None:  # each result back to the rank that owns the sequence
+        scored = [item for item in all_gather_objects(scored) if item[0] == rank]
+    out, entropy_sum, token_count = [None] * (len(rollouts) + len(revisited)), 0.0, 0.0
+    for _, i, logp, row_entropy, tokens in scored:
+        out[i] = logp
+        if i < len(rollouts):  # the entropy of this batch's responses, not of the revisited ones
+            entropy_sum, token_count = entropy_sum + row_entropy, token_count + tokens
+    return {"batch": out[: len(rollouts)], "revisited": out[len(rollouts):], "sequences": len(out),
+            "entropy": entropy_sum / max(token_count, 1.0), **vllm_gap(out[: len(rollouts)], rollouts)}
 
 
 def tis_weights(old_logprobs, engine_logprobs, mask, cap):
@@ -416,7 +411,9 @@ def _accumulate_gradients(model, mini, shares, loss_fn, global_tokens, temperatu
     world, ran = dist.get_world_size(), getattr(model, "decoder_tokens", 0)
     plan = micro_batches(list(map(len, mini)), micro_batch_size, max_tokens, shares,
                          padded=model.config._attn_implementation != PACKED_ATTENTION)
-    parts = []
+    parts, layers = [], [unit for unit in model.model.layers if hasattr(unit, "set_reshard_after_forward")]
+    for unit in layers:  # layer units stay gathered from each forward to the backward that follows at once
+        unit.set_reshard_after_forward(False)
     for m, group in enumerate(plan):
         sequences = [mini[j] for j in group] or [IDLE]  # an idle rank: mask 0, loss 0
         ids, mask = pack(sequences)
@@ -431,6 +428,8 @@ def _accumulate_gradients(model, mini, shares, loss_fn, global_tokens, temperatu
             parts.append(torch.stack([loss.detach().float(), (clipped.float() * mask).sum(),
                                       ((torch.exp(log_ratio) - 1 - log_ratio) * mask).sum(),  # k3, KL(old||new)
                                       mask.sum(), ((weights == tis) * mask).sum() if tis else mask.new_zeros(())]))
+    for unit in layers:  # (the no-grad pass: one layer gathered at a time)
+        unit.set_reshard_after_forward(True)
     sums = functools.reduce(np.add, torch.stack(parts).double().cpu().numpy(), np.zeros(5))  # the loop's one read
     return np.append(sums, getattr(model, "decoder_tokens", 0) - ran)
 

@@ -146,7 +146,8 @@ def test_whole_model_units_hold_every_weight_and_gradient_at_once(tmp_path):
     assert by_layer == 2 * 4 * (shape.root_parameters + 2 * shape.layer_parameters)  # fp32 on CPU
     assert whole == 2 * 4 * shape.parameters > by_layer
     assert [device.use_layer_units(c, gpu) for c in ("auto", "layers", "model") for gpu in (False, True)] == \
-        [False, True, True, True, False, False]
+        [False, False, True, True, False, False]  # auto: one GPU is one unit (nothing to gather, no casts per layer)
+    assert device.use_layer_units("auto", True, world=2) and not device.use_layer_units("auto", False, world=2)
 
 
 @pytest.mark.slow
