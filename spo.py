@@ -361,13 +361,13 @@ def start(args):
 def build_policy_and_engine(args, world, device, data, is_main):
     """The policy (FSDP2), its optimiser and colocated engine once the memory estimate fits, and the checkpoint."""
     on_gpu = device.type == "cuda"  # (auto: gradient checkpointing and one FSDP2 unit per layer on GPU only)
-    checkpointing, layer_units = (devices.use_gradient_checkpointing(args.gradient_checkpointing, on_gpu),
-                                  devices.use_layer_units(args.fsdp_units, on_gpu, world))
-    memory.check_rank_memory(args.model, world=world, on_gpu=on_gpu, is_main=is_main, batch_size=args.batch_size,
-                             micro_batch_size=args.micro_batch_size, max_tokens=args.max_tokens_per_micro_batch,
-                             max_sequence_len=args.max_prompt_len + args.max_response_len,
-                             gradient_checkpointing=checkpointing, layer_units=layer_units,
-                             gpu_memory_utilization=args.gpu_memory_utilization, ignore=args.ignore_memory_estimate)
+    layer_units = devices.use_layer_units(args.fsdp_units, on_gpu, world)
+    args.max_tokens_per_micro_batch, checkpointing = memory.check_rank_memory(  # ('auto' resolved)
+        args.model, world=world, on_gpu=on_gpu, is_main=is_main, batch_size=args.batch_size,
+        micro_batch_size=args.micro_batch_size, max_tokens=args.max_tokens_per_micro_batch,
+        max_sequence_len=args.max_prompt_len + args.max_response_len, layer_units=layer_units,
+        gradient_checkpointing=args.gradient_checkpointing, gpu_memory_utilization=args.gpu_memory_utilization,
+        ignore=args.ignore_memory_estimate)
     state = checkpoint.load_checkpoint(args.resume, world, data.keys) if args.resume else None
     model_path = state["model_dir"] if state else args.model
     policy, optimizer = trainer.build_policy(model_path, device, args.lr, args.weight_decay, checkpointing,

@@ -1,16 +1,11 @@
 """No library decides these; they are decided once so that the estimate, trainer and engine agree (tests/test_memory).
 
 What changes between a CPU and a GPU run, decided once so that the memory estimate, the trainer and the engine
-agree: gradient checkpointing, FSDP2's units, bf16 (each `auto`: on GPU only), and the device memory a run reports.
+agree: FSDP2's units and bf16 (each `auto`: on GPU only; gradient checkpointing and the token budgets: memory.py's
+auto_budget), and the device memory a run reports.
 No library makes these decisions for us; torch.cuda and /proc give the readings.
 """
 from machinery.memory import GIB
-
-
-def use_gradient_checkpointing(choice, on_gpu):
-    """--gradient_checkpointing auto/on/off -> bool (auto: on GPU only, trainer.build_policy's default), resolved
-    once so that the estimate and the policy agree."""
-    return on_gpu if choice == "auto" else choice == "on"
 
 
 BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")  # x86 (AVX-512 BF16, AMX), Arm (FEAT_BF16)

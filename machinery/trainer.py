@@ -301,6 +301,8 @@ def old_logprobs(model, rollouts, revisited, temperature, micro_batch_size, max_
     and each result goes back to the rank that owns the sequence. The results stay on the device until the loop
     ends and are read in one copy: the host queues the micro-batches without waiting for any."""
     rank, padded = dist.get_rank(), model.config._attn_implementation != PACKED_ATTENTION
+    if max_tokens is not None and next(model.parameters()).is_cuda:  # no activations kept: twice the update's
+        max_tokens *= 2  # budget on GPU (verl sizes its log-prob passes so)
     model.eval()  # transformers checkpoints a layer only in training mode: no RNG stash, no checkpoint hooks here
     work = [Sequence(*seq, owner=rank, index=i) for i, seq in enumerate(
         [(r.prompt_ids, r.response_ids, r.response_mask) for r in rollouts] + list(revisited))]
@@ -354,14 +356,6 @@ def clip_grad_norm(parameters, max_norm):
     total = torch.linalg.vector_norm(torch.from_numpy(squares).sum(0) ** 0.5, 2.0)
     torch._foreach_mul_(grads, torch.clamp(max_norm / (total + 1e-6), max=1.0).to(grads[0].device))
     return float(total)
-
-
-@torch.no_grad()
-def _shard_norms(optimizer):
-    """(P,) norms of this rank's parameter shards in fp64: whether an update changed the parameters at all. The
-    optimiser's parameters: the model's may be FSDP2's unsharded copies at the moment."""
-    return torch.stack([(p.to_local() if isinstance(p, DTensor) else p).double().norm()
-                        for group in optimizer.param_groups for p in group["params"]])
 
 
 def ppo_update(model, optimizer, rollouts, old, advantage, loss_fn, *, ppo_steps, micro_batch_size, temperature,
@@ -438,10 +432,13 @@ def _accumulate_gradients(model, mini, shares, loss_fn, global_tokens, temperatu
 def learning_check(model, optimizer, rollouts, old, advantage, temperature, micro_batch_size, max_tokens, on=True):
     """Around an update (spo.py: the first): afterwards a warning line on rank 0 unless it moved the policy the way
     the advantages say (metrics.learning_warning; one more no-grad pass). on False: nothing."""
-    norms = _shard_norms(optimizer) if on else None
+    def norms():  # (P,) fp64 norms of this rank's shards (the optimiser's: the model's may be unsharded copies now)
+        return torch.stack([(p.to_local() if isinstance(p, DTensor) else p).detach().double().norm()
+                            for group in optimizer.param_groups for p in group["params"]])
+    before = norms() if on else None
     yield
     if on:
-        changed = not torch.equal(norms, _shard_norms(optimizer))
+        changed = not torch.equal(before, norms())
         new = old_logprobs(model, rollouts, [], temperature, micro_batch_size, max_tokens)["batch"]
         warning = learning_warning(changed, old, new, advantage, [r.response_mask for r in rollouts])
         if warning and dist.get_rank() == 0:
