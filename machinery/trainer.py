@@ -424,7 +424,8 @@ def _accumulate_gradients(model, mini, shares, loss_fn, global_tokens, temperatu
                                       mask.sum(), ((weights == tis) * mask).sum() if tis else mask.new_zeros(())]))
     for unit in layers:  # (the no-grad pass: one layer gathered at a time)
         unit.set_reshard_after_forward(True)
-    sums = functools.reduce(np.add, torch.stack(parts).double().cpu().numpy(), np.zeros(5))  # the loop's one read
+    parts = torch.stack(parts).double().cpu().numpy() if parts else []  # the loop's one read
+    sums = functools.reduce(np.add, parts, np.zeros(5))  # in order, as the step's sums were before
     return np.append(sums, getattr(model, "decoder_tokens", 0) - ran)
 
 
