@@ -5,9 +5,9 @@ a prompt, cut and packed by the trainer itself (token-budget micro-batches, batc
 bring attention shapes not met before. The same batches run at the old settings (2048 tokens, checkpointing, layer
 units), at 32k tokens where they fit and at the new defaults (_settings), each with its device-busy share and
 blocking syncs per micro-batch from one profiled PPO step. The first round is timed apart: what is paid once
-(kernels, plans, the allocator's growth). Also which attention kernel runs, MFU and HFU, peak memory, the bf16-vs-fp32 log-prob gap. A
-shape that cannot fit is refused in one line. Also Qwen3's shapes, the devices' peaks and the FLOP count that
-part (b) uses.
+(kernels, plans, the allocator's growth). Also which attention kernel runs, the bf16-vs-fp32 log-prob gap. A shape
+that cannot fit is refused in one line. Also Qwen3's shapes, the devices' peaks and the FLOP count that part (b)
+uses.
 """
 import collections
 import functools
