@@ -228,10 +228,12 @@ def main(argv=None):
             algo_metrics = {}  # (all-equal groups: in step_metrics, for every estimator with groups)
         # 6. PPO-clip (Eq. 10; or --loss, --loss_agg), `ppo_steps` optimiser steps over the global batch
         t0 = time.time()
-        stats = trainer.ppo_update(policy, optimizer, rollouts, old["batch"], advantage, loss_fn,
-                                   ppo_steps=args.ppo_steps, micro_batch_size=args.micro_batch_size,
-                                   temperature=args.temperature, grad_clip=args.grad_clip, tis=args.tis,
-                                   max_tokens=args.max_tokens_per_micro_batch, check=step == start_step + 1)
+        with trainer.learning_check(policy, optimizer, rollouts, old["batch"], advantage, args.temperature,
+                                    args.micro_batch_size, args.max_tokens_per_micro_batch, on=step == start_step + 1):
+            stats = trainer.ppo_update(policy, optimizer, rollouts, old["batch"], advantage, loss_fn,
+                                       ppo_steps=args.ppo_steps, micro_batch_size=args.micro_batch_size,
+                                       temperature=args.temperature, grad_clip=args.grad_clip, tis=args.tis,
+                                       max_tokens=args.max_tokens_per_micro_batch)
         t["update"] = time.time() - t0
         devices.phase_end(on_gpu, "update")
         nonfinite = nonfinite + 1 if stats["nonfinite"] else 0
@@ -362,13 +364,13 @@ def start(args):
 def build_policy_and_engine(args, world, device, data, is_main):
     """The policy (FSDP2), its optimiser and colocated engine once the memory estimate fits, and the checkpoint."""
     on_gpu = device.type == "cuda"  # (auto: gradient checkpointing and one FSDP2 unit per layer on GPU only)
-    checkpointing, layer_units = (devices.use_gradient_checkpointing(args.gradient_checkpointing, on_gpu),
-                                  devices.use_layer_units(args.fsdp_units, on_gpu))
-    memory.check_rank_memory(args.model, world=world, on_gpu=on_gpu, is_main=is_main, batch_size=args.batch_size,
-                             micro_batch_size=args.micro_batch_size, max_tokens=args.max_tokens_per_micro_batch,
-                             max_sequence_len=args.max_prompt_len + args.max_response_len,
-                             gradient_checkpointing=checkpointing, layer_units=layer_units,
-                             gpu_memory_utilization=args.gpu_memory_utilization, ignore=args.ignore_memory_estimate)
+    layer_units = devices.use_layer_units(args.fsdp_units, on_gpu, world)
+    args.max_tokens_per_micro_batch, checkpointing = memory.check_rank_memory(  # ('auto' resolved)
+        args.model, world=world, on_gpu=on_gpu, is_main=is_main, batch_size=args.batch_size,
+        micro_batch_size=args.micro_batch_size, max_tokens=args.max_tokens_per_micro_batch,
+        max_sequence_len=args.max_prompt_len + args.max_response_len, layer_units=layer_units,
+        gradient_checkpointing=args.gradient_checkpointing, gpu_memory_utilization=args.gpu_memory_utilization,
+        ignore=args.ignore_memory_estimate)
     state = checkpoint.load_checkpoint(args.resume, world, data.keys) if args.resume else None
     model_path = state["model_dir"] if state else args.model
     policy, optimizer = trainer.build_policy(model_path, device, args.lr, args.weight_decay, checkpointing,

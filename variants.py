@@ -95,7 +95,7 @@ def check_flags(flags, world):
         if not flags[flag] >= 0 or (flag in POSITIVE and flags[flag] == 0):  # also NaN
             fail(f"--{flag} must be {'positive' if flag in POSITIVE else 'at least 0'}, got {flags[flag]}",
                  once=True)
-    if f.max_tokens_per_micro_batch is not None and f.max_tokens_per_micro_batch < 1:
+    if isinstance(f.max_tokens_per_micro_batch, int) and f.max_tokens_per_micro_batch < 1:
         fail(f"--max_tokens_per_micro_batch must be at least 1, got {f.max_tokens_per_micro_batch}", once=True)
     if not 0 < f.rho_min <= f.rho_max < 1 or not 0 < f.rho_constant <= 1:  # (rho_min 1: N0 infinite)
         fail(f"--rho_min, --rho_max, --rho_constant must satisfy 0 < rho_min <= rho_max < 1 and 0 < rho_constant "

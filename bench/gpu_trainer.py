@@ -2,10 +2,12 @@
 path spo.py runs on a GPU, without vLLM. A random-weight Qwen3 shape loaded by trainer.build_policy, then rounds of
 one old-log-prob pass and one PPO step, each over a fresh batch of responses of random lengths in groups that share
 a prompt, cut and packed by the trainer itself (token-budget micro-batches, batching.packed_row): most micro-batches
-bring attention shapes not met before. The first round is timed apart: what is paid once (kernels, plans, the
-allocator's growth). Also which attention kernel runs, MFU and HFU, peak memory, the bf16-vs-fp32 log-prob gap. A
-shape that cannot fit is refused in one line. Also Qwen3's shapes, the devices' peaks and the FLOP count that
-part (b) uses.
+bring attention shapes not met before. The same batches run at the old settings (2048 tokens, checkpointing, layer
+units), at 32k tokens where they fit and at the new defaults (_settings), each with its device-busy share and
+blocking syncs per micro-batch from one profiled PPO step. The first round is timed apart: what is paid once
+(kernels, plans, the allocator's growth). Also which attention kernel runs, the bf16-vs-fp32 log-prob gap. A shape
+that cannot fit is refused in one line. Also Qwen3's shapes, the devices' peaks and the FLOP count that part (b)
+uses.
 """
 import collections
 import functools
@@ -129,20 +131,43 @@ def profile_step(run, on_gpu, top=8):
     count = {a.key: a.count for a in averages}
     busy = sum(e.time_range.elapsed_us() for e in prof.events() if e.device_type != torch.autograd.DeviceType.CPU)
     reads = count.get("aten::_local_scalar_dense", 0)  # .item() and friends: each one a sync on a GPU
+    syncs = sum(count.get(k, 0) for k in SYNC_CALLS)
     lines = [f"wall {wall:.2f} s" + (f", device busy {busy / 1e6:.2f} s ({100 * busy / 1e6 / wall:.0f}%)" if on_gpu
                                      else "") + f"; host reads of tensor values {reads}"
-             + (f", sync calls {sum(count.get(k, 0) for k in SYNC_CALLS)}, kernel launches "
-                f"{sum(count.get(k, 0) for k in LAUNCH_CALLS)}" if on_gpu else "")]
+             + (f", sync calls {syncs}, kernel launches {sum(count.get(k, 0) for k in LAUNCH_CALLS)}" if on_gpu
+                else "")]
     for label, key in (("device", "self_device_time_total"),) * on_gpu + (("host", "self_cpu_time_total"),):
         for a in sorted(averages, key=lambda a: getattr(a, key), reverse=True)[:top]:
             lines.append(f"  self {label} time {getattr(a, key) / 1e3:9.1f} ms  x{a.count:<6d} {a.key[:100]}")
-    return lines
+    # (a CPU waits for nothing: there the reads stand for the syncs they would be on a GPU)
+    return lines, {"busy": busy / 1e6 / wall, "syncs": syncs if on_gpu else reads}
 
 
-def bench_gpu(shape="1.7b", prompts=8, samples=8, prompt_lens=(64, 512), response_lens=(200, 900), rounds=5,
+def _settings(config, max_tokens, on_gpu, world, longest):
+    """The settings run side by side, (label, tokens per update micro-batch, checkpointing, layer units): before
+    this project's GPU work (max_tokens, checkpointing, per-layer units), the new defaults (memory.auto_budget; on
+    a CPU the same tokens), and 32k tokens where the estimate fits them. The new defaults run last (the profile,
+    the attention kernel and the fp32 comparison use that policy)."""
+    from machinery import device as devices, memory
+    old = (f"old: {max_tokens} tokens, checkpointing, layer units", max_tokens, True, True)
+    units = devices.use_layer_units("auto", on_gpu, world)
+    if not on_gpu:
+        return [old, (f"new: {max_tokens} tokens, checkpointing off, one unit", max_tokens, False, False)]
+    shape, have = memory.model_shape(None, config), memory.available_per_rank(True, world)
+    common = dict(world=world, on_gpu=True, layer_units=units, gpu_bytes=have, engine=False, max_sequence_len=longest)
+    tokens, ckpt, why = memory.auto_budget(shape, have, "auto", "auto", **common)
+    big = memory.auto_budget(shape, have, 32768, "auto", **common)
+    fits = memory.fitting_tokens(shape, have, **{k: v for k, v in common.items() if k != "max_sequence_len"},
+                                 gradient_checkpointing=big[1]) >= 32768
+    return [old, *[("32k tokens, checkpointing " + ("on" if big[1] else "off"), 32768, big[1], units)] * fits,
+            (f"new defaults: {tokens} tokens ({why}), {'layer units' if units else 'one unit'}", tokens, ckpt, units)]
+
+
+def bench_gpu(shape="1.7b", prompts=8, samples=8, prompt_lens=(64, 512), response_lens=(200, 900), rounds=3,
               max_tokens=2048, seed=0, peak_tflops=None, profile=True):
-    """(a) The trainer path spo.py runs on a GPU, without vLLM (module docstring); profile: one more PPO step on two
-    responses of one prompt under torch.profiler, after the rounds (profile_step)."""
+    """(a) The trainer path spo.py runs on a GPU, without vLLM (module docstring), at each of _settings on the same
+    batches; profile: one more PPO step on two responses of one prompt under torch.profiler at the new defaults,
+    after the rounds (profile_step)."""
     import torch
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -159,40 +184,11 @@ def bench_gpu(shape="1.7b", prompts=8, samples=8, prompt_lens=(64, 512), respons
     name = torch.cuda.get_device_name(device) if on_gpu else "cpu"
     peak_tflops = device_peak(name, peak_tflops)
     say = functools.partial(print, flush=True) if rank == 0 else (lambda *a, **k: None)
-    with tempfile.TemporaryDirectory() as path:
-        t0 = time.time()
-        torch.manual_seed(0)
-        with torch.device(device):  # every rank its own copy (its own temporary directory), the same weights
-            Qwen3ForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
-        t1 = time.time()
-        policy, optimizer = trainer.build_policy(path, device, lr=1e-6, weight_decay=0.01)
-    say(f"Qwen3-{shape} shape, device {name}, world {world}: random init + save {t1 - t0:.1f} s, build_policy (load "
-        f"+ FSDP2) {time.time() - t1:.1f} s")
-
-    def measure(run):  # (seconds, peak bytes: torch's on a GPU, resident growth on a CPU; bytes in use on the GPU)
-        if not on_gpu:
-            t0 = time.time()
-            grown = _peak_rss_bytes(run)
-            return time.time() - t0, grown, 0
-        torch.cuda.reset_peak_memory_stats()
-        t0 = time.time()
-        run()
-        torch.cuda.synchronize()
-        free, total = torch.cuda.mem_get_info()
-        return time.time() - t0, torch.cuda.max_memory_allocated(), total - free
     rng = np.random.default_rng([seed, rank])
     batches = [shared_prompt_batch(rng, config.vocab_size, prompts, samples, prompt_lens, response_lens)
                for _ in range(rounds)]
+    advantages = [rng.choice([-1.0, 1.0], len(batch)) for batch in batches]
     loss_fn = functools.partial(spo.ppo_clip_loss, clip_low=0.2, clip_high=0.28, dual_clip=10.0)
-
-    def run(phase, batch, out):  # one of the trainer's two passes; its result kept in out
-        if phase == "old log-probs":
-            out["old"] = trainer.old_logprobs(policy, batch, [], 1.0, 64, max_tokens)
-        else:
-            out["stats"] = trainer.ppo_update(policy, optimizer, batch, out["old"]["batch"],
-                                              rng.choice([-1.0, 1.0], len(batch)), loss_fn, ppo_steps=1,
-                                              micro_batch_size=64, temperature=1.0, grad_clip=1.0,
-                                              max_tokens=max_tokens)
     lengths = [[len(r.prompt_ids) + len(r.response_ids) for r in batch] for batch in batches]
     heads = [sum(len(r.response_ids) for r in batch) for batch in batches]  # the output projection's positions
     rows, packed_row = [], trainer.packed_row  # what the trainer packs, as it runs: each row's attention calls
@@ -202,47 +198,26 @@ def bench_gpu(shape="1.7b", prompts=8, samples=8, prompt_lens=(64, 512), respons
         rows.append([tuple(call.shape) for call in row[2].calls])  # (sequences side by side, length) per call
         return row
     trainer.packed_row = recorded  # (response_logprobs finds it in trainer's namespace)
-    timings = []  # per round and pass: (seconds, peak bytes, bytes in use on the GPU, decoder tokens, packed rows)
-    for batch in batches:  # nothing runs before the first round: what is paid once is paid there
-        out = {}
-        timings.append({})
-        for phase in ("old log-probs", "PPO step"):
-            policy.decoder_tokens = 0  # (response_logprobs counts them on the model)
-            timings[-1][phase] = (*measure(functools.partial(run, phase, batch, out)), policy.decoder_tokens, rows[:])
-            rows.clear()
+    with tempfile.TemporaryDirectory() as path:
+        t0 = time.time()
+        torch.manual_seed(0)
+        with torch.device(device):  # every rank its own copy (its own temporary directory), the same weights
+            Qwen3ForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+        say(f"Qwen3-{shape} shape, device {name}, world {world}: random init + save {time.time() - t0:.1f} s")
+        for setting in _settings(config, max_tokens, on_gpu, world, longest):
+            policy = optimizer = None  # (the previous setting's policy freed before the next is built)
+            policy, optimizer, out = _run_setting(path, device, setting, batches, advantages, loss_fn, rows, say)
+            _report(setting, out, config, lengths, heads, peak_tflops, on_gpu, world, max_tokens, say)
     trainer.packed_row = packed_row
-    first = timings[0]["old log-probs"][4]  # one row per micro-batch
-    seen = {shape for row in first for shape in row}
-    new = {shape for timing in timings[1:] for row in timing["old log-probs"][4] for shape in row} - seen
-    sizes = collections.Counter(sum(k for k, _ in row) for row in first)
-    say(f"each round a fresh batch on rank 0: {prompts} prompts x {samples} responses, prompts {prompt_lens[0]}-"
-        f"{prompt_lens[1]} and responses {response_lens[0]}-{response_lens[1]} tokens (seed {seed}); round 1: "
-        f"{sum(lengths[0])} tokens, the decoder ran {timings[0]['old log-probs'][3]} (a prompt once per micro-batch), "
-        f"in {len(first)} micro-batches (budget {max_tokens} tokens) of "
-        f"{', '.join(f'{n} x {k}' for k, n in sorted(sizes.items()))} sequences, {sum(map(len, first))} attention "
-        f"calls of {len(seen)} shapes; rounds 2-{rounds} bring {len(new)} shapes round 1 had not")
-    # MFU counts the model's FLOPs only: forward, and backward at twice the forward. HFU also counts the recompute:
-    # every decoder layer and log-prob chunk runs forward again in the backward (gradient checkpointing).
-    for label, picked in (("round 1", range(1)), (f"rounds 2-{rounds}", range(1, rounds))):
-        for phase, (mfu, hfu) in (("old log-probs", (1, 1)), ("PPO step", (3, 4))) if picked else ():
-            seconds, peak, in_use, ran, _ = zip(*(timings[i][phase] for i in picked))
-            flops = sum(_forward_flops(config, lengths[i], heads[i], n) for i, n in zip(picked, ran))
-            per_s = flops / sum(seconds) / (peak_tflops * 1e12) if on_gpu else 0.0
-            say(f"{label:10s} {phase:13s} {np.mean(seconds):7.2f} s"
-                + (f" per round ({min(seconds):.2f} to {max(seconds):.2f})" if len(seconds) > 1 else "")
-                + f"  {sum(sum(lengths[i]) for i in picked) * world / sum(seconds):.0f} tokens/s"
-                + (f", MFU {100 * mfu * per_s:.1f}%, HFU {100 * hfu * per_s:.1f}%" if on_gpu else "")
-                + f"  peak memory {max(peak) / 2**30:.2f} GiB"
-                + (f" ({max(in_use) / 2**30:.2f} GiB in use on the device)" if on_gpu else ""))
     if profile:  # after the rounds (nothing here warms the first), on two responses of one prompt: about 8,000
-        out = {}     # profiled host events per layer and micro-batch (more on a GPU), a second to process per 20,000
-        run("old log-probs", batches[-1][:2], out)
-        lines = profile_step(functools.partial(run, "PPO step", batches[-1][:2], out), on_gpu)
+        state = {}  # profiled host events per layer and micro-batch (more on a GPU), a second to process per 20,000
+        _step(policy, optimizer, "old log-probs", batches[-1][:2], state, advantages[-1][:2], loss_fn, max_tokens)
+        lines, _ = profile_step(functools.partial(_step, policy, optimizer, "PPO step", batches[-1][:2], state,
+                                                  advantages[-1][:2], loss_fn, max_tokens), on_gpu)
         say("profile of one more PPO step on two responses of one prompt (rank 0): " + "\n".join(lines))
     # One prompt's responses of the last batch, after the rounds (so nothing here warms the first): which attention
     # kernel runs, and the same weights (the fp32 masters, gathered) run unsharded in fp32 beside the policy.
-    ids, mask = batching.pack([(r.prompt_ids, r.response_ids, r.response_mask) for r in batches[-1][:samples]],
-                              device)
+    ids, mask = batching.pack([(r.prompt_ids, r.response_ids, r.response_mask) for r in batches[-1][:samples]])
     with torch.no_grad():
         said = attention_kernel(lambda: trainer.token_logprobs(policy, ids, mask, 1.0), on_gpu)
         policy_logp, _ = trainer.token_logprobs(policy, ids, mask, 1.0)
@@ -250,9 +225,104 @@ def bench_gpu(shape="1.7b", prompts=8, samples=8, prompt_lens=(64, 512), respons
             reference = trainer.attach_logprob_forward(Qwen3ForCausalLM(config))  # (fp32: torch's default)
         # (full_parameters would give the root unit in bf16: FSDP2's unshard gathers in the compute dtype)
         reference.load_state_dict(get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True)))
-        gap = (trainer.token_logprobs(reference, ids, mask, 1.0)[0] - policy_logp)[mask > 0].abs().cpu().numpy()
+        gap = (trainer.token_logprobs(reference, ids, mask, 1.0)[0] - policy_logp)[mask.to(device) > 0]
+        gap = gap.abs().cpu().numpy()
+    stats = out["timings"][-1]["PPO step"][5]
     say(f"attention: {said}")
     say(f"bf16 vs fp32 log-probs ({samples} responses' tokens, after the rounds): mean |gap| {gap.mean():.2e}, max "
-        f"{gap.max():.2e}; last PPO step's loss {out['stats']['loss']:.4f}, grad norm {out['stats']['grad_norm']:.3f}; "
+        f"{gap.max():.2e}; last PPO step's loss {stats['loss']:.4f}, grad norm {stats['grad_norm']:.3f}; "
         f"(a) took {time.time() - started:.0f} s after its imports")
     torch.distributed.destroy_process_group()
+
+
+def _step(policy, optimizer, phase, batch, state, advantage, loss_fn, max_tokens):
+    """One of the trainer's two passes over `batch`; the old log-probs kept in state for the PPO step."""
+    from machinery import trainer
+    if phase == "old log-probs":
+        state["old"] = trainer.old_logprobs(policy, batch, [], 1.0, 64, max_tokens)
+        return state["old"]
+    return trainer.ppo_update(policy, optimizer, batch, state["old"]["batch"], advantage, loss_fn, ppo_steps=1,
+                              micro_batch_size=64, temperature=1.0, grad_clip=1.0, max_tokens=max_tokens)
+
+
+def _run_setting(path, device, setting, batches, advantages, loss_fn, rows, say):
+    """The rounds at one setting: a policy built for it (the previous one freed), then per round and pass the
+    seconds, peak bytes (torch's on a GPU, resident growth on a CPU), bytes in use on the GPU, decoder tokens, the
+    packed rows and the result; then one more PPO step under the profiler (busy share, syncs per micro-batch)."""
+    import gc
+    import torch
+    from machinery import trainer
+    label, tokens, checkpointing, units = setting
+    gc.collect()
+    torch.cuda.empty_cache() if device.type == "cuda" else None
+    t0 = time.time()
+    policy, optimizer = trainer.build_policy(path, device, lr=1e-6, weight_decay=0.01,
+                                             gradient_checkpointing=checkpointing, layer_units=units)
+    say(f"== {label}: build_policy (load + FSDP2) {time.time() - t0:.1f} s")
+    on_gpu, timings = device.type == "cuda", []
+    for batch, advantage in zip(batches, advantages):  # nothing runs before the first round
+        state = {}
+        timings.append({})
+        for phase in ("old log-probs", "PPO step"):
+            policy.decoder_tokens = 0  # (response_logprobs counts them on the model)
+            run = functools.partial(_step, policy, optimizer, phase, batch, state, advantage, loss_fn, tokens)
+            if on_gpu:
+                torch.cuda.reset_peak_memory_stats()
+            t0 = time.time()
+            result = run() if on_gpu else None
+            if on_gpu:
+                torch.cuda.synchronize()
+                seconds, peak, in_use = time.time() - t0, torch.cuda.max_memory_allocated(), _in_use()
+            else:
+                peak = _peak_rss_bytes(lambda: state.update(result=run()))
+                seconds, result, in_use = time.time() - t0, state.pop("result"), 0
+            timings[-1][phase] = (seconds, peak, in_use, policy.decoder_tokens, rows[:], result)
+            rows.clear()
+    _, profiled = profile_step(functools.partial(_step, policy, optimizer, "PPO step", batches[-1], state,
+                                                 advantages[-1], loss_fn, tokens), on_gpu)
+    profiled["micro_batches"] = max(1, len(rows))
+    rows.clear()
+    return policy, optimizer, {"timings": timings, "profiled": profiled}
+
+
+def _in_use():
+    import torch
+    free, total = torch.cuda.mem_get_info()
+    return total - free
+
+
+def _report(setting, out, config, lengths, heads, peak_tflops, on_gpu, world, max_tokens, say):
+    """One setting's lines: the packing of round 1 (the first setting only), then per pass the seconds, MFU, HFU,
+    peak memory, and the profiled PPO step's device-busy share and blocking syncs per micro-batch."""
+    label, tokens, checkpointing, _ = setting
+    timings, profiled = out["timings"], out["profiled"]
+    rounds = len(timings)
+    if tokens == max_tokens and label.startswith("old"):
+        first = timings[0]["old log-probs"][4]  # one row per micro-batch
+        seen = {shape for row in first for shape in row}
+        new = {shape for timing in timings[1:] for row in timing["old log-probs"][4] for shape in row} - seen
+        sizes = collections.Counter(sum(k for k, _ in row) for row in first)
+        say(f"each round a fresh batch on rank 0; round 1: {sum(lengths[0])} tokens, the decoder ran "
+            f"{timings[0]['old log-probs'][3]} (a prompt once per micro-batch), in {len(first)} micro-batches (budget "
+            f"{max_tokens} tokens) of {', '.join(f'{n} x {k}' for k, n in sorted(sizes.items()))} sequences, "
+            f"{sum(map(len, first))} attention calls of {len(seen)} shapes; rounds 2-{rounds} bring {len(new)} shapes "
+            f"round 1 had not")
+    # MFU counts the model's FLOPs only: forward, and backward at twice the forward. HFU also counts the recompute:
+    # every decoder layer runs forward again in the backward under checkpointing (the log-prob chunks always do).
+    for span, picked in (("round 1", range(1)), (f"rounds 2-{rounds}", range(1, rounds))):
+        for phase, (mfu, hfu) in (("old log-probs", (1, 1)), ("PPO step", (3, 4 if checkpointing else 3))):
+            if not picked:
+                continue
+            seconds, peak, in_use, ran, *_ = zip(*(timings[i][phase] for i in picked))
+            flops = sum(_forward_flops(config, lengths[i], heads[i], n) for i, n in zip(picked, ran))
+            per_s = flops / sum(seconds) / (peak_tflops * 1e12) if on_gpu else 0.0
+            say(f"{span:10s} {phase:13s} {np.mean(seconds):7.2f} s"
+                + (f" per round ({min(seconds):.2f} to {max(seconds):.2f})" if len(seconds) > 1 else "")
+                + f"  {sum(sum(lengths[i]) for i in picked) * world / sum(seconds):.0f} tokens/s"
+                + (f", MFU {100 * mfu * per_s:.1f}%, HFU {100 * hfu * per_s:.1f}%" if on_gpu else "")
+                + f"  peak memory {max(peak) / 2**30:.2f} GiB"
+                + (f" ({max(in_use) / 2**30:.2f} GiB in use on the device)" if on_gpu else ""))
+    say(f"profiled PPO step ({label}): device busy {100 * profiled['busy']:.0f}% of the wall, blocking syncs per "
+        f"micro-batch {profiled['syncs'] / profiled['micro_batches']:.1f} ({profiled['syncs']} in the step, the "
+        f"optimiser step's included, over {profiled['micro_batches']} micro-batches"
+        + (")" if on_gpu else "; a CPU counts the host reads that would be syncs on a GPU, AdamW's own among them)"))

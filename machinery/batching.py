@@ -2,8 +2,8 @@
 
 How the trainer cuts its work so that every forward pass fits a token budget, the same way on every rank.
 
-- `plan_micro_batches`: sequences packed longest first into micro-batches of at most --max_tokens_per_micro_batch
-  tokens (padding included) and --micro_batch_size sequences;
+- `plan_micro_batches`: sequences packed longest first (first fit) into micro-batches of at most
+  --max_tokens_per_micro_batch tokens, as the packed row runs them, and --micro_batch_size sequences;
 - `assign_by_tokens` / `deal_by_tokens`: all ranks' sequences dealt to the ranks by tokens, so the slowest rank
   is not the one that drew the longest responses;
 - `micro_batches`: the plan padded to one count on every rank (FSDP2's passes are collectives);
@@ -24,24 +24,31 @@ import torch
 LOGIT_CHUNK_BYTES = 2 ** 28
 
 
-def plan_micro_batches(lengths, max_sequences, max_tokens=None):
+def plan_micro_batches(lengths, max_sequences, max_tokens=None, padded=False):
     """Micro-batches as lists of positions into `lengths` (prompt + response tokens per sequence).
 
-    max_tokens None: consecutive groups of max_sequences. Otherwise a token budget: sequences sorted longest first
-    and packed while (sequences x the longest one) stays within max_tokens, padding included (sequences in a
-    micro-batch are padded to its longest); a sequence longer than the budget gets a micro-batch of its own.
-    The loss is a sum over tokens divided by a global count, so how sequences are grouped never changes the
-    gradient, only the memory each forward needs."""
+    max_tokens None: consecutive groups of max_sequences. Otherwise a token budget, sequences taken longest first,
+    each into the first micro-batch it fits (first-fit decreasing): the decoder runs a micro-batch as one packed
+    row (packed_row), so what it costs is the sum of its lengths; padded (a model without packed_attention runs
+    right-padded rows): (sequences x the longest one) instead, and only the last micro-batch takes more. At most
+    max_sequences each; a sequence longer than the budget gets a micro-batch of its own. The loss is a sum over
+    tokens divided by a global count, so how sequences are grouped never changes the gradient, only the memory each
+    forward needs (and the order of the sums: rounding)."""
     n = len(lengths)
     if max_tokens is None:
         return [list(range(k, min(k + max_sequences, n))) for k in range(0, n, max_sequences)]
-    plan, current = [], []
+    plan, used = [], []  # the micro-batches, and the tokens of each
     for i in sorted(range(n), key=lambda i: -lengths[i]):  # stable: ties keep their order
-        if current and ((len(current) + 1) * lengths[current[0]] > max_tokens or len(current) >= max_sequences):
-            plan.append(current)
-            current = []
-        current.append(i)
-    return plan + ([current] if current else [])
+        cost = (lambda k: (len(plan[k]) + 1) * lengths[plan[k][0]]) if padded else (lambda k: used[k] + lengths[i])
+        candidates = range(max(len(plan) - 1, 0) if padded else 0, len(plan))  # padded: the last one only
+        k = next((k for k in candidates if len(plan[k]) < max_sequences and cost(k) <= max_tokens), None)
+        if k is None:  # a new micro-batch
+            k = len(plan)
+            plan.append([])
+            used.append(0)
+        plan[k].append(i)
+        used[k] += lengths[i]
+    return plan
 
 
 def assign_by_tokens(lengths, world):
@@ -57,14 +64,14 @@ def assign_by_tokens(lengths, world):
     return owner
 
 
-def micro_batches(lengths, max_sequences, max_tokens=None, shares=None):
+def micro_batches(lengths, max_sequences, max_tokens=None, shares=None, padded=False):
     """plan_micro_batches, padded with empty micro-batches to the same count on every rank: FSDP2's forward and
     backward are collectives, so a rank with less work still runs as many (on a dummy sequence). shares: every
     rank's lengths (deal_by_tokens), from which each rank plans them all; None: one collective finds the most."""
     from machinery.collectives import all_reduce_np
-    plan = plan_micro_batches(lengths, max_sequences, max_tokens)
+    plan = plan_micro_batches(lengths, max_sequences, max_tokens, padded)
     count = (int(all_reduce_np([len(plan)], op="max")[0]) if shares is None else
-             max(len(plan_micro_batches(share, max_sequences, max_tokens)) for share in shares))
+             max(len(plan_micro_batches(share, max_sequences, max_tokens, padded)) for share in shares))
     return plan + [[]] * (count - len(plan))
 
 
@@ -84,21 +91,69 @@ def deal_by_tokens(items, length, budget=True):
 
 
 # ------------------------------------------------------------------------------------------------ packing
-def pack(sequences, device):
-    """Right-padded (B, T) ids and the (B, T-1) mask of predicted response tokens that count in the loss.
+@dataclass
+class Sequence:
+    """One sequence of a micro-batch: prompt and response token ids and the response's loss mask (0: tool output,
+    never sampled); for the update its (T,) old log-probs, advantage and (T,) TIS weights (None: none); owner,
+    index: the rank it came from and its position there (old_logprobs sends the result back)."""
+    prompt: list
+    response: list
+    mask: object
+    old: object = None
+    advantage: float = 0.0
+    weights: object = None
+    owner: int = 0
+    index: int = 0
+
+    def __len__(self):
+        return len(self.prompt) + len(self.response)
+
+
+IDLE = Sequence([0], [0], [0])  # a one-token dummy sequence with mask 0, for a rank with no work in a micro-batch
+
+
+def pack(sequences, device="cpu"):
+    """Right-padded (B, T) ids and the (B, T-1) mask of predicted response tokens that count in the loss, built on
+    the host and moved in one copy (to_device). sequences: Sequence records or (prompt, response, mask) triples.
 
     Right padding needs no attention mask: with causal attention real tokens never see the pads after them. The
     decoder does not run on these rows where the model takes packed_attention (packed_row)."""
-    T = max(len(p) + len(r) for p, r, _ in sequences)
-    ids = torch.zeros(len(sequences), T, dtype=torch.long)
-    mask = torch.zeros(len(sequences), T - 1)
-    for i, (p, r, m) in enumerate(sequences):
-        ids[i, : len(p) + len(r)] = torch.tensor(list(p) + list(r))
-        mask[i, len(p) - 1: len(p) - 1 + len(r)] = torch.as_tensor(m, dtype=torch.float)
-    return ids.to(device), mask.to(device)
+    sequences = [s if isinstance(s, Sequence) else Sequence(*s) for s in sequences]
+    ids = np.zeros((len(sequences), max(map(len, sequences))), dtype=np.int64)
+    mask = np.zeros((len(sequences), ids.shape[1] - 1), dtype=np.float32)
+    for i, s in enumerate(sequences):
+        ids[i, : len(s)] = list(s.prompt) + list(s.response)
+        mask[i, len(s.prompt) - 1: len(s) - 1] = s.mask
+    return to_device([torch.from_numpy(ids), torch.from_numpy(mask)], torch.device(device))
 
 
-IDLE = ([0], [0], [0])  # a one-token dummy sequence with mask 0, for a rank with no work in a micro-batch
+def loss_terms(sequences):
+    """(B, T-1) old log-probs and per-token weights (1 where a sequence has none) laid out as pack's mask, and the
+    (B,) advantages, of Sequence records: host tensors."""
+    old = np.zeros((len(sequences), max(map(len, sequences)) - 1), dtype=np.float32)
+    weights = np.ones_like(old)
+    for i, s in enumerate(sequences):
+        if s.old is not None:
+            old[i, len(s.prompt) - 1: len(s) - 1] = s.old
+        if s.weights is not None:
+            weights[i, len(s.prompt) - 1: len(s) - 1] = s.weights
+    advantage = np.array([s.advantage for s in sequences], dtype=np.float32)
+    return torch.from_numpy(old), torch.from_numpy(weights), torch.from_numpy(advantage)
+
+
+def to_device(tensors, device):
+    """Host tensors on `device`. On CUDA in ONE copy from one pinned buffer, without waiting (non_blocking): a copy
+    from pageable memory, or one per tensor, would make the host wait for the device each time (torch's
+    memcpy_and_sync), so it could not queue the next micro-batch while this one runs. Elsewhere as they are."""
+    if device.type != "cuda":
+        return list(tensors)
+    raw = [t.contiguous().reshape(-1).view(torch.uint8) for t in tensors]
+    offsets = np.cumsum([0] + [-(-r.numel() // 8) * 8 for r in raw])  # each part 8-byte aligned, for its view
+    buffer = torch.empty(int(offsets[-1]), dtype=torch.uint8, pin_memory=True)
+    for r, at in zip(raw, offsets):
+        buffer[at: at + r.numel()] = r
+    moved = buffer.to(device, non_blocking=True)
+    return [moved[at: at + r.numel()].view(t.dtype).view(t.shape) for t, r, at in zip(tensors, raw, offsets)]
 
 
 def shared_prefix_groups(sequences):
@@ -173,19 +228,20 @@ def packed_row(ids, rows, cols):
     """The rows of (B, T) ids that hold the N positions (rows, cols) asked for, packed into ONE row without padding,
     each prefix that several rows share once (shared_prefix_groups): (1, S) ids, (1, S) positions (each sequence
     counting from 0, a row's own tokens continuing its shared prefix), the PackedLayout packed_attention reads, and
-    (N,) the index in the row of each asked position (inside a shared prefix: the prefix's).
+    (N,) the index in the row of each asked position (inside a shared prefix: the prefix's). Built on the host from
+    host tensors (numpy and lists: nothing waits for a device), returned as host tensors for one copy (to_device).
 
     A row is cut after its last asked position + 1 (the target): with causal attention the tokens after it change
     nothing asked for. Padding costs a micro-batch's decoder (longest x count) / (sum of lengths) in FLOPs, 1.23x for
     8 SmolLM2 sequences of 99 prompt tokens and up to 48 response tokens; their shared 77-token prefix, once instead
     of 8 times, spares more than half of the rest."""
-    needed = torch.zeros(ids.shape[0], dtype=torch.long, device=ids.device).scatter_reduce_(
-        0, rows, cols + 2, "amax")  # (B,) tokens each row needs; 0 for rows nothing is asked of
-    kept = needed.nonzero().squeeze(1).tolist()
-    host = ids.cpu()
-    sequences = [host[row, :n].tolist() for row, n in zip(kept, needed[kept].tolist())]
+    ids, rows, cols = (np.asarray(x.cpu() if torch.is_tensor(x) else x) for x in (ids, rows, cols))
+    needed = np.zeros(len(ids), dtype=np.int64)  # (B,) tokens each row needs; 0 for rows nothing is asked of
+    np.maximum.at(needed, rows, cols + 2)
+    kept = np.flatnonzero(needed).tolist()
+    sequences = [ids[row, :needed[row]].tolist() for row in kept]
     tokens, positions, calls, pick, base = [], [], [], [], 0  # base: outputs of the calls so far, flattened
-    prefix_at, own_at, shared_of = [0] * ids.shape[0], [0] * ids.shape[0], [0] * ids.shape[0]
+    prefix_at, own_at, shared_of = np.zeros((3, len(ids)), dtype=np.int64)
     for shared, members in shared_prefix_groups(sequences):
         prefix = np.arange(len(tokens), len(tokens) + shared)  # its row positions
         tokens += sequences[members[0]][:shared]
@@ -204,13 +260,11 @@ def packed_row(ids, rows, cols):
             calls.append(at)
             base += at.size
         pick += [np.arange(start[(lo, hi)], start[(lo, hi)] + hi - lo) for lo, hi in owns]
-    device = ids.device
-    layout = PackedLayout([torch.from_numpy(c).to(device) for c in calls],
-                          torch.from_numpy(np.concatenate(pick)).to(device),
-                          torch.from_numpy(np.concatenate([c.ravel() for c in calls])).to(device))
-    prefix_at, own_at, shared_of = (torch.tensor(x, device=device)[rows] for x in (prefix_at, own_at, shared_of))
-    index = torch.where(cols < shared_of, prefix_at + cols, own_at + cols - shared_of)  # (N,)
-    return torch.tensor(tokens, device=device)[None], torch.tensor(positions, device=device)[None], layout, index
+    layout = PackedLayout([torch.from_numpy(c) for c in calls], torch.from_numpy(np.concatenate(pick)),
+                          torch.from_numpy(np.concatenate([c.ravel() for c in calls])))
+    prefix_at, own_at, shared_of = prefix_at[rows], own_at[rows], shared_of[rows]
+    index = np.where(cols < shared_of, prefix_at + cols, own_at + cols - shared_of)  # (N,)
+    return torch.tensor(tokens)[None], torch.tensor(positions)[None], layout, torch.from_numpy(index)
 
 
 # The name under which packed_attention is registered with transformers' AttentionInterface.

@@ -1,16 +1,11 @@
 """No library decides these; they are decided once so that the estimate, trainer and engine agree (tests/test_memory).
 
 What changes between a CPU and a GPU run, decided once so that the memory estimate, the trainer and the engine
-agree: gradient checkpointing, FSDP2's units, bf16 (each `auto`: on GPU only), and the device memory a run reports.
+agree: FSDP2's units and bf16 (each `auto`: on GPU only; gradient checkpointing and the token budgets: memory.py's
+auto_budget), and the device memory a run reports.
 No library makes these decisions for us; torch.cuda and /proc give the readings.
 """
 from machinery.memory import GIB
-
-
-def use_gradient_checkpointing(choice, on_gpu):
-    """--gradient_checkpointing auto/on/off -> bool (auto: on GPU only, trainer.build_policy's default), resolved
-    once so that the estimate and the policy agree."""
-    return on_gpu if choice == "auto" else choice == "on"
 
 
 BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")  # x86 (AVX-512 BF16, AMX), Arm (FEAT_BF16)
@@ -37,10 +32,11 @@ def use_bf16(choice, on_gpu):
     return ("on" if on_gpu else "off") if choice == "auto" else choice
 
 
-def use_layer_units(choice, on_gpu):
-    """--fsdp_units auto/layers/model -> bool: each decoder layer its own FSDP2 unit (auto: on GPU only,
-    trainer.build_policy's default), resolved once so that the estimate and the policy agree."""
-    return on_gpu if choice == "auto" else choice == "layers"
+def use_layer_units(choice, on_gpu, world=1):
+    """--fsdp_units auto/layers/model -> bool: each decoder layer its own FSDP2 unit (auto: on more than one GPU,
+    trainer.build_policy's default), resolved once so that the estimate and the policy agree. One GPU has no
+    gather to overlap, and per-layer units cost it each layer's cast and hooks twice per micro-batch."""
+    return on_gpu and world > 1 if choice == "auto" else choice == "layers"
 
 
 _gpu = {"phases": {}, "peak": 0.0}  # GPU: memory in use at this step's phase ends (phase_end), the largest so far

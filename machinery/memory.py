@@ -166,29 +166,63 @@ def fitting_tokens(shape, budget, **kwargs):
     return low
 
 
+# The update's token budget per micro-batch on a GPU where memory allows (verl's ppo_max_token_len_per_gpu): the
+# host's cost is per layer and operator, not per token, and ~10k tokens of device work hide it (docs/benchmarks.md).
+# The CPU keeps 2048: no device to keep busy, and a larger row only grows the process (no faster step measured).
+GPU_TOKENS, CPU_TOKENS = 16384, 2048
+
+
+def auto_budget(shape, budget, max_tokens, checkpointing, *, max_sequence_len, **common):
+    """--max_tokens_per_micro_batch and --gradient_checkpointing resolved: (tokens, checkpointing, the reason).
+    max_tokens: 'auto', a number or None (off); checkpointing: 'auto', 'on' or 'off'. On a GPU 'auto' tokens are
+    GPU_TOKENS where the estimate fits them, else the most that fits (in steps of 1024, at least one sequence), and
+    'auto' checkpointing is off where those tokens fit without it: it recomputes every layer (+33% FLOPs) and adds
+    host work per layer. On CPU: CPU_TOKENS, checkpointing off. common: rank_memory's other arguments."""
+    on_gpu = common["on_gpu"]
+    if not on_gpu or checkpointing != "auto" and max_tokens != "auto":
+        tokens = (GPU_TOKENS if on_gpu else CPU_TOKENS) if max_tokens == "auto" else max_tokens
+        return tokens, checkpointing == "on", "as given" if max_tokens != "auto" else "CPU default"
+
+    def fits(ckpt):
+        return fitting_tokens(shape, budget, gradient_checkpointing=ckpt, **common)
+    if max_tokens != "auto":  # the tokens given, checkpointing auto
+        need = tokens_per_forward(1 << 30, max_tokens, 1 << 30, max_sequence_len)
+        return max_tokens, need > fits(False), f"{need} tokens {'do not fit' if need > fits(False) else 'fit'} without"
+    for ckpt in (False, True) if checkpointing == "auto" else (checkpointing == "on",):
+        if fits(ckpt) >= GPU_TOKENS:
+            return GPU_TOKENS, ckpt, f"{GPU_TOKENS} tokens fit {'only with' if ckpt else 'without'} checkpointing"
+    ckpt, fit = checkpointing != "off", fits(checkpointing != "off") // 1024 * 1024
+    return max(fit, max_sequence_len), ckpt, "the most tokens that fit" if fit >= max_sequence_len else "none fit"
+
+
 def check_rank_memory(model, *, world, on_gpu, is_main, batch_size, micro_batch_size, max_tokens, max_sequence_len,
                       gradient_checkpointing, layer_units, gpu_memory_utilization, ignore=False):
-    """spo.py's check: print the estimate (rank 0) and stop with one line naming the flag if it will not fit.
-    max_tokens: --max_tokens_per_micro_batch (None: off); ignore (--ignore_memory_estimate): warn instead of
-    stopping (the estimate errs high)."""
+    """spo.py's check: resolve the 'auto' budgets (auto_budget), print the estimate (rank 0) and stop with one line
+    naming the flag if it will not fit. Returns (the update's tokens per micro-batch, gradient checkpointing).
+    max_tokens: --max_tokens_per_micro_batch ('auto', a number, None: off); gradient_checkpointing: 'auto', 'on' or
+    'off'; ignore (--ignore_memory_estimate): warn instead of stopping (the estimate errs high)."""
     from machinery.errors import fail
     shape = model_shape(model)
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     kv = float(os.environ.get("VLLM_CPU_KVCACHE_SPACE", 1))
     gpu_bytes = available_per_rank(True, local_ranks) if on_gpu else 0
+    budget = available_per_rank(on_gpu, local_ranks)
+    common = dict(world=world, on_gpu=on_gpu, layer_units=layer_units, kv_cache_gib=kv, gpu_bytes=gpu_bytes,
+                  gpu_memory_utilization=gpu_memory_utilization)
+    max_tokens, checkpointing, why = auto_budget(shape, budget, max_tokens, gradient_checkpointing,
+                                                 max_sequence_len=max_sequence_len, **common)
+    common["gradient_checkpointing"] = checkpointing
     tokens = tokens_per_forward(micro_batch_size, max_tokens, 2 * batch_size // world,  # batch + revisited responses
                                 max_sequence_len)
-    common = dict(world=world, on_gpu=on_gpu, gradient_checkpointing=gradient_checkpointing, layer_units=layer_units,
-                  kv_cache_gib=kv, gpu_bytes=gpu_bytes, gpu_memory_utilization=gpu_memory_utilization)
     items = rank_memory(shape, tokens=tokens, **common)
-    budget = available_per_rank(on_gpu, local_ranks)
     if is_main:
         print(f"memory per rank (estimate): {items['peak'] / GIB:.1f} GiB of {budget / GIB:.1f} GiB available "
               f"({shape.parameters / 1e6:.0f}M parameters, {tokens} tokens per forward pass: activations "
-              f"{items['activations'] / GIB:.1f} GiB, gradient checkpointing {'on' if gradient_checkpointing else 'off'}, "
-              f"FSDP units: {'layers' if layer_units else 'the whole model'})", flush=True)
+              f"{items['activations'] / GIB:.1f} GiB, gradient checkpointing {'on' if checkpointing else 'off'}, "
+              f"FSDP units: {'layers' if layer_units else 'the whole model'}; budget {max_tokens} tokens: {why})",
+              flush=True)
     if items["peak"] <= budget:
-        return items
+        return max_tokens, checkpointing
     fit = fitting_tokens(shape, budget, **common)
     flag, value = (("--max_tokens_per_micro_batch", max_tokens) if max_tokens is not None
                    else ("--micro_batch_size", micro_batch_size))
@@ -202,26 +236,29 @@ def check_rank_memory(model, *, world, on_gpu, is_main, batch_size, micro_batch_
         fail(message, once=True)
     if is_main:
         print(f"warning: {message}", flush=True)
-    return items
+    return max_tokens, checkpointing
 
 
 def _tokens_or_off(value):
-    """--max_tokens_per_micro_batch: a number of tokens, or 'off' (None)."""
-    return None if value == "off" else int(value)
+    """--max_tokens_per_micro_batch: a number of tokens, 'auto', or 'off' (None)."""
+    return None if value == "off" else value if value == "auto" else int(value)
 
 
 def add_memory_flags(p):
     """spo.py's trainer flags that the estimate reads: how its forward passes are cut, checkpointing, FSDP2's units,
     bf16 (the device decisions: device.py)."""
     p.add_argument("--micro_batch_size", type=int, default=64, help="sequences per forward pass, at most")
-    p.add_argument("--max_tokens_per_micro_batch", type=_tokens_or_off, default=2048,
-                   help="token budget per forward pass, padding included (sequences packed longest first and dealt "
-                        "to the ranks by tokens; 'off': micro_batch_size sequences each)")
+    p.add_argument("--max_tokens_per_micro_batch", type=_tokens_or_off, default="auto",
+                   help="the update's token budget per forward pass, as the packed row runs it (sequences packed "
+                        "longest first and dealt to the ranks by tokens; the no-grad pass takes twice on GPU; auto: "
+                        f"{CPU_TOKENS} on CPU, on GPU {GPU_TOKENS} or what the memory estimate fits; 'off': "
+                        "micro_batch_size sequences each)")
     p.add_argument("--gradient_checkpointing", choices=["auto", "on", "off"], default="auto",
-                   help="recompute each decoder layer in the backward pass (auto: on GPU only)")
+                   help="recompute each decoder layer in the backward pass (auto: on GPU where the budget does not "
+                        "fit without it)")
     p.add_argument("--fsdp_units", choices=["auto", "layers", "model"], default="auto",
                    help="FSDP2 units: each decoder layer (one layer's full weights at a time) or the whole model "
-                        "(one gather per pass; auto: layers on GPU, model on CPU)")
+                        "(one gather per pass; auto: layers on more than one GPU, else model)")
     p.add_argument("--bf16", choices=["auto", "on", "off"], default="auto",
                    help="compute in bf16: the trainer (FSDP2 mixed precision, fp32 master weights) and the engine "
                         "(auto: on GPU only; on a CPU with bf16 instructions 'on' is faster: docs/benchmarks.md)")
@@ -240,11 +277,12 @@ def main():
     p.add_argument("--tokens", type=int, default=2048, help="tokens per forward pass")
     p.add_argument("--gradient_checkpointing", action="store_true", help="checkpoint each decoder layer")
     p.add_argument("--fsdp_units", choices=["auto", "layers", "model"], default="auto",
-                   help="FSDP2 units (auto: layers on GPU, model on CPU)")
+                   help="FSDP2 units (auto: layers on more than one GPU, else model)")
     args = p.parse_args()
+    layer_units = args.gpu and args.world > 1 if args.fsdp_units == "auto" else args.fsdp_units == "layers"
     items = rank_memory(model_shape(args.model), world=args.world, tokens=args.tokens, on_gpu=args.gpu,
-                        gradient_checkpointing=args.gradient_checkpointing,
-                        layer_units=args.gpu if args.fsdp_units == "auto" else args.fsdp_units == "layers", kv_cache_gib=args.cpu_kv_cache_gib or 1,
+                        gradient_checkpointing=args.gradient_checkpointing, layer_units=layer_units,
+                        kv_cache_gib=args.cpu_kv_cache_gib or 1,
                         gpu_bytes=args.gpu_gib * GIB, gpu_memory_utilization=args.gpu_memory_utilization)
     for name, value in items.items():
         if name == "peak" and args.gpu:  # the GPU's two peaks: the trainer at work, and vLLM generating

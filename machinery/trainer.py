@@ -1,23 +1,21 @@
 """On torch FSDP2 (fully_shard) and transformers: the policy-gradient trainer TRL or verl has, in one readable file.
 
 spo.py tells the algorithm's story and holds its math (the advantages, D(x), the PPO-clip loss of Eq. 10); this
-file holds the mechanics that any policy-gradient trainer on torch FSDP2 needs (the policy, its log-probs, the
-update loop):
+file holds the mechanics any policy-gradient trainer on torch FSDP2 needs:
 - `setup_distributed`: torch.distributed on gloo (CPU) or nccl (GPU); `python spo.py` works as a world of 1.
-- `build_policy`: a Hugging Face causal LM sharded with FSDP2 (`fully_shard` per decoder layer, then the root, or
-  the whole model as one unit); on GPU bf16 compute with fp32 master weights and fp32 gradient reduction; FSDP2's
-  own weight gather and gradient reduce-scatter (gloo's or nccl's).
+- `build_policy`: a Hugging Face causal LM sharded with FSDP2 (per decoder layer, or the whole model as one unit);
+  on GPU bf16 compute with fp32 master weights and fp32 gradient reduction.
 - `token_logprobs` (via `response_logprobs`): the decoder once per micro-batch, its sequences packed into one row
   without padding and shared prefixes once (batching.packed_row, packed_attention), the output projection only
-  at response positions, with fp32 logits (from a bf16 GEMM accumulating in fp32 under bf16) and in chunks, so
-  no (B, T, V) logits tensor exists at any vocabulary size.
-- `old_logprobs` / `ppo_update`: per-token log-probs of prompt + response sequences in micro-batches, and the
-  optimiser steps around a loss function given by the caller, normalised by the GLOBAL token count. FSDP2
-  averages gradients over ranks; that loss is already a global mean, so each rank scales its loss by the world
-  size to get the true gradient (set_gradient_divide_factor(1) would do the same but fails on gloo).
+  at response positions, with fp32 logits and in chunks, so no (B, T, V) logits tensor exists.
+- `old_logprobs` / `ppo_update`: per-token log-probs in micro-batches, and the optimiser steps around a loss
+  function given by the caller, normalised by the GLOBAL token count. FSDP2 averages gradients over ranks; that
+  loss is already a global mean, so each rank scales its loss by the world size to get the true gradient
+  (set_gradient_divide_factor(1) would do the same but fails on gloo). Neither loop waits for the device.
 - `clip_grad_norm`: torch's gradient clipping on FSDP2's shards in one collective. The small collectives and the
   full weights for the push are in collectives.py, checkpoints in checkpoint.py, what a run records in metrics.py.
 """
+import contextlib
 import datetime
 import functools
 import os
@@ -33,8 +31,8 @@ from machinery.collectives import all_gather_np, all_gather_objects, all_reduce_
 from machinery.device import prefer_flash_attention
 from machinery.metrics import learning_warning, vllm_gap
 from machinery.errors import fail
-from machinery.batching import (IDLE, LOGIT_CHUNK_BYTES, PACKED_ATTENTION, deal_by_tokens, micro_batches, pack,
-                                packed_row, use_packed_attention)
+from machinery.batching import (IDLE, LOGIT_CHUNK_BYTES, PACKED_ATTENTION, PackedLayout, Sequence, deal_by_tokens,
+                                loss_terms, micro_batches, pack, packed_row, to_device, use_packed_attention)
 
 
 # ------------------------------------------------------------------------------------------------ setup
@@ -70,8 +68,9 @@ def build_policy(path, device, lr, weight_decay, gradient_checkpointing=None, la
     """The policy: a Hugging Face causal LM in training mode, sharded with FSDP2, and its AdamW optimiser.
     gradient_checkpointing: recompute each decoder layer's activations in the backward pass (None: on GPU only,
     where long responses make the saved activations the largest memory item).
-    layer_units: each decoder layer its own FSDP2 unit (None: on GPU only, where FSDP2 overlaps the next layer's
-    gather with compute); on CPU a rank's one thread pays every unit's gathers in turn, so one unit is faster.
+    layer_units: each decoder layer its own FSDP2 unit (None: on more than one GPU, where FSDP2 overlaps the next
+    layer's gather with compute; device.use_layer_units); one GPU has nothing to gather, and on CPU a rank's one
+    thread pays every unit's gathers in turn.
     bf16: forward and backward in bf16 with FSDP2's mixed precision (the fp32 parameters stay the master copy the
     optimiser updates; gradients are reduced in fp32). None: on GPU only; on CPU it pays only where the cores have
     bf16 instructions (device.use_bf16 refuses it elsewhere).
@@ -92,7 +91,8 @@ def build_policy(path, device, lr, weight_decay, gradient_checkpointing=None, la
     mesh = init_device_mesh(device.type, (world,))
     bf16 = on_gpu if bf16 is None else bf16
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
-    for unit in [*(model.model.layers if (on_gpu if layer_units is None else layer_units) else []), model]:
+    layer_units = on_gpu and world > 1 if layer_units is None else layer_units
+    for unit in [*(model.model.layers if layer_units else []), model]:
         fully_shard(unit, mesh=mesh, **({"mp_policy": mp} if mp else {}))
     attach_logprob_forward(model)
     model.to_empty(device=device)  # storage for this rank's shards (and the buffers), contents undefined
@@ -126,8 +126,10 @@ def prepare_for_training(model, gradient_checkpointing):
         if isinstance(getattr(module, "attention_dropout", None), float):
             module.attention_dropout = 0.0  # attention modules pass it to the attention kernel in training mode
     if gradient_checkpointing:
-        # Non-reentrant checkpointing: the variant that composes with FSDP2 and with inputs that need no grad.
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # Non-reentrant checkpointing: the variant that composes with FSDP2 and with inputs that need no grad. No RNG
+        # state stashed and restored per layer: with dropout off the recompute draws no random numbers.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False,
+                                                                           "preserve_rng_state": False})
     return model
 
 
@@ -221,27 +223,32 @@ def response_logprobs(model, ids, rows, cols, temperature, with_entropy=False, c
     (recomputed in the backward), so the backward too holds one chunk's logits at a time.
     Call it as `model.response_logprobs(...)` after attach_logprob_forward (build_policy does), so that FSDP2
     gathers the parameters around it as it would around `forward`."""
+    device = next(model.parameters()).device
+    ids, rows, cols = (x.cpu() for x in (ids, rows, cols))  # host tensors (the loops pass them; no wait then)
+    targets = ids[rows, cols + 1]  # (N,)
     if model.config._attn_implementation == PACKED_ATTENTION:  # one row without padding (attach_logprob_forward)
-        flat, positions, layout, index = packed_row(ids, rows, cols)
+        flat, positions, layout, index = packed_row(ids, rows, cols)  # on the host, then one copy
+        flat, positions, index, targets, pick, gather, *calls = to_device(
+            [flat, positions, index, targets, layout.pick, layout.gather, *layout.calls], device)
+        layout = PackedLayout(calls, pick, gather)
         hidden = model.base_model(input_ids=flat, position_ids=positions, packed_layout=layout,
                                   use_cache=False).last_hidden_state[0, index]  # (N, H)
     else:
-        flat = ids
-        hidden = model.base_model(input_ids=ids, use_cache=False).last_hidden_state[rows, cols]  # (N, H)
-    # the tokens the decoder really ran, for ppo_update's policy/decoder_tokens
+        flat, rows, cols, targets = to_device([ids, rows, cols, targets], device)
+        hidden = model.base_model(input_ids=flat, use_cache=False).last_hidden_state[rows, cols]  # (N, H)
+    # the tokens the decoder really ran (a host count), for ppo_update's policy/decoder_tokens
     model.decoder_tokens = getattr(model, "decoder_tokens", 0) + flat.numel()
     head = model.get_output_embeddings()
     weight = head.weight  # (V, H): the gathered bf16 copy under bf16 mixed precision, else the fp32 parameter
     total = {}  # under bf16 with gradients: the chunks' weight gradient, summed in one fp32 buffer (_WeightGradient)
     token = _WeightGradient.apply(weight, total) if weight.dtype in HALF and torch.is_grad_enabled() else None
     bias = None if head.bias is None else head.bias.float()
-    targets = ids[rows, cols + 1]  # (N,)
     chunk = chunk or max(1, LOGIT_CHUNK_BYTES // (4 * weight.shape[0]))
     logp, entropy = [], []
     for k in range(0, len(targets), chunk):
         part = (hidden[k: k + chunk], weight, (token, total), bias, targets[k: k + chunk], temperature, with_entropy)
         if torch.is_grad_enabled():
-            part_logp, part_entropy = checkpoint(_chunk_logprobs, *part, use_reentrant=False)
+            part_logp, part_entropy = checkpoint(_chunk_logprobs, *part, use_reentrant=False, preserve_rng_state=False)
         else:
             part_logp, part_entropy = _chunk_logprobs(*part)
         logp.append(part_logp)
@@ -269,36 +276,18 @@ def attach_logprob_forward(model):
 
 def token_logprobs(model, ids, mask, temperature, with_entropy=False):
     """(B, T-1) log pi(token_t | tokens_<t) where mask > 0 (response tokens; 0 elsewhere) and, if asked, the
-    (B, T-1) entropy of pi at those positions. model: as returned by attach_logprob_forward."""
-    rows, cols = mask.nonzero(as_tuple=True)
+    (B, T-1) entropy of pi at those positions, on the model's device. model: as returned by attach_logprob_forward.
+    ids, mask: host tensors (batching.pack(..., "cpu")), from which the positions are found without a device read;
+    device tensors are read back first (a wait for the device)."""
+    rows, cols = (torch.from_numpy(x) for x in np.nonzero(mask.cpu().numpy()))
     if not len(rows):
         # An idle rank (mask all 0) still projects one position: under FSDP2 every rank must produce a gradient
         # for the output projection, or the ranks' reduce-scatters would not match. Its value is masked out.
-        rows = cols = torch.zeros(1, dtype=torch.long, device=ids.device)
+        rows = cols = torch.zeros(1, dtype=torch.long)
     logp, entropy = model.response_logprobs(ids, rows, cols, temperature, with_entropy)
-    scatter = functools.partial(torch.zeros(mask.shape, device=ids.device).index_put, (rows, cols))
+    scatter = functools.partial(torch.zeros(mask.shape, device=logp.device).index_put,
+                                tuple(to_device([rows, cols], logp.device)))
     return scatter(logp), (scatter(entropy) if with_entropy else None)
-
-
-def _scored(items, token_logp, entropy, mask):
-    """Per packed sequence of items (owner rank, index there, prompt ids, response ids): (owner, index, (T_i,)
-    response log-probs, entropy summed over its policy tokens, policy tokens)."""
-    return [(owner, i, row[len(p) - 1: len(p) - 1 + len(r)].float().cpu().numpy(),
-             float((row_entropy * row_mask).sum()), float(row_mask.sum()))
-            for (owner, i, p, r), row, row_entropy, row_mask in zip(items, token_logp, entropy, mask)]
-
-
-def _to_owners(scored, n, max_tokens, counted):
-    """_scored results back to the rank that owns each sequence (with a token budget they were dealt to the ranks
-    by tokens): (n,) log-probs by index, and the entropy per policy token over the indices `counted` accepts."""
-    if max_tokens is not None:
-        scored = [item for item in all_gather_objects(scored) if item[0] == dist.get_rank()]
-    out, entropy_sum, token_count = [None] * n, 0.0, 0.0
-    for _, i, logp, row_entropy, tokens in scored:
-        out[i] = logp
-        if counted(i):
-            entropy_sum, token_count = entropy_sum + row_entropy, token_count + tokens
-    return out, entropy_sum / max(token_count, 1.0)
 
 
 @torch.no_grad()
@@ -309,25 +298,41 @@ def old_logprobs(model, rollouts, revisited, temperature, micro_batch_size, max_
     trainer's and vLLM's log-probs of the sampled tokens (a weight push that did not land shows here).
     Tool-output tokens (mask 0) were never sampled: their log-prob is not computed and reads 0.
     With a token budget (max_tokens) all ranks' sequences are dealt to the ranks by tokens (assign_by_tokens)
-    and each result goes back to the rank that owns the sequence."""
-    device, rank = next(model.parameters()).device, dist.get_rank()
-    sequences = [(r.prompt_ids, r.response_ids, r.response_mask) for r in rollouts] + list(revisited)
-    work = [(rank, i, seq) for i, seq in enumerate(sequences)]  # (the rank that owns it, its index there, sequence)
+    and each result goes back to the rank that owns the sequence. The results stay on the device until the loop
+    ends and are read in one copy: the host queues the micro-batches without waiting for any."""
+    rank, padded = dist.get_rank(), model.config._attn_implementation != PACKED_ATTENTION
+    if max_tokens is not None and next(model.parameters()).is_cuda:  # no activations kept: twice the update's
+        max_tokens *= 2  # budget on GPU (verl sizes its log-prob passes so)
+    model.eval()  # transformers checkpoints a layer only in training mode: no RNG stash, no checkpoint hooks here
+    work = [Sequence(*seq, owner=rank, index=i) for i, seq in enumerate(
+        [(r.prompt_ids, r.response_ids, r.response_mask) for r in rollouts] + list(revisited))]
     # token budgets: score a token-balanced share of all ranks' sequences
-    work, shares, _ = deal_by_tokens(work, lambda item: len(item[2][0]) + len(item[2][1]), max_tokens is not None)
-    scored = []
-    for group in micro_batches([len(p) + len(r) for _, _, (p, r, _) in work], micro_batch_size, max_tokens,
-                                shares):
-        chunk = [work[j][2] for j in group] or [IDLE]  # an idle rank still joins the collective forward
-        ids, mask = pack(chunk, device)
+    work, shares, _ = deal_by_tokens(work, len, max_tokens is not None)
+    done, results = [], []  # per micro-batch: its sequences and mask (host); log-probs, entropy sums (device)
+    for group in micro_batches(list(map(len, work)), micro_batch_size, max_tokens, shares, padded):
+        sequences = [work[j] for j in group]
+        ids, mask = pack(sequences or [IDLE])  # an idle rank still joins the collective forward
         # (the entropy is of this batch's responses only: a pass of revisited ones alone skips it)
-        token_logp, entropy = token_logprobs(model, ids, mask, temperature, with_entropy=bool(rollouts))
-        scored += _scored([(work[j][0], work[j][1], p, r) for j, (p, r, _) in zip(group, chunk)], token_logp,
-                          torch.zeros_like(token_logp) if entropy is None else entropy, mask)
-    # the entropy of this batch's responses, not of the revisited ones
-    out, entropy = _to_owners(scored, len(sequences), max_tokens, lambda i: i < len(rollouts))
-    return {"batch": out[: len(rollouts)], "revisited": out[len(rollouts):], "sequences": len(sequences),
-            "entropy": entropy, **vllm_gap(out[: len(rollouts)], rollouts)}
+        logp, entropy = token_logprobs(model, ids, mask, temperature, with_entropy=bool(rollouts))
+        done.append((sequences, mask.numpy()))
+        results += [logp.flatten(), (torch.zeros_like(logp) if entropy is None else entropy).sum(1)]
+    host = torch.cat(results).cpu().numpy() if results else None  # the loop's one read
+    scored, at = [], 0
+    for sequences, mask in done:  # (owner, index, (T_i,) log-probs, entropy summed over its policy tokens, tokens)
+        logp, entropy = host[at: at + mask.size].reshape(mask.shape), host[at + mask.size: at + mask.size + len(mask)]
+        at += mask.size + len(mask)
+        scored += [(s.owner, s.index, logp[j, len(s.prompt) - 1: len(s) - 1].copy(), float(entropy[j]),
+                    float(mask[j].sum())) for j, s in enumerate(sequences)]
+    model.train()
+    if max_tokens is not None:  # each result back to the rank that owns the sequence
+        scored = [item for item in all_gather_objects(scored) if item[0] == rank]
+    out, entropy_sum, token_count = [None] * (len(rollouts) + len(revisited)), 0.0, 0.0
+    for _, i, logp, row_entropy, tokens in scored:
+        out[i] = logp
+        if i < len(rollouts):  # the entropy of this batch's responses, not of the revisited ones
+            entropy_sum, token_count = entropy_sum + row_entropy, token_count + tokens
+    return {"batch": out[: len(rollouts)], "revisited": out[len(rollouts):], "sequences": len(out),
+            "entropy": entropy_sum / max(token_count, 1.0), **vllm_gap(out[: len(rollouts)], rollouts)}
 
 
 def tis_weights(old_logprobs, engine_logprobs, mask, cap):
@@ -353,86 +358,89 @@ def clip_grad_norm(parameters, max_norm):
     return float(total)
 
 
-@torch.no_grad()
-def _shard_norms(optimizer):
-    """(P,) norms of this rank's parameter shards in fp64: whether an update changed the parameters at all. The
-    optimiser's parameters: the model's may be FSDP2's unsharded copies at the moment."""
-    return torch.stack([(p.to_local() if isinstance(p, DTensor) else p).double().norm()
-                        for group in optimizer.param_groups for p in group["params"]])
-
-
 def ppo_update(model, optimizer, rollouts, old, advantage, loss_fn, *, ppo_steps, micro_batch_size, temperature,
-               grad_clip, max_tokens=None, tis=0.0, check=False):
+               grad_clip, max_tokens=None, tis=0.0):
     """`ppo_steps` optimiser steps over consecutive mini-batches of the rollouts, each step's loss from
     loss_fn(logprobs, old_logprobs, advantage, mask, n_tokens=...) -> (loss, clipped) (spo.ppo_clip_loss, Eq. 10),
     where n_tokens counts the policy tokens of the GLOBAL mini-batch (all ranks): a token mean over it. The
-    machinery: micro-batches (gradient accumulation), the world-size scaling FSDP2 needs, gradient clipping, and
-    skipping a step whose loss or gradient norm is not finite (on every rank alike). old: (T_i,) old log-probs per
-    rollout (old_logprobs'); advantage: (B_local,) one scalar per trajectory. max_tokens: the micro-batches'
-    token budget (plan_micro_batches), each mini-batch's sequences then dealt to the ranks by tokens
-    (assign_by_tokens); None: micro_batch_size sequences each, every rank its own rollouts. tis: the cap of
-    tis_weights, passed to loss_fn as weights; 0: off. check: afterwards, a warning line on rank 0 unless the
-    update moved the policy the way the advantages say (metrics.learning_warning; one more no-grad pass)."""
-    device, world = next(model.parameters()).device, dist.get_world_size()
-    per = len(rollouts) // ppo_steps
-    sums = {"loss": 0.0, "grad_norm": 0.0}
-    # over all ranks and mini-batches: clipped tokens, k3 KL summed over tokens, tokens, and the tokens the decoder
-    # ran (response_logprobs counts them on the model: packed rows, each shared prefix once)
-    totals, model.decoder_tokens = np.zeros(5), 0
-    nonfinite = False
-    norms = _shard_norms(optimizer) if check else None
+    machinery: micro-batches (_accumulate_gradients), gradient clipping, and skipping a step whose loss or gradient
+    norm is not finite (on every rank alike). old: (T_i,) old log-probs per rollout (old_logprobs'); advantage:
+    (B_local,) one scalar per trajectory. max_tokens: the micro-batches' token budget (plan_micro_batches), each
+    mini-batch's sequences then dealt to the ranks by tokens; None: micro_batch_size sequences each, every rank its
+    own rollouts. tis: the cap of tis_weights, passed to loss_fn as weights; 0: off."""
+    per, world = len(rollouts) // ppo_steps, dist.get_world_size()
+    sequences = [Sequence(r.prompt_ids, r.response_ids, r.response_mask, old[i], float(advantage[i]),
+                          tis_weights(old[i], r.logprobs, r.response_mask, tis) if tis else None)
+                 for i, r in enumerate(rollouts)]
+    # over all ranks and mini-batches: clipped tokens, k3 KL summed over tokens, tokens, truncated, decoder's tokens
+    totals, loss, grad_norm, nonfinite = np.zeros(5), 0.0, 0.0, False
     for k in range(ppo_steps):
-        # this rank's part of mini-batch k: (prompt ids, response ids, response mask, old log-probs, advantage,
-        # per-token weights)
-        mini = [(r.prompt_ids, r.response_ids, r.response_mask, old[i], float(advantage[i]),
-                 tis_weights(old[i], r.logprobs, r.response_mask, tis) if tis else None)
-                for i, r in enumerate(rollouts[k * per: (k + 1) * per], start=k * per)]
-        # token budgets: also even out the ranks' tokens (long responses vary a lot)
-        mini, shares, everything = deal_by_tokens(mini, lambda item: len(item[0]) + len(item[1]),
-                                                  max_tokens is not None)
-        global_tokens = (float(sum(np.sum(item[2]) for item in everything)) if everything is not None  # exact
-                         else all_reduce_np([sum(float(np.sum(item[2])) for item in mini)])[0])
-        loss_total, counts = 0.0, np.zeros(5)  # this rank's: loss; clipped tokens, k3 KL, tokens, decoder's, truncated
-        before = model.decoder_tokens
-        for group in micro_batches([len(p) + len(r) for p, r, *_ in mini], micro_batch_size, max_tokens, shares):
-            rows = [mini[j] for j in group]
-            ids, mask = pack([row[:3] for row in rows] or [IDLE], device)  # (b, T); an idle rank: mask 0, loss 0
-            adv = torch.tensor([row[4] for row in rows] or [0.0], dtype=torch.float32, device=device)  # (b,)
-            logp, _ = token_logprobs(model, ids, mask, temperature)
-            old_logp, weights = torch.zeros_like(mask), torch.ones_like(mask)  # (b, T), as the packed sequences
-            for j, (p, _, _, old_row, _, weight_row) in enumerate(rows):
-                old_logp[j, len(p) - 1: len(p) - 1 + len(old_row)] = torch.from_numpy(old_row)
-                if weight_row is not None:
-                    weights[j, len(p) - 1: len(p) - 1 + len(weight_row)] = torch.from_numpy(weight_row)
-            loss, clipped = loss_fn(logp, old_logp, adv, mask, n_tokens=global_tokens,
-                                    **({"weights": weights} if tis else {}))
-            (loss * world).backward()  # x world: FSDP2 averages gradients, our loss is already a global mean
-            loss_total += loss.item()
-            with torch.no_grad():
-                log_ratio = (logp - old_logp) * mask
-                counts += [float((clipped.float() * mask).sum()),
-                           float(((torch.exp(log_ratio) - 1 - log_ratio) * mask).sum()),  # k3, KL(old||new)
-                           float(mask.sum()), 0.0, float(((weights == tis) * mask).sum()) if tis else 0.0]
-        counts[3] = model.decoder_tokens - before
-        grad_norm = clip_grad_norm(model.parameters(), grad_clip)
-        reduced = all_reduce_np([loss_total, *counts])  # one collective for the loss and the counts
-        global_loss, totals = reduced[0], totals + reduced[1:]
-        if not (np.isfinite(global_loss) and np.isfinite(grad_norm)):
-            nonfinite = True  # every rank sees the same global values, so every rank skips this step
-            optimizer.zero_grad(set_to_none=True)
-            continue
-        optimizer.step()
+        # this rank's part of mini-batch k; token budgets: also even out the ranks' tokens (long responses vary a lot)
+        mini, shares, everything = deal_by_tokens(sequences[k * per: (k + 1) * per], len, max_tokens is not None)
+        global_tokens = (float(sum(np.sum(s.mask) for s in everything)) if everything is not None  # exact
+                         else all_reduce_np([sum(float(np.sum(s.mask)) for s in mini)])[0])
+        sums = _accumulate_gradients(model, mini, shares, loss_fn, global_tokens, temperature, micro_batch_size,
+                                     max_tokens, tis)
+        step_norm = clip_grad_norm(model.parameters(), grad_clip)
+        reduced = all_reduce_np(sums)  # one collective for the loss and the counts
+        totals += reduced[1:]
+        if np.isfinite(reduced[0]) and np.isfinite(step_norm):  # every rank sees the same global values
+            optimizer.step()
+            loss, grad_norm = loss + reduced[0], grad_norm + step_norm
+        else:
+            nonfinite = True  # every rank skips this step
         optimizer.zero_grad(set_to_none=True)
-        sums["loss"] += global_loss
-        sums["grad_norm"] += grad_norm
-    stats = {"loss": sums["loss"] / ppo_steps, "grad_norm": sums["grad_norm"] / ppo_steps,
-             "clip_fraction": totals[0] / totals[2], "approx_kl": totals[1] / totals[2], "nonfinite": nonfinite,
-             "decoder_tokens": totals[3] / world,  # per rank
-             "tis_truncated": totals[4] / totals[2]}  # tokens whose weight is the cap
-    if check:
-        changed = not torch.equal(norms, _shard_norms(optimizer))
+    return {"loss": loss / ppo_steps, "grad_norm": grad_norm / ppo_steps, "clip_fraction": totals[0] / totals[2],
+            "approx_kl": totals[1] / totals[2], "nonfinite": nonfinite,
+            "tis_truncated": totals[3] / totals[2],  # tokens whose weight is the cap
+            "decoder_tokens": totals[4] / world}  # per rank
+
+
+def _accumulate_gradients(model, mini, shares, loss_fn, global_tokens, temperature, micro_batch_size, max_tokens, tis):
+    """One optimiser step's gradient, accumulated over this rank's micro-batches of `mini` (Sequence records).
+    Nothing in the loop waits for the device: the inputs are built on the host and moved without waiting
+    (batching.to_device), the loss and counts stay on the device, read once after the loop, and FSDP2 reduces the
+    summed gradient once, after the last micro-batch's backward. Returns this rank's (loss, clipped tokens, k3 KL
+    summed over tokens, tokens, truncated tokens, tokens the decoder ran), summed in float64 in order."""
+    world, ran = dist.get_world_size(), getattr(model, "decoder_tokens", 0)
+    plan = micro_batches(list(map(len, mini)), micro_batch_size, max_tokens, shares,
+                         padded=model.config._attn_implementation != PACKED_ATTENTION)
+    parts, layers = [], [unit for unit in model.model.layers if hasattr(unit, "set_reshard_after_forward")]
+    for unit in layers:  # layer units stay gathered from each forward to the backward that follows at once
+        unit.set_reshard_after_forward(False)
+    for m, group in enumerate(plan):
+        sequences = [mini[j] for j in group] or [IDLE]  # an idle rank: mask 0, loss 0
+        ids, mask = pack(sequences)
+        logp, _ = token_logprobs(model, ids, mask, temperature)
+        mask, old_logp, weights, adv = to_device([mask, *loss_terms(sequences)], logp.device)  # (b, T), (b,)
+        loss, clipped = loss_fn(logp, old_logp, adv, mask, n_tokens=global_tokens,
+                                **({"weights": weights} if tis else {}))
+        model.set_requires_gradient_sync(m == len(plan) - 1)  # the reduce-scatter after the last backward only
+        (loss * world).backward()  # x world: FSDP2 averages gradients, our loss is already a global mean
+        with torch.no_grad():
+            log_ratio = (logp - old_logp) * mask
+            parts.append(torch.stack([loss.detach().float(), (clipped.float() * mask).sum(),
+                                      ((torch.exp(log_ratio) - 1 - log_ratio) * mask).sum(),  # k3, KL(old||new)
+                                      mask.sum(), ((weights == tis) * mask).sum() if tis else mask.new_zeros(())]))
+    for unit in layers:  # (the no-grad pass: one layer gathered at a time)
+        unit.set_reshard_after_forward(True)
+    parts = torch.stack(parts).double().cpu().numpy() if parts else []  # the loop's one read
+    sums = functools.reduce(np.add, parts, np.zeros(5))  # in order, as the step's sums were before
+    return np.append(sums, getattr(model, "decoder_tokens", 0) - ran)
+
+
+@contextlib.contextmanager
+def learning_check(model, optimizer, rollouts, old, advantage, temperature, micro_batch_size, max_tokens, on=True):
+    """Around an update (spo.py: the first): afterwards a warning line on rank 0 unless it moved the policy the way
+    the advantages say (metrics.learning_warning; one more no-grad pass). on False: nothing."""
+    def norms():  # (P,) fp64 norms of this rank's shards (the optimiser's: the model's may be unsharded copies now)
+        return torch.stack([(p.to_local() if isinstance(p, DTensor) else p).detach().double().norm()
+                            for group in optimizer.param_groups for p in group["params"]])
+    before = norms() if on else None
+    yield
+    if on:
+        changed = not torch.equal(before, norms())
         new = old_logprobs(model, rollouts, [], temperature, micro_batch_size, max_tokens)["batch"]
         warning = learning_warning(changed, old, new, advantage, [r.response_mask for r in rollouts])
         if warning and dist.get_rank() == 0:
             print(f"warning: {warning}", file=sys.stderr, flush=True)
-    return stats

@@ -10,14 +10,28 @@ from machinery import batching
 
 def test_token_budget_micro_batches_cover_every_sequence_once_within_the_budget():
     lengths = [5, 17, 3, 9, 9, 30, 1, 12]
-    plan = batching.plan_micro_batches(lengths, max_sequences=3, max_tokens=20)
-    assert sorted(i for group in plan for i in group) == list(range(len(lengths)))
-    for group in plan:
-        longest = max(lengths[i] for i in group)  # sequences are padded to the micro-batch's longest
-        assert len(group) <= 3 and (len(group) * longest <= 20 or len(group) == 1)
-        assert [lengths[i] for i in group] == sorted((lengths[i] for i in group), reverse=True)
-    assert plan[0] == [5]  # 30 tokens: over the budget, alone
+    for padded in (False, True):
+        plan = batching.plan_micro_batches(lengths, max_sequences=3, max_tokens=20, padded=padded)
+        assert sorted(i for group in plan for i in group) == list(range(len(lengths)))
+        for group in plan:
+            # packed: the row holds the sum of the lengths; padded: each sequence padded to the longest
+            cost = len(group) * max(lengths[i] for i in group) if padded else sum(lengths[i] for i in group)
+            assert len(group) <= 3 and (cost <= 20 or len(group) == 1)
+            assert [lengths[i] for i in group] == sorted((lengths[i] for i in group), reverse=True)
+        assert plan[0] == [5]  # 30 tokens: over the budget, alone
     assert batching.plan_micro_batches(lengths, max_sequences=3) == [[0, 1, 2], [3, 4, 5], [6, 7]]  # no budget
+
+
+def test_the_planner_counts_the_tokens_the_packed_row_runs():
+    """The device check's recorded 1.7B batch (docs/gpu_runs/2026-12-04_trainer.log, round 1: 53,569 tokens in 36
+    micro-batches of 2,048 counted as count x longest), rebuilt from its seed as bench/gpu_trainer.py draws it:
+    counted as the packed row runs it, at most 28."""
+    from bench.gpu_trainer import shared_prompt_batch
+    batch = shared_prompt_batch(np.random.default_rng([0, 0]), 151_936, 8, 8, (64, 512), (200, 900))
+    lengths = [len(r.prompt_ids) + len(r.response_ids) for r in batch]
+    assert sum(lengths) == 53_569
+    assert len(batching.plan_micro_batches(lengths, 64, 2048, padded=True)) == 36  # as recorded
+    assert len(batching.plan_micro_batches(lengths, 64, 2048)) <= 28
 
 
 def test_ranks_get_tokens_not_counts():

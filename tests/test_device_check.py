@@ -23,13 +23,13 @@ def test_the_trainer_part_times_its_first_round_apart_over_packed_shared_prompt_
     computes in fp32, so its log-probs must equal the unsharded fp32 copy's."""
     proc = ok(python("-m", "bench", "gpu", "--part", "trainer", "--shape", "tiny", "--prompts", "2", "--samples", "3",
                      "--prompt_lens", "8", "24", "--response_lens", "20", "60", "--rounds", "3",
-                     "--max_tokens_per_micro_batch", "150"))
+                     "--max_tokens_per_micro_batch", "200"))
     out = proc.stdout
     for label, phase in [("round 1", "old log-probs"), ("round 1", "PPO step")]:
         assert re.search(rf"{label} +{phase} +[\d.]+ s +\d+ tokens/s +peak memory [\d.]+ GiB", out), out
     for phase in ("old log-probs", "PPO step"):
         assert re.search(rf"rounds 2-3 +{phase} +[\d.]+ s per round \([\d.]+ to [\d.]+\) +\d+ tokens/s", out), out
-    packing = re.search(r"round 1: (\d+) tokens, the decoder ran (\d+) .* in (\d+) micro-batches \(budget 150 "
+    packing = re.search(r"round 1: (\d+) tokens, the decoder ran (\d+) .* in (\d+) micro-batches \(budget 200 "
                         r"tokens\) .* rounds 2-3 bring (\d+) shapes round 1 had not", out)
     total, ran, micro_batches, new_shapes = map(int, packing.groups())
     assert ran < total and micro_batches > 1 and new_shapes > 0, out
@@ -37,6 +37,10 @@ def test_the_trainer_part_times_its_first_round_apart_over_packed_shared_prompt_
                         r"host reads of tensor values (\d+)\n((?:  self host time +[\d.]+ ms  x\d+ +\S.*\n){8})",
                         out)  # the top ops: aten ops or autograd nodes
     assert profile and float(profile.group(1)) > 0 and int(profile.group(2)) > 0, out  # (the loss, AdamW's steps)
+    # the old settings and the new side by side, each with its profiled step (on a CPU: no device, busy 0%)
+    sides = re.findall(r"== (old|new)\b.*\n(?:.*\n)*?profiled PPO step \((?:old|new)[^\n]*: device busy \d+% of the "
+                       r"wall, blocking syncs per micro-batch [\d.]+", out)
+    assert sides == ["old", "new"], out
     assert re.search(r"attention: SDPA backends enabled .*; dispatched to aten::_scaled_dot_product_\w+", out), out
     gap_mean, gap_max, grad_norm = map(float, re.search(r"mean \|gap\| (\S+), max (\S+); last PPO step's loss \S+, "
                                                          r"grad norm ([\d.]+);", out).groups())

@@ -146,7 +146,8 @@ def test_whole_model_units_hold_every_weight_and_gradient_at_once(tmp_path):
     assert by_layer == 2 * 4 * (shape.root_parameters + 2 * shape.layer_parameters)  # fp32 on CPU
     assert whole == 2 * 4 * shape.parameters > by_layer
     assert [device.use_layer_units(c, gpu) for c in ("auto", "layers", "model") for gpu in (False, True)] == \
-        [False, True, True, True, False, False]
+        [False, False, True, True, False, False]  # auto: one GPU is one unit (nothing to gather, no casts per layer)
+    assert device.use_layer_units("auto", True, world=2) and not device.use_layer_units("auto", False, world=2)
 
 
 @pytest.mark.slow
@@ -205,3 +206,21 @@ def test_cudnn_attention_is_off_on_a_gpu_and_left_alone_on_a_cpu():
         assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
     finally:
         torch.backends.cuda.enable_cudnn_sdp(before)
+
+
+def test_the_auto_budget_fits_16k_tokens_without_checkpointing_on_one_h200():
+    """The decision on the Qwen3-1.7B config (no weights: the meta device) for one H200 (141 GB): 16,384 tokens per
+    update micro-batch without gradient checkpointing; on 80 GB the same tokens only with it; a budget given keeps
+    its tokens and gets checkpointing only where it needs it; the CPU keeps 2048 tokens without checkpointing."""
+    from transformers import Qwen3Config
+    from bench.gpu_trainer import QWEN3_SHAPES
+    shape = memory.model_shape(None, Qwen3Config(vocab_size=151_936, **QWEN3_SHAPES["1.7b"]))
+
+    def budget(gpu_bytes, tokens="auto", checkpointing="auto", on_gpu=True):
+        return memory.auto_budget(shape, gpu_bytes, tokens, checkpointing, max_sequence_len=4096, world=1,
+                                  on_gpu=on_gpu, layer_units=False, gpu_bytes=gpu_bytes, gpu_memory_utilization=0.5)
+    assert budget(141e9)[:2] == (16384, False)
+    assert budget(80e9)[:2] == (16384, True)
+    assert budget(80e9, checkpointing="off")[:2] == (8192, False)  # the most that fits, in steps of 1024
+    assert budget(141e9, tokens=2048)[:2] == (2048, False) and budget(141e9, checkpointing="on")[:2] == (16384, True)
+    assert budget(141e9, on_gpu=False)[:2] == (2048, False)
