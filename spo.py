@@ -28,18 +28,18 @@ import numpy as np
 import torch
 
 import variants
-from eval import add_eval_flags, evaluations, exact_metric, exact_template
 from machinery import checkpoint, device as devices, memory, trainer
 from machinery.collectives import all_gather_np, all_gather_objects, all_reduce_np, full_parameters
 from machinery.data import check_context, find_model, load_tokenizer, load_train_and_test
 from machinery.metrics import (Logger, PromptReach, add_logging_flags, oversample_metrics, plot_run, run_summary,
                                spo_metrics, step_metrics)
 from machinery.run_dir import check_disk, open_run_dir
-from offline_values import add_v0_flags, check_values_header, init_tracker, training_v0_settings
+from initial_values import TrainingV0, add_v0_flags, check_values_header, init_tracker
 from reward import add_reward_flags, rewards
 from hf_engine import start_engine
 from rollout import (TOOL_INSTRUCTION, add_budget_flag, add_engine_flags, add_tool_flags, make_tools,
                      response_budget, start_program)
+from probes import ProbeSettings, add_eval_flags, evaluations, exact_metric, exact_template
 from sampler import PromptSampler, priority_weights
 from tasks import toy
 from tracker import ValueTracker
@@ -245,7 +245,7 @@ def main(argv=None):
 
         metrics = {**step_metrics(reward, raw_advantage, advantage, rollouts, old, stats, t, group=group,
                                   tools=tools is not None), **algo_metrics, **sampling, **devices.peak_metrics(on_gpu)}
-        metrics.update(evaluations(engine, test, data, tracker, args, tools, step, exact))  # when due (eval.py)
+        metrics.update(evaluations(engine, test, data, tracker, ProbeSettings.pick(vars(args)), tools, step, exact))
         logger.log(step, metrics, console=(step % args.log_every == 0 or step == args.steps))
         if (args.save_every and step % args.save_every == 0) or step == args.steps:
             checkpoint.save_checkpoint(run_dir, step, policy, optimizer, tokenizer, world, data.keys,
@@ -350,9 +350,9 @@ def start(args):
                                      test_prompts=args.eval_max_prompts, verbose=rank == 0,
                                      min_prompts=math.ceil(args.oversample * args.batch_size / world / args.group_size)
                                      * world)
-    v0_settings = training_v0_settings(args, tools, system_prompt)
+    v0_settings = TrainingV0.pick(vars(args), tools=tools, system_prompt=system_prompt)  # Algorithm 2's, as values
     if args.algo == "spo" and not args.resume and args.offline_values not in ("auto", "none"):
-        check_values_header(args.offline_values, v0_settings, args.accept_offline_mismatch)
+        check_values_header(args.offline_values, v0_settings.settings(), args.accept_offline_mismatch, args.model)
     return args, rank, world, device, tools, on_toy, tokenizer, data, test, v0_settings
 
 
@@ -394,7 +394,7 @@ def per_prompt_state(args, state, engine, data, v0_settings, tools, on_toy, is_m
         reach.load_state_dict(state["reach"])
         previous = {i: PreviousResponse(**fields) for i, fields in state["previous"].items()}
     elif args.algo == "spo":
-        init_tracker(tracker, args, engine, data, tools, v0_settings, on_toy, is_main)  # Algorithm 2
+        init_tracker(tracker, v0_settings, engine, data, on_toy, is_main)  # Algorithm 2
     if args.sampler == "prioritized":
         sampler.set_weights(priority_weights(tracker.value, tracker.n_eff, args.sampling_eps, args.sampling_gamma))
     return tracker, sampler, previous, reach, state["step"] if state else 0

@@ -74,7 +74,7 @@ def test_offline_values_interrupted_then_resumed_equals_uninterrupted(small_toy,
 
 @pytest.mark.slow
 def test_tracker_from_offline_file_has_n_eff_n0(small_toy, offline_full):
-    import offline_values
+    import initial_values as offline_values
     from machinery.data import load_dataset, load_tokenizer
     from tracker import ValueTracker
     tokenizer = load_tokenizer(small_toy["model"])
@@ -123,7 +123,7 @@ WANTED = {"temperature": 1.0, "top_p": 1.0, "max_tokens": 32, "truncated_reward"
 
 
 def test_values_header_check_names_each_differing_setting(tmp_path, capsys):
-    from offline_values import check_values_header
+    from initial_values import check_values_header
     made = {"temperature": 1.0, "top_p": 1.0, "max_tokens": 32, "truncated_reward": "zero"}
     check_values_header(_values_file(tmp_path / "same.json", **made), WANTED)  # absent think_format: off
     other = _values_file(tmp_path / "other.json", **{**made, "temperature": 0.6, "think_format": True})
@@ -138,7 +138,7 @@ def test_values_header_check_names_each_differing_setting(tmp_path, capsys):
 
 def test_values_made_with_another_verifier_are_refused_like_other_settings(tmp_path, capsys):
     """The header records --reward when it is not the default; a file without it was scored by the default."""
-    from offline_values import check_values_header
+    from initial_values import check_values_header
     made = {"temperature": 1.0, "top_p": 1.0, "max_tokens": 32, "truncated_reward": "zero"}
     check_values_header(_values_file(tmp_path / "default.json", **made), {**WANTED, "reward": "reward:exact_match"})
     numeric = _values_file(tmp_path / "numeric.json", **made, reward="reward:numeric_match")
@@ -153,11 +153,11 @@ def test_the_default_runs_cached_toy_values_keep_their_name():
     """spo.py's default run finds the toy's offline values by a hash of the settings that change v0: --reward
     and --max_response_len must leave the default's settings (and so the cached file) as they were."""
     import spo
-    from offline_values import run_header, toy_values_path, training_v0_settings
+    from initial_values import TrainingV0, run_header, toy_values_path
     args = spo.parse_args([])
-    assert toy_values_path("toy", 8, 0, training_v0_settings(args, None, None)) == \
+    assert toy_values_path("toy", 8, 0, TrainingV0.pick(vars(args)).settings()) == \
         "toy/offline_values_n8_seed0_len32_325e71ec.json"
-    other = training_v0_settings(spo.parse_args(["--reward", "reward:numeric_match"]), None, None)
+    other = TrainingV0.pick(vars(spo.parse_args(["--reward", "reward:numeric_match"]))).settings()
     assert toy_values_path("toy", 8, 0, other) != "toy/offline_values_n8_seed0_len32_325e71ec.json"
     header = dict(n0=8, temperature=1.0, top_p=1.0, max_tokens=32, seed=0, truncated_reward="zero")
     assert "reward" not in run_header({}, **header) and "reward" not in run_header({}, **header,
@@ -177,7 +177,7 @@ def test_spo_refuses_offline_values_made_with_other_settings(small_toy, offline_
 @pytest.mark.parametrize("scores", [[0.5, 1], ["x"], [], 3, [[1, 0], [2, 0]]])
 def test_bad_scores_in_a_values_file_are_one_line(tmp_path, capsys, scores):
     """A hand-edited or foreign values file: each prompt's scores must be a non-empty list of 0/1 rewards."""
-    import offline_values
+    import initial_values as offline_values
     from machinery.data import Dataset
     from tracker import ValueTracker
     path = tmp_path / "values.json"
@@ -198,7 +198,7 @@ def test_bad_scores_in_a_values_file_are_one_line(tmp_path, capsys, scores):
 ])
 def test_a_values_file_that_parses_but_has_another_shape_is_one_line(tmp_path, capsys, content, says):
     """Both readers (spo.py's header check and the tracker's initialisation) check the file's structure."""
-    import offline_values
+    import initial_values as offline_values
     from machinery.data import Dataset
     from tracker import ValueTracker
     path = tmp_path / "values.json"
@@ -216,9 +216,15 @@ def test_a_values_file_that_parses_but_has_another_shape_is_one_line(tmp_path, c
 @pytest.mark.parametrize("argv, says", [(["--top_p", "1.5"], "--top_p must be in (0, 1], got 1.5"),
                                         (["--temperature", "inf"], "--temperature must be a finite number, got inf"),
                                         (["--temperature", "2.5"], "--temperature must be in [0, 2]"),
-                                        (["--reward_timeout", "-1"], "--reward_timeout must be a positive number")])
-def test_sampling_flags_the_engine_would_refuse_are_one_line_at_start(argv, says, capsys):
-    """vLLM refuses them only at its first request, after the model and the engine have loaded."""
+                                        (["--reward_timeout", "-1"], "--reward_timeout must be a positive number"),
+                                        (["--seed", "-1"], "--seed must be at least 0, got -1"),
+                                        (["--max_prompts", "-1"], "--max_prompts must be at least 0 (0: all), got -1"),
+                                        (["--max_chunks", "0"], "--max_chunks must be at least 1, got 0"),
+                                        (["--max_prompt_len", "0"], "--max_prompt_len must be at least 1, got 0")])
+def test_flags_are_one_line_at_start(argv, says, capsys):
+    """vLLM refuses bad sampling flags only at its first request, after the model and the engine have loaded; a
+    negative seed failed after the engine started (leaving a partial file with seed -1 in its header), and
+    --max_prompts -1 silently measured all prompts but the last."""
     import offline_values
     with pytest.raises(SystemExit):
         offline_values.parse_args(argv)
