@@ -143,23 +143,42 @@ def write_samples(path, data, samples, rollouts, n, rank, world):
     the shards (problem p is the (p // world)-th problem of rank p % world) without holding them in memory."""
     import torch.distributed as dist
     from machinery.run_dir import atomic_write
-    with open(f"{path}.rank{rank}", "w") as f:
-        for p, rs in rollouts.items():
-            for i, r in enumerate(rs):
-                answer, correct, _ = samples[p][i]
-                f.write(json.dumps({"prompt_key": data.keys[p], "sample": i, "answer": answer, "correct": correct,
-                                    "ground_truth": data.answers[p], "finish_reason": r.finish_reason,
-                                    "response_tokens": len(r.response_ids), "response": r.text}) + "\n")
+    shard = f"{path}.rank{rank}"
+    try:
+        with open(shard, "w") as f:
+            for p, rs in rollouts.items():
+                for i, r in enumerate(rs):
+                    answer, correct, _ = samples[p][i]
+                    f.write(json.dumps({"prompt_key": data.keys[p], "sample": i, "answer": answer,
+                                        "correct": correct, "ground_truth": data.answers[p],
+                                        "finish_reason": r.finish_reason, "response_tokens": len(r.response_ids),
+                                        "response": r.text}) + "\n")
+    except OSError as e:
+        stop_writing(path, e, [shard])
     dist.barrier()
     if rank == 0:
         shards = [open(f"{path}.rank{r}") for r in range(world)]
-        with atomic_write(path) as out:
-            for p in range(len(data.keys)):
-                out.writelines(shards[p % world].readline() for _ in range(n))
+        try:
+            with atomic_write(path) as out:
+                for p in range(len(data.keys)):
+                    out.writelines(shards[p % world].readline() for _ in range(n))
+        except OSError as e:
+            stop_writing(path, e, [shard.name for shard in shards])
         for r, shard in enumerate(shards):
             shard.close()
             os.remove(f"{path}.rank{r}")
     dist.barrier()
+
+
+def stop_writing(path, error, leftovers=()):
+    """A write into --out_dir that failed (a full disk, a quota): one line, and none of that file's pieces left
+    behind (atomic_write has removed its temporary file)."""
+    from machinery.errors import fail
+    for leftover in leftovers:
+        if os.path.exists(leftover):
+            os.remove(leftover)
+    fail(f"--out_dir {os.path.dirname(path) or '.'}: cannot write {os.path.basename(path)} "
+         f"({error.strerror or error}); nothing of it is left: free space and rerun")
 
 
 def parse_args(argv=None):
@@ -168,8 +187,8 @@ def parse_args(argv=None):
     g = p.add_argument_group("model and data")
     g.add_argument("--model", default=None, help="HF model, or spo.py run / checkpoint dir (default: the toy)")
     g.add_argument("--data", nargs="+", default=None, help="benchmark files, parquet or JSONL (default: toy test)")
-    g.add_argument("--toy_dir", default=None, help="the built-in toy's directory (default: the shipped tasks/built/toy, "
-                                                   "toy_tools with --tools)")
+    g.add_argument("--toy_dir", default=None,
+                   help="the built-in toy's directory (default: the shipped tasks/built/toy, toy_tools with --tools)")
     g.add_argument("--max_prompt_len", type=int, default=4096, help="longer prompts are left out (counted)")
     g = p.add_argument_group("sampling (defaults: the paper's evaluation)")
     # Not `--n`: torchrun's own parser rejects it as an ambiguous abbreviation of --nnodes / --nproc_per_node.
@@ -250,11 +269,16 @@ def main(argv=None):
             summaries[name] = summarize(samples, ks=ks, n_boot=args.n_boot, seed=args.seed)
     if rank == 0:
         table = markdown_table(summaries)
-        with atomic_write(os.path.join(args.out_dir, "summary.json")) as f:
-            json.dump({"config": vars(args), "results": summaries}, f, indent=1)
-        with atomic_write(os.path.join(args.out_dir, "summary.md")) as f:
-            f.write(f"model `{args.model}`, n = {n}, temperature {args.temperature}, top_p {args.top_p}, "
-                    f"top_k {args.top_k}, max_response_len {args.max_response_len}, reward {args.reward}\n\n{table}\n")
+        texts = {"summary.json": json.dumps({"config": vars(args), "results": summaries}, indent=1),
+                 "summary.md": f"model `{args.model}`, n = {n}, temperature {args.temperature}, top_p {args.top_p}, "
+                               f"top_k {args.top_k}, max_response_len {args.max_response_len}, reward {args.reward}"
+                               f"\n\n{table}\n"}
+        for name, text in texts.items():
+            try:
+                with atomic_write(os.path.join(args.out_dir, name)) as f:
+                    f.write(text)
+            except OSError as e:
+                stop_writing(os.path.join(args.out_dir, name), e)
         print(table, flush=True)
     if tools:
         tools.pool.close()

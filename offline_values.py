@@ -23,8 +23,8 @@ def parse_args(argv=None):
     g = p.add_argument_group("model and data")
     g.add_argument("--model", default=None, help="the INITIAL policy: HF model name or dir (default: the toy)")
     g.add_argument("--data", default=None, help="training prompts, parquet or JSONL (default: the toy's)")
-    g.add_argument("--toy_dir", default=None, help="the built-in toy's directory (default: the shipped tasks/built/toy, "
-                                                   "toy_tools with --tools)")
+    g.add_argument("--toy_dir", default=None,
+                   help="the built-in toy's directory (default: the shipped tasks/built/toy, toy_tools with --tools)")
     g.add_argument("--out", default="offline_values.json", help="output JSON (partial files go next to it)")
     g.add_argument("--max_prompt_len", type=int, default=256, help="as in training: longer prompts are left out")
     g.add_argument("--max_prompts", type=int, default=0, help="only the first N prompts (0: all)")

@@ -418,3 +418,26 @@ def test_flags_are_one_line_at_start(argv, says, capsys):
         evaluation.parse_args(argv)
     err = capsys.readouterr().err
     assert err.startswith("error: ") and says in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_full_out_dir_is_one_line_and_leaves_no_rank_shard(tmp_path, monkeypatch, capsys):
+    """The disk fills while a rank writes its shard of the samples file: one line naming --out_dir, no shard left
+    (it was a traceback and an empty eval_out/<name>.samples.jsonl.rank0)."""
+    from types import SimpleNamespace
+    import torch.distributed as dist
+    import eval as evaluation
+    monkeypatch.setattr(dist, "barrier", lambda: None)
+
+    class Full:
+        response_ids, finish_reason = [2, 3], "stop"
+
+        @property
+        def text(self):
+            raise OSError(28, "No space left on device")
+    path = tmp_path / "test.samples.jsonl"
+    with pytest.raises(SystemExit):
+        evaluation.write_samples(str(path), SimpleNamespace(keys=["p0"], answers=["2"]), {0: [("2", True, None)]},
+                                 {0: [Full()]}, 1, 0, 1)
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --out_dir {tmp_path}: cannot write test.samples.jsonl (No space left on device)")
+    assert len(err.strip().splitlines()) == 1 and os.listdir(tmp_path) == []
