@@ -211,24 +211,32 @@ def estimate_offline_values(engine, data, out_path, *, n0=8, temperature=1.0, to
         # counts samples as each finishes (engine.generate's progress), not chunks: a chunk can take minutes
         bar = tqdm(total=len(todo) * n0, desc=f"offline values (rank 0 of {world})", unit="sample",
                    dynamic_ncols=True)
-    with open(partial, "a") as f:
-        if f.tell() == 0:
-            f.write(json.dumps({"header": {**header, "created": time.strftime("%Y-%m-%d %H:%M:%S")}}) + "\n")
-        else:
-            f.write("\n")  # ends a line a crash may have cut off; blank lines are skipped when read
-        for c in range(0, len(todo), chunk_prompts):
-            if max_chunks is not None and c >= max_chunks * chunk_prompts:
-                break
-            chunk = todo[c: c + chunk_prompts]
-            seeds = np.concatenate([request_seeds(seed, data.keys[p], n0) for p in chunk])  # (len(chunk) * n0,)
-            rollouts = engine.generate([data.prompt_ids[p] for p in chunk for _ in range(n0)], seeds,
-                                       max_tokens=max_tokens, temperature=temperature, top_p=top_p, tools=tools,
-                                       **({"progress": bar.update} if bar is not None else {}))
-            scores = rewards(rollouts, [data.answers[p] for p in chunk for _ in range(n0)], think_format,
-                             truncated_reward, reward, reward_timeout).reshape(len(chunk), n0)
-            f.writelines(json.dumps({"key": data.keys[p], "scores": s.tolist()}) + "\n" for p, s in zip(chunk, scores))
-            f.flush()
-            os.fsync(f.fileno())
+    new, kept = not os.path.exists(partial), False  # kept: a whole prompt of this run is in the partial file
+    try:
+        with open(partial, "a") as f:
+            if f.tell() == 0:
+                f.write(json.dumps({"header": {**header, "created": time.strftime("%Y-%m-%d %H:%M:%S")}}) + "\n")
+            else:
+                f.write("\n")  # ends a line a crash may have cut off; blank lines are skipped when read
+            for c in range(0, len(todo), chunk_prompts):
+                if max_chunks is not None and c >= max_chunks * chunk_prompts:
+                    break
+                chunk = todo[c: c + chunk_prompts]
+                seeds = np.concatenate([request_seeds(seed, data.keys[p], n0) for p in chunk])  # (len(chunk) * n0,)
+                rollouts = engine.generate([data.prompt_ids[p] for p in chunk for _ in range(n0)], seeds,
+                                           max_tokens=max_tokens, temperature=temperature, top_p=top_p, tools=tools,
+                                           **({"progress": bar.update} if bar is not None else {}))
+                scores = rewards(rollouts, [data.answers[p] for p in chunk for _ in range(n0)], think_format,
+                                 truncated_reward, reward, reward_timeout).reshape(len(chunk), n0)
+                f.writelines(json.dumps({"key": data.keys[p], "scores": s.tolist()}) + "\n"
+                             for p, s in zip(chunk, scores))
+                f.flush()
+                os.fsync(f.fileno())
+                kept = True
+    except OSError as e:
+        if new and not kept and os.path.exists(partial):
+            os.remove(partial)  # a header, perhaps cut off, and nothing else: a rerun starts as if it never ran
+        stop_on_full_disk(e, partial)
     if bar is not None:
         bar.close()
     barrier()
@@ -243,8 +251,11 @@ def estimate_offline_values(engine, data, out_path, *, n0=8, temperature=1.0, to
             result = {"header": {**header, "created": time.strftime("%Y-%m-%d %H:%M:%S")},
                       "prompts": {key: {"prompt": tokenizer.decode(ids), "scores": done[key]}
                                   for key, ids in zip(data.keys, data.prompt_ids)}}
-            with atomic_write(out_path) as f:  # a crash never leaves a half-written values file
-                json.dump(result, f)
+            try:
+                with atomic_write(out_path) as f:  # a crash never leaves a half-written values file
+                    json.dump(result, f)
+            except OSError as e:
+                stop_on_full_disk(e, out_path)
             for path in partial_paths(out_path):
                 os.remove(path)
             if progress:
@@ -256,6 +267,18 @@ def estimate_offline_values(engine, data, out_path, *, n0=8, temperature=1.0, to
             with open(out_path) as f:
                 result = json.load(f)
     return result
+
+
+def stop_on_full_disk(error, path):
+    """A full disk or quota while writing `path`: one line, not a traceback. The prompts finished before it stay in
+    the partial files (whole lines; a cut-off one is redone), atomic_write left no half values file: the same
+    command resumes once there is room. Any other error is not this one's to name."""
+    import errno
+    from machinery.errors import fail
+    if error.errno not in (errno.ENOSPC, errno.EDQUOT):
+        raise error
+    fail(f"{path}: {error.strerror} while writing the offline values; the prompts finished so far are kept: free "
+         f"space and rerun the same command to resume")
 
 
 def toy_values(engine, data, run: TrainingV0, progress):
@@ -302,7 +325,8 @@ def toy_values_path(toy_dir, n0, seed, v0_settings, train_prompts=0):
     --train_prompts subset: a values file must not hold prompts outside the training set)."""
     digest = hashlib.sha1(json.dumps(v0_settings, sort_keys=True).encode()).hexdigest()[:8]
     subset = f"_p{train_prompts}" if train_prompts else ""
-    return os.path.join(toy_dir, f"offline_values_n{n0}_seed{seed}_len{v0_settings['max_tokens']}{subset}_{digest}.json")
+    name = f"offline_values_n{n0}_seed{seed}_len{v0_settings['max_tokens']}{subset}_{digest}.json"
+    return os.path.join(toy_dir, name)
 
 
 def init_tracker_from_file(tracker, path, data, smoothing, verbose):

@@ -230,3 +230,36 @@ def test_flags_are_one_line_at_start(argv, says, capsys):
         offline_values.parse_args(argv)
     err = capsys.readouterr().err
     assert err.startswith("error: ") and says in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("fills_at", [1, 2])
+def test_a_full_disk_is_one_line_and_leaves_only_whole_prompts(tmp_path, monkeypatch, capsys, fills_at):
+    """The disk fills at the first or the second chunk's flush: one line (it was a traceback), and the partial file
+    holds only finished prompts (none: no file), so the same command resumes."""
+    import initial_values
+    from machinery.data import Dataset
+    from rollout import Rollout
+
+    class Engine:
+        def generate(self, prompt_ids, seeds, **sampling):
+            return [Rollout([1], [2], [0.0], "\\boxed{4}", "stop") for _ in prompt_ids]
+    flushes = []
+
+    def fsync(fd):
+        flushes.append(fd)
+        if len(flushes) == fills_at:
+            raise OSError(28, "No space left on device")
+    monkeypatch.setattr(os, "fsync", fsync)
+    out = tmp_path / "values.json"
+    with pytest.raises(SystemExit):
+        initial_values.estimate_offline_values(Engine(), Dataset(["a", "b"], [[1], [1]], ["4", "4"]), str(out), n0=2,
+                                               max_tokens=8, header={}, chunk_prompts=1, progress=False)
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {out}.rank0.partial.jsonl: No space left on device while writing") and \
+        len(err.strip().splitlines()) == 1, err
+    if fills_at == 1:
+        assert os.listdir(tmp_path) == []
+    else:
+        done = initial_values.read_finished(str(out), initial_values.run_header(
+            {}, n0=2, temperature=1.0, top_p=1.0, max_tokens=8, seed=0, truncated_reward="zero"))
+        assert done["a"] == [1.0, 1.0] and not (tmp_path / "values.json.tmp").exists()  # a's chunk was synced
