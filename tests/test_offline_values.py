@@ -149,6 +149,22 @@ def test_values_made_with_another_verifier_are_refused_like_other_settings(tmp_p
     assert "reward: 'reward:numeric_match' there, 'reward:exact_match' here" in err and len(err.splitlines()) == 1
 
 
+def test_values_measured_on_another_model_are_refused_before_the_tracker_starts(tmp_path, capsys):
+    """The header records the model (offline_values.py: its absolute path); the same folder reached another way
+    matches, another model is refused (it started that model's tracker without a word)."""
+    from initial_values import check_values_header
+    model = tmp_path / "model"
+    model.mkdir()
+    (tmp_path / "link").symlink_to(model)
+    made = {"temperature": 1.0, "top_p": 1.0, "max_tokens": 32, "truncated_reward": "zero"}
+    values = _values_file(tmp_path / "v.json", **made, model=str(model))
+    check_values_header(values, WANTED, model=str(tmp_path / "link"))
+    with pytest.raises(SystemExit):
+        check_values_header(values, WANTED, model="Qwen/Qwen3-8B")
+    err = capsys.readouterr().err
+    assert f"model: '{model}' there, 'Qwen/Qwen3-8B' here" in err and len(err.strip().splitlines()) == 1
+
+
 def test_the_default_runs_cached_toy_values_keep_their_name():
     """spo.py's default run finds the toy's offline values by a hash of the settings that change v0: --reward
     and --max_response_len must leave the default's settings (and so the cached file) as they were."""
