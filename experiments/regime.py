@@ -8,7 +8,7 @@ between two visits of x, an exponential average lags a steady drift: the tracker
     change of p(x) between two visits       (delta; against the memory 1 / (1 - rho))
 This reads both from a run made with --probe_every (spo.py): the probe follows a fixed subset of training
 prompts and records, at each probe step, the tracker's v(x), N_eff(x), visit count and the success rate measured
-from fresh samples (eval.py:tracker_probe), and on the toy the exact success probability (eval.py:exact_metric),
+from fresh samples (probes.py:tracker_probe), and on the toy the exact success probability (probes.py:exact_metric),
 which then replaces the sampled rate in delta (no sampling noise). Per interval between two probes:
     delta     = mean over probed prompts of (success change) / mean (visits in between)   (signed drift per visit)
     memory    = 1 / (1 - rho), rho the mean forgetting factor over the interval's steps (metrics.jsonl)

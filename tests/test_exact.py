@@ -1,4 +1,4 @@
-"""The exact metric (eval.py:exact_metric, exact_template): the probability of the only correct response under the
+"""The exact metric (probes.py:exact_metric, exact_template): the probability of the only correct response under the
 FSDP2 policy, against an independent computation on the transformers model; logged by a run; refused where it
 would not be the sampler's probability.
 
@@ -16,7 +16,7 @@ from common import end_worker, ok, python, torchrun
 @pytest.mark.slow
 @pytest.mark.parametrize("world, budget", [(1, "none"), (2, "none"), (2, "30")])
 def test_the_exact_metric_is_the_probability_of_the_only_correct_response(small_toy, tmp_path, world, budget):
-    """eval.exact_metric on the FSDP2 policy, on one rank or two, with or without a token budget, in any order of
+    """probes.exact_metric on the FSDP2 policy, on one rank or two, with or without a token budget, in any order of
     prompts: at temperature 1 it equals tasks/toy.py:success_probability (the transformers model read directly);
     at 0.5 the same response's probability under softmax(logits / 0.5)."""
     import torch

@@ -74,13 +74,13 @@ def test_offline_values_interrupted_then_resumed_equals_uninterrupted(small_toy,
 
 @pytest.mark.slow
 def test_tracker_from_offline_file_has_n_eff_n0(small_toy, offline_full):
-    import initial_values as offline_values
+    import initial_values
     from machinery.data import load_dataset, load_tokenizer
     from tracker import ValueTracker
     tokenizer = load_tokenizer(small_toy["model"])
     data = load_dataset(small_toy["train"], tokenizer, 256, False)[:80]
     tracker = ValueTracker(len(data.keys), rho_min=0.875)
-    offline_values.init_tracker_from_file(tracker, str(offline_full), data, "kt", False)
+    initial_values.init_tracker_from_file(tracker, str(offline_full), data, "kt", False)
     np.testing.assert_allclose(tracker.n_eff, 8.0)  # N0 = 1 / (1 - rho_min)
     scores = json.loads(offline_full.read_text())["prompts"]
     successes = np.array([sum(scores[pid]["scores"]) for pid in data.keys])
@@ -193,13 +193,13 @@ def test_spo_refuses_offline_values_made_with_other_settings(small_toy, offline_
 @pytest.mark.parametrize("scores", [[0.5, 1], ["x"], [], 3, [[1, 0], [2, 0]]])
 def test_bad_scores_in_a_values_file_are_one_line(tmp_path, capsys, scores):
     """A hand-edited or foreign values file: each prompt's scores must be a non-empty list of 0/1 rewards."""
-    import initial_values as offline_values
+    import initial_values
     from machinery.data import Dataset
     from tracker import ValueTracker
     path = tmp_path / "values.json"
     path.write_text(json.dumps({"header": {}, "prompts": {"k0": {"scores": [1, 0]}, "k1": {"scores": scores}}}))
     with pytest.raises(SystemExit):
-        offline_values.init_tracker_from_file(ValueTracker(2), str(path), Dataset(["k0", "k1"], [[1], [2]],
+        initial_values.init_tracker_from_file(ValueTracker(2), str(path), Dataset(["k0", "k1"], [[1], [2]],
                                                                                  ["1", "2"]), "kt", False)
     err = capsys.readouterr().err
     assert "values.json" in err and "scores" in err and len(err.strip().splitlines()) == 1
@@ -214,13 +214,13 @@ def test_bad_scores_in_a_values_file_are_one_line(tmp_path, capsys, scores):
 ])
 def test_a_values_file_that_parses_but_has_another_shape_is_one_line(tmp_path, capsys, content, says):
     """Both readers (spo.py's header check and the tracker's initialisation) check the file's structure."""
-    import initial_values as offline_values
+    import initial_values
     from machinery.data import Dataset
     from tracker import ValueTracker
     path = tmp_path / "values.json"
     path.write_text(json.dumps(content))
-    for read in (lambda: offline_values.check_values_header(str(path), WANTED),
-                 lambda: offline_values.init_tracker_from_file(ValueTracker(1), str(path),
+    for read in (lambda: initial_values.check_values_header(str(path), WANTED),
+                 lambda: initial_values.init_tracker_from_file(ValueTracker(1), str(path),
                                                                Dataset(["k0"], [[1]], ["1"]), "kt", False)):
         with pytest.raises(SystemExit):
             read()
