@@ -28,18 +28,18 @@ import numpy as np
 import torch
 
 import variants
-from eval import add_eval_flags, evaluations, exact_metric, exact_template
 from machinery import checkpoint, device as devices, memory, trainer, untrusted
 from machinery.collectives import all_gather_np, all_gather_objects, all_reduce_np, full_parameters
 from machinery.data import check_context, find_model, load_tokenizer, load_train_and_test
 from machinery.metrics import (Logger, PromptReach, add_logging_flags, oversample_metrics, plot_run, run_summary,
                                spo_metrics, step_metrics)
 from machinery.run_dir import check_disk, open_run_dir
-from offline_values import add_v0_flags, check_values_header, claim_toy_values, init_tracker, training_v0_settings
+from initial_values import TrainingV0, add_v0_flags, check_values_header, claim_toy_values, init_tracker
 from reward import BUILT_IN, add_reward_flags, rewards
 from hf_engine import start_engine
 from rollout import (TOOL_INSTRUCTION, add_budget_flag, add_engine_flags, add_tool_flags, make_tools,
                      response_budget, start_program)
+from probes import ProbeSettings, add_eval_flags, evaluations, exact_metric, exact_template
 from sampler import PromptSampler, priority_weights
 from tasks import toy
 from tracker import ValueTracker
@@ -174,8 +174,8 @@ def main(argv=None):
                               reward=args.reward, timeout_s=args.reward_timeout)
     exact = exact_metric(policy, tokenizer, args.eval_reference, args.micro_batch_size,
                          args.max_tokens_per_micro_batch)  # the exact success probability, where one is known
-    started_at, nonfinite = time.time(), 0
-    if start_step == 0 and (before := evaluations(engine, test, data, tracker, args, tools, 0, exact)):
+    started_at, nonfinite, probe = time.time(), 0, ProbeSettings.pick(vars(args))
+    if start_step == 0 and (before := evaluations(engine, test, data, tracker, probe, tools, 0, exact)):
         logger.log(0, before)  # held-out accuracy and the tracker probe before training, when asked for
     for step in logger.progress(range(start_step + 1, args.steps + 1), total=args.steps, initial=start_step):
         # 1-3. prompts, responses, rewards; per-request seeds, so that ranks, steps and rounds sample differently
@@ -247,7 +247,7 @@ def main(argv=None):
 
         metrics = {**step_metrics(reward, raw_advantage, advantage, rollouts, old, stats, t, group=group,
                                   tools=tools is not None), **algo_metrics, **sampling, **devices.peak_metrics(on_gpu)}
-        metrics.update(evaluations(engine, test, data, tracker, args, tools, step, exact))  # when due (eval.py)
+        metrics.update(evaluations(engine, test, data, tracker, probe, tools, step, exact))
         logger.log(step, metrics, console=(step % args.log_every == 0 or step == args.steps))
         if (args.save_every and step % args.save_every == 0) or step == args.steps:
             checkpoint.save_checkpoint(run_dir, step, policy, optimizer, tokenizer, world, data.keys,
@@ -354,10 +354,11 @@ def start(args):
                                      min_prompts=math.ceil(args.oversample * args.batch_size / world / args.group_size)
                                      * world)
     args.held_out = untrusted.same_held_out(vars(args), test and test.keys, args.resume)  # --test: by content
-    v0_settings = training_v0_settings(args, tools, system_prompt)
+    v0_settings = TrainingV0.pick(vars(args), tools=tools, system_prompt=system_prompt)  # Algorithm 2's, as values
     if args.algo == "spo" and not args.resume and args.offline_values not in ("auto", "none"):
-        check_values_header(args.offline_values, v0_settings, args.accept_offline_mismatch)
-    args.offline_values = claim_toy_values(args, v0_settings, on_toy)  # where the toy's v0 is kept, said now
+        check_values_header(args.offline_values, v0_settings.settings(), args.accept_offline_mismatch, args.model)
+    v0_settings = claim_toy_values(v0_settings, on_toy and args.algo == "spo" and not args.resume, args.run_dir)
+    args.offline_values = v0_settings.offline_values  # where the toy's v0 is kept, said before the engine starts
     return args, rank, world, device, tools, on_toy, tokenizer, data, test, v0_settings
 
 
@@ -399,7 +400,7 @@ def per_prompt_state(args, state, engine, data, v0_settings, tools, on_toy, is_m
         reach.load_state_dict(state["reach"])
         previous = {i: PreviousResponse(**fields) for i, fields in state["previous"].items()}
     elif args.algo == "spo":
-        init_tracker(tracker, args, engine, data, tools, v0_settings, on_toy, is_main)  # Algorithm 2
+        init_tracker(tracker, v0_settings, engine, data, on_toy, is_main)  # Algorithm 2
     if args.sampler == "prioritized":
         sampler.set_weights(priority_weights(tracker.value, tracker.n_eff, args.sampling_eps, args.sampling_gamma))
     return tracker, sampler, previous, reach, state["step"] if state else 0

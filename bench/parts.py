@@ -1,7 +1,7 @@
 """The benchmarks of the project's parts (`python -m bench [NAME ...]`), each measured side by side in one run and
 printed as ratios; each function's docstring says what it measures:
 tracker (SPO's bookkeeping step against the authors' dict-of-prompts style), steps (spo.py's phases, spo against
-grpo), sandbox, eval (eval.sample_and_score against raw LLM.generate), tools (the tool loop against no tools),
+grpo), sandbox, eval (probes.sample_and_score against raw LLM.generate), tools (the tool loop against no tools),
 throughput (Fig. 5: bench/throughput.py), logprobs (chunked log-probs against the full-vocabulary log-softmax, peak
 memory) and collectives (the small ones the step uses, on gloo).
 """
@@ -142,11 +142,11 @@ def bench_steps(steps=40, warmup=5, nproc=2, batch_size=64, group_size=8):
 
 
 def bench_eval(toy_dir=None, n_problems=100, n=8, max_tokens=32, repeats=3):
-    """Tokens per second of eval.sample_and_score against raw LLM.generate on the same requests (its overhead)."""
+    """Tokens per second of probes.sample_and_score against raw LLM.generate on the same requests (its overhead)."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from tasks import toy
     from machinery import trainer
-    from eval import EVAL_DEFAULTS, request_seeds, sample_and_score
+    from probes import EVAL_DEFAULTS, request_seeds, sample_and_score
     from rollout import Engine
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -167,7 +167,7 @@ def bench_eval(toy_dir=None, n_problems=100, n=8, max_tokens=32, repeats=3):
         return sum(len(o.outputs[0].token_ids) for o in engine.llm.generate(prompts, params, use_tqdm=False))
 
     runs = {"vllm LLM.generate": lambda: raw(None), "vllm LLM.generate + logprobs": lambda: raw(0),
-            "eval.sample_and_score": ours}
+            "probes.sample_and_score": ours}
     for f in runs.values():
         f()  # warm-up
     best = {}
@@ -180,7 +180,7 @@ def bench_eval(toy_dir=None, n_problems=100, n=8, max_tokens=32, repeats=3):
         best[name] = max(rates)
         print(f"{name:32s} {best[name][0]:9.0f} tokens/s  ({best[name][1]} tokens, {n_problems} x {n} requests, "
               f"best of {repeats})", flush=True)
-    ours_rate = best["eval.sample_and_score"][0]
+    ours_rate = best["probes.sample_and_score"][0]
     print(f"overhead (time ratio): sample_and_score / LLM.generate = {best['vllm LLM.generate'][0] / ours_rate:.2f}x, "
           f"sample_and_score / LLM.generate with log-probs = "
           f"{best['vllm LLM.generate + logprobs'][0] / ours_rate:.2f}x", flush=True)

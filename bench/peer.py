@@ -6,7 +6,7 @@ model: generation and the update decide; `python -m tasks.smollm` builds it). Th
 process), then spo.py --algo grpo and spo.py (SPO) under torchrun on each of --spo_ranks, each with vLLM eager and
 compiled (--engine_compile). Printed: the median wall time per step (the first `warmup` steps and spo.py's
 evaluated last step left out), the ratios to TRL, each row's phases and peak resident memory, and (the toy) the
-held-out accuracy of the final weights by spo's own eval.heldout_metrics, TRL's loaded into the same vLLM engine.
+held-out accuracy of the final weights by spo's own probes.heldout_metrics, TRL's loaded into the same vLLM engine.
 What is the same on both sides (model dtype, prompt ids, temperature, budget, AdamW settings, PPO clip 0.2 / 0.28,
 no KL, reward.py's verifier, the group z-score) is set in trl_worker; what differs is SETTINGS_THAT_DIFFER,
 printed with the table. --rounds 2 runs everything twice, the second time in reverse order, and pools each row's
@@ -150,12 +150,12 @@ def trl_worker(out_dir, spec):
 
 # ---------------------------------------------------------------------------------------------- held-out (spo's code)
 def heldout_worker(model_dir, toy_dir, seed, max_tokens, out):
-    """eval.heldout_metrics, exactly as spo.py calls it at its end, on `model_dir`, in a world of 1."""
+    """probes.heldout_metrics, exactly as spo.py calls it at its end, on `model_dir`, in a world of 1."""
     sys.path.insert(0, ROOT)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     from machinery import trainer
     from machinery.data import load_dataset, load_tokenizer
-    from eval import heldout_metrics
+    from probes import ProbeSettings, heldout_metrics
     from rollout import Engine, set_cpu_kv_cache
     from spo import parse_args
     _, _, device = trainer.setup_distributed()
@@ -164,7 +164,7 @@ def heldout_worker(model_dir, toy_dir, seed, max_tokens, out):
     test = load_dataset(os.path.join(toy_dir, "test.parquet"), load_tokenizer(model_dir), args.max_prompt_len, False)
     test = test[: args.eval_max_prompts] if args.eval_max_prompts else test
     engine = Engine(model_dir, seed=seed, max_model_len=args.max_prompt_len + max_tokens, device=device)
-    metrics = heldout_metrics(engine, test, args, None)
+    metrics = heldout_metrics(engine, test, ProbeSettings.pick(vars(args)), None)
     engine.shutdown()
     with open(out, "w") as f:
         json.dump(metrics, f)
@@ -296,7 +296,7 @@ def bench_peer(task="toy", steps=None, trl_python=None, data_dir=None, seed=0, w
           f"{t['max_tokens']} tokens), seed {seed}, "
           f"{rounds} round{'s' * (rounds > 1)}; per-step time: median wall seconds per step over all rounds, the "
           f"first {warmup} (start-up){' and the evaluated last' * t['heldout']} of each run left out"
-          f"{f'; held-out: eval.heldout_metrics at step {steps}' * t['heldout']}\nTRL {trl['versions']['trl']} "
+          f"{f'; held-out: probes.heldout_metrics at step {steps}' * t['heldout']}\nTRL {trl['versions']['trl']} "
           f"(transformers {trl['versions']['transformers']}, torch {trl['threads']} threads); peak: resident GiB "
           f"of one process (spo.py: its largest rank); reward: mean training reward of the measured steps")
     print(f"{'':>40} {'s/step':>8} {'vs TRL':>8} {'each round':>{6 * rounds + 4}} {'peak GiB':>9} {'reward':>7} "

@@ -99,7 +99,7 @@ def world_of_one(sums):
 
 def value_tracker(args, data):
     """spo's v(x): the checkpoint's tracker, restored as spo.py resumes it, or v0 from the offline values."""
-    from offline_values import check_values_header, init_tracker_from_file
+    from initial_values import check_values_header, init_tracker_from_file
     from reward import DEFAULT_REWARD
     from tracker import ValueTracker
     tracker = ValueTracker(len(data.keys))

@@ -70,6 +70,8 @@ def read_rows(path: Path) -> tuple[list[dict], list[str]]:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise ValueError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason}); JSON lines must be UTF-8") from None
+    except OSError as e:  # permission denied, a directory, an I/O error: as a parquet file says it
+        raise ValueError(f"{path}: not a readable JSON lines file ({e.strerror or e})") from None
     # lines end at \n only: str.splitlines would also split at U+2028 and others, which JSON strings may hold
     for line_no, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
@@ -111,6 +113,8 @@ def _answer(value, where: str) -> str:
                          f"({str(value)[:40]})")
     if value is None or (isinstance(value, float) and math.isnan(value)) or not str(value).strip():
         raise ValueError(f"{where}: missing or empty answer")
+    if isinstance(value, float) and math.isinf(value):  # JSON's Infinity, a parquet inf: no response can match it
+        raise ValueError(f"{where}: the answer {value} is not a finite number")
     return str(value).strip()
 
 
@@ -285,7 +289,7 @@ def check_model_dir(path):
 def load_tokenizer(path):
     """The model's tokenizer, once its directory is checked (check_model_dir); it must have a chat template, since
     prompts are chat messages."""
-    from transformers import AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
     check_model_dir(path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
@@ -294,6 +298,10 @@ def load_tokenizer(path):
              f"({str(e).splitlines()[0][:200]})", once=True)
     if len(tokenizer) < 2:
         fail(f"--model {path}: its tokenizer has {len(tokenizer)} tokens; are the tokenizer files complete?", once=True)
+    rows = getattr(AutoConfig.from_pretrained(path), "vocab_size", None)
+    if rows is not None and len(tokenizer) > rows:  # the engine would stop at the first sampled or prompted new id
+        fail(f"--model {path}: its tokenizer has {len(tokenizer)} tokens, more than the {rows} rows of the model's "
+             f"embedding (config.json vocab_size): tokens were added without resizing the embedding", once=True)
     if not tokenizer.chat_template:
         fail(f"--model {path}: its tokenizer has no chat template (chat_template.jinja, or chat_template in "
              f"tokenizer_config.json); prompts are chat messages, so a base model needs one added", once=True)

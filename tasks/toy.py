@@ -98,7 +98,7 @@ def build_model(tokenizer, seed):
 
 
 # The toy's only correct response, {answer} for the sum: its probability is the exact success probability
-# (eval.py:exact_metric; measured against sampling in docs/experiments.md).
+# (probes.py:exact_metric; measured against sampling in docs/experiments.md).
 ONLY_CORRECT = "\\boxed{{answer}}"
 
 

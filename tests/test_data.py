@@ -4,6 +4,7 @@ per bad file or row.
     .venv/bin/python -m pytest tests/test_data.py -q
 """
 import json
+import os
 
 import pyarrow as pa
 import pytest
@@ -101,6 +102,9 @@ def test_missing_path_errors(tmp_path):
                                        ({"problem": "q"}, "missing or empty"),
                                        ({"problem": None, "answer": "1"}, "missing or empty"),
                                        ({"problem": "q", "answer": ["1"]}, "the answer must be a string or a number"),
+                                       # NaN was refused, but infinities passed, and no response can ever match one
+                                       ({"problem": "q", "answer": float("inf")}, "the answer inf is not a finite"),
+                                       ({"problem": "q", "answer": float("-inf")}, "the answer -inf is not a finite"),
                                        # JSON true became the answer "True", which no box matches: every reward 0
                                        ({"problem": "q", "answer": True}, "the answer must be a string or a number, "
                                                                           "got a bool")])
@@ -114,6 +118,18 @@ def test_a_file_that_is_not_utf8_is_named(tmp_path):
     path = tmp_path / "latin.jsonl"
     path.write_bytes('{"problem": "caf\u00e9", "answer": "1"}\n'.encode("latin-1"))
     with pytest.raises(ValueError, match=r"latin\.jsonl: not UTF-8 text"):
+        load_prompts(path)
+
+
+def test_an_unreadable_jsonl_file_is_one_line_as_a_parquet_file_is(tmp_path, monkeypatch):
+    """Permission denied was a PermissionError traceback for JSON lines, one line for the same parquet file."""
+    path = _write_jsonl(tmp_path / "locked.jsonl", [{"problem": "q", "answer": "1"}])
+    path.chmod(0)
+    if os.geteuid() == 0:  # root reads it anyway: the error as the kernel would give it to anyone else
+        def denied(self, *args, **kwargs):
+            raise PermissionError(13, "Permission denied")
+        monkeypatch.setattr(type(path), "read_text", denied)
+    with pytest.raises(ValueError, match=r"locked\.jsonl: not a readable JSON lines file \(Permission denied\)"):
         load_prompts(path)
 
 
@@ -188,6 +204,22 @@ def test_a_model_directory_missing_a_part_is_one_line(toy_model, remove, says, c
     err = capsys.readouterr().err
     assert stop.value.code == 2 and err.startswith(f"error: --model {toy_model}: ") and says in err, err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_a_tokenizer_past_the_models_embedding_is_one_line(toy_model, capsys):
+    """Tokens added to the tokenizer without resizing the embedding: eval.py stopped with IndexError at the first
+    sample; now one line when the tokenizer loads, before the engine starts."""
+    from transformers import AutoTokenizer
+    from machinery.data import load_tokenizer
+    tokenizer = AutoTokenizer.from_pretrained(toy_model)
+    config = json.loads((toy_model / "config.json").read_text())
+    tokenizer.add_tokens([f"<new_{i}>" for i in range(config["vocab_size"] - len(tokenizer) + 1)])
+    tokenizer.save_pretrained(toy_model)
+    with pytest.raises(SystemExit):
+        load_tokenizer(str(toy_model))
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --model {toy_model}: its tokenizer has {config['vocab_size'] + 1} tokens, more "
+                          f"than the {config['vocab_size']} rows") and len(err.strip().splitlines()) == 1, err
 
 
 def test_the_context_check_checks_the_model_directory_first(toy_model, capsys):

@@ -140,7 +140,7 @@ def test_eval_imports_without_vllm():
 
 
 def test_request_seeds_depend_on_prompt_key_and_sample_only():
-    from eval import request_seeds
+    from probes import request_seeds
     a = request_seeds([0, 1], "edbe8e30412159f8", 8)
     assert list(request_seeds([0, 1], "edbe8e30412159f8", 3)) == list(a[:3])  # more samples keep the first ones
     assert len(set(a.tolist())) == 8
@@ -357,7 +357,7 @@ def test_sample_and_score_flags_unparsed_and_truncated_responses():
     """Hand-made responses through sample_and_score (a fake engine): no final box is unparsed, finish reason
     "length" is truncated, and a truncated response with a right box still counts as correct in evaluation."""
     from machinery.data import Dataset
-    from eval import sample_and_score
+    from probes import sample_and_score
     from rollout import Rollout
     responses = [("\\boxed{4}", "stop"), ("I think 4", "stop"), ("\\boxed{4} and then", "length"),
                  ("\\boxed{5", "length")]
@@ -377,7 +377,7 @@ def test_sample_and_score_shows_a_bar_of_finished_samples_on_rank_0_only_when_as
     evaluation (progress=False, under the training bar) and the other ranks show none."""
     import torch.distributed as dist
     from machinery.data import Dataset
-    from eval import sample_and_score
+    from probes import sample_and_score
     from rollout import Rollout
 
     class Engine:
@@ -403,11 +403,41 @@ def test_sample_and_score_shows_a_bar_of_finished_samples_on_rank_0_only_when_as
 @pytest.mark.parametrize("argv, says", [(["--top_p", "1.5"], "--top_p must be in (0, 1], got 1.5"),
                                         (["--top_k", "-3"], "--top_k must be -1 or 0 (off) or at least 1, got -3"),
                                         (["--temperature", "nan"], "--temperature must be a finite number, got nan"),
-                                        (["--reward_timeout", "0"], "--reward_timeout must be a positive number")])
-def test_sampling_flags_the_engine_would_refuse_are_one_line_at_start(argv, says, capsys):
-    """vLLM refused them only at its first request, after the model and the engine had loaded."""
+                                        (["--reward_timeout", "0"], "--reward_timeout must be a positive number"),
+                                        (["--seed", "-1"], "--seed must be at least 0, got -1"),
+                                        (["--n_boot", "-1"], "--n_boot must be at least 1, got -1"),
+                                        (["--n_boot", "0"], "--n_boot must be at least 1, got 0"),
+                                        (["--gpu_memory_utilization", "0"], "--gpu_memory_utilization must be in (0, 1]"),
+                                        (["--max_prompt_len", "0"], "--max_prompt_len must be at least 1, got 0")])
+def test_flags_are_one_line_at_start(argv, says, capsys):
+    """vLLM refused bad sampling flags only at its first request, after the model and the engine had loaded; a
+    negative seed failed after the engine started, --n_boot -1 after all the sampling (the summary lost) and
+    --n_boot 0 wrote NaN into summary.json, which is not JSON."""
     import eval as evaluation
     with pytest.raises(SystemExit):
         evaluation.parse_args(argv)
     err = capsys.readouterr().err
     assert err.startswith("error: ") and says in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_full_out_dir_is_one_line_and_leaves_no_rank_shard(tmp_path, monkeypatch, capsys):
+    """The disk fills while a rank writes its shard of the samples file: one line naming --out_dir, no shard left
+    (it was a traceback and an empty eval_out/<name>.samples.jsonl.rank0)."""
+    from types import SimpleNamespace
+    import torch.distributed as dist
+    import eval as evaluation
+    monkeypatch.setattr(dist, "barrier", lambda: None)
+
+    class Full:
+        response_ids, finish_reason = [2, 3], "stop"
+
+        @property
+        def text(self):
+            raise OSError(28, "No space left on device")
+    path = tmp_path / "test.samples.jsonl"
+    with pytest.raises(SystemExit):
+        evaluation.write_samples(str(path), SimpleNamespace(keys=["p0"], answers=["2"]), {0: [("2", True, None)]},
+                                 {0: [Full()]}, 1, 0, 1)
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --out_dir {tmp_path}: cannot write test.samples.jsonl (No space left on device)")
+    assert len(err.strip().splitlines()) == 1 and os.listdir(tmp_path) == []

@@ -1,4 +1,4 @@
-"""The exact metric (eval.py:exact_metric, exact_template): the probability of the only correct response under the
+"""The exact metric (probes.py:exact_metric, exact_template): the probability of the only correct response under the
 FSDP2 policy, against an independent computation on the transformers model; logged by a run; refused where it
 would not be the sampler's probability.
 
@@ -16,7 +16,7 @@ from common import end_worker, ok, python, torchrun
 @pytest.mark.slow
 @pytest.mark.parametrize("world, budget", [(1, "none"), (2, "none"), (2, "30")])
 def test_the_exact_metric_is_the_probability_of_the_only_correct_response(small_toy, tmp_path, world, budget):
-    """eval.exact_metric on the FSDP2 policy, on one rank or two, with or without a token budget, in any order of
+    """probes.exact_metric on the FSDP2 policy, on one rank or two, with or without a token budget, in any order of
     prompts: at temperature 1 it equals tasks/toy.py:success_probability (the transformers model read directly);
     at 0.5 the same response's probability under softmax(logits / 0.5)."""
     import torch
@@ -60,7 +60,7 @@ def test_a_run_logs_the_exact_metric_and_the_pool_at_each_evaluation_and_the_pro
 @pytest.mark.parametrize("flags, says", [(["--eval_top_p", "0.95"], "--eval_top_p 1 --eval_top_k -1 (now 0.95, -1)"),
                                          (["--eval_top_k", "20"], "(now 1.0, 20)")])
 def test_the_exact_metric_refuses_sampling_it_does_not_describe(flags, says, capsys):
-    from eval import exact_template
+    from probes import exact_template
     from tasks.toy import ONLY_CORRECT
     assert exact_template("auto", True, 1.0, -1) == ONLY_CORRECT and exact_template("auto", False, 1.0, -1) is None
     assert exact_template("off", True, 1.0, -1) is None
@@ -76,7 +76,7 @@ def exact_worker(out, model_path, test_path, budget):
     import torch
     from machinery import trainer
     from machinery.data import load_dataset, load_tokenizer
-    from eval import exact_metric
+    from probes import exact_metric
     from tasks.toy import ONLY_CORRECT
     rank, world, device = trainer.setup_distributed()
     policy, _ = trainer.build_policy(model_path, device, lr=1e-3, weight_decay=0.0)

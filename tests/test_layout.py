@@ -15,14 +15,16 @@ from common import ROOT
 
 CARD = {"spo.py", "tracker.py", "sampler.py", "rollout.py", "sandbox.py", "offline_values.py", "eval.py",
         "test_spo.py", "requirements.txt", "README.md"}
-# the verifier, the ablation family and the engine where vLLM cannot run: concepts a student reads (and runs)
-BESIDE = {"reward.py", "variants.py", "hf_engine.py"}
+# the verifier, the ablation family and the engine where vLLM cannot run: concepts a student reads (and runs); what
+# the programs share (Algorithm 2's v0, the evaluations between steps)
+BESIDE = {"reward.py", "variants.py", "hf_engine.py", "initial_values.py", "probes.py"}
 FOLDERS = {"machinery", "tasks", "bench", "experiments", "tests", "docs"}
 # Layers, lowest first: a module may import its own layer or a lower one. Within a layer the graph must still be
 # acyclic. The top-level parts of the algorithm sit above the machinery; the tasks are built through them; the
 # programs run everything; benchmarks, experiments and tests sit on top.
 LAYERS = [("machinery",), ("tracker", "sampler", "reward", "sandbox", "rollout", "hf_engine", "variants"), ("tasks",),
-          ("eval", "offline_values", "spo"), ("bench", "experiments")]
+          ("probes", "initial_values"), ("eval", "offline_values", "spo"), ("bench", "experiments")]
+PROGRAMS = ("spo", "eval", "offline_values")
 
 
 def tracked_files():
@@ -90,6 +92,17 @@ def test_imports_have_no_cycle_and_go_down_the_layers():
         if module not in state:
             visit(module, [module])
     assert not cycles, f"import cycles: {cycles}"
+
+
+def test_no_program_stands_on_a_program():
+    """Programs are run, not imported: what two of them share lives in a module under them, taking values. The
+    notebook above them (bench/, experiments/) may run spo.py and call its equations; nothing imports eval.py or
+    offline_values.py, and no program or module of the reference imports any program."""
+    known = modules()
+    notebook = layer("bench")
+    found = {m: sorted(p for p in imports(path, known) - {m} if p in PROGRAMS and (layer(m) < notebook or p != "spo"))
+             for m, path in known.items()}
+    assert not {m: p for m, p in found.items() if p}, "programs imported (move what they share into a module)"
 
 
 def test_the_layer_check_sees_an_upward_import(tmp_path):

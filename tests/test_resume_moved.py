@@ -160,13 +160,14 @@ def test_the_tool_toys_offline_values_ship_for_the_readmes_tools_run():
     """The README's `spo.py --tools` finds the tool toy's v0 shipped (listed in its SHA256SUMS), not 6 minutes of
     sampling before step 1."""
     import spo
-    from offline_values import toy_values_path, training_v0_settings
+    from initial_values import TrainingV0, toy_values_path
     from rollout import Tools
     from tasks import toy
     args = spo.parse_args(["--tools"])
     tools = Tools(None, max_turns=args.max_turns, max_tool_output_chars=args.max_tool_output_chars)
     toy_dir = toy.default_toy_dir(tools=True)
-    path = toy_values_path(toy_dir, args.n0, args.seed, training_v0_settings(args, tools, None), args.train_prompts)
+    v0 = TrainingV0.pick(vars(args), tools=tools).settings()
+    path = toy_values_path(toy_dir, args.n0, args.seed, v0, args.train_prompts)
     assert os.path.isfile(path), path
     assert os.path.relpath(path, toy_dir) in (open(os.path.join(toy_dir, toy.CHECKSUMS)).read())
     assert toy.checksum_error(toy_dir, tools=True) is None

@@ -290,14 +290,14 @@ def test_the_default_offline_values_are_silently_unused_without_a_tracker(algo, 
     tracker never reads them (its tracker stays at the uninformed prior) and never measures them (no engine here:
     estimating them would fail)."""
     from types import SimpleNamespace
-    from offline_values import toy_values_path, training_v0_settings
+    from initial_values import TrainingV0, toy_values_path
     data = SimpleNamespace(keys=[f"{k:016x}" for k in range(16)])
 
     def tracker_of(argv):
         args = spo.parse_args(argv + ["--toy_dir", str(tmp_path)])
         variants.check_flags(vars(args), world=2)
-        v0_settings = training_v0_settings(args, None, None)
-        path = toy_values_path(args.toy_dir, args.n0, args.seed, v0_settings)  # the cache 'auto' reads on the toy
+        v0_settings = TrainingV0.pick(vars(args))
+        path = toy_values_path(args.toy_dir, args.n0, args.seed, v0_settings.settings())  # the cache 'auto' reads on the toy
         with open(path, "w") as f:
             json.dump({"header": {}, "prompts": {key: {"scores": [1] * 8} for key in data.keys}}, f)
         return spo.per_prompt_state(args, None, None, data, v0_settings, None, True, False)[0]

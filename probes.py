@@ -1,0 +1,242 @@
+"""Sampling a model outside training, with seeds of its own: eval.py's scored samples (`sample_and_score`) and what
+spo.py measures between steps (`evaluations`: held-out accuracy, the tracker probe, the exact probability).
+
+Every request's seed derives from (seed, prompt key, sample index), so a sample does not depend on the world size,
+batch or order, and none of these touches training's random state. spo.py builds `ProbeSettings` once from its
+flags (add_eval_flags and the training settings the probes share); nothing here reads the command line.
+"""
+import hashlib
+import json
+import os
+from dataclasses import dataclass, fields
+
+import numpy as np
+
+from machinery.metrics import POOL_PROMPTS, pool_statistics, probe_stats
+from reward import DEFAULT_REWARD, VERIFIER_TIMEOUT_S, reward_and_answer
+
+
+@dataclass(frozen=True)
+class ProbeSettings:
+    """The values spo.py's evaluations read, named as its flags."""
+    eval_every: int
+    eval_samples: int
+    eval_temperature: float
+    eval_top_p: float
+    eval_top_k: int
+    probe_every: int
+    probe_prompts: int
+    probe_samples: int
+    steps: int
+    seed: int
+    temperature: float
+    max_response_len: int
+    think_format: bool
+    truncated_reward: str
+    reward: str
+    reward_timeout: float
+    run_dir: str
+
+    @classmethod
+    def pick(cls, flags: dict):
+        """These settings out of a program's flags ({name: value}, e.g. vars(args))."""
+        return cls(**{f.name: flags[f.name] for f in fields(cls)})
+
+
+# ---------------------------------------------------------------------------------------------- evaluation
+# Each rank's engine takes problems rank, rank + world, ...; every request has its own seed, derived from (seed,
+# prompt key, sample index) only, so a sample is the same whatever the world size, batch or order.
+EVAL_DEFAULTS = {"n": 32, "temperature": 0.6, "top_p": 0.95, "top_k": 20}  # the paper's evaluation sampling
+
+
+def request_seeds(base, prompt_key: str, n: int) -> np.ndarray:
+    """(n,) per-request seeds for samples 0..n-1 of one prompt; base: an int or a sequence of ints (>= 0).
+    The first k seeds do not depend on n, so asking for more samples later keeps the earlier ones."""
+    key = int(hashlib.sha1(prompt_key.encode("utf-8")).hexdigest()[:16], 16)
+    return np.random.SeedSequence([*np.atleast_1d(base).tolist(), key]).generate_state(n)
+
+
+def sample_and_score(engine, data, n, seeds_base, *, temperature, top_p, top_k, max_tokens, rank, world,
+                     think_format=False, tools=None, reward=DEFAULT_REWARD, reward_timeout=VERIFIER_TIMEOUT_S,
+                     progress=True):
+    """n samples of every problem of `data` (data.Dataset: keys, prompt_ids, answers), sharded over ranks.
+
+    Returns (samples, rollouts). samples[p] lists the n (answer or None, correct, truncated) of problem p, for
+    EVERY problem in data order and on every rank (gathered: call it on all ranks), ready for summarize().
+    rollouts maps this rank's problems p to their n Rollouts (responses to write out). tools: a rollout.Tools for
+    the tool loop; reward: the --reward verifier (correct: it returned 1). A truncated sample is scored as it is
+    (the verifier reads what is there): evaluation does not apply training's --truncated_reward.
+    progress: a bar on rank 0 counting its finished samples while they generate (False: none)."""
+    mine = list(range(rank, len(data.keys), world))
+    outputs = []
+    if mine:  # a rank with no problem (more ranks than problems) still joins the gather below
+        seeds = np.concatenate([request_seeds(seeds_base, data.keys[p], n) for p in mine])
+        bar = None
+        if progress and rank == 0:
+            from tqdm import tqdm
+            bar = tqdm(total=len(mine) * n, desc=f"sampling (rank 0 of {world})", unit="sample", dynamic_ncols=True)
+        outputs = engine.generate([data.prompt_ids[p] for p in mine for _ in range(n)], seeds,
+                                  max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                  **({"tools": tools} if tools is not None else {}),
+                                  **({"progress": bar.update} if bar is not None else {}))
+        if bar is not None:
+            bar.close()
+    rollouts = {p: outputs[j * n:(j + 1) * n] for j, p in enumerate(mine)}
+    local = {p: [(answer, bool(score), r.finish_reason == "length") for r, (score, answer) in
+                 ((r, reward_and_answer(r.text, data.answers[p], think_format, reward, reward_timeout)) for r in rs)]
+             for p, rs in rollouts.items()}
+    parts = [local]
+    if world > 1:
+        import torch.distributed as dist
+        parts = [None] * world
+        dist.all_gather_object(parts, local)  # answers and flags only: responses stay on their rank
+    merged = {p: s for part in parts for p, s in part.items()}
+    return [merged[p] for p in range(len(data.keys))], rollouts
+
+
+def evaluations(engine, test, data, tracker, settings: ProbeSettings, tools, step, exact=None):
+    """What spo.py measures between steps (step 0: before training; then after each step's weight push), when due
+    (every --eval_every / --probe_every steps and at the end): held-out accuracy and the tracker probe, with
+    `exact_metric`'s function where given. Neither touches training's random state (their own request seeds)."""
+    metrics = {}
+    if test is not None and settings.eval_every and (step % settings.eval_every == 0 or step == settings.steps):
+        metrics.update(heldout_metrics(engine, test, settings, tools, exact))
+        if exact:  # the training pool's regime, for every algorithm (docs/experiments.md: the calibrated regime)
+            pool = probe_subset(len(data.keys), POOL_PROMPTS, settings.seed)
+            metrics.update(pool_statistics(exact(data, pool, settings.temperature)))
+    if settings.probe_every and (step % settings.probe_every == 0 or step == settings.steps):
+        metrics.update(tracker_probe(engine, data, tracker, settings, step, tools, exact))
+    return metrics
+
+
+def heldout_metrics(engine, test, settings: ProbeSettings, tools, exact=None):
+    """spo.py's held-out evaluation: accuracy (avg@n at the evaluation temperature, sample_and_score), the shares
+    of samples with no parsed answer and cut by the budget, with tools the share that called the tool, with `exact`
+    the mean exact success probability. Seeds independent of the step: every evaluation scores the same draws."""
+    import torch.distributed as dist
+    from machinery.collectives import all_reduce_np
+    samples, rollouts = sample_and_score(engine, test, settings.eval_samples, [settings.seed, 1],
+                                         temperature=settings.eval_temperature, top_p=settings.eval_top_p,
+                                         top_k=settings.eval_top_k, max_tokens=settings.max_response_len,
+                                         rank=dist.get_rank(), world=dist.get_world_size(),
+                                         think_format=settings.think_format, tools=tools, reward=settings.reward,
+                                         reward_timeout=settings.reward_timeout, progress=False)
+    flat = [sample for problem in samples for sample in problem]  # (answer, correct, truncated)
+    metrics = {"eval/accuracy": float(np.mean([correct for _, correct, _ in flat])),
+               "eval/unparsed": float(np.mean([answer is None for answer, _, _ in flat])),
+               "eval/truncated": float(np.mean([truncated for _, _, truncated in flat]))}
+    if tools:
+        used = all_reduce_np([sum(r.tool_calls > 0 for rs in rollouts.values() for r in rs)])[0]
+        metrics["eval/tool_use"] = used / (len(test.keys) * settings.eval_samples)
+    if exact:
+        metrics["eval/exact"] = float(exact(test, range(len(test.keys)), settings.eval_temperature).mean())
+    return metrics
+
+
+# ---------------------------------------------------------------------------------------------- exact metric
+def exact_template(flag, on_toy, top_p, top_k):
+    """--eval_reference resolved: auto is the toy's only correct response on the toy's data (no tools), else
+    off (None). With --eval_top_p or --eval_top_k the probability would not be the sampler's: one line."""
+    from tasks.toy import ONLY_CORRECT
+    template = {"auto": ONLY_CORRECT if on_toy else None, "off": None}.get(flag, flag)
+    if template and (top_p < 1 or top_k > 0):
+        from machinery.errors import fail
+        fail(f"--eval_reference {flag}: the exact probability is of sampling at the temperature alone; pass "
+             f"--eval_top_p 1 --eval_top_k -1 (now {top_p}, {top_k}) or --eval_reference off", once=True)
+    return template
+
+
+def exact_metric(policy, tokenizer, template, micro_batch_size, max_tokens):
+    """None without a template, else `exact(data, indices, temperature)` -> (K,): the probability that the policy,
+    sampling at `temperature`, answers each prompt with `template` ({answer}: its ground truth) and ends its turn,
+    exp of the summed log-probs of the trainer's no-grad pass (step 4's). Where that response is the only one
+    scored correct, the success probability without sampling noise; elsewhere a lower bound. Call on every rank."""
+    if template is None:
+        return None
+    import torch.distributed as dist
+    from machinery.collectives import all_gather_objects
+    from machinery.trainer import old_logprobs
+
+    def exact(data, indices, temperature):
+        indices = list(indices)
+        mine = indices[dist.get_rank()::dist.get_world_size()]  # each rank scores its share, then all gather
+        responses = [tokenizer.encode(template.replace("{answer}", str(data.answers[i])), add_special_tokens=False)
+                     + [tokenizer.eos_token_id] for i in mine]
+        scored = old_logprobs(policy, [], [(data.prompt_ids[i], r, np.ones(len(r))) for i, r in zip(mine, responses)],
+                              temperature, micro_batch_size, max_tokens)["revisited"]
+        local = {i: float(np.exp(np.sum(lp, dtype=np.float64))) for i, lp in zip(mine, scored)}
+        merged = {i: p for part in all_gather_objects([local]) for i, p in part.items()}
+        return np.array([merged[i] for i in indices])
+    return exact
+
+
+# ---------------------------------------------------------------------------------------------- tracker probe
+# Does the tracker track? Its v(x) is meant to be the current policy's success rate on x (Eq. 5 with rho
+# forgetting what older policies did). The probe measures that rate directly on a fixed random subset of training
+# prompts with fresh samples, so the gap between the two (and its noise floor) is visible over training.
+def add_eval_flags(p):
+    """spo.py's flags for its evaluations between steps (eval.py's own command does not use them): held-out accuracy
+    and the tracker probe."""
+    p.add_argument("--eval_every", type=int, default=25, help="held-out evaluation every N steps and at the end "
+                   "(0: off)")
+    p.add_argument("--eval_samples", type=int, default=2, help="samples per held-out prompt (avg@n's n)")
+    p.add_argument("--eval_temperature", type=float, default=1.0, help="evaluation temperature")
+    p.add_argument("--eval_top_p", type=float, default=1.0, help="evaluation top-p (paper: 0.95)")
+    p.add_argument("--eval_top_k", type=int, default=-1, help="evaluation top-k (-1: off; paper: 20)")
+    p.add_argument("--eval_max_prompts", type=int, default=500, help="held-out prompts used, the first N (0: all)")
+    p.add_argument("--eval_reference", default="auto",
+                   help="the only correct response, {answer} for the ground truth: evaluations and the probe also log "
+                        "its exact probability (eval/exact, probe/*_exact); auto: the toy's \\boxed{{answer}} on the "
+                        "toy, else off")
+    p.add_argument("--probe_every", type=int, default=0,
+                   help="tracker probe every N steps and at the end (0: off; spo only): v(x) of a fixed subset of "
+                        "training prompts against the policy's success rate from fresh samples (probe.jsonl)")
+    p.add_argument("--probe_prompts", type=int, default=64, help="training prompts the probe follows")
+    p.add_argument("--probe_samples", type=int, default=16, help="fresh samples per probed prompt")
+
+
+def probe_subset(n_prompts, k, seed):
+    """(min(k, n),) sorted prompt indices the probe follows for the whole run: drawn from a generator of their
+    own (seed, 3), so they depend only on the seed and the training set, and training's draws are untouched."""
+    return np.sort(np.random.default_rng([seed, 3]).choice(n_prompts, size=min(k, n_prompts), replace=False))
+
+
+def tracker_probe(engine, data, tracker, settings: ProbeSettings, step, tools, exact=None):
+    """--probe_every: for the fixed subset of training prompts, the tracker's v(x) as it stands now (after this
+    step's tracker update: the baseline that x's next visit would use) against the success rate of the current
+    policy (after this step's update: the one that would act at that visit), from --probe_samples fresh samples
+    per prompt at the training temperature, scored with training's reward. Sampled on every rank (prompts
+    rank, rank + world, ...), with request seeds from (seed, 2, step, prompt key): never training's or the held-out
+    evaluation's. Rank 0 appends one line per probe to <run_dir>/probe.jsonl (a resumed run may repeat a step: the
+    last line of a step wins). Returns probe_stats (the same on every rank); with `exact`, v(x) also against the
+    exact success probability at the training temperature (probe/mae_exact, probe/bias_exact: no sampling noise)."""
+    import torch.distributed as dist
+    from reward import rewards
+    from machinery.collectives import all_gather_objects
+    rank, world, n = dist.get_rank(), dist.get_world_size(), settings.probe_samples
+    index = probe_subset(len(data.keys), settings.probe_prompts, settings.seed)  # (K,)
+    value, n_eff = tracker.value_at(index), tracker.n_eff_at(index)  # (K,) read before any further update
+    mine = index[rank::world]
+    success = {}
+    if len(mine):  # a rank with no probed prompt still joins the gather
+        seeds = np.concatenate([request_seeds([settings.seed, 2, step], data.keys[i], n) for i in mine])
+        rollouts = engine.generate([data.prompt_ids[i] for i in mine for _ in range(n)], seeds,
+                                   max_tokens=settings.max_response_len, temperature=settings.temperature, tools=tools)
+        reward = rewards(rollouts, [data.answers[i] for i in mine for _ in range(n)], settings.think_format,
+                         settings.truncated_reward, settings.reward, settings.reward_timeout).reshape(len(mine), n)
+        success = {int(i): float(r.mean()) for i, r in zip(mine, reward)}
+    merged = {i: s for part in all_gather_objects([success]) for i, s in part.items()}
+    measured = np.array([merged[int(i)] for i in index])  # (K,)
+    stats, exact_p = probe_stats(value, measured, n, n_eff), {}
+    if exact:
+        exact_p = {"exact": exact(data, index, settings.temperature).tolist()}
+        stats.update({"probe/mae_exact": float(np.mean(np.abs(value - exact_p["exact"]))),
+                      "probe/bias_exact": float(np.mean(value - exact_p["exact"]))})
+    if rank == 0:
+        with open(os.path.join(settings.run_dir, "probe.jsonl"), "a") as f:
+            f.write(json.dumps({"step": step, "prompt": index.tolist(), "value": value.tolist(),
+                                "success": measured.tolist(), **exact_p, "n_eff": n_eff.tolist(),
+                                "visits": tracker.visits[index].tolist(), "n_samples": n, **stats}) + "\n")
+    return stats
+
+
