@@ -49,7 +49,7 @@ def processed_logprobs(logits, temperature, top_k=-1, top_p=1.0):
     return logits.log_softmax(-1)
 
 
-def preallocated_cache(length):
+def preallocated_cache(length, padded):
     """A transformers Cache whose layers hold `length` positions each in storage allocated once (at the first
     forward, in the model's KV heads and dtype): each step writes its positions in place and attention reads a view
     of those filled, so nothing is copied per token (DynamicCache concatenates: quadratic in the length)."""
@@ -58,8 +58,9 @@ def preallocated_cache(length):
     class PreallocatedLayer(DynamicLayer):
         # transformers' mask code reads is_compileable as "storage of a fixed size": a decode step then builds its
         # attention mask rather than first asking the device whether it could skip it (a host sync per token).
+        # Without padding there is no mask to ask about: False lets SDPA run causal, with GQA, no repeat_kv copy.
         # Nothing else here reads it (generate() would, to compile: this engine does not call generate).
-        is_compileable = True
+        is_compileable = padded
 
         def lazy_initialization(self, key_states, value_states):
             rows, heads = key_states.shape[:2]  # the KV heads: fewer than the query heads under GQA
@@ -156,7 +157,7 @@ class HFEngine:
         positions = (mask[:, :width].cumsum(-1) - 1).clamp(min=0)  # (B, P): each row counts from its first token
         generators = [torch.Generator(device).manual_seed(requests[n][2]) for n in names]
         from transformers import DynamicCache
-        cache = preallocated_cache(length) if self.preallocate else DynamicCache(config=self.model.config)
+        cache = preallocated_cache(length, padded) if self.preallocate else DynamicCache(config=self.model.config)
         rows = list(range(len(names)))  # the requests still decoding, in batch order
         out = [([], []) for _ in names]  # per request: sampled ids, their log-probs
         ended, columns = [], width  # columns: the positions the cache holds after this step's forward

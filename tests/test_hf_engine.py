@@ -194,6 +194,24 @@ def test_each_decoded_token_costs_at_most_one_host_sync(shipped, monkeypatch):
     assert len(per_step) > 5 and per_step.max() <= 1, per_step.tolist()
 
 
+def test_equal_length_prompts_decode_without_any_attention_mask(shipped):
+    """No row padded: no step hands attention a mask (a mask forces repeat_kv and rules out flash/GQA kernels);
+    padded rows still get one at every step."""
+    engine, prompts = shipped
+    masks = []
+    hook = engine.model.model.layers[0].self_attn.register_forward_pre_hook(
+        lambda m, args, kwargs: masks.append(kwargs.get("attention_mask") is not None), with_kwargs=True)
+    try:
+        with one_thread():
+            engine.generate([prompts[0]] * 3, range(3), max_tokens=8, temperature=1.5)
+            unpadded, masks[:] = list(masks), []
+            engine.generate(prompts[:3], range(3), max_tokens=8, temperature=1.5)
+    finally:
+        hook.remove()
+    assert len(unpadded) > 3 and not any(unpadded), unpadded
+    assert len(masks) > 3 and all(masks[1:]), masks
+
+
 class TodaysEngine(HFEngine):
     """The decode loop as it was before the preallocated cache (DynamicCache, a sample per row): the reference."""
 
@@ -254,8 +272,9 @@ def test_the_samples_are_todays_to_the_bit(shipped):
             ours, theirs = (e.generate(prompts, range(len(prompts)), max_tokens=32, **kw) for e in (engine, today))
             assert [(r.response_ids, r.logprobs, r.text, r.finish_reason) for r in ours] == [
                 (r.response_ids, r.logprobs, r.text, r.finish_reason) for r in theirs], kw
-        alone = [e.generate(prompts[:1], [3], max_tokens=32, **SAMPLED)[0] for e in (engine, today)]  # no padding
-        assert alone[0].response_ids == alone[1].response_ids and alone[0].logprobs == alone[1].logprobs
+        for equal in (prompts[:1], [prompts[0]] * 3):  # no padding: no mask at all
+            alone = [e.generate(equal, [3] * len(equal), max_tokens=32, **SAMPLED) for e in (engine, today)]
+            assert [(r.response_ids, r.logprobs) for r in alone[0]] == [(r.response_ids, r.logprobs) for r in alone[1]]
 
 
 # ---- beside vLLM (a world of one), and training with it (two ranks)
