@@ -3,14 +3,15 @@ no wheel; a GPU machine without vLLM), on a plain Hugging Face model and a short
 
 Its own copy of the policy receives the weight push as vLLM's does; it decodes through rollout.py's
 `run_trajectories` (the tool loop, budget, keep_first are the vLLM engine's code). Itself, one segment at a time:
-- per-request seeds: every row samples with its own torch.Generator (seeded with rollout.turn_seed), so the same
-  prompt and seed give the same sample whatever else is in the batch, on any world size;
+- per-request seeds: every row's noise is a hash of its seed (rollout.turn_seed), the step and the token id
+  (`exponential_noise`), drawn for all rows in one batched op, so the same prompt and seed give the same sample
+  whatever else is in the batch, on any world size and device;
 - the sampled tokens' processed log-probs (`processed_logprobs`): after temperature, top-k and top-p, renormalised,
   as vLLM's logprobs_mode="processed_logprobs" returns them (temperature 0: greedy, the raw log-softmax);
 - stop strings kept in the text, as vLLM's include_stop_str_in_output; end of turn at the model's EOS ids.
 Requests started between two steps are decoded together, left-padded, in a KV cache allocated once for the batch
 (`preallocated_cache`), each row leaving the batch when it ends; a step reads its sampled tokens back in one host
-sync (only the per-row noise draws loop over rows). No continuous batching, paged KV cache, CUDA graphs or sleep
+sync. No continuous batching, paged KV cache, CUDA graphs or sleep
 mode: it is for where vLLM is absent.
 
     engine = start_engine("hf", model_dir, seed=0, max_model_len=512, device=torch.device("cpu"))
@@ -49,7 +50,22 @@ def processed_logprobs(logits, temperature, top_k=-1, top_p=1.0):
     return logits.log_softmax(-1)
 
 
-def preallocated_cache(length):
+def _fmix32(z):
+    """MurmurHash3's 32-bit finaliser on int64 tensors holding 32-bit values (products wrap; the low bits stay)."""
+    for shift, factor in ((16, 0x85EBCA6B), (13, 0xC2B2AE35)):
+        z = ((z ^ (z >> shift)) * factor) & 0xFFFFFFFF
+    return z ^ (z >> 16)
+
+
+def exponential_noise(seeds, step, vocab):
+    """(b, V) float64 Exp(1) noise, a pure function of (row seed, step, token id): counter-based, so every row
+    draws from its own seed without a generator per row (no launch per row) and on CPU and GPU alike."""
+    key = _fmix32((seeds[:, None] & 0xFFFFFFFF) ^ (step * 0x9E3779B1 & 0xFFFFFFFF))
+    z = _fmix32((key + torch.arange(vocab, device=seeds.device)) & 0xFFFFFFFF)
+    return -torch.log((z.double() + 0.5) / 2 ** 32)  # uniform on (0, 1), never 0 or 1
+
+
+def preallocated_cache(length, padded):
     """A transformers Cache whose layers hold `length` positions each in storage allocated once (at the first
     forward, in the model's KV heads and dtype): each step writes its positions in place and attention reads a view
     of those filled, so nothing is copied per token (DynamicCache concatenates: quadratic in the length)."""
@@ -58,8 +74,9 @@ def preallocated_cache(length):
     class PreallocatedLayer(DynamicLayer):
         # transformers' mask code reads is_compileable as "storage of a fixed size": a decode step then builds its
         # attention mask rather than first asking the device whether it could skip it (a host sync per token).
+        # Without padding there is no mask to ask about: False lets SDPA run causal, with GQA, no repeat_kv copy.
         # Nothing else here reads it (generate() would, to compile: this engine does not call generate).
-        is_compileable = True
+        is_compileable = padded
 
         def lazy_initialization(self, key_states, value_states):
             rows, heads = key_states.shape[:2]  # the KV heads: fewer than the query heads under GQA
@@ -154,9 +171,9 @@ class HFEngine:
             mask[b, :width - len(p)] = False
         ids, mask = ids.to(device), mask.to(device)
         positions = (mask[:, :width].cumsum(-1) - 1).clamp(min=0)  # (B, P): each row counts from its first token
-        generators = [torch.Generator(device).manual_seed(requests[n][2]) for n in names]
+        seeds = torch.tensor([requests[n][2] for n in names], device=device)  # (B,), compacted with the rows
         from transformers import DynamicCache
-        cache = preallocated_cache(length) if self.preallocate else DynamicCache(config=self.model.config)
+        cache = preallocated_cache(length, padded) if self.preallocate else DynamicCache(config=self.model.config)
         rows = list(range(len(names)))  # the requests still decoding, in batch order
         out = [([], []) for _ in names]  # per request: sampled ids, their log-probs
         ended, columns = [], width  # columns: the positions the cache holds after this step's forward
@@ -167,11 +184,8 @@ class HFEngine:
             logp = processed_logprobs(logits, temperature, top_k, top_p)  # (b, V)
             if temperature < GREEDY_BELOW:
                 chosen = logits.argmax(-1)  # (b,)
-            else:  # p / q with q ~ Exp(1) from the row's own generator: its argmax is a sample of p (vLLM's way)
-                noise = torch.empty_like(logp)
-                for k, r in enumerate(rows):  # a generator draws for one row only: a launch per row, no sync
-                    noise[k].exponential_(generator=generators[r])
-                chosen = (logp.exp() / noise).argmax(-1)
+            else:  # p / q with q ~ Exp(1) from the row's own seed: its argmax is a sample of p (vLLM's way)
+                chosen = (logp.exp().double() / exponential_noise(seeds, columns - width, logp.shape[-1])).argmax(-1)
             picked = torch.stack([chosen.double(), logp.gather(-1, chosen[:, None])[:, 0].double()])  # (2, b)
             tokens, chosen_logp = picked.tolist()  # the step's one host sync (the ids are exact in fp64)
             keep = []
@@ -186,7 +200,7 @@ class HFEngine:
             if len(keep) < len(rows):  # ended rows leave the batch and the KV cache
                 index = torch.tensor(keep, dtype=torch.long, device=device)
                 cache.batch_select_indices(index)
-                mask, positions, chosen = mask[index], positions[index], chosen[index]
+                mask, positions, chosen, seeds = mask[index], positions[index], chosen[index], seeds[index]
                 rows = [rows[k] for k in keep]
             ids = chosen[:, None]  # (b, 1): the next step feeds only the new token
             positions = positions[:, -1:] + 1

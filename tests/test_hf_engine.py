@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from common import SNIPPET_TIMEOUT_S, ok, one_thread, script_responses, toy_args, torchrun
-from hf_engine import HFEngine, processed_logprobs
+from hf_engine import HFEngine, exponential_noise, processed_logprobs
 from rollout import choose_engine
 from rollout import CODE_STOP, Tools
 
@@ -46,6 +46,14 @@ def test_processed_logprobs_apply_temperature_then_top_k_then_top_p_as_vllm():
     assert probs(temperature=0.0, top_k=1) == pytest.approx([0.4, 0.3, 0.2, 0.1])  # greedy: the raw log-softmax
     assert processed_logprobs(torch.tensor([[2.0, 1.0, 1.0, 0.0]]), 1.0, top_k=2).isfinite().tolist() == [
         [True, True, True, False]]  # a tie at the k-th largest stays
+
+
+def test_the_counter_based_noise_is_exp1_per_row_and_step_whatever_the_batch():
+    noise = exponential_noise(torch.tensor([1, 2]), 0, 200_000)
+    assert abs(noise.mean().item() - 1) < 0.01 and abs(noise.var().item() - 1) < 0.02 and noise.min() > 0
+    assert torch.equal(exponential_noise(torch.tensor([2]), 0, 200_000)[0], noise[1])  # a row alone: the same draw
+    assert not torch.equal(noise[0], noise[1]) and not torch.equal(exponential_noise(torch.tensor([1]), 1, 200_000)[0],
+                                                                   noise[0])  # other seeds, other steps: others
 
 
 def test_auto_picks_transformers_where_vllm_does_not_import_and_says_so_in_one_line(monkeypatch, capsys):
@@ -194,8 +202,27 @@ def test_each_decoded_token_costs_at_most_one_host_sync(shipped, monkeypatch):
     assert len(per_step) > 5 and per_step.max() <= 1, per_step.tolist()
 
 
+def test_equal_length_prompts_decode_without_any_attention_mask(shipped):
+    """No row padded: no step hands attention a mask (a mask forces repeat_kv and rules out flash/GQA kernels);
+    padded rows still get one at every step."""
+    engine, prompts = shipped
+    masks = []
+    hook = engine.model.model.layers[0].self_attn.register_forward_pre_hook(
+        lambda m, args, kwargs: masks.append(kwargs.get("attention_mask") is not None), with_kwargs=True)
+    try:
+        with one_thread():
+            engine.generate([prompts[0]] * 3, range(3), max_tokens=8, temperature=1.5)
+            unpadded, masks[:] = list(masks), []
+            engine.generate(prompts[:3], range(3), max_tokens=8, temperature=1.5)
+    finally:
+        hook.remove()
+    assert len(unpadded) > 3 and not any(unpadded), unpadded
+    assert len(masks) > 3 and all(masks[1:]), masks
+
+
 class TodaysEngine(HFEngine):
-    """The decode loop as it was before the preallocated cache (DynamicCache, a sample per row): the reference."""
+    """The decode loop as it was before the preallocated cache (DynamicCache, a sample per row, the same counter-based
+    noise): the reference."""
 
     @torch.inference_mode()
     def decode_segments(self, requests, temperature, top_k, top_p, stop):
@@ -210,7 +237,6 @@ class TodaysEngine(HFEngine):
             ids[b, width - len(p):] = torch.tensor(p)
             mask[b, width - len(p):] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        generators = [torch.Generator().manual_seed(requests[n][2]) for n in names]
         cache = DynamicCache(config=self.model.config)
         rows, out, ended = list(range(len(names))), [([], []) for _ in names], []
         while rows:
@@ -220,8 +246,9 @@ class TodaysEngine(HFEngine):
             if temperature < 1e-5:
                 chosen = logits.argmax(-1)
             else:
-                chosen = torch.stack([(row.exp() / torch.empty_like(row).exponential_(generator=generators[r]))
-                                      .argmax() for r, row in zip(rows, logp)])
+                chosen = torch.stack([(row.exp().double() / exponential_noise(
+                    torch.tensor([requests[names[r]][2]]), len(out[r][0]), row.shape[-1])[0]).argmax()
+                    for r, row in zip(rows, logp)])
             keep = []
             chosen_logp = logp.gather(-1, chosen[:, None])[:, 0].tolist()
             for k, (r, token, lp) in enumerate(zip(rows, chosen.tolist(), chosen_logp)):
@@ -254,8 +281,9 @@ def test_the_samples_are_todays_to_the_bit(shipped):
             ours, theirs = (e.generate(prompts, range(len(prompts)), max_tokens=32, **kw) for e in (engine, today))
             assert [(r.response_ids, r.logprobs, r.text, r.finish_reason) for r in ours] == [
                 (r.response_ids, r.logprobs, r.text, r.finish_reason) for r in theirs], kw
-        alone = [e.generate(prompts[:1], [3], max_tokens=32, **SAMPLED)[0] for e in (engine, today)]  # no padding
-        assert alone[0].response_ids == alone[1].response_ids and alone[0].logprobs == alone[1].logprobs
+        for equal in (prompts[:1], [prompts[0]] * 3):  # no padding: no mask at all
+            alone = [e.generate(equal, [3] * len(equal), max_tokens=32, **SAMPLED) for e in (engine, today)]
+            assert [(r.response_ids, r.logprobs) for r in alone[0]] == [(r.response_ids, r.logprobs) for r in alone[1]]
 
 
 # ---- beside vLLM (a world of one), and training with it (two ranks)
