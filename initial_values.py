@@ -32,6 +32,7 @@ from dataclasses import dataclass, fields, replace
 import numpy as np
 import torch.distributed as dist
 
+from machinery import collectives
 from machinery.run_dir import atomic_write
 from probes import request_seeds
 from reward import DEFAULT_REWARD, VERIFIER_TIMEOUT_S, rewards
@@ -197,7 +198,7 @@ def estimate_offline_values(engine, data, out_path, *, n0=8, temperature=1.0, to
     reward: the --reward spec that scores the samples (recorded in the header unless the default), within
     reward_timeout seconds per sample (--reward_timeout)."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    barrier = dist.barrier if world > 1 else (lambda: None)
+    barrier = collectives.barrier if world > 1 else (lambda: None)  # a rank stopped by its verifier: one line each
     header = run_header(header, n0=n0, temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed,
                         truncated_reward=truncated_reward, tools=tools, think_format=think_format, reward=reward)
     done = read_finished(out_path, header)

@@ -86,10 +86,9 @@ def sample_and_score(engine, data, n, seeds_base, *, temperature, top_p, top_k, 
                  ((r, reward_and_answer(r.text, data.answers[p], think_format, reward, reward_timeout)) for r in rs)]
              for p, rs in rollouts.items()}
     parts = [local]
-    if world > 1:
-        import torch.distributed as dist
-        parts = [None] * world
-        dist.all_gather_object(parts, local)  # answers and flags only: responses stay on their rank
+    if world > 1:  # answers and flags only: responses stay on their rank
+        from machinery.collectives import all_gather_objects
+        parts = all_gather_objects([local])  # (a rank stopped by its verifier: one line here too, not a traceback)
     merged = {p: s for part in parts for p, s in part.items()}
     return [merged[p] for p in range(len(data.keys))], rollouts
 

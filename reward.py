@@ -25,12 +25,15 @@ equivalence, with the optional math-verify package) are two more verifiers.
     boxed_reward("so the sum is \\\\boxed{17}", "17")                       # 1.0
     rewards(rollouts, ground_truths, think_format=False, truncated_reward="zero")   # (B,) for rollout.Rollout
 """
+import contextlib
 import functools
 import importlib
 import importlib.util
 import json
+import os
 import queue
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -143,8 +146,10 @@ class _Child:
     None when it ended before saying."""
 
     def __init__(self, code, *args):
+        # A session of its own: a verifier that stops its checkers with os.killpg (the usual idiom) stops its own
+        # group, not the training rank's; and stop() ends the checkers it left with it.
         self.process = subprocess.Popen([sys.executable, "-c", code, *args], stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, text=True)
+                                        stdout=subprocess.PIPE, text=True, start_new_session=True)
         self.replies = queue.SimpleQueue()
         threading.Thread(target=self._read, daemon=True, name="verifier-child").start()
         self.started = self.replies.get()
@@ -164,8 +169,10 @@ class _Child:
         return self.replies.get(timeout=timeout_s)
 
     def stop(self):
-        """Kill it (a no-op if it has ended) and reap it; returns how it ended."""
-        self.process.kill()
+        """Kill it and every process left in its group (a no-op if none is), reap it; returns how it ended."""
+        if self.process.returncode is None:  # not reaped: its pid, the group's id, is still ours
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
         code = self.process.wait()
         return f"killed by signal {-code}" if code < 0 else f"exit code {code}"
 

@@ -13,15 +13,17 @@ as a SandboxResult.
 How a run is isolated (machinery/isolation.py, `isolation()` checks once that this machine allows it; if not,
 SandboxUnavailable and --tools refuses to start in one line; there is no weaker fallback): prlimit's limits, its own
 network, pid, IPC and mount namespaces with a root of its own (only the system's and the interpreter's dirs, read
-only), a seccomp filter against Unix sockets, a dedicated uid as root or a user namespace of no one otherwise.
+only), a fresh session keyring, a seccomp filter against Unix sockets, keyrings, memfds and SysV IPC, a dedicated
+uid as root or a user namespace of no one otherwise.
 
 Plus `python -I`, a scrubbed environment (nothing of ours), stdin closed; output capped while it arrives (first
 and last halves kept); at the wall-clock limit every process of the run is SIGKILLed and hunted down.
 
 NOT protected: kernel exploits (not a security boundary: use a VM or gVisor for hostile code); reading the
-bound dirs (/etc, the venv); CPU contention with the trainer; memory beyond max_processes * memory_mb plus the
-tmpfs dirs (a memory cgroup would be the fix); without root on Linux before 5.14, a fork bomb up to the user's process limit;
-snippets of a killed caller (RLIMIT_CPU bounds them). Linux only (rollout.make_tools refuses --tools elsewhere).
+bound dirs (/etc, the venv); CPU contention with the trainer; memory beyond max_processes * memory_mb plus the four
+tmpfs dirs (max_file_bytes each) and the kernel's own buffers (pipes, sockets: bounded by max_open_files; a memory
+cgroup would be the fix); without root on Linux before 5.14, a fork bomb up to the user's process limit; snippets of
+a killed caller (RLIMIT_CPU bounds them). Linux only (rollout.make_tools refuses --tools elsewhere).
 """
 import ast
 import functools
@@ -33,13 +35,13 @@ import signal
 import subprocess
 import threading
 import time
-import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from machinery.isolation import Isolation, SandboxUnavailable, claim_uid, command
 from machinery.seccomp import seccomp_program
 
+_PATH = "/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin"  # the sandbox's, whatever the caller's
 _OOM_PATTERN = re.compile(r"MemoryError|Cannot allocate memory|std::bad_alloc")
 
 
@@ -51,7 +53,6 @@ class SandboxResult:
     timed_out: bool  # hit the wall-clock limit; the whole run was killed
     out_of_memory: bool  # MemoryError (RLIMIT_AS) or an allocation failure message in stderr
     output_truncated: bool  # a stream exceeded max_output_bytes; its middle was dropped
-    unix_sockets_blocked: bool  # socket(AF_UNIX) refused by seccomp: no Unix socket of the host is reachable
     duration_s: float
 
 
@@ -140,7 +141,7 @@ def _run(code: str, iso: Isolation, timeout_s: float, max_output_bytes: int, lim
     start = time.perf_counter()
     uid, lock_fd = claim_uid() if iso.dedicated_uid else (None, None)
     try:
-        env = {"PATH": "/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin", "HOME": "/tmp", "TMPDIR": "/tmp", "LANG": "C.UTF-8",
+        env = {"PATH": _PATH, "HOME": "/tmp", "TMPDIR": "/tmp", "LANG": "C.UTF-8",
                # one BLAS thread: less contention with the trainer, and fewer threads for RLIMIT_NPROC
                "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
         try:
@@ -150,7 +151,6 @@ def _run(code: str, iso: Isolation, timeout_s: float, max_output_bytes: int, lim
         except (OSError, ValueError) as e:  # e.g. a NUL byte in the code, or code over 128 KiB
             return SandboxResult(stdout="", stderr=f"sandbox: could not start the code: {e}", exit_code=-1,
                                  timed_out=False, out_of_memory=False, output_truncated=False,
-                                 unix_sockets_blocked=iso.seccomp,
                                  duration_s=time.perf_counter() - start)
         with proc:
             out, err, timed_out = _read_until_exit(proc, timeout_s, max_output_bytes)
@@ -163,7 +163,6 @@ def _run(code: str, iso: Isolation, timeout_s: float, max_output_bytes: int, lim
             stdout=out.text(), stderr=stderr, exit_code=proc.returncode, timed_out=timed_out,
             out_of_memory=bool(_OOM_PATTERN.search(stderr)),
             output_truncated=max(out.total, err.total) > max_output_bytes,
-            unix_sockets_blocked=iso.seccomp,
             duration_s=time.perf_counter() - start)
     finally:
         if lock_fd is not None:
@@ -173,32 +172,33 @@ def _run(code: str, iso: Isolation, timeout_s: float, max_output_bytes: int, lim
 _PROBE = ("import os, socket\n"
           "try:\n    socket.socket(socket.AF_UNIX).close()\n    unix = 'open'\n"
           "except PermissionError:\n    unix = 'blocked'\n"
-          f"print(os.geteuid(), sorted(n for _, n in socket.if_nameindex()), unix, os.path.exists({__file__!r}), sep=';')")
+          f"print(os.geteuid(), sorted(n for _, n in socket.if_nameindex()), unix, os.path.exists({__file__!r}), "
+          "sep=';')")
 _probe_lock = threading.Lock()
 
 
 @functools.cache
 def _probe() -> Isolation:
     """The isolation every run gets. There is no weaker fallback: a snippet that could read the host's files (the
-    data and its answers, the run directory, the user's home) or write them is not a sandbox."""
-    missing = [tool for tool in ("prlimit", "unshare", "mount", "pivot_root") if shutil.which(tool) is None]
+    data and its answers, the run directory, the user's home) or write them, or reach the trainer's keys, is not a
+    sandbox."""
+    # Found on the sandbox's own PATH, with sbin: a user's PATH often lacks it (Debian's default for non-root).
+    missing = [tool for tool in ("prlimit", "unshare", "mount", "pivot_root") if shutil.which(tool, path=_PATH) is None]
     if missing:
-        raise SandboxUnavailable(f"sandbox: --tools needs {', '.join(missing)} (util-linux), not found on PATH")
-    reasons = []
-    for seccomp in (True, False) if seccomp_program() is not None else (False,):
-        iso = Isolation(dedicated_uid=os.geteuid() == 0, seccomp=seccomp)
-        r = _run(_PROBE, iso, 20.0, 4096, {"as": 1 << 30, "fsize": 1 << 20, "core": 0})
-        fields = r.stdout.strip().split(";")  # euid (never 0), interfaces, AF_UNIX, whether this file is seen
-        if r.exit_code == 0 and fields == [fields[0], "['lo']", "blocked" if seccomp else "open", "False"] \
-                and fields[0] != "0":
-            if reasons:
-                warnings.warn(f"sandbox: no seccomp filter (Unix sockets of the bound system dirs stay reachable): "
-                              f"{reasons}")
-            return iso
-        reasons.append(f"{iso}: {(r.stdout + r.stderr).strip()[-300:]}")
-    raise SandboxUnavailable(f"sandbox: cannot give snippets a private root here ({reasons[-1]}); not as root this needs "
+        raise SandboxUnavailable(f"sandbox: --tools needs {', '.join(missing)} (util-linux), not found in {_PATH}")
+    if seccomp_program() is None:
+        raise SandboxUnavailable(f"sandbox: --tools needs a seccomp filter, which we have for x86_64 and aarch64 only "
+                                 f"(this is {os.uname().machine})")
+    iso = Isolation(dedicated_uid=os.geteuid() == 0)
+    r = _run(_PROBE, iso, 20.0, 4096, {"as": 1 << 30, "fsize": 1 << 20, "core": 0})
+    fields = r.stdout.strip().split(";")  # euid (never 0), interfaces, AF_UNIX, whether this file is seen
+    if r.exit_code == 0 and fields == [fields[0], "['lo']", "blocked", "False"] and fields[0] != "0":
+        return iso
+    raise SandboxUnavailable(f"sandbox: cannot give snippets a private root here ({iso}: "
+                             f"{(r.stdout + r.stderr).strip()[-300:]}); not as root this needs "
                              "unprivileged user namespaces (sysctl user.max_user_namespaces > 0, on Ubuntu kernel."
-                             "apparmor_restrict_unprivileged_userns=0): allow them, run as root, or drop --tools")
+                             "apparmor_restrict_unprivileged_userns=0) and seccomp: allow them, run as root, or drop "
+                             "--tools")
 
 
 def isolation() -> Isolation:

@@ -11,11 +11,15 @@ Not run on its own; tests/test_trainer.py checks them on three ranks.
 """
 import math
 import pickle
+import re
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+
+
+_PEER_GONE = re.compile(r"Connection (closed|reset) by peer")  # gloo's words when a rank's process has ended
 
 
 def _comm_device():
@@ -37,12 +41,23 @@ def all_gather_np(*arrays):
     if len(arrays) == 1:
         t = torch.as_tensor(np.ascontiguousarray(arrays[0]), device=_comm_device())
         out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-        dist.all_gather(out, t)
+        try:
+            dist.all_gather(out, t)
+        except RuntimeError as e:  # a rank that stopped on an error of its own (a verifier's, say) printed it: one
+            if not _PEER_GONE.search(str(e)):  # line from this rank too, not a traceback beneath it
+                raise
+            from machinery.errors import fail
+            fail(f"rank {dist.get_rank()} stopped too: another rank stopped first (its error is above)")
         return torch.cat(out).cpu().numpy()
     arrays = [np.asarray(a) for a in arrays]
     rows = all_gather_np(np.concatenate([a.astype(np.float64).reshape(-1) for a in arrays])[None])  # (world, n)
     cuts = np.cumsum([0] + [a.size for a in arrays])
     return tuple(rows[:, lo:hi].reshape(-1).astype(a.dtype) for a, lo, hi in zip(arrays, cuts[:-1], cuts[1:]))
+
+
+def barrier():
+    """dist.barrier, as an all-gather of nothing: a rank that stopped first is one line here too (all_gather_np)."""
+    all_gather_np(np.zeros(1))
 
 
 # all_gather_objects' fixed first buffer: gloo gathers 64 KiB in about the time it gathers 16 bytes

@@ -7,12 +7,13 @@ start in one line; there is no weaker fallback). Each run costs about 1.5x a run
 (docs/benchmarks.md: the sandbox). How a run is built:
   prlimit   memory (RLIMIT_AS), CPU seconds, processes (as root), open files, file size, no core dumps.
   unshare   network namespace (a downed loopback: no network, no abstract Unix socket of the host), pid namespace
-            (all of the run dies with it), IPC namespace (as root also capped: shmmax, shmall at memory_mb), and
+            (all of the run dies with it), IPC namespace (POSIX message queues; SysV IPC is refused), and
             a mount namespace with a root of its own (_root_setup): fresh size-capped tmpfs on /tmp, /var/tmp,
             /dev/shm, /run/lock (all it may write), the system's and the interpreter's dirs read-only, then
             pivot_root: the repository, the data and their answers, the run directory, homes are not there.
-  seccomp   a filter fails socket(AF_UNIX), datagram socketpair(AF_UNIX), io_uring_setup and other ABIs' syscalls
-            with EPERM (multiprocessing and asyncio still work: they use stream pairs).
+  seccomp   a fresh empty session keyring, then a filter fails socket(AF_UNIX), datagram socketpair(AF_UNIX),
+            io_uring_setup, add_key, keyctl, request_key, memfd_create, memfd_secret and other ABIs' syscalls with
+            EPERM (multiprocessing and asyncio still work: they use stream pairs and /dev/shm).
   identity  as root: a dedicated uid per concurrent run (60000 + slot, flock in a dir only root can write), no
             groups, no_new_privs (RLIMIT_NPROC then stops a fork bomb). Otherwise: a nested user namespace that
             maps no one, so the snippet holds no capability: it cannot undo its mounts or make namespaces.
@@ -28,7 +29,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 
-from machinery.seccomp import LAUNCHER, seccomp_program
+from machinery.seccomp import KEYCTL, LAUNCHER, seccomp_program
 
 UID_BASE, UID_SLOTS = 60000, 256  # dedicated uids for runs; outside normal user ranges, inside 16 bits
 _LOCK_DIR = "/run/spo_sandbox_uids"  # only root claims uids, and only root can write /run: no one can plant files here
@@ -44,7 +45,6 @@ class SandboxUnavailable(RuntimeError):
 @dataclass(frozen=True)
 class Isolation:
     dedicated_uid: bool  # runs as an unprivileged uid of its own (we are root); else in a user namespace of no one
-    seccomp: bool  # a seccomp filter refuses AF_UNIX sockets and io_uring
 
 
 def claim_uid() -> tuple[int, int]:
@@ -128,19 +128,13 @@ def _root_setup(scratch_bytes: int) -> str:
     return "; ".join(cmds) + "; "
 
 
-# The limits of a run's own IPC namespace that do not depend on the run: few message queues (each holds at
-# most kernel.msgmnb bytes, which only CAP_SYS_RESOURCE raises) and semaphores (the kernel's old defaults:
-# per set, in all, per semop call, sets), and shm segments freed once nobody has them attached.
-_IPC_SYSCTLS = {"msgmni": "32", "sem": "250 32000 32 128", "shm_rmid_forced": "1"}
-
-
 def _per_namespace_nproc() -> bool:
     release = re.match(r"(\d+)\.(\d+)", os.uname().release)
     return bool(release) and (int(release[1]), int(release[2])) >= (5, 14)
 
 
 def command(code: str, iso: Isolation, uid: int | None, limits: dict) -> list[str]:
-    """prlimit -> unshare -> sh: IPC limits, the new root -> [seccomp launcher] -> setpriv (root) or a user
+    """prlimit -> unshare -> sh: the new root -> the launcher (a fresh keyring, seccomp) -> setpriv (root) or a user
     namespace of no one (otherwise) -> python -I -c code."""
     # Without root, RLIMIT_NPROC counts all the user's processes (the trainer's threads too) outside the snippet's
     # own user namespace: it is set inside it, where (Linux 5.14+) it counts the snippet's processes only.
@@ -150,13 +144,8 @@ def command(code: str, iso: Isolation, uid: int | None, limits: dict) -> list[st
     argv += [] if iso.dedicated_uid else ["--user", "--map-root-user"]
     # The shell stays pid 1 of the namespace (no exec), so python keeps ordinary signal
     # semantics and orphans get reaped; when the shell exits, the kernel kills the namespace.
-    setup = ""
-    if iso.dedicated_uid:  # without root, the snippet would be root of the IPC namespace's owner: it could lift them
-        sysctls = {**_IPC_SYSCTLS, "shmmax": limits["as"], "shmall": limits["as"] // os.sysconf("SC_PAGE_SIZE")}
-        setup = "".join(f"echo '{value}' > /proc/sys/kernel/{name}; " for name, value in sysctls.items())
-    argv += ["sh", "-c", f'set -e; {setup}{_root_setup(limits["fsize"])}"$@"', "sh"]
-    if iso.seccomp:
-        argv += [sys.executable, "-I", "-S", "-c", LAUNCHER, seccomp_program().hex()]
+    argv += ["sh", "-c", f'set -e; {_root_setup(limits["fsize"])}"$@"', "sh"]
+    argv += [sys.executable, "-I", "-S", "-c", LAUNCHER, seccomp_program().hex(), str(KEYCTL)]
     if iso.dedicated_uid:
         # setpriv resolves the interpreter path before its capabilities go; afterwards the snippet has
         # no capabilities and cannot gain any.

@@ -318,3 +318,32 @@ def test_math_verify_without_the_package_is_one_line_before_start(tmp_path):
     assert proc.stderr.strip().splitlines() == [
         "error: --reward reward:math_verify: the math-verify package does not import (ModuleNotFoundError: No module "
         "named 'math_verify'): pip install math-verify"]
+
+
+def verifier_timeout_worker(spec, collective):
+    """[torchrun, 2 ranks] rank 1's verifier times out while rank 0 waits for it in a collective."""
+    import numpy as np
+    import torch.distributed as dist
+    from machinery import collectives
+    dist.init_process_group("gloo")
+    if dist.get_rank() == 1:
+        reward_and_answer(r"\boxed{1}", "1", reward=spec, timeout_s=1)
+    {"gather": lambda: collectives.all_gather_np(np.zeros(3)), "barrier": collectives.barrier,
+     "objects": lambda: collectives.all_gather_objects([{"answers": 1}])}[collective]()
+
+
+@pytest.mark.parametrize("collective", ["gather", "barrier", "objects"])
+def test_a_verifier_timeout_on_one_rank_is_one_line_from_each_rank(tmp_path, collective):
+    """The waiting rank used to print a traceback (gloo's "Connection closed by peer") beneath the clear line."""
+    from tests.common import torchrun
+    verifier = tmp_path / "stuck.py"
+    verifier.write_text("import time\ndef score(text, truth):\n    time.sleep(600)\n")
+    proc = torchrun(2, "tests/test_reward.py", "verifier_timeout_worker", f"{verifier}:score", collective)
+    errors = sorted(line for line in proc.stderr.splitlines() if line.startswith("error: "))
+    assert proc.returncode != 0 and "[rank" not in proc.stderr, proc.stderr[-3000:]
+    assert len(errors) == 2 and "did not return within --reward_timeout 1 s" in errors[0], errors
+    assert errors[1] == "error: rank 0 stopped too: another rank stopped first (its error is above)", errors
+
+
+if __name__ == "__main__":  # torchrun tests/test_reward.py WORKER ARGS...
+    globals()[sys.argv[1]](*sys.argv[2:])

@@ -1,5 +1,5 @@
 """The sandbox (sandbox.py) under attack from the snippet: host files, the parent's environment, the network, the
-host's Unix sockets and SysV IPC, another run's shared memory, the parent process, daemonised children; and what
+host's Unix sockets and SysV IPC, the parent process, daemonised children; and what
 must still work inside (socket pairs, multiprocessing, asyncio). Snippets expected to finish get a generous limit
 (common.SNIPPET_TIMEOUT_S). The limits and the pool: tests/test_sandbox.py.
 
@@ -8,13 +8,11 @@ must still work inside (socket pairs, multiprocessing, asyncio). Snippets expect
 import contextlib
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import threading
-import time
 import uuid
 from pathlib import Path
 
@@ -22,7 +20,7 @@ import pytest
 
 import sandbox
 from common import SNIPPET_TIMEOUT_S, live_pids_with
-from sandbox import SandboxPool, isolation, run_code
+from sandbox import run_code
 
 
 def test_cannot_write_or_delete_host_files():
@@ -212,9 +210,6 @@ def test_unix_sockets_of_the_host_are_unreachable(under):
         listener.close()
         receiver.close()
         shutil.rmtree(directory)
-    if not r.unix_sockets_blocked:
-        assert not isolation().seccomp  # the result must not claim protection it lacks
-        return
     assert r.exit_code == 0 and r.stdout.count(" failed ") == 7, r
     assert reached == [] and "GOT" not in r.stdout and "secret" not in r.stdout
 
@@ -257,64 +252,17 @@ def test_sysv_ipc_does_not_outlive_the_run():
         remove_sysv(keys)
 
 
-def _a_process_named(name):
-    """The host pid of a live process with this name (its /proc/PID/comm), whatever namespace it runs in, or None."""
-    for pid in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{pid}/comm") as f:
-                if f.read().strip() == name:
-                    return int(pid)
-        except OSError:  # not a pid, or gone
-            pass
-    return None
-
-
-def test_a_run_cannot_open_another_runs_shared_memory():
-    key = 0x5C0000 + uuid.uuid4().int % 0xFFFF
-    # The first run says it is ready by its process name (the host sees it in /proc; no host file is visible to a
-    # snippet), then waits for the test's SIGUSR1.
-    ready = f"ready{key:x}"
-    first_code = SYSV + f"""
-import signal
-signal.pthread_sigmask(signal.SIG_BLOCK, {{signal.SIGUSR1}})
-shm = made("shm", libc.shmget({key}, 4096, 0o1666))
-if shm >= 0:
-    ctypes.memmove(libc.shmat(shm, None, 0), b"first run's data", 16)
-libc.prctl(15, {ready.encode()!r}, 0, 0, 0)  # PR_SET_NAME
-signal.sigwait({{signal.SIGUSR1}})
-"""
-    second_code = SYSV + f"""
-shm = libc.shmget({key}, 0, 0)
-if made("opened", shm) >= 0:
-    print(ctypes.string_at(libc.shmat(shm, None, 0), 16))
-"""
+def test_sysv_ipc_is_refused():
+    # Its limits are the kernel's to set, not ours without root: a segment left unattached holds memory no limit
+    # counts (tests/test_sandbox_keys_memory.py). Nothing of Python's own uses SysV IPC.
+    key = 0x5D0000 + uuid.uuid4().int % 0xFFFF
+    code = SYSV + (f"made('shm', libc.shmget({key}, 4096, 0o1600))\nmade('queue', libc.msgget({key}, 0o1600))\n"
+                   f"made('semaphore set', libc.semget({key}, 1, 0o1600))\n")
     try:
-        with SandboxPool(workers=1, timeout_s=SNIPPET_TIMEOUT_S) as pool:
-            first = pool.submit(first_code)
-            while not (pid := _a_process_named(ready)) and not first.done():
-                time.sleep(0.05)
-            second = run_code(second_code, timeout_s=SNIPPET_TIMEOUT_S)
-            if pid:
-                os.kill(pid, signal.SIGUSR1)
-            first = first.result()
+        r = run_code(code, timeout_s=SNIPPET_TIMEOUT_S)
     finally:
         remove_sysv([key])
-    assert first.exit_code == 0 and "shm made" in first.stdout, first
-    assert second.exit_code == 0 and "opened failed" in second.stdout and "data" not in second.stdout, second
-
-
-def test_sysv_ipc_cannot_hold_more_than_the_memory_limit():
-    if not isolation().dedicated_uid:
-        pytest.skip("without root the IPC namespace's limits are not set (the snippet could raise them)")
-    key = 0x5D0000 + uuid.uuid4().int % 0xFFFF
-    code = SYSV + (f"for i in range(4):\n    made('shm', libc.shmget({key} + i, 96 << 20, 0o1600))\n"
-                   f"made('big semaphore set', libc.semget({key}, 10000, 0o1600))\n")
-    try:
-        r = run_code(code, timeout_s=SNIPPET_TIMEOUT_S, memory_mb=128)
-    finally:
-        remove_sysv(range(key, key + 4))
-    assert r.exit_code == 0 and r.stdout.count("shm ") == 4, r
-    assert r.stdout.count("shm made") <= 1 and "big semaphore set failed" in r.stdout, r.stdout
+    assert r.exit_code == 0 and r.stdout.count("failed Operation not permitted") == 3, r
 
 
 def test_socketpair_and_multiprocessing_still_work():

@@ -70,10 +70,18 @@ def test_data_a_snippet_could_read_is_refused_in_one_line():
 
 
 def test_a_machine_without_the_tools_for_a_private_root_refuses_tools_in_one_line():
-    proc = subprocess.run([PYTHON, "-c", "from rollout import make_tools; make_tools(True, 8, 1, 30, 1024, 256)"],
-                          env={**ENV, "PATH": "/nonexistent"}, cwd=ROOT, capture_output=True, text=True)
+    proc = subprocess.run([PYTHON, "-c", "import sandbox; sandbox._PATH = '/nonexistent'\n"
+                                         "from rollout import make_tools; make_tools(True, 8, 1, 30, 1024, 256)"],
+                          env=ENV, cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 2 and proc.stderr.startswith("error: --tools: sandbox: --tools needs prlimit"), proc
     assert proc.stderr.count("\n") == 1
+
+
+def test_the_tools_are_found_on_the_sandboxs_path_not_the_callers():
+    # Debian's default PATH for an ordinary user has no sbin, where pivot_root lives.
+    proc = subprocess.run([PYTHON, "-c", "import sandbox; print(sandbox.run_code('print(1 + 1)').stdout)"],
+                          env={**ENV, "PATH": "/usr/local/bin:/usr/bin:/bin"}, cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout == "2\n\n", proc
 
 
 USER = 1000  # an ordinary user's uid, for tests run as root

@@ -16,15 +16,15 @@ from sandbox import SandboxPool, SandboxResult, SandboxUnavailable, format_tool_
 
 def test_format_tool_output_cuts_middle_and_keeps_notes():
     r = SandboxResult(stdout="H" * 200 + "T" * 200, stderr="", exit_code=-9, timed_out=True, out_of_memory=False,
-                      output_truncated=False, unix_sockets_blocked=True, duration_s=30.2)
+                      output_truncated=False, duration_s=30.2)
     text = format_tool_output(r, max_chars=256)
     head, _, rest = text.partition("\n...\n")
     assert head == "H" * 128 and rest.startswith("T" * 128) and "TimeoutError" in rest
     ok = SandboxResult(stdout="4\n", stderr="", exit_code=0, timed_out=False, out_of_memory=False,
-                       output_truncated=False, unix_sockets_blocked=True, duration_s=0.02)
+                       output_truncated=False, duration_s=0.02)
     assert format_tool_output(ok) == "4\n"
     failed = SandboxResult(stdout="", stderr="", exit_code=2, timed_out=False, out_of_memory=False,
-                           output_truncated=False, unix_sockets_blocked=True, duration_s=0.02)
+                           output_truncated=False, duration_s=0.02)
     assert format_tool_output(failed) == "[exit code 2]"
 
 
@@ -61,7 +61,7 @@ def test_interpreter_text_turns_every_failure_into_text():
     assert text.startswith("<interpreter>\nsandbox error: RuntimeError") and text.endswith("</interpreter>\n\n")
     assert error and not timed_out
     done = Future()
-    done.set_result(SandboxResult("x" * 1000, "", 0, False, False, False, True, 0.1))
+    done.set_result(SandboxResult("x" * 1000, "", 0, False, False, False, 0.1))
     text, error, timed_out = interpreter_text(done, 64)
     assert not error and len(text) < 64 + 40 and "\n...\n" in text  # cut keeping head and tail
 

@@ -29,9 +29,10 @@ def verifier(tmp_path, body, name="score"):
 
 
 def run_caller(code, env=None):
-    """code run by a Python process of its own, as spo.py would run it."""
+    """code run by a Python process of its own, as spo.py would run it, in a session of its own (on a regression a
+    verifier's os.killpg would end pytest too)."""
     return subprocess.run([sys.executable, "-c", "import reward\n" + code], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=120, start_new_session=True)
 
 
 def test_a_verifier_that_changes_directory_leaves_the_callers_where_it_was(tmp_path, monkeypatch):
@@ -62,6 +63,31 @@ def test_a_verifier_that_ends_its_process_is_retried_once_then_stops_the_run_wit
         f"last 200 characters) with ground truth '1'; to score such inputs 0 instead, catch the case in the verifier "
         f"and return 0"]
     assert calls.read_text() == ".."                                      # asked again, once, in a fresh child
+
+
+def test_a_verifier_that_kills_its_process_group_does_not_kill_the_caller(tmp_path):
+    """It starts a checker and stops it with os.killpg, the usual idiom: its group used to be the training rank's."""
+    spec = verifier(tmp_path, "import subprocess\nsubprocess.Popen(['sleep', '60'])\n"
+                              "os.killpg(os.getpgrp(), signal.SIGKILL)")
+    proc = run_caller(f"print('alive', flush=True)\nreward.reward_and_answer('\\\\boxed{{1}}', '1', reward={spec!r})")
+    assert proc.returncode == 2 and proc.stdout == "alive\n", proc
+    assert proc.stderr.splitlines() == [
+        f"error: --reward {spec} ended its process twice (killed by signal 9), on the response '\\\\boxed{{1}}' "
+        f"(its last 200 characters) with ground truth '1'; to score such inputs 0 instead, catch the case in the "
+        f"verifier and return 0"]
+
+
+def test_the_checkers_a_verifier_leaves_are_stopped_with_it(tmp_path):
+    pid_file = tmp_path / "pid"
+    spec = verifier(tmp_path, f"import subprocess\nchecker = subprocess.Popen(['sleep', '600'])\n"
+                              f"open({str(pid_file)!r}, 'w').write(str(checker.pid))\nwhile True:\n    pass")
+    proc = run_caller(f"reward.reward_and_answer('\\\\boxed{{1}}', '1', reward={spec!r}, timeout_s=2)")
+    assert proc.returncode == 2 and "--reward_timeout 2 s" in proc.stderr, proc
+    try:  # gone, or a zombie that only waits for init to reap it
+        state = open(f"/proc/{pid_file.read_text()}/stat").read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        state = "gone"
+    assert state in ("gone", "Z"), state
 
 
 def test_a_verifier_killed_while_scoring_is_asked_again_in_a_fresh_child(tmp_path):
