@@ -66,14 +66,14 @@ def random_qwen3(folder, shape, max_len):
     return folder
 
 
-def random_values(path, train, max_tokens, n0=8, seed=0):
+def random_values(path, train, max_tokens, model, n0=8, seed=0):
     """An offline-values file of random 0/1 scores for every training prompt, with the header of the runs' settings.
     A random model's rewards are all 0, so from the uninformed prior (v = 0.5 everywhere) every advantage of step 1
     is equal, 0 once normalised, and step 1 moves nothing: the resume check would restore AdamW moments of zero.
     From v0 that differ by prompt the advantages -v0(x) do too, so every step moves the weights and the moments."""
     from machinery.data import load_prompts
     rng = np.random.default_rng(seed)
-    header = {"model": "random scores (bench/gpu.py)", "dataset": train, "n0": n0, "temperature": 1.0,
+    header = {"model": os.path.realpath(model), "dataset": train, "n0": n0, "temperature": 1.0,
               "top_p": 1.0, "max_tokens": max_tokens, "seed": seed, "truncated_reward": "zero"}
     prompts = {key: {"scores": rng.integers(0, 2, n0).astype(float).tolist()} for key in load_prompts(train).keys}
     with open(path, "w") as f:
@@ -205,7 +205,7 @@ def whole_loop(root, shape="0.6b", response_len=128, batch=64, steps=2, toy_step
     # gradient checkpointing, chunked log-probs, its token budget per micro-batch) and random v0 (random_values):
     # two fresh runs, then one stopped at a checkpoint halfway and resumed.
     model = random_qwen3(os.path.join(root, f"qwen3-{shape}"), shape, 512 + response_len)
-    values = random_values(os.path.join(root, "values.json"), train, response_len)
+    values = random_values(os.path.join(root, "values.json"), train, response_len, model)
     flags = ["--model", model, *common, "--offline_values", values, "--batch_size", str(batch), "--max_response_len",
              str(response_len), "--max_prompt_len", "64", "--lr", "1e-6", "--eval_every", "0"]
     runs = {}  # run: (metrics rows, fp32 weights at the end)

@@ -375,7 +375,6 @@ def test_sample_and_score_flags_unparsed_and_truncated_responses():
 def test_sample_and_score_shows_a_bar_of_finished_samples_on_rank_0_only_when_asked(capsys, monkeypatch):
     """The bar counts rank 0's samples as the engine finishes them (its progress callable); spo.py's held-out
     evaluation (progress=False, under the training bar) and the other ranks show none."""
-    import torch.distributed as dist
     from machinery.data import Dataset
     from probes import sample_and_score
     from rollout import Rollout
@@ -389,7 +388,7 @@ def test_sample_and_score_shows_a_bar_of_finished_samples_on_rank_0_only_when_as
             return [Rollout([1], [2], [0.0], "\\boxed{4}", "stop") for _ in prompt_ids]
     data = Dataset(["a", "b", "c"], [[1], [1], [1]], ["4", "4", "4"])
     everyone = {p: [("4", True, False)] * 2 for p in range(3)}  # (the other rank's scores: not what is tested)
-    monkeypatch.setattr(dist, "all_gather_object", lambda parts, obj: parts.__setitem__(slice(None), [everyone] * 2))
+    monkeypatch.setattr("machinery.collectives.all_gather_objects", lambda items: [everyone] * 2)
     for progress, rank, shown in ((True, 0, True), (False, 0, False), (True, 1, False)):
         engine = Engine()
         sample_and_score(engine, data, 2, 0, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=8, rank=rank,
