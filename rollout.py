@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from machinery.console import quiet_vllm
+from machinery.data import plain_text_ids
 from sandbox import interpreter_text, show_last_expression
 
 CODE_STOP = "</code>"
@@ -296,8 +297,7 @@ def run_trajectories(start, step, abort, tokenizer, prompt_ids, seeds, *, max_to
         text, error, timed_out = interpreter_text(outcome, tools.max_tool_output_chars)
         r.tool_errors += error
         r.tool_timeouts += timed_out
-        # split: a special token's text printed by the snippet (an end of turn) stays text, never the token
-        ids = tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
+        ids = plain_text_ids(tokenizer, text)  # a printed <|im_end|> or <tool_call> stays text, never the token
         room = max_tokens - len(r.response_ids)
         if len(ids) >= room:  # no room left to answer after it: the trajectory is cut here
             ids, text = ids[:room], tokenizer.decode(ids[:room])

@@ -298,7 +298,7 @@ _LOOP_TAGS = re.compile(r"<(/?(?:code|interpreter|think))>")
 def interpreter_text(outcome, max_chars: int) -> tuple[str, bool, bool]:
     """(interpreter text, error, timed out) for a tool outcome: a Future of a SandboxResult, or an error
     message. Tool output is plain text: the loop's tags in it are escaped (`<code>` -> `&lt;code>`), and
-    rollout.py tokenises it with special tokens split. A failing snippet becomes text like any other error
+    rollout.py tokenises it with no added token. A failing snippet becomes text like any other error
     (training must go on); a sandbox that cannot run at all stops the run with one line."""
     error, timed_out = True, False
     if isinstance(outcome, str):

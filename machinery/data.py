@@ -308,6 +308,17 @@ def load_tokenizer(path):
     return tokenizer
 
 
+def plain_text_ids(tokenizer, text):
+    """Token ids of text that no added token may come from (tool output): the backend's normaliser, pre-tokeniser
+    and model only. split_special_tokens splits the special ones alone, and Qwen3's <tool_call> and </think> are
+    added tokens not marked special. Assumes the model's own vocabulary cannot merge up to an added token."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:  # no tokenizers backend (a slow tokenizer): the special tokens, at least, are split
+        return tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
+    text = backend.normalizer.normalize_str(text) if backend.normalizer else text
+    pieces = backend.pre_tokenizer.pre_tokenize_str(text) if backend.pre_tokenizer else [(text, None)]
+    return [token.id for piece, _ in pieces for token in backend.model.tokenize(piece)]
+
 def check_context(model, tokens, flags):
     """tokens (prompt + response budget, as `flags` set it) fit --model's positions (config.json's
     max_position_embeddings): vLLM refuses a longer context at start-up with a long traceback, and a model run past
