@@ -129,23 +129,9 @@ def ppo_clip_token_loss(logprobs, old_logprobs, advantage, mask, clip_low, clip_
     return loss, loss_clipped > loss_unclipped
 
 
-def draw_generate_score(sampler, generate, score, data, round_, *, started, world, group, rank, keep, seed, reach):
-    """Steps 1-3 for one batch (round_ > 0: DAPO's refills): every rank draws the same global batch (Eq. 11), keeps
-    its `started` slots, generates `group` responses per prompt (over-sampled: the first `keep` to finish) and
-    scores them. Returns this rank's (prompt indices, rollouts, rewards), the phases' seconds, other metrics."""
-    t0 = time.time()
-    seeds = np.random.SeedSequence([*seed, rank] + [round_] * (round_ > 0)).generate_state(started)
-    index = np.repeat(sampler.draw(started * world // group), group)  # (B,) prompts of all ranks' slots
-    mine = index[rank * started: (rank + 1) * started]  # (B_local,)
-    rollouts = generate([data.prompt_ids[i] for i in mine], seeds)
-    t1 = time.time()
-    done = np.array([r is not None for r in rollouts])
-    reward = np.full(started, np.nan)
-    reward[done] = score([r for r in rollouts if r], [data.answers[i] for i in mine[done]])
-    kept = variants.first_finished(rollouts, keep, group) if started > keep else done
-    metrics = oversample_metrics(rollouts, reward, kept, mine, reach) if started > keep else {}
-    return (mine[kept], [r for r, k in zip(rollouts, kept) if k], reward[kept]), \
-        {"generate": t1 - t0, "score": time.time() - t1}, metrics
+def request_seeds(seed, step, rank, n, round_=0):
+    """One engine seed per request, so that ranks, steps and DAPO's refill rounds (round_ > 0) sample differently."""
+    return np.random.SeedSequence([seed, 0, step, rank] + [round_] * (round_ > 0)).generate_state(n)
 
 
 # ------------------------------------------------------------------------------------------------ the step loop
@@ -154,7 +140,6 @@ def main(argv=None):
     run_dir, is_main, on_gpu, spo = args.run_dir, rank == 0, device.type == "cuda", args.algo == "spo"
     group = args.group_size  # responses per prompt: 1 for SPO (more: Batch SPO), G for the group estimators
     local = args.batch_size // world  # responses per rank per step
-    started = math.ceil(args.oversample * local / group) * group  # trajectories started per rank (--oversample)
     policy, optimizer, engine, state = build_policy_and_engine(args, world, device, data, is_main)
     tracker, sampler, previous, reach, start_step = per_prompt_state(args, state, engine, data, v0_settings, tools,
                                                                      on_toy, is_main)
@@ -168,8 +153,7 @@ def main(argv=None):
         loss_fn = variants.make_loss(args.loss, args.loss_agg, ppo_clip_token_loss, clip_low=args.clip_low,
                                      clip_high=args.clip_high, dual_clip=args.dual_clip,
                                      n_sequences=args.batch_size // args.ppo_steps, max_len=args.max_response_len)
-    generate = functools.partial(engine.generate, max_tokens=args.max_response_len, tools=tools, group_size=group,
-                                 keep_first=local if started > local and not args.oversample_measure else None)
+    generate = functools.partial(engine.generate, max_tokens=args.max_response_len, tools=tools, group_size=group)
     score = functools.partial(rewards, think_format=args.think_format, truncated_reward=args.truncated_reward,
                               reward=args.reward, timeout_s=args.reward_timeout)
     exact = exact_metric(policy, tokenizer, args.eval_reference, args.micro_batch_size,
@@ -178,17 +162,23 @@ def main(argv=None):
     if start_step == 0 and (before := evaluations(engine, test, data, tracker, probe, tools, 0, exact)):
         logger.log(0, before)  # held-out accuracy and the tracker probe before training, when asked for
     for step in logger.progress(range(start_step + 1, args.steps + 1), total=args.steps, initial=start_step):
-        # 1-3. prompts, responses, rewards; per-request seeds, so that ranks, steps and rounds sample differently
-        sample = functools.partial(draw_generate_score, sampler, generate, score, data, group=group, rank=rank,
-                                   started=started, world=world, keep=local, reach=reach, seed=[args.seed, 0, step])
-        (mine, rollouts, reward), t, oversampled = sample(0)
-        sampling = {"sampling/generated": started * world, "sampling/used": args.batch_size, **oversampled}
-        if args.dynamic_sampling:  # DAPO: drop the groups whose rewards are all equal, refill (variants.py)
+        if args.oversample > 1 or args.dynamic_sampling:  # steps 1-3 with Appendix B's over-sampling or DAPO's refill
+            mine, rollouts, reward, sampling, t = variants.oversampled_batch(
+                sampler, generate, score, data, functools.partial(request_seeds, args.seed, step, rank),
+                batch_size=args.batch_size, group=group, rank=rank, world=world, oversample=args.oversample,
+                measure=args.oversample_measure, dynamic=args.dynamic_sampling, max_rounds=args.max_sampling_rounds,
+                reach=reach, gather=all_gather_objects)
+        else:
             t0 = time.time()
-            mine, rollouts, reward, sampling = variants.dynamic_sampling(
-                (mine, rollouts, reward), lambda k: sample(k)[0], group, args.max_sampling_rounds, rank, world,
-                all_gather_objects)
-            t["generate"] += time.time() - t0  # (the extra rounds' scoring included)
+            # 1. B prompts (Eq. 11; GRPO: B/G, G slots each): every rank draws the same batch and takes its slots
+            mine = np.repeat(sampler.draw(args.batch_size // group), group)[rank * local: (rank + 1) * local]
+            # 2. one response per slot from the engine
+            rollouts = generate([data.prompt_ids[i] for i in mine], request_seeds(args.seed, step, rank, local))
+            t1 = time.time()
+            # 3. the verifier's reward of each response
+            reward = score(rollouts, [data.answers[i] for i in mine])
+            t = {"generate": t1 - t0, "score": time.time() - t1}
+            sampling = {"sampling/generated": args.batch_size, "sampling/used": args.batch_size}
         devices.phase_end(on_gpu, "generate")  # (GPU: device memory in use with vLLM awake)
         engine.sleep()
         # 4. old log-probs, one no-grad pass: this batch's (PPO's ratio) and SPO's revisited prompts' (for D(x))
