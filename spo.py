@@ -19,6 +19,7 @@ The math is the small pure functions below, each the one that runs. GRPO and its
     torchrun --nproc_per_node=8 spo.py --model Qwen/Qwen3-8B --train dapo.parquet ...      (docs/scale.md)
 """
 import argparse
+import copy
 import functools
 import math
 import time
@@ -129,23 +130,9 @@ def ppo_clip_token_loss(logprobs, old_logprobs, advantage, mask, clip_low, clip_
     return loss, loss_clipped > loss_unclipped
 
 
-def draw_generate_score(sampler, generate, score, data, round_, *, started, world, group, rank, keep, seed, reach):
-    """Steps 1-3 for one batch (round_ > 0: DAPO's refills): every rank draws the same global batch (Eq. 11), keeps
-    its `started` slots, generates `group` responses per prompt (over-sampled: the first `keep` to finish) and
-    scores them. Returns this rank's (prompt indices, rollouts, rewards), the phases' seconds, other metrics."""
-    t0 = time.time()
-    seeds = np.random.SeedSequence([*seed, rank] + [round_] * (round_ > 0)).generate_state(started)
-    index = np.repeat(sampler.draw(started * world // group), group)  # (B,) prompts of all ranks' slots
-    mine = index[rank * started: (rank + 1) * started]  # (B_local,)
-    rollouts = generate([data.prompt_ids[i] for i in mine], seeds)
-    t1 = time.time()
-    done = np.array([r is not None for r in rollouts])
-    reward = np.full(started, np.nan)
-    reward[done] = score([r for r in rollouts if r], [data.answers[i] for i in mine[done]])
-    kept = variants.first_finished(rollouts, keep, group) if started > keep else done
-    metrics = oversample_metrics(rollouts, reward, kept, mine, reach) if started > keep else {}
-    return (mine[kept], [r for r, k in zip(rollouts, kept) if k], reward[kept]), \
-        {"generate": t1 - t0, "score": time.time() - t1}, metrics
+def request_seeds(seed, step, rank, n, round_=0):
+    """One engine seed per request, so that ranks, steps and DAPO's refill rounds (round_ > 0) sample differently."""
+    return np.random.SeedSequence([seed, 0, step, rank] + [round_] * (round_ > 0)).generate_state(n)
 
 
 # ------------------------------------------------------------------------------------------------ the step loop
@@ -154,7 +141,6 @@ def main(argv=None):
     run_dir, is_main, on_gpu, spo = args.run_dir, rank == 0, device.type == "cuda", args.algo == "spo"
     group = args.group_size  # responses per prompt: 1 for SPO (more: Batch SPO), G for the group estimators
     local = args.batch_size // world  # responses per rank per step
-    started = math.ceil(args.oversample * local / group) * group  # trajectories started per rank (--oversample)
     policy, optimizer, engine, state = build_policy_and_engine(args, world, device, data, is_main)
     tracker, sampler, previous, reach, start_step = per_prompt_state(args, state, engine, data, v0_settings, tools,
                                                                      on_toy, is_main)
@@ -168,8 +154,7 @@ def main(argv=None):
         loss_fn = variants.make_loss(args.loss, args.loss_agg, ppo_clip_token_loss, clip_low=args.clip_low,
                                      clip_high=args.clip_high, dual_clip=args.dual_clip,
                                      n_sequences=args.batch_size // args.ppo_steps, max_len=args.max_response_len)
-    generate = functools.partial(engine.generate, max_tokens=args.max_response_len, tools=tools, group_size=group,
-                                 keep_first=local if started > local and not args.oversample_measure else None)
+    generate = functools.partial(engine.generate, max_tokens=args.max_response_len, tools=tools, group_size=group)
     score = functools.partial(rewards, think_format=args.think_format, truncated_reward=args.truncated_reward,
                               reward=args.reward, timeout_s=args.reward_timeout)
     exact = exact_metric(policy, tokenizer, args.eval_reference, args.micro_batch_size,
@@ -178,17 +163,23 @@ def main(argv=None):
     if start_step == 0 and (before := evaluations(engine, test, data, tracker, probe, tools, 0, exact)):
         logger.log(0, before)  # held-out accuracy and the tracker probe before training, when asked for
     for step in logger.progress(range(start_step + 1, args.steps + 1), total=args.steps, initial=start_step):
-        # 1-3. prompts, responses, rewards; per-request seeds, so that ranks, steps and rounds sample differently
-        sample = functools.partial(draw_generate_score, sampler, generate, score, data, group=group, rank=rank,
-                                   started=started, world=world, keep=local, reach=reach, seed=[args.seed, 0, step])
-        (mine, rollouts, reward), t, oversampled = sample(0)
-        sampling = {"sampling/generated": started * world, "sampling/used": args.batch_size, **oversampled}
-        if args.dynamic_sampling:  # DAPO: drop the groups whose rewards are all equal, refill (variants.py)
+        if args.oversample > 1 or args.dynamic_sampling:  # steps 1-3 with Appendix B's over-sampling or DAPO's refill
+            mine, rollouts, reward, sampling, t = variants.oversampled_batch(
+                sampler, generate, score, data, functools.partial(request_seeds, args.seed, step, rank),
+                batch_size=args.batch_size, group=group, rank=rank, world=world, oversample=args.oversample,
+                measure=args.oversample_measure, dynamic=args.dynamic_sampling, max_rounds=args.max_sampling_rounds,
+                reach=reach, gather=all_gather_objects)
+        else:
             t0 = time.time()
-            mine, rollouts, reward, sampling = variants.dynamic_sampling(
-                (mine, rollouts, reward), lambda k: sample(k)[0], group, args.max_sampling_rounds, rank, world,
-                all_gather_objects)
-            t["generate"] += time.time() - t0  # (the extra rounds' scoring included)
+            # 1. B prompts (Eq. 11; GRPO: B/G, G slots each): every rank draws the same batch and takes its slots
+            mine = np.repeat(sampler.draw(args.batch_size // group), group)[rank * local: (rank + 1) * local]
+            # 2. one response per slot from the engine
+            rollouts = generate([data.prompt_ids[i] for i in mine], request_seeds(args.seed, step, rank, local))
+            t1 = time.time()
+            # 3. the verifier's reward of each response
+            reward = score(rollouts, [data.answers[i] for i in mine])
+            t = {"generate": t1 - t0, "score": time.time() - t1}
+            sampling = {"sampling/generated": args.batch_size, "sampling/used": args.batch_size}
         devices.phase_end(on_gpu, "generate")  # (GPU: device memory in use with vLLM awake)
         engine.sleep()
         # 4. old log-probs, one no-grad pass: this batch's (PPO's ratio) and SPO's revisited prompts' (for D(x))
@@ -270,8 +261,7 @@ def parse_args(argv=None):
     p.add_argument("--model", default=None, help="HF model name or local path (default: the built-in toy)")
     p.add_argument("--train", default=None, help="training prompts, a parquet or JSONL file (default: the toy's)")
     p.add_argument("--test", default=None, help="held-out prompts, a parquet or JSONL file (default: the toy's)")
-    p.add_argument("--toy_dir", default=None, help="a built toy where no --model / --train is given (default tasks/built/toy; tasks/built/toy_sharp: --preset calibrated's)")
-    add_v0_flags(p)  # --offline_values, --n0, --accept_offline_mismatch, --init_smoothing (Algorithm 2)
+    p.add_argument("--toy_dir", default=None, help=argparse.SUPPRESS)
     p.add_argument("--max_prompt_len", type=int, default=256, help="token limit; longer prompts left out")
     p.add_argument("--train_prompts", type=int, default=0, help="train on the first N prompts only (0: all)")
     p.add_argument("--preset", choices=sorted(variants.PRESETS), default=None, help="named defaults (variants.PRESETS)")
@@ -281,47 +271,60 @@ def parse_args(argv=None):
     p.add_argument("--batch_size", type=int, default=64, help="responses per step, over all ranks")
     p.add_argument("--group_size", type=int, default=None, help="responses per prompt (default: spo 1, others 8)")
     p.add_argument("--steps", type=int, default=150, help="training steps (rollout batches)")
-    p.add_argument("--baseline", choices=["tracker", "none", "fixed"], default="tracker", help="spo's v(x) (fixed: v0)")
-    p.add_argument("--sampler", choices=["auto", "prioritized", "uniform"], default="auto", help="auto: Eq. 11 for spo")
-    p.add_argument("--sampling_eps", type=float, default=0.05, help="Eq. 11's exploration bonus eps")
-    p.add_argument("--sampling_gamma", type=float, default=0.0, help="Eq. 11's exponent of N_eff (ICLR form)")
-    p.add_argument("--rho", choices=["kl", "constant", "none"], default="kl", help="rho: 2^(-D/D_half), fixed, 1")
-    p.add_argument("--rho_min", type=float, default=0.875, help="lower clip of rho; N0 = 1/(1-rho_min)")
-    p.add_argument("--rho_max", type=float, default=0.96, help="upper clip of rho (used on a first visit)")
-    p.add_argument("--divergence", choices=["abs", "k3"], default="abs", help="D(x): mean |log-ratio|, or k3")
-    p.add_argument("--d_half", type=float, default=None, help=f"D at which rho halves (default: {D_HALF})")
-    p.add_argument("--rho_constant", type=float, default=0.875, help="rho when --rho constant")
-    p.add_argument("--adv_norm", choices=["trajectory", "token"], default="trajectory", help="Eq. 9's weights")
-    p.add_argument("--lr", type=float, default=2e-4, help="AdamW learning rate (paper: 1e-6 for Qwen3-8B)")
-    p.add_argument("--weight_decay", type=float, default=0.01, help="AdamW weight decay")
-    p.add_argument("--grad_clip", type=float, default=1.0, help="global gradient 2-norm clip")
-    p.add_argument("--ppo_steps", type=int, default=1, help="optimiser steps per rollout batch (paper: 8)")
-    p.add_argument("--clip_low", type=float, default=0.2, help="PPO ratio clip below 1")
-    p.add_argument("--clip_high", type=float, default=0.28, help="PPO ratio clip above 1 (clip-higher)")
-    p.add_argument("--dual_clip", type=float, default=10.0, help="dual-clip bound of the ratio, negative advantages")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of training (and v0)")
     add_reward_flags(p)  # --reward (the verifier), --truncated_reward, --think_format, --reward_timeout
     add_tool_flags(p)  # --tools, --max_turns, --sandbox_workers, ... (shared with eval.py / offline_values.py)
-    variants.add_variant_flags(p)  # --loss, --loss_agg, --dynamic_sampling, --oversample, ...
-    add_eval_flags(p)  # --eval_every, --eval_samples, ..., and the tracker probe's
-    p.add_argument("--run_dir", default=None, help="outputs go here (default: runs/<algo>-<date>-<time>-<pid>)")
-    p.add_argument("--save_every", type=int, default=50, help="checkpoint every N steps (0: only at the end)")
-    p.add_argument("--resume", default=None, help="a run directory to continue from its latest checkpoint")
-    p.add_argument("--seed", type=int, default=0, help="seeds prompt sampling and generation")
-    p.add_argument("--max_nonfinite", type=int, default=3, help="stop after N consecutive non-finite losses")
-    add_logging_flags(p)  # --log_every, --wandb, --tensorboard (machinery/metrics.py)
-    memory.add_memory_flags(p)  # micro-batches, gradient checkpointing, FSDP2 units, bf16, the estimate's override
-    add_engine_flags(p, gpu_share=0.5)  # --engine, --cpu_kv_cache_gib, --gpu_memory_utilization, --engine_compile
+    g = p.add_argument_group("SPO: tracker and sampler (Eq. 5-11)")
+    add_v0_flags(g)  # --offline_values, --n0, --accept_offline_mismatch, --init_smoothing (Algorithm 2)
+    g.add_argument("--baseline", choices=["tracker", "none", "fixed"], default="tracker", help="spo's v(x) (fixed: v0)")
+    g.add_argument("--sampler", choices=["auto", "prioritized", "uniform"], default="auto", help="auto: Eq. 11 for spo")
+    g.add_argument("--sampling_eps", type=float, default=0.05, help="Eq. 11's exploration bonus eps")
+    g.add_argument("--sampling_gamma", type=float, default=0.0, help="Eq. 11's exponent of N_eff (ICLR form)")
+    g.add_argument("--rho", choices=["kl", "constant", "none"], default="kl", help="rho: 2^(-D/D_half), fixed, 1")
+    g.add_argument("--rho_min", type=float, default=0.875, help="lower clip of rho; N0 = 1/(1-rho_min)")
+    g.add_argument("--rho_max", type=float, default=0.96, help="upper clip of rho (used on a first visit)")
+    g.add_argument("--divergence", choices=["abs", "k3"], default="abs", help="D(x): mean |log-ratio|, or k3")
+    g.add_argument("--d_half", type=float, default=None, help=f"D at which rho halves (default: {D_HALF})")
+    g.add_argument("--rho_constant", type=float, default=0.875, help="rho when --rho constant")
+    g.add_argument("--adv_norm", choices=["trajectory", "token"], default="trajectory", help="Eq. 9's weights")
+    g = p.add_argument_group("PPO (Eq. 10)")
+    g.add_argument("--lr", type=float, default=2e-4, help="AdamW learning rate (paper: 1e-6 for Qwen3-8B)")
+    g.add_argument("--weight_decay", type=float, default=0.01, help="AdamW weight decay")
+    g.add_argument("--grad_clip", type=float, default=1.0, help="global gradient 2-norm clip")
+    g.add_argument("--ppo_steps", type=int, default=1, help="optimiser steps per rollout batch (paper: 8)")
+    g.add_argument("--clip_low", type=float, default=0.2, help="PPO ratio clip below 1")
+    g.add_argument("--clip_high", type=float, default=0.28, help="PPO ratio clip above 1 (clip-higher)")
+    g.add_argument("--dual_clip", type=float, default=10.0, help="dual-clip bound of the ratio, negative advantages")
+    g = p.add_argument_group("other estimators and losses")
+    variants.add_variant_flags(g)  # --loss, --loss_agg, --dynamic_sampling, --oversample, ...
+    g = p.add_argument_group("evaluation and probe")
+    add_eval_flags(g)  # --eval_every, --eval_samples, ..., and the tracker probe's
+    g = p.add_argument_group("run directory and logging")
+    g.add_argument("--run_dir", default=None, help="outputs go here (default: runs/<algo>-<date>-<time>-<pid>)")
+    g.add_argument("--save_every", type=int, default=50, help="checkpoint every N steps (0: only at the end)")
+    g.add_argument("--resume", default=None, help="a run directory to continue from its latest checkpoint")
+    g.add_argument("--seed", type=int, default=0, help="seeds prompt sampling and generation")
+    g.add_argument("--max_nonfinite", type=int, default=3, help="stop after N consecutive non-finite losses")
+    add_logging_flags(g)  # --log_every, --wandb, --tensorboard (machinery/metrics.py)
+    g = p.add_argument_group("machinery: memory, micro-batches, engine")
+    memory.add_memory_flags(g)  # micro-batches, gradient checkpointing, FSDP2 units, bf16, the estimate's override
+    add_engine_flags(g, gpu_share=0.5)  # --engine, --cpu_kv_cache_gib, --gpu_memory_utilization, --engine_compile
     args = p.parse_args(argv)
-    for action in p._actions:  # which flags the command line gave: --resume accepts changes to some only
-        action.default = argparse.SUPPRESS
-    args.given = sorted(vars(p.parse_args(argv)))
+    args.given = given_flags(p, argv)  # --resume accepts changes to some only
     vars(args).update(variants.preset_values(args.preset, args.given, args.algo))  # --preset: defaults for the rest
     args.sampler = {"auto": "prioritized" if args.algo == "spo" else "uniform"}.get(args.sampler, args.sampler)
     args.group_size = (1 if args.algo == "spo" else 8) if args.group_size is None else args.group_size
     args.d_half = args.d_half if args.d_half is not None else D_HALF[args.divergence]
     args.max_response_len = response_budget(args.max_response_len, args.tools)
     return args
+
+
+def given_flags(parser, argv):
+    """The flags the command line typed (not their defaults): parsed again with every default suppressed."""
+    quiet = copy.deepcopy(parser)
+    for action in quiet._actions:  # (argparse has no public way to tell a typed flag from its default)
+        action.default = argparse.SUPPRESS
+    return sorted(vars(quiet.parse_args(argv)))
 
 
 def start(args):
@@ -379,8 +382,7 @@ def build_policy_and_engine(args, world, device, data, is_main):
     check_disk(args.run_dir, policy, export_bytes_per_parameter=2 if on_gpu else 4)
     engine = start_engine(args.engine, model_path, seed=args.seed, device=device, temperature=args.temperature,
                           max_model_len=args.max_prompt_len + args.max_response_len,
-                          gpu_memory_utilization=args.gpu_memory_utilization,
-                          engine_compile=args.engine_compile,
+                          gpu_memory_utilization=args.gpu_memory_utilization, engine_compile=args.engine_compile,
                           bf16=args.bf16 == "on")
     if state:
         checkpoint.restore_training_state(policy, optimizer, state["shards"])

@@ -17,13 +17,16 @@ gives each flag's formula and source, and which combination reproduces the paper
     torchrun --nproc_per_node=2 spo.py --algo spo --group_size 4            # Batch SPO (Appendix B)
 """
 import functools
+import math
 import os
+import time
 from types import SimpleNamespace
 
 import numpy as np
 import torch
 
 from machinery.errors import check_finite, check_sampling, fail
+from machinery.metrics import oversample_metrics
 from reward import check_reward_flag
 
 LOSSES = ("ppo_clip", "gspo", "cispo")
@@ -286,3 +289,34 @@ def first_finished(rollouts, keep, group_size=1):
     first = np.argsort(order, kind="stable")[: keep // group_size]
     kept[first] = np.isfinite(order[first])
     return np.repeat(kept, group_size)
+
+
+def oversampled_batch(sampler, generate, score, data, seeds, *, batch_size, group, rank, world, oversample, measure,
+                      dynamic, max_rounds, reach, gather):
+    """Steps 1-3 when asked for over-sampling (Appendix B: start f x B trajectories, train on the first B to
+    finish, abort the rest; measure: let them finish, to log kept vs aborted) or DAPO's dynamic sampling (refill
+    rounds until B/G groups carry signal). seeds(n, round_): the per-request seeds. Returns this rank's (prompt
+    indices, rollouts, rewards), the sampling metrics (generated vs used) and the phases' seconds."""
+    local = batch_size // world
+    started = math.ceil(oversample * local / group) * group  # trajectories started per rank
+    t = {"generate": 0.0, "score": 0.0}
+
+    def sample(round_):
+        t0 = time.time()
+        mine = np.repeat(sampler.draw(started * world // group), group)[rank * started: (rank + 1) * started]
+        rollouts = generate([data.prompt_ids[i] for i in mine], seeds(started, round_),
+                            keep_first=local if started > local and not measure else None)
+        t1 = time.time()
+        done = np.array([r is not None for r in rollouts])  # aborted: None, its reward NaN
+        reward = np.full(started, np.nan)
+        reward[done] = score([r for r in rollouts if r], [data.answers[i] for i in mine[done]])
+        kept = first_finished(rollouts, local, group) if started > local else done
+        metrics = oversample_metrics(rollouts, reward, kept, mine, reach) if started > local else {}
+        t["generate"], t["score"] = t["generate"] + t1 - t0, t["score"] + time.time() - t1
+        return (mine[kept], [r for r, k in zip(rollouts, kept) if k], reward[kept]), metrics
+
+    batch, metrics = sample(0)
+    sampling = {"sampling/generated": started * world, "sampling/used": batch_size, **metrics}
+    if dynamic:  # DAPO: drop the groups whose rewards are all equal, refill
+        *batch, sampling = dynamic_sampling(batch, lambda k: sample(k)[0], group, max_rounds, rank, world, gather)
+    return (*batch, sampling, t)

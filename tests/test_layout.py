@@ -169,3 +169,20 @@ def test_the_reference_check_sees_a_missing_name(tmp_path):
     path.write_text("X = 1\nclass A:\n    def f(self):\n        pass\ndef g():\n    pass\n")
     assert defined(str(path), "A.f") and defined(str(path), "g") and defined(str(path), "X")
     assert not defined(str(path), "A.g") and not defined(str(path), "h")
+
+
+# ------------------------------------------------------------------------------------------------ docs drift
+def test_docs_flags_give_the_presets_variants_sets():
+    """docs/flags.md's --preset row states each preset's values as `--flag value` and the probe's clause."""
+    import variants
+    with open(os.path.join(ROOT, "docs", "flags.md")) as f:
+        row = next(line for line in f if "`--preset`" in line)
+    for name, values in variants.PRESETS.items():
+        text = row[row.index(f"`{name}`"):]
+        flags = dict(re.findall(r"--(\w+) (\S+?)(?=[ `])", re.search(r"`(--[^`]*)`", text).group(1) + " "))
+        probe = re.search(r"probe on (?:all )?(\d+) prompts \((\d+) samples, every (\d+) steps\)", text)
+        flags.update(zip(("probe_prompts", "probe_samples", "probe_every"), probe.groups()))
+        assert set(flags) == set(values), name
+        for flag, value in values.items():
+            doc = flags[flag]
+            assert (value.endswith(doc) if isinstance(value, str) else float(doc) == value), (name, flag, doc, value)

@@ -243,7 +243,8 @@ def test_signal_metrics_by_hand():
     (["--rho_min", "0.99"], "rho_min <= rho_max"),
     (["--rho_max", "1"], "rho_max < 1"),
     (["--algo", "grpo", "--adv_norm", "token"], "normalises within each group instead"),
-    (["--train_prompts", "-1"], "--train_prompts must be at least 0, got -1"),  # (the tracker refuses it: it used to stop the run after start-up)
+    # (the tracker refuses it: it used to stop the run after start-up)
+    (["--train_prompts", "-1"], "--train_prompts must be at least 0, got -1"),
 ])
 def test_bad_flags_get_one_clear_line(argv, match, capsys):
     with pytest.raises(SystemExit):
@@ -281,7 +282,8 @@ def test_a_preset_fills_only_the_flags_left_unset():
 @pytest.mark.parametrize("argv", [["--algo", "grpo"], ["--algo", "grpo", "--offline_values", "none"],
                                   ["--algo", "reinforce_pp"], ["--reward", "reward:numeric_match"]])
 def test_the_default_offline_values_pass_the_flag_check(argv):
-    variants.check_flags(vars(spo.parse_args(argv)), world=2)  # no error: 'auto' is the default, 'none' says what happens
+    # no error: 'auto' is the default, 'none' says what happens
+    variants.check_flags(vars(spo.parse_args(argv)), world=2)
 
 
 @pytest.mark.parametrize("algo", ["grpo", "rloo", "dr_grpo", "reinforce_pp"])
@@ -297,7 +299,8 @@ def test_the_default_offline_values_are_silently_unused_without_a_tracker(algo, 
         args = spo.parse_args(argv + ["--toy_dir", str(tmp_path)])
         variants.check_flags(vars(args), world=2)
         v0_settings = TrainingV0.pick(vars(args))
-        path = toy_values_path(args.toy_dir, args.n0, args.seed, v0_settings.settings())  # the cache 'auto' reads on the toy
+        # the cache 'auto' reads on the toy
+        path = toy_values_path(args.toy_dir, args.n0, args.seed, v0_settings.settings())
         with open(path, "w") as f:
             json.dump({"header": {}, "prompts": {key: {"scores": [1] * 8} for key in data.keys}}, f)
         return spo.per_prompt_state(args, None, None, data, v0_settings, None, True, False)[0]
