@@ -224,7 +224,8 @@ def checksum_error(toy_dir, tools=False):
         found = file_sha256(path) if os.path.isfile(path) else None
         if found != digest:
             here = os.path.relpath(toy_dir)
-            restore = f"restore it with `git checkout -- {here}`, or " if os.path.abspath(toy_dir).startswith(BUILT) else ""
+            shipped = os.path.abspath(toy_dir).startswith(BUILT)
+            restore = f"restore it with `git checkout -- {here}`, or " if shipped else ""
             return (f"{path}: {'missing' if found is None else 'checksum mismatch'} against {CHECKSUMS}: {restore}"
                     f"rebuild it with `python -m tasks.toy --toy_dir {here}{' --tools' if tools else ''}` (on "
                     f"another kind of CPU a rebuild gives other bytes and other numbers)")

@@ -1,8 +1,8 @@
 """Checkpoints and run directories (machinery/checkpoint.py): a damaged checkpoint (a file cut off or missing, the
 manifest included) is named with the newest intact one before anything reads it, one run per directory and one
-job at a time, a run that saved no checkpoint leaves a directory a fresh run takes over, a resume keeps the run's settings and cuts
-metrics back to the checkpoint, and a full disk is found before the engine starts (and, met while writing a
-checkpoint, is one line that keeps the previous one). The exact-resume runs are in tests/test_end_to_end.py;
+job at a time, a run that saved no checkpoint leaves a directory a fresh run takes over, a resume keeps the run's
+settings and cuts metrics back to the checkpoint, and a full disk is found before the engine starts (and, met while
+writing a checkpoint, is one line that keeps the previous one). The exact-resume runs are in tests/test_end_to_end.py;
 crafted checkpoint files in tests/test_checkpoint_untrusted.py.
 
     .venv/bin/python -m pytest tests/test_checkpoint.py -q

@@ -238,7 +238,8 @@ def test_a_chat_template_that_rejects_a_role_names_the_row(toy_model, tmp_path, 
         "{{ m['content'] }}\n{% endfor %}")
     tokenizer = load_tokenizer(str(toy_model))
     rows = [{"prompt": [{"role": "user", "content": "1+1?"}], "answer": "2"},
-            {"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}], "answer": "4"}]
+            {"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}],
+             "answer": "4"}]
     path = _write_jsonl(tmp_path / "roles.jsonl", rows)
     with pytest.raises(SystemExit):
         load_dataset(path, tokenizer, 256, False)

@@ -406,7 +406,8 @@ def test_sample_and_score_shows_a_bar_of_finished_samples_on_rank_0_only_when_as
                                         (["--seed", "-1"], "--seed must be at least 0, got -1"),
                                         (["--n_boot", "-1"], "--n_boot must be at least 1, got -1"),
                                         (["--n_boot", "0"], "--n_boot must be at least 1, got 0"),
-                                        (["--gpu_memory_utilization", "0"], "--gpu_memory_utilization must be in (0, 1]"),
+                                        (["--gpu_memory_utilization", "0"],
+                                         "--gpu_memory_utilization must be in (0, 1]"),
                                         (["--max_prompt_len", "0"], "--max_prompt_len must be at least 1, got 0")])
 def test_flags_are_one_line_at_start(argv, says, capsys):
     """vLLM refused bad sampling flags only at its first request, after the model and the engine had loaded; a

@@ -31,7 +31,8 @@ def test_the_exact_metric_is_the_probability_of_the_only_correct_response(small_
     model = AutoModelForCausalLM.from_pretrained(small_toy["model"], dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(small_toy["model"])
     np.testing.assert_allclose(got["t1"], toy.success_probability(model, tokenizer, problems), rtol=1e-4, atol=1e-7)
-    ids, mask = toy.encode_segments(tokenizer, [f"{a}+{b}=" for a, b in problems], [toy.boxed(a + b) for a, b in problems])
+    ids, mask = toy.encode_segments(tokenizer, [f"{a}+{b}=" for a, b in problems],
+                                    [toy.boxed(a + b) for a, b in problems])
     with torch.no_grad():
         logp = torch.log_softmax(model(input_ids=ids).logits[:, :-1] / 0.5, -1).gather(-1, ids[:, 1:, None])[..., 0]
     np.testing.assert_allclose(got["t05"], (logp * mask[:, 1:]).sum(-1).exp().numpy(), rtol=1e-4, atol=1e-7)

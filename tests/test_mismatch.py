@@ -87,7 +87,8 @@ def test_a_zero_learning_rate_is_said_once(small_toy, tmp_path):
 @pytest.mark.slow
 def test_the_default_run_says_nothing(tmp_path):
     """The shipped toy and the default flags (the uninformed prior instead of building offline values: any reward
-    that differs from its batch's gives a non-zero advantage; 64 responses at the toy's 13% all fail 1 time in 7,000)."""
+    that differs from its batch's gives a non-zero advantage; 64 responses at the toy's 13% all fail 1 time in
+    7,000)."""
     proc = ok(torchrun(2, "spo.py", "--steps", "1", "--eval_every", "0", "--save_every", "0", "--offline_values",
                        "none", "--run_dir", str(tmp_path / "run")))
     assert "did not move the policy" not in proc.stderr + proc.stdout, proc.stderr[-3000:]

@@ -92,7 +92,8 @@ def test_the_process_group_is_released_once_destroyed_though_transformers_import
     torch.distributed.nn, whose defaults would hold the group; its gloo threads alive at exit can abort it (-6)."""
     code = ("import os, time, torch.distributed as dist\nfrom machinery.trainer import setup_distributed\n"
             "setup_distributed()\nfrom transformers import AutoTokenizer\ndist.destroy_process_group()\n"
-            "time.sleep(1)\nnames = [open(f'/proc/self/task/{t}/comm').read().strip() for t in os.listdir('/proc/self/task')]\n"
+            "time.sleep(1)\n"
+            "names = [open(f'/proc/self/task/{t}/comm').read().strip() for t in os.listdir('/proc/self/task')]\n"
             "print(sorted(n for n in names if 'gloo' in n or 'tcpstore' in n))\n")
     env = {k: v for k, v in ENV.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)

@@ -32,7 +32,8 @@ attempt("write etc", lambda: open("/etc/spo_pwned", "w") is not None)
 attempt("umount tmp", lambda: libc.umount2(b"/tmp", 2) == 0)
 attempt("remount usr", lambda: libc.mount(None, b"/usr", None, 32 | 4096, None) == 0)  # MS_REMOUNT | MS_BIND, rw
 attempt("host root", lambda: os.listdir("/proc/1/root") is not None)
-attempt("own namespace", lambda: subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "true"]).returncode == 0)
+attempt("own namespace",
+        lambda: subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "true"]).returncode == 0)
 open("/tmp/scratch", "w").write("fine")
 print("scratch ok")
 '''

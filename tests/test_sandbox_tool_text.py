@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from common import ROOT, SNIPPET_TIMEOUT_S
-from sandbox import SandboxPool, SandboxResult, SandboxUnavailable, format_tool_output, interpreter_text, run_code, show_last_expression
+from sandbox import (SandboxPool, SandboxResult, SandboxUnavailable, format_tool_output, interpreter_text, run_code,
+                     show_last_expression)
 
 
 def test_format_tool_output_cuts_middle_and_keeps_notes():

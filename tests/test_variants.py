@@ -282,7 +282,6 @@ def test_a_preset_fills_only_the_flags_left_unset():
 @pytest.mark.parametrize("argv", [["--algo", "grpo"], ["--algo", "grpo", "--offline_values", "none"],
                                   ["--algo", "reinforce_pp"], ["--reward", "reward:numeric_match"]])
 def test_the_default_offline_values_pass_the_flag_check(argv):
-    # no error: 'auto' is the default, 'none' says what happens
     variants.check_flags(vars(spo.parse_args(argv)), world=2)
 
 
@@ -299,7 +298,6 @@ def test_the_default_offline_values_are_silently_unused_without_a_tracker(algo, 
         args = spo.parse_args(argv + ["--toy_dir", str(tmp_path)])
         variants.check_flags(vars(args), world=2)
         v0_settings = TrainingV0.pick(vars(args))
-        # the cache 'auto' reads on the toy
         path = toy_values_path(args.toy_dir, args.n0, args.seed, v0_settings.settings())
         with open(path, "w") as f:
             json.dump({"header": {}, "prompts": {key: {"scores": [1] * 8} for key in data.keys}}, f)
