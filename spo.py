@@ -19,7 +19,6 @@ The math is the small pure functions below, each the one that runs. GRPO and its
     torchrun --nproc_per_node=8 spo.py --model Qwen/Qwen3-8B --train dapo.parquet ...      (docs/scale.md)
 """
 import argparse
-import copy
 import functools
 import math
 import time
@@ -32,8 +31,8 @@ import variants
 from machinery import checkpoint, device as devices, memory, trainer, untrusted
 from machinery.collectives import all_gather_np, all_gather_objects, all_reduce_np, full_parameters
 from machinery.data import check_context, find_model, load_tokenizer, load_train_and_test
-from machinery.metrics import (Logger, PromptReach, add_logging_flags, oversample_metrics, plot_run, run_summary,
-                               spo_metrics, step_metrics)
+from machinery.metrics import (Logger, PromptReach, add_logging_flags, plot_run, run_summary, spo_metrics,
+                               step_metrics, timed)
 from machinery.run_dir import check_disk, open_run_dir
 from initial_values import TrainingV0, add_v0_flags, check_values_header, claim_toy_values, init_tracker
 from reward import BUILT_IN, add_reward_flags, rewards
@@ -183,12 +182,11 @@ def main(argv=None):
         devices.phase_end(on_gpu, "generate")  # (GPU: device memory in use with vLLM awake)
         engine.sleep()
         # 4. old log-probs, one no-grad pass: this batch's (PPO's ratio) and SPO's revisited prompts' (for D(x))
-        t0 = time.time()
         revisited = [(slot, previous[i]) for slot, i in enumerate(mine) if i in previous and slot % group == 0]
-        old = trainer.old_logprobs(policy, rollouts,
-                                   [(data.prompt_ids[mine[slot]], p.response_ids, p.mask) for slot, p in revisited],
-                                   args.temperature, args.micro_batch_size, args.max_tokens_per_micro_batch)
-        t["old_logprobs"] = time.time() - t0
+        with timed(t, "old_logprobs"):
+            old = trainer.old_logprobs(policy, rollouts,
+                                       [(data.prompt_ids[mine[slot]], p.response_ids, p.mask) for slot, p in revisited],
+                                       args.temperature, args.micro_batch_size, args.max_tokens_per_micro_batch)
         # 5. advantages and the state each algorithm carries to the next step (--adv_norm token: Eq. 9 per token)
         norm_weight = [sum(r.response_mask) for r in rollouts] if args.adv_norm == "token" else None
         if spo:
@@ -218,24 +216,21 @@ def main(argv=None):
             raw_advantage = advantage = variants.GROUP_BASELINES[args.algo](reward, group)
             algo_metrics = {}  # (all-equal groups: in step_metrics, for every estimator with groups)
         # 6. PPO-clip (Eq. 10; or --loss, --loss_agg), `ppo_steps` optimiser steps over the global batch
-        t0 = time.time()
-        with trainer.learning_check(policy, optimizer, rollouts, old["batch"], advantage, args.temperature,
-                                    args.micro_batch_size, args.max_tokens_per_micro_batch, on=step == start_step + 1):
+        with timed(t, "update"), trainer.learning_check(policy, optimizer, rollouts, old["batch"], advantage,
+                                                        args.temperature, args.micro_batch_size,
+                                                        args.max_tokens_per_micro_batch, on=step == start_step + 1):
             stats = trainer.ppo_update(policy, optimizer, rollouts, old["batch"], advantage, loss_fn,
                                        ppo_steps=args.ppo_steps, micro_batch_size=args.micro_batch_size,
                                        temperature=args.temperature, grad_clip=args.grad_clip, tis=args.tis,
                                        max_tokens=args.max_tokens_per_micro_batch)
-        t["update"] = time.time() - t0
         devices.phase_end(on_gpu, "update")
         nonfinite = nonfinite + 1 if stats["nonfinite"] else 0
         if nonfinite >= args.max_nonfinite:
             raise SystemExit(f"error: {nonfinite} consecutive steps with a non-finite loss at step {step}; "
                              f"lower --lr or check the data (metrics in {run_dir}/metrics.jsonl)")
         # 7. weight push: the next rollouts come from the updated policy
-        t0 = time.time()
-        engine.push_weights(full_parameters(policy, torch.bfloat16 if args.bf16 == "on" else None))
-        t["weight_push"] = time.time() - t0
-
+        with timed(t, "weight_push"):
+            engine.push_weights(full_parameters(policy, torch.bfloat16 if args.bf16 == "on" else None))
         metrics = {**step_metrics(reward, raw_advantage, advantage, rollouts, old, stats, t, group=group,
                                   tools=tools is not None), **algo_metrics, **sampling, **devices.peak_metrics(on_gpu)}
         metrics.update(evaluations(engine, test, data, tracker, probe, tools, step, exact))
@@ -310,21 +305,13 @@ def parse_args(argv=None):
     memory.add_memory_flags(g)  # micro-batches, gradient checkpointing, FSDP2 units, bf16, the estimate's override
     add_engine_flags(g, gpu_share=0.5)  # --engine, --cpu_kv_cache_gib, --gpu_memory_utilization, --engine_compile
     args = p.parse_args(argv)
-    args.given = given_flags(p, argv)  # --resume accepts changes to some only
+    args.given = checkpoint.given_flags(p, argv)  # --resume accepts changes to some only
     vars(args).update(variants.preset_values(args.preset, args.given, args.algo))  # --preset: defaults for the rest
     args.sampler = {"auto": "prioritized" if args.algo == "spo" else "uniform"}.get(args.sampler, args.sampler)
     args.group_size = (1 if args.algo == "spo" else 8) if args.group_size is None else args.group_size
     args.d_half = args.d_half if args.d_half is not None else D_HALF[args.divergence]
     args.max_response_len = response_budget(args.max_response_len, args.tools)
     return args
-
-
-def given_flags(parser, argv):
-    """The flags the command line typed (not their defaults): parsed again with every default suppressed."""
-    quiet = copy.deepcopy(parser)
-    for action in quiet._actions:  # (argparse has no public way to tell a typed flag from its default)
-        action.default = argparse.SUPPRESS
-    return sorted(vars(quiet.parse_args(argv)))
 
 
 def start(args):

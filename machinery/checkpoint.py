@@ -26,6 +26,8 @@ the damaged file and the newest intact checkpoint, to resume from by deleting th
 saved no checkpoint is not a run to continue: a fresh run takes it over.
 Not run on its own: spo.py calls it; tests/test_end_to_end.py resumes runs and compares them with straight ones.
 """
+import argparse
+import copy
 import errno
 import itertools
 import json
@@ -63,6 +65,15 @@ def resumed_settings(saved, given):
             errors.append(f"--{flag} {value}: the run being resumed has {saved[flag]}, and --resume continues a run "
                           f"with its own settings (exactness); start a new run to change it")
     return settings, errors
+
+
+def given_flags(parser, argv):
+    """The flags the command line typed (not their defaults), which --resume may change: argv parsed again with
+    every default suppressed (argparse has no public way to tell a typed flag from its default)."""
+    quiet = copy.deepcopy(parser)
+    for action in quiet._actions:
+        action.default = argparse.SUPPRESS
+    return sorted(vars(quiet.parse_args(argv)))
 
 
 def resumed_config(run_dir, given, built_in=(), shipped=""):

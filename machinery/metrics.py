@@ -6,6 +6,7 @@ metrics, and the logger that writes them (a tqdm bar and a console line on rank 
 directory, TensorBoard or wandb when installed and asked for), and the run's plot (plot_run: run.png, rank 0).
 docs/flags.md lists every metric. Called by spo.py on every rank (the metrics gather over all ranks).
 """
+import contextlib
 import json
 import os
 import sys
@@ -162,6 +163,14 @@ def _row(line):
         return row if isinstance(row.get("step"), int) else None
     except (ValueError, AttributeError):
         return None
+
+
+@contextlib.contextmanager
+def timed(seconds, phase):
+    """seconds[phase] = the with-block's wall time: a step's phases, logged as time/<phase>."""
+    t0 = time.time()
+    yield
+    seconds[phase] = time.time() - t0
 
 
 class Logger:
