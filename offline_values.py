@@ -10,12 +10,11 @@ Use the same --max_prompt_len as training: spo.py refuses a file with prompts it
 import argparse
 import os
 
-from hf_engine import start_engine
+from hf_engine import add_engine_flags, start_engine, start_program
 from initial_values import estimate_offline_values, read_finished, run_header
 from machinery.run_dir import open_output
 from reward import add_reward_flags, check_reward_flag
-from rollout import (TOOL_INSTRUCTION, add_budget_flag, add_engine_flags, add_tool_flags, make_tools, response_budget,
-                     start_program)
+from rollout import TOOL_INSTRUCTION, add_budget_flag, add_tool_flags, make_tools, response_budget
 
 
 def parse_args(argv=None):

@@ -23,8 +23,8 @@ Unlike the authors' code: token ids are only concatenated; requests go one by on
 (`add_request` / `step`), so a trajectory waiting for its tool holds up no one and `keep_first` can keep the first
 to finish (paper Appendix B); sandbox errors go back as text; only a bare last expression is printed, REPL-style.
 
-spo.py, eval.py and offline_values.py start with `start_program` (the process group, vLLM's console and KV cache,
-the engine's kind: their one start-up) and hf_engine.start_engine; not run on its own:
+spo.py, eval.py and offline_values.py start with hf_engine.py's `start_program` (the process group, vLLM's console
+and KV cache, the engine's kind: their one start-up) and `start_engine`; not run on its own:
 
     engine = Engine(model_dir, seed=0, max_model_len=512, device=torch.device("cpu"))
     with SandboxPool(workers=4) as pool:
@@ -110,63 +110,6 @@ def response_budget(max_response_len, tools):
     """--max_response_len, or where left unset the toys' budget: 160 tokens with --tools (room for a code call, its
     output and the answer), else 32."""
     return max_response_len if max_response_len is not None else 160 if tools else 32  # a given 0 reaches the check
-
-
-def start_program(engine, cpu_kv_cache_gib):
-    """What spo.py, eval.py and offline_values.py do first, written once: the process group (trainer.py), vLLM's
-    console quieted (quiet_vllm) and its CPU KV cache set (set_cpu_kv_cache; a bad value stops with one line), and
-    --engine resolved (choose_engine). Returns (rank, world, device, engine kind)."""
-    from machinery.errors import fail
-    from machinery.trainer import setup_distributed
-    rank, world, device = setup_distributed()
-    quiet_vllm()
-    if error := set_cpu_kv_cache(cpu_kv_cache_gib):
-        fail(error, once=True)
-    return rank, world, device, choose_engine(engine, rank == 0)
-
-
-def set_cpu_kv_cache(gib):
-    """VLLM_CPU_KVCACHE_SPACE (the CPU engine's KV cache per rank, GiB) from --cpu_kv_cache_gib: the flag wins when
-    given, else the variable when set, else 1. Returns an error line for a bad value (vLLM would otherwise fail
-    with GPU advice, or take half the RAM per rank for an empty string), else None."""
-    if gib is not None:
-        if gib < 1:
-            return f"--cpu_kv_cache_gib {gib}: must be at least 1 (GiB)"
-        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(gib)
-        return None
-    value = os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    if not value.strip().isdigit() or int(value) < 1:
-        return (f"VLLM_CPU_KVCACHE_SPACE={value!r}: must be a whole number of GiB, at least 1 "
-                f"(or pass --cpu_kv_cache_gib)")
-    return None
-
-
-def add_engine_flags(p, gpu_share):
-    """The engine and its memory, defined once for every program that starts one. gpu_share: the default share of
-    each GPU, 0.5 beside the trainer (spo.py), 0.9 for an engine alone (eval.py, offline_values.py)."""
-    p.add_argument("--engine", choices=["auto", "vllm", "hf"], default="auto",
-                   help="rollout engine: vllm, hf (transformers, where vLLM cannot run: slower, no vLLM-only "
-                        "setting applies) or auto (vllm where it imports, else hf)")
-    p.add_argument("--cpu_kv_cache_gib", type=int, default=None,
-                   help="vLLM KV cache per rank on CPU (GiB; default: VLLM_CPU_KVCACHE_SPACE if set, else 1)")
-    p.add_argument("--gpu_memory_utilization", type=float, default=gpu_share, help="vLLM's share of each GPU (0-1)")
-    p.add_argument("--engine_compile", choices=["auto", "on", "off"], default="auto",
-                   help="torch.compile vLLM's model (auto: on GPU only; on CPU it costs start-up: docs/benchmarks.md)")
-
-
-def choose_engine(choice, is_main):
-    """--engine resolved to "vllm" or "hf"; "auto": vLLM where `import vllm` works, else transformers. Said in one
-    line (rank 0). Call it after quiet_vllm (vLLM's log level is read when it is imported)."""
-    why = f"--engine {choice}"
-    if choice == "auto":
-        try:
-            import vllm  # noqa: F401 - only whether it imports
-            choice, why = "vllm", "--engine auto: vllm imports"
-        except Exception as e:  # noqa: BLE001 - not installed, or installed but broken
-            choice, why = "hf", f"--engine auto: vllm does not import ({type(e).__name__}: {str(e)[:120]})"
-    if is_main:
-        print(f"rollout engine: {choice} ({why})", flush=True)
-    return choice
 
 
 def make_tools(tools, max_turns, sandbox_workers, sandbox_timeout, sandbox_memory_mb, max_tool_output_chars,
@@ -344,7 +287,7 @@ class Engine:
                  temperature=1.0, compile_model=None, bf16=None):
         """compile_model: torch.compile vLLM's model (None: on GPU only; on CPU it costs start-up:
         docs/benchmarks.md). bf16: the model's dtype (None: bf16 on GPU, fp32 on CPU), the trainer's compute dtype."""
-        quiet_vllm()  # (programs did it in start_program already; a test's engine too)
+        quiet_vllm()  # (programs did it in hf_engine.start_program already; a test's engine too)
         from vllm import LLM  # imported here: importing vllm is slow and only the rollout needs it
         self.on_gpu = device.type == "cuda"
         if not self.on_gpu and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:

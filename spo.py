@@ -36,9 +36,8 @@ from machinery.metrics import (Logger, PromptReach, add_logging_flags, plot_run,
 from machinery.run_dir import check_disk, open_run_dir
 from initial_values import TrainingV0, add_v0_flags, check_values_header, claim_toy_values, init_tracker
 from reward import BUILT_IN, add_reward_flags, rewards
-from hf_engine import start_engine
-from rollout import (TOOL_INSTRUCTION, add_budget_flag, add_engine_flags, add_tool_flags, make_tools,
-                     response_budget, start_program)
+from hf_engine import add_engine_flags, start_engine, start_program
+from rollout import TOOL_INSTRUCTION, add_budget_flag, add_tool_flags, make_tools, response_budget
 from probes import ProbeSettings, add_eval_flags, evaluations, exact_metric, exact_template
 from sampler import PromptSampler, priority_weights
 from tasks import toy

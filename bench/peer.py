@@ -156,7 +156,8 @@ def heldout_worker(model_dir, toy_dir, seed, max_tokens, out):
     from machinery import trainer
     from machinery.data import load_dataset, load_tokenizer
     from probes import ProbeSettings, heldout_metrics
-    from rollout import Engine, set_cpu_kv_cache
+    from hf_engine import set_cpu_kv_cache
+    from rollout import Engine
     from spo import parse_args
     _, _, device = trainer.setup_distributed()
     set_cpu_kv_cache(None)

@@ -15,7 +15,7 @@ import torch
 
 from common import SNIPPET_TIMEOUT_S, ok, one_thread, script_responses, toy_args, torchrun
 from hf_engine import HFEngine, exponential_noise, processed_logprobs
-from rollout import choose_engine
+from hf_engine import choose_engine
 from rollout import CODE_STOP, Tools
 
 SAMPLED = {"temperature": 0.7, "top_k": 5, "top_p": 0.9}  # processed log-probs differ from the raw ones here

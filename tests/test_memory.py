@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-import rollout
+import hf_engine
 from machinery import device, memory
 from common import python, toy_args
 
@@ -174,7 +174,7 @@ def test_cpu_kv_cache_space_from_flag_or_environment(monkeypatch, flag, env, exp
         monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     else:
         monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", env)
-    message = rollout.set_cpu_kv_cache(flag)
+    message = hf_engine.set_cpu_kv_cache(flag)
     assert (message is None) if error is None else message.startswith(error)
     if expected is not None:
         assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == expected
