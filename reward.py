@@ -25,6 +25,7 @@ equivalence, with the optional math-verify package) are two more verifiers.
     boxed_reward("so the sum is \\\\boxed{17}", "17")                       # 1.0
     rewards(rollouts, ground_truths, think_format=False, truncated_reward="zero")   # (B,) for rollout.Rollout
 """
+import argparse
 import contextlib
 import functools
 import importlib
@@ -58,8 +59,8 @@ def add_reward_flags(parser, truncation=True):
                              "-> 0 or 1 (docs/own-model-and-data.md; e.g. reward:numeric_match, reward:math_verify); "
                              "default: the authors' strict boxed rule")
     if truncation:
-        parser.add_argument("--truncated_reward", choices=["zero", "score"], default="zero",
-                            help="a response cut off by the token budget gets 0 (zero) or is scored like any other")
+        parser.add_argument("--truncated_reward", choices=["zero", "score"], default="zero",  # (the authors': zero)
+                            help=argparse.SUPPRESS)  # a cut-off response gets 0, or is scored (the benchmarks)
     parser.add_argument("--think_format", action="store_true",
                         help="reward 0 unless one </think> with no tool call after it (the authors' gate)")
     parser.add_argument("--reward_timeout", type=float, default=VERIFIER_TIMEOUT_S,

@@ -46,11 +46,10 @@ from machinery.untrusted import LOCATIONS, foreign_values, nested, read_config, 
 # ------------------------------------------------------------------------------------------------ resume
 # Flags that may differ on --resume: how long to run, what to log and how often, and memory knobs that change how
 # work is split but not what is computed (micro-batches only regroup a sum: the same result up to float rounding).
-RESUME_MAY_CHANGE = {"steps", "resume", "run_dir", "log_every", "eval_every", "save_every", "max_nonfinite", "wandb",
-                     "tensorboard", "micro_batch_size", "max_tokens_per_micro_batch", "cpu_kv_cache_gib",
-                     "gpu_memory_utilization", "sandbox_workers", "given", "probe_every", "probe_prompts",
-                     "probe_samples", "gradient_checkpointing", "fsdp_units", "ignore_memory_estimate",
-                     "engine_compile", "eval_reference"}
+RESUME_MAY_CHANGE = {"steps", "resume", "run_dir", "log_every", "eval_every", "save_every", "wandb",
+                     "micro_batch_size", "max_tokens_per_micro_batch", "gpu_memory_utilization", "sandbox_workers",
+                     "given", "probe_every", "probe_prompts", "probe_samples", "gradient_checkpointing", "fsdp_units",
+                     "ignore_memory_estimate", "engine_compile", "eval_reference"}
 
 
 def resumed_settings(saved, given):
