@@ -141,7 +141,7 @@ def markdown_table(summaries: dict[str, dict]) -> str:
 def write_samples(path, data, samples, rollouts, n, rank, world):
     """One JSONL line per sample, problems in data order. Each rank writes its shard, then rank 0 interleaves
     the shards (problem p is the (p // world)-th problem of rank p % world) without holding them in memory."""
-    import torch.distributed as dist
+    from machinery.collectives import barrier  # a rank that stopped first: one line here too
     from machinery.run_dir import atomic_write
     shard = f"{path}.rank{rank}"
     try:
@@ -155,7 +155,7 @@ def write_samples(path, data, samples, rollouts, n, rank, world):
                                         "response": r.text}) + "\n")
     except OSError as e:
         stop_writing(path, e, [shard])
-    dist.barrier()
+    barrier()
     if rank == 0:
         shards = [open(f"{path}.rank{r}") for r in range(world)]
         try:
@@ -167,7 +167,7 @@ def write_samples(path, data, samples, rollouts, n, rank, world):
         for r, shard in enumerate(shards):
             shard.close()
             os.remove(f"{path}.rank{r}")
-    dist.barrier()
+    barrier()
 
 
 def stop_writing(path, error, leftovers=()):

@@ -262,9 +262,7 @@ def estimate_offline_values(engine, data, out_path, *, n0=8, temperature=1.0, to
             if progress:
                 print_histogram(result, n0)
     if world > 1:
-        box = [result is not None]
-        dist.broadcast_object_list(box)
-        if box[0] and rank != 0:
+        if collectives.all_gather_objects([result is not None])[0] and rank != 0:  # rank 0 wrote it
             with open(out_path) as f:
                 result = json.load(f)
     return result

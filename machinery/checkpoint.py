@@ -304,7 +304,7 @@ def save_checkpoint(run_dir, step, model, optimizer, tokenizer, world, prompt_ke
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
     from torch.distributed.checkpoint.api import CheckpointException
-    from machinery.collectives import all_gather_objects
+    from machinery.collectives import all_gather_objects, barrier
     root = os.path.join(run_dir, "checkpoints")
     final, tmp = os.path.join(root, f"step_{step:06d}"), os.path.join(root, f"step_{step:06d}.tmp")
     error = None
@@ -363,7 +363,7 @@ def save_checkpoint(run_dir, step, model, optimizer, tokenizer, world, prompt_ke
         os.replace(os.path.join(root, "latest.tmp"), os.path.join(root, "latest"))
         for old in checkpoint_dirs(run_dir)[:-keep]:  # its own step_N only: a user's step_N_best stays
             remove(old)
-    dist.barrier()
+    barrier()  # (collectives: a rank that stopped first is one line here too)
 
 
 def _why(e):

@@ -277,6 +277,7 @@ def toy_paths(toy_dir=None, tools=False):
     """(model_dir, train, test) of the toy (tools: the tool toy) for a torchrun job: rank 0 builds it on first
     use, the others wait; then every rank checks the files against SHA256SUMS (ensure_toy)."""
     import torch.distributed as dist
+    from machinery.collectives import barrier
     if dist.get_rank() == 0:
         # torchrun gives each rank one thread, but the other ranks only wait here: build on every core (the
         # toy's bytes do not depend on the thread count; checked for both toys at 1 and 2 threads).
@@ -286,7 +287,7 @@ def toy_paths(toy_dir=None, tools=False):
             ensure_toy(toy_dir, seed=0, tools=tools)
         finally:
             torch.set_num_threads(threads)
-    dist.barrier()
+    barrier()  # (collectives: if rank 0 stopped building, one line here too)
     return ensure_toy(toy_dir, tools=tools)  # (built by now) every rank checks the bytes it will load
 
 
