@@ -299,7 +299,7 @@ def parse_args(argv=None):
     g.add_argument("--seed", type=int, default=0, help="seeds prompt sampling and generation")
     add_logging_flags(g)  # --wandb, and --log_every (hidden)
     g = p.add_argument_group("machinery: memory, micro-batches, engine")
-    memory.add_memory_flags(g)  # micro-batches, gradient checkpointing, FSDP2 units, bf16, the estimate's override
+    devices.add_trainer_flags(g)  # micro-batches, gradient checkpointing, FSDP2 units, bf16, the estimate's override
     add_engine_flags(g, gpu_share=0.5)  # --engine, --gpu_memory_utilization, --engine_compile
     args = p.parse_args(argv)
     args.given = checkpoint.given_flags(p, argv)  # --resume accepts changes to some only

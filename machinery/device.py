@@ -1,11 +1,12 @@
 """No library decides these; they are decided once so that the estimate, trainer and engine agree (tests/test_memory).
 
 What changes between a CPU and a GPU run, decided once so that the memory estimate, the trainer and the engine
-agree: FSDP2's units and bf16 (each `auto`: on GPU only; gradient checkpointing and the token budgets: memory.py's
-auto_budget), and the device memory a run reports.
-No library makes these decisions for us; torch.cuda and /proc give the readings.
+agree: the trainer's flags (add_trainer_flags), FSDP2's units and bf16 (each `auto`: on GPU only; gradient
+checkpointing and the token budgets: memory.py's auto_budget), and the device memory a run reports.
 """
-from machinery.memory import GIB
+import argparse
+
+from machinery.memory import CPU_TOKENS, GIB, GPU_TOKENS
 
 
 BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")  # x86 (AVX-512 BF16, AMX), Arm (FEAT_BF16)
@@ -37,6 +38,33 @@ def use_layer_units(choice, on_gpu, world=1):
     trainer.build_policy's default), resolved once so that the estimate and the policy agree. One GPU has no
     gather to overlap, and per-layer units cost it each layer's cast and hooks twice per micro-batch."""
     return on_gpu and world > 1 if choice == "auto" else choice == "layers"
+
+
+def _tokens_or_off(value):
+    """--max_tokens_per_micro_batch: a number of tokens, 'auto', or 'off' (None)."""
+    return None if value == "off" else value if value == "auto" else int(value)
+
+
+def add_trainer_flags(p):
+    """spo.py's trainer flags, resolved here (use_bf16, use_layer_units) and by memory.check_rank_memory (token
+    budget, checkpointing): how its forward passes are cut, checkpointing, FSDP2's units, bf16."""
+    p.add_argument("--micro_batch_size", type=int, default=64, help=argparse.SUPPRESS)  # sequences per pass, at most
+    p.add_argument("--max_tokens_per_micro_batch", type=_tokens_or_off, default="auto",
+                   help="the update's token budget per forward pass, as the packed row runs it (sequences packed "
+                        "longest first and dealt to the ranks by tokens; the no-grad pass takes twice on GPU; auto: "
+                        f"{CPU_TOKENS} on CPU, on GPU {GPU_TOKENS} or what the memory estimate fits; 'off': "
+                        "micro_batch_size sequences each)")
+    p.add_argument("--gradient_checkpointing", choices=["auto", "on", "off"], default="auto",
+                   help="recompute each decoder layer in the backward pass (auto: on GPU where the budget does not "
+                        "fit without it)")
+    # FSDP2's units (bench/gpu_trainer.py compares them): each decoder layer (one layer's full weights at a time) or
+    # the whole model (one gather per pass); auto: layers on more than one GPU, else model
+    p.add_argument("--fsdp_units", choices=["auto", "layers", "model"], default="auto", help=argparse.SUPPRESS)
+    p.add_argument("--bf16", choices=["auto", "on", "off"], default="auto",
+                   help="compute in bf16: the trainer (FSDP2 mixed precision, fp32 master weights) and the engine "
+                        "(auto: on GPU only; on a CPU with bf16 instructions 'on' is faster: docs/benchmarks.md)")
+    p.add_argument("--ignore_memory_estimate", action="store_true",
+                   help="start even when the per-rank memory estimate exceeds what a rank has (it errs high)")
 
 
 _gpu = {"phases": {}, "peak": 0.0}  # GPU: memory in use at this step's phase ends (phase_end), the largest so far

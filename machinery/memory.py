@@ -239,33 +239,6 @@ def check_rank_memory(model, *, world, on_gpu, is_main, batch_size, micro_batch_
     return max_tokens, checkpointing
 
 
-def _tokens_or_off(value):
-    """--max_tokens_per_micro_batch: a number of tokens, 'auto', or 'off' (None)."""
-    return None if value == "off" else value if value == "auto" else int(value)
-
-
-def add_memory_flags(p):
-    """spo.py's trainer flags that the estimate reads: how its forward passes are cut, checkpointing, FSDP2's units,
-    bf16 (the device decisions: device.py)."""
-    p.add_argument("--micro_batch_size", type=int, default=64, help=argparse.SUPPRESS)  # sequences per pass, at most
-    p.add_argument("--max_tokens_per_micro_batch", type=_tokens_or_off, default="auto",
-                   help="the update's token budget per forward pass, as the packed row runs it (sequences packed "
-                        "longest first and dealt to the ranks by tokens; the no-grad pass takes twice on GPU; auto: "
-                        f"{CPU_TOKENS} on CPU, on GPU {GPU_TOKENS} or what the memory estimate fits; 'off': "
-                        "micro_batch_size sequences each)")
-    p.add_argument("--gradient_checkpointing", choices=["auto", "on", "off"], default="auto",
-                   help="recompute each decoder layer in the backward pass (auto: on GPU where the budget does not "
-                        "fit without it)")
-    # FSDP2's units (bench/gpu_trainer.py compares them): each decoder layer (one layer's full weights at a time) or
-    # the whole model (one gather per pass); auto: layers on more than one GPU, else model
-    p.add_argument("--fsdp_units", choices=["auto", "layers", "model"], default="auto", help=argparse.SUPPRESS)
-    p.add_argument("--bf16", choices=["auto", "on", "off"], default="auto",
-                   help="compute in bf16: the trainer (FSDP2 mixed precision, fp32 master weights) and the engine "
-                        "(auto: on GPU only; on a CPU with bf16 instructions 'on' is faster: docs/benchmarks.md)")
-    p.add_argument("--ignore_memory_estimate", action="store_true",
-                   help="start even when the per-rank memory estimate exceeds what a rank has (it errs high)")
-
-
 def main():
     p = argparse.ArgumentParser(description="Estimate one rank's peak memory for an spo.py run (nothing starts).")
     p.add_argument("--model", required=True, help="Hugging Face model directory or hub name")
