@@ -1,18 +1,8 @@
 """Stands in for padded (B, T) batches: token budgets, packed rows, shared prefixes once (gain: docs/benchmarks.md).
 
-How the trainer cuts its work so that every forward pass fits a token budget, the same way on every rank.
-
-- `plan_micro_batches`: sequences packed longest first (first fit) into micro-batches of at most
-  --max_tokens_per_micro_batch tokens, as the packed row runs them, and --micro_batch_size sequences;
-- `assign_by_tokens` / `deal_by_tokens`: all ranks' sequences dealt to the ranks by tokens, so the slowest rank
-  is not the one that drew the longest responses;
-- `micro_batches`: the plan padded to one count on every rank (FSDP2's passes are collectives);
-- `LOGIT_CHUNK_BYTES`: the output projection's share, computed a chunk of positions at a time;
-- `pack`: a micro-batch as right-padded rows, the layout of the loss; `packed_row`: the same sequences as ONE row
-  without padding and with each shared prefix once (`shared_prefix_groups`), the layout the decoder runs on
-  (`packed_attention`: each sequence attends to its own tokens only).
-The loss is a token sum over a global count, so none of these choices changes the gradient, only the memory a
-pass needs and how long the slowest rank takes. memory.py estimates a rank's peak from the same numbers.
+How the trainer cuts its work so that every forward pass fits a token budget, the same way on every rank: micro-
+batches, sequences dealt to the ranks by tokens, and ONE packed row per pass with each shared prefix once. The loss
+is a token sum over a global count, so none of these choices changes the gradient, only memory and time.
 """
 from dataclasses import dataclass
 
@@ -25,15 +15,10 @@ LOGIT_CHUNK_BYTES = 2 ** 28
 
 
 def plan_micro_batches(lengths, max_sequences, max_tokens=None, padded=False):
-    """Micro-batches as lists of positions into `lengths` (prompt + response tokens per sequence).
-
-    max_tokens None: consecutive groups of max_sequences. Otherwise a token budget, sequences taken longest first,
-    each into the first micro-batch it fits (first-fit decreasing): the decoder runs a micro-batch as one packed
-    row (packed_row), so what it costs is the sum of its lengths; padded (a model without packed_attention runs
-    right-padded rows): (sequences x the longest one) instead, and only the last micro-batch takes more. At most
-    max_sequences each; a sequence longer than the budget gets a micro-batch of its own. The loss is a sum over
-    tokens divided by a global count, so how sequences are grouped never changes the gradient, only the memory each
-    forward needs (and the order of the sums: rounding)."""
+    """Micro-batches as lists of positions into `lengths`, at most max_sequences each. max_tokens None: consecutive
+    groups. Otherwise first-fit decreasing within the budget, costed as the packed row runs them (the sum of the
+    lengths; padded, for a model without packed_attention: count x longest, only the last one open). A sequence
+    longer than the budget gets a micro-batch of its own."""
     n = len(lengths)
     if max_tokens is None:
         return [list(range(k, min(k + max_sequences, n))) for k in range(0, n, max_sequences)]
@@ -52,11 +37,8 @@ def plan_micro_batches(lengths, max_sequences, max_tokens=None, padded=False):
 
 
 def assign_by_tokens(lengths, world):
-    """(n,) the rank that computes each sequence: longest first, each to the rank with the fewest tokens so far
-    (ties: the lowest rank). Every rank derives the same assignment from the same list. Which rank computes a
-    sequence never changes the gradient (the loss is a token sum over a global count), only how long the
-    slowest rank takes: with responses of 1k to 16k tokens, slicing by count can leave one rank several times
-    the tokens of another."""
+    """(n,) the rank that computes each sequence: longest first, each to the rank with the fewest tokens so far.
+    Slicing by count could leave one rank several times the tokens of another (responses of 1k to 16k tokens)."""
     load, owner = np.zeros(world), np.zeros(len(lengths), dtype=np.int64)
     for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):  # stable: ties keep their order
         owner[i] = int(np.argmin(load))
@@ -65,9 +47,8 @@ def assign_by_tokens(lengths, world):
 
 
 def micro_batches(lengths, max_sequences, max_tokens=None, shares=None, padded=False):
-    """plan_micro_batches, padded with empty micro-batches to the same count on every rank: FSDP2's forward and
-    backward are collectives, so a rank with less work still runs as many (on a dummy sequence). shares: every
-    rank's lengths (deal_by_tokens), from which each rank plans them all; None: one collective finds the most."""
+    """plan_micro_batches, padded with empty micro-batches to one count on every rank (FSDP2's passes are
+    collectives). shares: every rank's lengths (deal_by_tokens); None: one collective finds the most."""
     from machinery.collectives import all_reduce_np
     plan = plan_micro_batches(lengths, max_sequences, max_tokens, padded)
     count = (int(all_reduce_np([len(plan)], op="max")[0]) if shares is None else
@@ -76,9 +57,8 @@ def micro_batches(lengths, max_sequences, max_tokens=None, shares=None, padded=F
 
 
 def deal_by_tokens(items, length, budget=True):
-    """Token budgets: all ranks' items dealt to the ranks by tokens (assign_by_tokens; `length`: an item's
-    tokens). Returns this rank's items, every rank's lengths (for micro_batches) and all items; without a
-    budget: items, None, None (every rank keeps its own)."""
+    """All ranks' items dealt by tokens: (this rank's items, every rank's lengths, all items); without a budget:
+    (items, None, None)."""
     if not budget:
         return items, None, None
     import torch.distributed as dist
@@ -113,11 +93,8 @@ IDLE = Sequence([0], [0], [0])  # a one-token dummy sequence with mask 0, for a 
 
 
 def pack(sequences, device="cpu"):
-    """Right-padded (B, T) ids and the (B, T-1) mask of predicted response tokens that count in the loss, built on
-    the host and moved in one copy (to_device). sequences: Sequence records or (prompt, response, mask) triples.
-
-    Right padding needs no attention mask: with causal attention real tokens never see the pads after them. The
-    decoder does not run on these rows where the model takes packed_attention (packed_row)."""
+    """Right-padded (B, T) ids and the (B, T-1) loss mask of Sequence records or (prompt, response, mask) triples.
+    Right padding needs no attention mask: with causal attention real tokens never see the pads after them."""
     sequences = [s if isinstance(s, Sequence) else Sequence(*s) for s in sequences]
     ids = np.zeros((len(sequences), max(map(len, sequences))), dtype=np.int64)
     mask = np.zeros((len(sequences), ids.shape[1] - 1), dtype=np.float32)
@@ -128,8 +105,7 @@ def pack(sequences, device="cpu"):
 
 
 def loss_terms(sequences):
-    """(B, T-1) old log-probs and per-token weights (1 where a sequence has none) laid out as pack's mask, and the
-    (B,) advantages, of Sequence records: host tensors."""
+    """(B, T-1) old log-probs and TIS weights (1 where none), laid out as pack's mask, and (B,) advantages."""
     old = np.zeros((len(sequences), max(map(len, sequences)) - 1), dtype=np.float32)
     weights = np.ones_like(old)
     for i, s in enumerate(sequences):
@@ -142,9 +118,8 @@ def loss_terms(sequences):
 
 
 def to_device(tensors, device):
-    """Host tensors on `device`. On CUDA in ONE copy from one pinned buffer, without waiting (non_blocking): a copy
-    from pageable memory, or one per tensor, would make the host wait for the device each time (torch's
-    memcpy_and_sync), so it could not queue the next micro-batch while this one runs. Elsewhere as they are."""
+    """Host tensors on `device`; on CUDA in ONE non-blocking copy from a pinned buffer: a copy from pageable
+    memory, or one per tensor, makes the host wait for the device (memcpy_and_sync)."""
     if device.type != "cuda":
         return list(tensors)
     raw = [t.contiguous().reshape(-1).view(torch.uint8) for t in tensors]
@@ -157,12 +132,8 @@ def to_device(tensors, device):
 
 
 def shared_prefix_groups(sequences):
-    """Groups of sequences (lists of token ids) that share a prefix, to compute that prefix once: [(shared prefix
-    length, [positions into `sequences`])], every position once. Sorted lexicographically, sequences with long
-    common prefixes sit next to each other; the groups are runs of that order, chosen (dynamic programming over
-    the runs) to spare the most tokens: a run of k sequences whose common prefix is L tokens spares (k - 1) L.
-    The same prompt sampled several times (GRPO's groups, SPO's revisits) or a long shared system prompt or
-    few-shot example makes most of a prompt's tokens spared."""
+    """[(shared prefix length, [positions into `sequences`])], every position once: runs of the lexicographic
+    order, chosen by dynamic programming to spare the most tokens (k sequences sharing L tokens spare (k - 1) L)."""
     order = sorted(range(len(sequences)), key=lambda i: sequences[i])
     common = []  # common[j]: the common prefix length of order[j] and order[j + 1]
     for a, b in zip(order[:-1], order[1:]):
@@ -187,11 +158,9 @@ def shared_prefix_groups(sequences):
 
 @dataclass
 class PackedLayout:
-    """How packed_attention reads one packed row. calls: (k, L) row positions per attention call, k sequences
-    attended side by side, each row a shared prefix then one sequence's own tokens, right-padded by repeating its
-    last position (causal: no real token sees a pad); pick: (S,) for each row position, where its output sits among
-    the calls' (k x L) outputs, flattened and concatenated; gather: every call's positions, flattened and concatenated
-    (packed_attention's one gather per layer and tensor)."""
+    """How packed_attention reads one packed row. calls: (k, L) row positions per attention call, each row a shared
+    prefix then one sequence's own tokens, right-padded by repeating its last position; pick: (S,) where each row
+    position's output sits among the calls' flattened outputs; gather: every call's positions, flattened."""
     calls: list
     pick: torch.Tensor
     gather: torch.Tensor
@@ -203,9 +172,8 @@ CALL_PADDING = 1.25
 
 
 def _attention_calls(prefix, members):
-    """packed_row's calls for one group: its prefix's row positions ((P,) array) and its members' own (start, end),
-    longest first, cut where another member would take the call's padding past CALL_PADDING.
-    [(the call's members, (k, L) row positions)]."""
+    """[(members, (k, L) row positions)] for one group (prefix positions, members' own (start, end)): longest
+    first, cut where another member would take the padding past CALL_PADDING."""
     members = sorted(members, key=lambda m: m[0] - m[1])  # longest first (stable)
     calls, current = [], []
     for m in members:
@@ -225,16 +193,10 @@ def _attention_calls(prefix, members):
 
 
 def packed_row(ids, rows, cols):
-    """The rows of (B, T) ids that hold the N positions (rows, cols) asked for, packed into ONE row without padding,
-    each prefix that several rows share once (shared_prefix_groups): (1, S) ids, (1, S) positions (each sequence
-    counting from 0, a row's own tokens continuing its shared prefix), the PackedLayout packed_attention reads, and
-    (N,) the index in the row of each asked position (inside a shared prefix: the prefix's). Built on the host from
-    host tensors (numpy and lists: nothing waits for a device), returned as host tensors for one copy (to_device).
-
-    A row is cut after its last asked position + 1 (the target): with causal attention the tokens after it change
-    nothing asked for. Padding costs a micro-batch's decoder (longest x count) / (sum of lengths) in FLOPs, 1.23x for
-    8 SmolLM2 sequences of 99 prompt tokens and up to 48 response tokens; their shared 77-token prefix, once instead
-    of 8 times, spares more than half of the rest."""
+    """The rows of (B, T) ids that hold the N positions (rows, cols), packed into ONE row without padding, each
+    shared prefix once: (1, S) ids, (1, S) positions (each sequence counting from 0), the PackedLayout, and (N,) the
+    row index of each asked position. Built on the host. A row is cut after its last target: with causal attention
+    the tokens after it change nothing asked for."""
     ids, rows, cols = (np.asarray(x.cpu() if torch.is_tensor(x) else x) for x in (ids, rows, cols))
     needed = np.zeros(len(ids), dtype=np.int64)  # (B,) tokens each row needs; 0 for rows nothing is asked of
     np.maximum.at(needed, rows, cols + 2)
@@ -272,14 +234,9 @@ PACKED_ATTENTION = "spo_packed"
 
 
 def packed_attention(module, query, key, value, attention_mask, packed_layout=None, sliding_window=None, **kwargs):
-    """transformers' attention-function interface over ONE packed row (packed_row): torch's scaled-dot-product
-    attention (transformers' sdpa integration, GQA included), causal, each sequence over its shared prefix and its
-    own tokens only, so no sequence sees another's. The sequences of a group go side by side into a few calls
-    (PackedLayout: each repeats the prefix, right-padded within CALL_PADDING; the attention's share of a forward,
-    small beside the weights', is the only repeated work). packed_layout: packed_row's, passed down from the
-    decoder's call. A sliding window (Mistral, some Qwen layers) becomes an explicit mask where a call is longer
-    than it. Anything else that lives in the mask transformers would have built is not here: called without a
-    layout, or with attention sinks, it refuses rather than attend across sequences."""
+    """transformers' attention-function interface over ONE packed row: torch's sdpa, causal, each sequence over its
+    shared prefix and its own tokens only. A sliding window becomes an explicit mask where a call is longer than
+    it; without a layout, or with attention sinks, it refuses rather than attend across sequences."""
     from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward, use_gqa_in_sdpa
     if packed_layout is None or query.shape[0] != 1:
         raise RuntimeError("packed_attention: the model's attention is set for one packed row with its layout "
@@ -307,18 +264,14 @@ def packed_attention(module, query, key, value, attention_mask, packed_layout=No
 
 
 def _needs_repeated_kv(device_type, dtype, heads, kv_heads):
-    """Whether packed_attention repeats the key and value heads to the query's for torch's sdpa: on CUDA in fp32
-    (--bf16 off) with fewer key-value heads than query heads (GQA: every Qwen3). Flash attention and cuDNN take no
-    fp32 and the memory-efficient kernel no GQA, so sdpa would fall back to its math kernel, which stores every
-    head's full score matrix; on repeated heads the memory-efficient kernel runs (transformers still passes
-    enable_gqa, which on equal head counts changes nothing: torch's sdp_utils_cpp.h)."""
+    """On CUDA in fp32 with GQA: flash and cuDNN take no fp32 and the memory-efficient kernel no GQA, so sdpa
+    would fall back to its math kernel (every head's full score matrix); on repeated heads the efficient one runs."""
     return device_type == "cuda" and dtype == torch.float32 and kv_heads < heads
 
 
 def use_packed_attention(model):
-    """Make the model's attention packed_attention (registered with transformers once). True if the model took
-    it; False for a model that does not route attention through transformers' AttentionInterface (it then runs
-    on padded rows, as before)."""
+    """Make the model's attention packed_attention; False for a model outside transformers' AttentionInterface
+    (it then runs on padded rows)."""
     from transformers import AttentionInterface
     AttentionInterface.register(PACKED_ATTENTION, packed_attention)
     try:

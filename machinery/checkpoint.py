@@ -1,30 +1,12 @@
 """On torch.distributed.checkpoint (shards) and transformers (export); buys atomic steps, named damage, exact resume.
 
-Checkpoints: nothing lost, nothing silent, resume exact. (Who may write a run directory: machinery/run_dir.py.)
-
-`--resume` restores the run's own settings from its config.json (`resumed_settings`): only flags in
-RESUME_MAY_CHANGE may differ, and those that name where a file is (LOCATIONS: checked by its content instead); any
-other flag given with another value is an error naming both values.
-
-A checkpoint is a directory written atomically (into step_N.tmp, renamed when complete, then `latest` replaced):
-- shards/: the fp32 weights and the optimiser state as torch.distributed.checkpoint shards, every rank writing
-  its own in parallel: no rank gathers the optimiser state (66 GB for an 8B model under Adam), and resume reads
-  exactly what was written;
-- model/: a plain Hugging Face model (config, weights, tokenizer) that transformers, vLLM and eval.py load as it
-  is, gathered in buckets (in bf16 on GPU) and written by rank 0 tensor by tensor (`export_hf`);
-- state.pt: the run's own state: step, world size, the training set's prompt keys, the tracker, the sampler's
-  RNG, SPO's previous responses and the run's flags (numpy arrays saved as tensors: `read_state`);
-- manifest.json: every file's size as written, so a truncated or missing file is named before anything reads it
-  (`damaged`).
-Every file is fsynced before the rename; a failed write (a full disk, read-only) removes the partial directory and
-says why, on every rank. Rotation removes only the step_N directories it wrote (`checkpoint_dirs`: a user's
-step_N_best stays), and a symbolic link where a checkpoint is written is removed, never followed (nothing is written
-outside the run directory). A run directory from elsewhere is data (machinery/untrusted.py). Resume takes the newest
-published checkpoint (`resume_point`), checks its files, the world size and the training set, builds the policy from
-model/ and loads shards/ over it. A damaged newest checkpoint is never stepped back from silently: the error names
-the damaged file and the newest intact checkpoint, to resume from by deleting the damaged one. A directory whose run
-saved no checkpoint is not a run to continue: a fresh run takes it over.
-Not run on its own: spo.py calls it; tests/test_end_to_end.py resumes runs and compares them with straight ones.
+A checkpoint is a directory written atomically (into step_N.tmp, every file fsynced, renamed when complete, then
+`latest` replaced): shards/ (fp32 weights and optimiser state, each rank its own: no rank gathers 66 GB of Adam
+state for an 8B model), model/ (a plain Hugging Face model for vLLM and eval.py), state.pt (the run's own state)
+and manifest.json (every file's size, so a cut-off file is named before anything reads it). A failed write removes
+the partial directory and says why on every rank; a symbolic link where a checkpoint goes is removed, never
+followed. A damaged newest checkpoint is never stepped back from silently. `--resume` keeps the run's own settings:
+only RESUME_MAY_CHANGE (and LOCATIONS, checked by content) may differ.
 """
 import argparse
 import copy
@@ -53,9 +35,7 @@ RESUME_MAY_CHANGE = {"steps", "resume", "run_dir", "log_every", "eval_every", "s
 
 
 def resumed_settings(saved, given):
-    """The run's own settings (saved: its config.json) with the flags given now (given: {flag: value}, only those
-    on the command line) that may change on resume. Returns (settings, errors): one error line per flag given with
-    another value than the run's that may not change."""
+    """(saved settings with the given flags that may change, one error line per given flag that may not)."""
     settings, errors = dict(saved), []
     for flag, value in sorted(given.items()):
         if flag in RESUME_MAY_CHANGE or flag in LOCATIONS or flag not in saved:
@@ -76,10 +56,8 @@ def given_flags(parser, argv):
 
 
 def resumed_config(run_dir, given, built_in=(), shipped=""):
-    """--resume: the run's own settings (its config.json) with the flags given now (given: {flag: value}) that may
-    change; one line naming each flag that may not, a value that names code or a file that is not there
-    (`foreign_values`, with built_in and shipped), and a --steps that would not go past the checkpoint, are errors.
-    Returns the settings (a dict, resume and run_dir set to run_dir; model: the checkpoint's model/)."""
+    """--resume: the run's settings (resumed_settings, foreign_values); a --steps that would not go past the
+    checkpoint is an error too. Returns the settings, resume and run_dir set to run_dir."""
     path, error = resume_point(run_dir)  # before the config: "no checkpoint" is the error that says what to do
     if error:
         fail(error, once=True)
@@ -97,7 +75,7 @@ def resumed_config(run_dir, given, built_in=(), shipped=""):
 
 
 def latest_step(run_dir):
-    """The step `latest` names (the sweep's quick look; resume and eval.py read `checkpoint_dirs`), or None."""
+    """The step `latest` names (the sweep's quick look), or None."""
     try:
         with open(os.path.join(run_dir, "checkpoints", "latest")) as f:
             return int(f.read().strip().removeprefix("step_"))
@@ -106,8 +84,7 @@ def latest_step(run_dir):
 
 
 def checkpoint_dirs(run_dir):
-    """run_dir's published checkpoints (step_N directories, renamed from step_N.tmp once complete), oldest first.
-    Not `latest`: it may name a step directory the user deleted (a damaged one), or lag a crash behind."""
+    """run_dir's published step_N directories, oldest first (not `latest`: it may name one the user deleted)."""
     root = os.path.join(run_dir, "checkpoints")
     try:
         names = [n for n in os.listdir(root) if STEP.fullmatch(n)]
@@ -121,8 +98,7 @@ STEP = re.compile(r"step_[0-9]{6,}")  # save_checkpoint's names: only these are 
 
 
 def remove(path):
-    """path gone: a symbolic link itself (never what it points to), a directory with all it holds. Returns whether
-    it is gone (a tree that cannot be removed, say read-only, stays, and must not be reported removed)."""
+    """path gone, a symbolic link itself (never what it points to); whether it is gone (read-only trees stay)."""
     if os.path.islink(path) or os.path.isfile(path):
         os.remove(path)
     else:
@@ -136,10 +112,8 @@ def no_checkpoint(run_dir):
 
 
 def resume_point(run_dir):
-    """The checkpoint --resume continues from: the newest published one, its files checked (`damaged`) before
-    anything heavy starts. Returns (path, None) or (None, one error line). A damaged newest checkpoint is an error
-    naming the damaged file and the newest intact checkpoint, to resume from by deleting the damaged ones: going
-    back is the user's choice, never silent (steps after it are trained again)."""
+    """(the newest published checkpoint, None) or (None, one error line). A damaged newest one names the newest
+    intact one, to resume from by deleting the damaged ones: going back is the user's choice, never silent."""
     found = checkpoint_dirs(run_dir)
     if not found:
         return None, no_checkpoint(run_dir)
@@ -157,8 +131,7 @@ def resume_point(run_dir):
 
 
 def _fsync_tree(root):
-    """Flush every file under root, then the directories, to disk: a rename must never publish a checkpoint
-    whose bytes are still only in the page cache."""
+    """Every file and directory under root on disk: a rename must never publish bytes only in the page cache."""
     for folder, _, files in os.walk(root):
         for name in files:
             with open(os.path.join(folder, name), "rb") as f:
@@ -173,8 +146,7 @@ MANIFEST = "manifest.json"
 
 
 def _write_manifest(folder):
-    """manifest.json: every file's size under folder (a checkpoint being written, every rank's shards in),
-    what `damaged` compares the checkpoint with."""
+    """manifest.json: every file's size under folder, what `damaged` compares with."""
     sizes = {os.path.relpath(os.path.join(d, n), folder).replace(os.sep, "/"): os.path.getsize(os.path.join(d, n))
              for d, _, names in os.walk(folder) for n in names}
     with open(os.path.join(folder, MANIFEST), "w") as f:
@@ -189,8 +161,7 @@ def _size(path):
 
 
 def _safetensors_problem(path):
-    """Why a safetensors file is not whole (its header's extent against its length), or None: a cut-off export
-    is found without reading the weights."""
+    """Why a safetensors file is not whole (its header's extent against its length), or None."""
     size = _size(path)
     try:
         with open(path, "rb") as f:
@@ -205,10 +176,9 @@ def _safetensors_problem(path):
 
 
 def damaged(path, part=""):
-    """Why the checkpoint in path (a step_N directory) cannot be read, naming the first damaged file, or None.
-    part: only the files under it ("model/": what eval.py reads). Cheap, before anything heavy starts: each
-    file's size against manifest.json (written last: without it the checkpoint is not complete), then each
-    safetensors file's header against its length. Sizes catch a cut-off or missing file, not a flipped bit."""
+    """Why the step_N directory in path cannot be read, naming the first damaged file, or None. part: only the files
+    under it ("model/": eval.py's). Sizes against manifest.json (written last), then safetensors headers: a cut-off
+    or missing file is caught, not a flipped bit."""
     try:
         with open(os.path.join(path, MANIFEST)) as f:
             written = json.load(f)["files"]
@@ -231,14 +201,13 @@ def damaged(path, part=""):
     return problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
 
 
-
 # The HF export's safetensors files hold at most this many bytes each: rank 0 holds one file's tensors at a time.
 EXPORT_FILE_BYTES = 2 ** 32
 
 
 def _export_plan(model, dtype, file_bytes):
-    """The HF export's files: lists of names (parameters, tied ones once, then persistent buffers) in the order
-    collectives.full_parameters yields them, a new file whenever the next tensor would pass file_bytes."""
+    """The HF export's files: lists of names (parameters, tied ones once, then persistent buffers) in
+    full_parameters' order, a new file whenever the next tensor would pass file_bytes."""
     tensors = list(model.named_parameters())  # a tied output projection once, under the embedding's name
     state = model.state_dict()  # (FSDP2: DTensors, nothing gathered) persistent buffers are in it, others not
     tensors += [(name, b) for name, b in model.named_buffers() if name in state]
@@ -253,13 +222,9 @@ def _export_plan(model, dtype, file_bytes):
 
 
 def export_hf(model, out_dir, dtype=None, write=True, file_bytes=EXPORT_FILE_BYTES):
-    """The policy's weights as a Hugging Face model's safetensors in out_dir, in `dtype` (None: as trained). Every
-    rank gathers (collectives.full_parameters: buckets, each rank's shard cast to `dtype` BEFORE the gather, as the
-    weight push does); rank 0 moves each tensor to the host and writes a file as soon as its tensors are in, so it
-    holds one file's tensors at most, never the whole state dict. One file: model.safetensors, byte for byte what
-    save_file wrote of the full state dict before; several: model-0000k-of-0000n.safetensors and
-    model.safetensors.index.json, as transformers writes them. Every rank must call it (collectives); write:
-    rank 0 writes (False: it only takes part in the gathers). Returns rank 0's write error, or None."""
+    """The policy's weights as Hugging Face safetensors in out_dir, in `dtype` (None: as trained), named as
+    transformers names them. Every rank gathers (full_parameters); rank 0 writes each file as soon as its tensors
+    are in, never holding the whole state dict (write False: gathers only). Returns rank 0's write error, or None."""
     from safetensors import SafetensorError
     from safetensors.torch import save_file
     from machinery.collectives import full_parameters
@@ -293,14 +258,8 @@ def export_hf(model, out_dir, dtype=None, write=True, file_bytes=EXPORT_FILE_BYT
 
 def save_checkpoint(run_dir, step, model, optimizer, tokenizer, world, prompt_keys, tracker_state,
                     sampler_state, previous, config, keep=2, export_dtype=None, reach=None):
-    """Write checkpoints/step_N atomically: everything goes into step_N.tmp, which is renamed only when
-    complete, then `latest` is replaced atomically. A crash mid-write leaves the previous checkpoint intact.
-
-    step_N/shards: the fp32 weights and the optimiser state as torch.distributed.checkpoint shards, each rank
-    writing its own in parallel (what resume reads: exact). step_N/model: a plain Hugging Face model that
-    transformers, vLLM and eval.py load, in export_dtype (spo.py: bf16 on GPU, the engine's dtype, half the
-    bytes; None: fp32), written by export_hf. step_N/state.pt: the run's own state, small next to the weights."""
-    import copy
+    """Write checkpoints/step_N atomically (the module docstring); model/ in export_dtype (None: fp32). A crash
+    mid-write leaves the previous checkpoint intact."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
     from torch.distributed.checkpoint.api import CheckpointException
@@ -367,9 +326,8 @@ def save_checkpoint(run_dir, step, model, optimizer, tokenizer, world, prompt_ke
 
 
 def _why(e):
-    """What made a checkpoint's write or read fail, in a few words: the OSError's reason wherever it is under e
-    (DCP collects each rank's exception in a CheckpointException; torch.save raises a RuntimeError while handling
-    it; safetensors keeps only its text, "os error N"), else the innermost exception's first line."""
+    """Why a checkpoint's write or read failed, in a few words: the OSError's reason wherever it is under e (DCP's
+    CheckpointException, torch.save's RuntimeError, safetensors' "os error N"), else the innermost's first line."""
     found = [e]
     for x in found:
         if isinstance(x, OSError):
@@ -380,9 +338,8 @@ def _why(e):
 
 
 def load_checkpoint(run_dir, world, prompt_keys):
-    """The newest published checkpoint of run_dir (`resume_point`: its files checked, its state and shard metadata
-    read as data), checked against this run's world size and dataset. Rank 0 (holding the run's lock: no save is
-    under way) removes, and names, the partial directories of saves that did not finish (killed mid-write)."""
+    """The newest checkpoint's state, read as data and checked against this run's world size and dataset. Rank 0
+    (holding the run's lock) removes, and names, the partial directories of saves that did not finish."""
     path, error = resume_point(run_dir)
     if error:
         fail(error, once=True)
@@ -413,17 +370,15 @@ def load_checkpoint(run_dir, world, prompt_keys):
 
 
 def _read_error(path, e):
-    """Why a checkpoint file cannot be read, in one line: refused when reading it would call something (torch's
-    weights_only and _MetadataUnpickler name it: "GLOBAL module.name"), else unreadable."""
+    """Why a checkpoint file cannot be read: refused where reading would call something ("GLOBAL module.name")."""
     call = re.search(r"GLOBAL (\S+)", str(e))
     return (f"{path} refused: reading it would call {call[1]}, and a run directory from elsewhere is data: nothing "
             f"in it is run" if call else f"{path} unreadable ({_why(e)})")
 
 
 def restore_training_state(model, optimizer, shards):
-    """Load a checkpoint's fp32 weights and optimiser state (save_checkpoint's shards) into the built policy and
-    its optimiser: each rank reads its own shards. DCP's two pickles are read as data: the metadata by
-    read_shards_metadata, the optimiser's settings (lr, betas: non-tensors) with weights_only."""
+    """Load save_checkpoint's shards into the built policy and optimiser, each rank its own; DCP's two pickles
+    read as data (read_shards_metadata, weights_only)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint._traverse import set_element
     from torch.distributed.checkpoint.api import CheckpointException

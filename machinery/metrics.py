@@ -1,10 +1,7 @@
 """On json, tqdm and matplotlib (wandb, TensorBoard if asked): the metrics no library knows for SPO, and the run's plot.
 
-What a training run records: the step metrics every algorithm reports, with the signal metrics of every
-estimator (zero advantages, advantage variance, all-equal groups), SPO's own (tracker, rho and D(x)), the tool-use
-metrics, and the logger that writes them (a tqdm bar and a console line on rank 0, metrics.jsonl in the run
-directory, TensorBoard or wandb when installed and asked for), and the run's plot (plot_run: run.png, rank 0).
-docs/flags.md lists every metric. Called by spo.py on every rank (the metrics gather over all ranks).
+What a training run records (docs/flags.md lists every metric; gathered over all ranks) and the logger that
+writes it on rank 0: a tqdm bar, a console line, metrics.jsonl, wandb if asked; and the run's plot (run.png).
 """
 import argparse
 import contextlib
@@ -20,9 +17,7 @@ from machinery.collectives import all_gather_np
 
 
 def tool_metrics(all_reward, rollouts):
-    """Tool use over the global batch (all_reward: already gathered from all ranks): share of trajectories that
-    called the tool, their accuracy and that of the others, calls and turns per trajectory, errors and timeouts
-    per call."""
+    """Tool use over the global batch (all_reward: already gathered)."""
     calls, errors, timeouts, turns = (all_gather_np(np.array([getattr(r, k) for r in rollouts], dtype=np.float64))
                                       for k in ("tool_calls", "tool_errors", "tool_timeouts", "turns"))
     reward, used = np.asarray(all_reward, dtype=np.float64), calls > 0
@@ -34,10 +29,8 @@ def tool_metrics(all_reward, rollouts):
 
 
 def vllm_gap(batch, rollouts):
-    """The trainer's and the engine's log-probs of the sampled tokens compared: mean and max |difference| (a weight
-    push that did not land shows here), how many token ratios pi_trainer / pi_engine lie outside [0.9, 1.1] (bf16
-    kernels differ: what --tis corrects) and the largest ratio. Policy tokens only: tool-output tokens were never
-    sampled, their engine log-prob is a placeholder 0. No rollouts: nothing to compare, 0."""
+    """The trainer's and the engine's log-probs of the sampled policy tokens compared (a weight push that did not
+    land shows here; bf16 kernels differ: what --tis corrects)."""
     if not rollouts:
         return {"logprob_gap_mean": 0.0, "logprob_gap_max": 0.0, "ratio_outside": 0, "ratio_max": 0.0, "tokens": 0}
     diff = np.concatenate([(lp - np.asarray(r.logprobs))[np.asarray(r.response_mask) > 0]
@@ -49,11 +42,9 @@ def vllm_gap(batch, rollouts):
 
 
 def learning_warning(changed, old, new, advantage, masks):
-    """After the first update: None if it moved the policy the way the advantages say (the parameters changed; over
-    all ranks, the mean log-prob of positive-advantage tokens rose and that of negative-advantage ones fell), else
-    the warning line, naming the likely causes. A run that learns nothing says nothing otherwise (an exactly-zero
-    gradient trains "fine"). changed: this rank's parameters differ; old, new: (T_i,) log-probs before and after
-    the update; advantage: (B_local,); masks: the policy-token masks."""
+    """After the first update: None if it moved the policy the way the advantages say (parameters changed,
+    positive-advantage tokens' log-probs rose, negative ones' fell, over all ranks), else the warning line. A run
+    that learns nothing says nothing otherwise (an exactly-zero gradient trains "fine")."""
     sums = np.zeros(5)  # changed; the log-prob change summed over positive-advantage tokens, their count; negative
     sums[0] = changed
     for o, n, a, m in zip(old, new, advantage, masks):
@@ -73,8 +64,7 @@ def learning_warning(changed, old, new, advantage, masks):
 
 
 def step_metrics(reward, raw_advantage, advantage, rollouts, old, stats, times, group=1, tools=False):
-    """What every algorithm reports, in one flat dict over the global batch (all ranks), the signal metrics
-    included; spo_metrics adds SPO's own. group: responses per prompt (consecutive)."""
+    """What every algorithm reports over the global batch; group: responses per prompt (consecutive)."""
     world = dist.get_world_size()
     reward, raw, adv, lengths, policy_tokens, truncated, scalars = all_gather_np(  # one collective
         reward, raw_advantage, np.asarray(advantage), np.array([len(r.response_ids) for r in rollouts]),
@@ -117,10 +107,8 @@ def step_metrics(reward, raw_advantage, advantage, rollouts, old, stats, times, 
 
 
 def spo_metrics(all_raw_advantage, tracker, divergence, rho, revisit):
-    """SPO's own: samples with (almost) no signal (|A| below a threshold: the paper's Fig. 3a counterpart of
-    GRPO's all-equal groups), the tracker's values and N_eff, and D(x) and rho over this global batch. rho's
-    distribution is taken over revisited prompts (a first visit has D = 0, rho = rho_max by definition): its
-    quantiles and the share pinned at each clip bound show whether D(x) is on the scale D_half assumes."""
+    """SPO's own: samples with (almost) no signal (Fig. 3a), the tracker, D(x) and rho. rho's quantiles are over
+    revisited prompts (a first visit has rho = rho_max): they show whether D(x) is on the scale D_half assumes."""
     raw, value, rho, revisit = np.asarray(all_raw_advantage), tracker.value, np.asarray(rho), np.asarray(revisit)
     m = {"zero_signal/abs_adv_le_1e-4": np.mean(np.abs(raw) <= 1e-4),
          "zero_signal/abs_adv_le_0.02": np.mean(np.abs(raw) <= 0.02),
@@ -142,11 +130,8 @@ def spo_metrics(all_raw_advantage, tracker, divergence, rho, revisit):
 
 
 def signal_metrics(all_raw_advantage, all_advantage, all_reward, group, tol=1e-6):
-    """How much of the batch carries a learning signal, for every estimator (the paper's Fig. 3): the share of
-    samples whose advantage in the loss is zero (no gradient at all), the variance of the raw advantage (before
-    any normalisation: SPO's r - v, GRPO's z-score, RLOO's and Dr. GRPO's differences, REINFORCE++'s r) over all
-    samples and over those that carry signal (|raw| > tol: Fig. 3b's "GRPO effective"), and with groups (G > 1)
-    the share of samples in groups whose rewards are all equal."""
+    """How much of the batch carries a learning signal, for every estimator (the paper's Fig. 3; "effective":
+    over the samples with |raw advantage| > tol)."""
     raw, adv = np.asarray(all_raw_advantage, np.float64), np.asarray(all_advantage, np.float64)
     carries = np.abs(raw) > tol
     m = {"signal/zero_advantage": np.mean(np.abs(adv) <= tol), "signal/adv_var_raw": raw.var(),
@@ -175,12 +160,9 @@ def timed(seconds, phase):
 
 
 class Logger:
-    """Rank 0 logs: a tqdm bar, a console line every few steps, metrics.jsonl per run, and wandb when installed and
-    asked for."""
+    """Rank 0 logs. resume_step: rows after it (steps that will be replayed) are cut from metrics.jsonl."""
 
     def __init__(self, run_dir, config, is_main, wandb_project=None, resume_step=None):
-        """resume_step: the checkpoint's step when resuming: rows after it (steps that will be replayed) are cut
-        from metrics.jsonl, so it keeps one row per step."""
         self.is_main, self.bar, self.wandb = is_main, None, None
         self.config, self.all_equal_steps = config, 0  # steps whose rewards were all equal, so far
         if not is_main:
@@ -236,9 +218,7 @@ class Logger:
             self.console(f"step {step}: {shown}")
 
     def console_keys(self):
-        """The console line's columns. D: SPO's mean D(x) over revisited prompts (how far the policy moved since it
-        last saw them; it sets rho). kl (policy/approx_kl) only with --ppo_steps > 1: with one optimiser step per
-        batch the update starts on-policy (ratio 1) and it is 0."""
+        """The console line's columns; kl only with --ppo_steps > 1 (one step starts on-policy: it is 0)."""
         keys = {"reward/mean": "reward", "eval/accuracy": "test_acc", "advantage/std": "adv_std",
                 "tracker/value_mean": "value", "tracker/rho_mean": "rho", "tracker/divergence_revisit_mean": "D",
                 "policy/entropy": "entropy", "policy/approx_kl": "kl", "policy/logprob_gap_max": "gap",
@@ -256,23 +236,19 @@ class Logger:
 
 
 def all_equal_note(step, reward):
-    """Said once per run, the first time every reward of a step's batch is the same (counted in
-    reward/all_equal_steps). The step still trains: SPO's advantages r - v(x) differ between prompts, and Eq. 9
-    scales them to unit spread; estimators that compare rewards with each other get no signal from it."""
+    """Said once per run, the first time every reward of a step's batch is the same."""
     return (f"step {step}: every reward of the batch is {reward:g} (counted in reward/all_equal_steps; said once). "
             f"SPO still moves the policy (Eq. 9 scales r - v(x) to unit spread); GRPO-like estimators get no signal")
 
 
 class PromptReach:
-    """--oversample, over the run: how many times each prompt was drawn and how many times it was trained on.
-    A prompt whose responses are slow (long, or waiting on slow tools) is aborted more often than others; one
-    drawn but never kept is one the policy never learns from. Saved in checkpoints, so a resumed run counts on."""
+    """--oversample, over the run: each prompt's draws and trainings (a slow prompt is aborted more often: one
+    drawn but never kept is never learned from). Saved in checkpoints."""
 
     def __init__(self, n_prompts):
         self.drawn, self.kept = np.zeros(n_prompts, np.int64), np.zeros(n_prompts, np.int64)
 
     def update(self, drawn, kept):
-        """drawn, kept: prompt indices over all ranks (a prompt of a group appears once per response)."""
         np.add.at(self.drawn, drawn, 1)
         np.add.at(self.kept, kept, 1)
 
@@ -290,10 +266,8 @@ class PromptReach:
 
 
 def oversample_metrics(rollouts, reward, kept, index, reach):
-    """--oversample, over all ranks: the share of started trajectories kept, and the kept ones' mean length and
-    reward against the aborted ones' (only those that finished are scored: all of them with
-    --oversample_measure). Keeping the first to finish keeps the short ones: this is that bias, measured. index:
-    this rank's prompt indices of the started trajectories; reach (PromptReach) counts them for the run."""
+    """--oversample, over all ranks: the share kept, and the kept ones' length and reward against the aborted
+    ones' that finished: keeping the first to finish keeps the short ones, and this measures that bias."""
     finished = np.array([r is not None for r in rollouts], dtype=np.float64)
     lengths = np.array([len(r.response_ids) if r is not None else np.nan for r in rollouts])
     kept, finished, lengths, reward, index = (all_gather_np(np.asarray(x, dtype=np.float64))
@@ -317,13 +291,9 @@ RUN_PLOT_PANELS = (("eval/accuracy", "held-out accuracy"), ("reward/mean", "trai
 
 # ------------------------------------------------ between steps (eval.py): the tracker probe's error, the pool
 def probe_stats(value, success, n_samples, n_eff=None):
-    """The probe's summary: mean absolute error and mean signed error (bias) of v(x) against the measured success
-    rate, and the error a PERFECT tracker would still show because the rate is measured from n samples: the mean
-    of sqrt(2/pi) sqrt(p(1-p)/n) (normal approximation of E|p_hat - p|, with p(1-p) estimated without bias from
-    the same samples). A tracker error near this floor cannot be told apart from measurement noise.
-    n_eff (K,): the tracker's N_eff(x) = alpha + beta; probe/mae_unbiased is then the error of an UNBIASED tracker
-    holding N_eff independent samples of the current policy, beside the probe's noise:
-    mean of sqrt(2/pi) sqrt(p(1-p) (1/N_eff + 1/n)). A tracker that keeps up shows an MAE close to it."""
+    """v(x) against the measured success rate: MAE, bias, and the MAE a PERFECT tracker would show from the n-sample
+    measurement alone (E|p_hat - p| ~ sqrt(2/pi) sqrt(p(1-p)/n)). n_eff: the tracker's N_eff(x); mae_unbiased is
+    then an UNBIASED tracker's of N_eff samples, beside the probe's noise (1/N_eff + 1/n)."""
     value, success = np.asarray(value, np.float64), np.asarray(success, np.float64)
     spread = success * (1 - success) * n_samples / max(n_samples - 1, 1)  # unbiased p(1-p) from n Bernoulli draws
     stats = {"probe/mae": float(np.mean(np.abs(value - success))), "probe/bias": float(np.mean(value - success)),
@@ -338,12 +308,9 @@ POOL_PROMPTS = 2048  # the training prompts pool_statistics reads (a fixed subse
 
 
 def pool_statistics(p, group=8, mastered=0.9):
-    """What decides whether a baseline and a sampler have work to do, from the exact success probabilities p (K,)
-    of training prompts at the training temperature: their mean; the shares of prompts mastered (p >= 0.9) and
-    unsolved (p <= 0.1); the expected share of `group`-sample groups whose rewards all agree (p^G + (1-p)^G: GRPO's
-    samples with no signal, Fig. 3a); and the share of the reward variance that lies between prompts,
-    var(p) / (mean(p) (1 - mean(p))) (total variance of a Bernoulli reward over a uniformly drawn prompt): the
-    most any per-prompt baseline can remove."""
+    """Whether a baseline and a sampler have work to do, from training prompts' exact success probabilities p:
+    the share of groups whose rewards all agree (Fig. 3a), and var(p) / (mean(p) (1 - mean(p))), the share of the
+    reward variance between prompts: the most any per-prompt baseline can remove."""
     p = np.asarray(p, np.float64)
     total = p.mean() * (1 - p.mean())
     return {"pool/exact": float(p.mean()), "pool/mastered": float(np.mean(p >= mastered)),
@@ -353,10 +320,8 @@ def pool_statistics(p, group=8, mastered=0.9):
 
 
 def plot_run(run_dir):
-    """run_dir/run.png: one panel against step for each of RUN_PLOT_PANELS that metrics.jsonl has (held-out
-    accuracy at the evaluation steps; reward, the tracker's mean v(x) and rho, entropy every step). Never fails a
-    run: a missing or empty file, a row cut off mid-write or a missing key give a plot of what there is. Returns
-    the PNG's path, or None when it could not be drawn (said in one line)."""
+    """run_dir/run.png: a panel per RUN_PLOT_PANELS key that metrics.jsonl has. Never fails a run: returns the
+    path, or None when it could not be drawn (said in one line)."""
     path = os.path.join(run_dir, "run.png")
     try:
         rows = []
@@ -396,8 +361,7 @@ def plot_run(run_dir):
 
 
 def run_summary(run_dir, plot, seconds, expected_range=None, test=None):
-    """A run's last line: held-out accuracy at the first and last evaluation (beside `expected_range`, the README's
-    range for one default run, when given), the run directory and its plot, and the command to evaluate it."""
+    """A run's last line: held-out accuracy first and last (beside the README's range), plot, how to evaluate."""
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         evals = [row for row in map(_row, f) if row is not None and "eval/accuracy" in row]
     held_out = " -> ".join(f"{100 * r['eval/accuracy']:.1f}% (step {r['step']})" for r in evals[:1] + evals[1:][-1:])

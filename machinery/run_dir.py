@@ -1,17 +1,8 @@
 """No library guards a run directory or an output: lock files and holds, so that no run overwrites another.
 
-Run directories: one run per directory, nothing overwritten, and a run's checkpoints read safely while it trains.
-
-A run directory belongs to one run (`claim_run_dir`): a fresh run refuses a directory that holds a checkpoint and
-takes over one that holds none (a run that stopped before its first checkpoint: its files are moved aside), default
-names are unique (`default_run_dir`), and a lock file (host, pid and start time of rank 0) keeps a second job out
-while the first lives; a lock whose process is gone on this host (or whose pid another process has now: its start
-time differs) is stale and taken over. A run writes nothing through a symbolic link in its directory (`_linked`).
-`check_disk` asks for room for one more checkpoint before the engine starts. eval.py reads a run's newest checkpoint
-through `checkpoint_model`, which holds it against the run's rotation (machinery/checkpoint.py writes, checks and
-resumes checkpoints); a hold whose evaluation is gone is removed by the next that looks (rotation, the next hold,
-the disk check). An output of eval.py or offline_values.py has one writer at a time (`claim_output`) and appears
-whole (`atomic_write`).
+One run per directory, nothing overwritten, nothing written through a symbolic link; a lock file (host, pid, start
+time) keeps a second job out while the first lives. eval.py reads a run's newest checkpoint through hard-linked
+holds, safe from the run's rotation. An output of eval.py or offline_values.py has one writer and appears whole.
 """
 import atexit
 import contextlib
@@ -47,11 +38,8 @@ def open_run_dir(run_dir, *, resumed, algo, program):
 
 
 def claim_run_dir(run_dir, resume, name):
-    """Rank 0's check that this run may write run_dir, then its lock (removed at exit). Returns an error line or
-    None. A run is continued only from a checkpoint: a fresh run refuses a directory that holds one, and takes
-    over one that holds none (a run that stopped before its first checkpoint, or a directory the user made);
-    --resume needs one. So neither refusal sends the user to the other. The lock is a file created exclusively;
-    a lock left by a process that is gone (same host; its pid reused by another: `_held`) is stale and replaced."""
+    """Rank 0's check that this run may write run_dir, then its lock (removed at exit); an error line or None. A
+    fresh run refuses a directory that holds a checkpoint and takes over one that holds none; --resume needs one."""
     saved = checkpoint_dirs(run_dir)
     if not resume and saved:
         return (f"--run_dir {run_dir} already holds a run with checkpoints (newest: {os.path.basename(saved[-1])}): "
@@ -79,15 +67,12 @@ def claim_run_dir(run_dir, resume, name):
     return None
 
 
-# What a run writes in its directory (metrics.py, spo.py, eval's probe, TensorBoard, wandb, the toy's v0 where the toy
-# is read-only: `shared_output`) and, in checkpoints/, what save_checkpoint writes: a symbolic link at any of these
-# would take the writes outside the run directory.
+# What a run writes in its directory: a symbolic link at any of these would take writes outside it.
 WRITTEN = {"config.json", "metrics.jsonl", "probe.jsonl", "run.png", "checkpoints", "wandb", ".write_test"}
 
 
 def _linked(run_dir):
-    """The first symbolic link where a run writes in run_dir (WRITTEN, their .tmp files, checkpoints/'s step_N,
-    step_N.tmp, latest and latest.tmp), or None."""
+    """The first symbolic link where a run writes in run_dir (WRITTEN, and what save_checkpoint writes), or None."""
     root = os.path.join(run_dir, "checkpoints")
     paths = [os.path.join(run_dir, n) for n in os.listdir(run_dir)
              if n.removesuffix(".tmp") in WRITTEN or n.startswith(("events.out.", "offline_values_"))]
@@ -98,8 +83,7 @@ def _linked(run_dir):
 
 
 def _take_over(run_dir, name):
-    """A fresh run in a directory whose run stopped before its first checkpoint: that run's files (config, logs,
-    unfinished checkpoints/) go to earlier_attempt_K/, kept to read but out of the new run's logs; one line says so."""
+    """The files of a run that stopped before its first checkpoint go to earlier_attempt_K/, said in one line."""
     files = sorted(f for f in os.listdir(run_dir) if f in ("config.json", "metrics.jsonl", "probe.jsonl",
                                                            "checkpoints", "wandb") or f.startswith("events.out."))
     if files:
@@ -119,8 +103,7 @@ def _move_aside(folder, files, prefix):
 
 
 def _take_lock(lock, name, owner):
-    """Create the lock file exclusively with `owner` (its line) in it; one whose process is gone (same host) is
-    stale and replaced, with one line. Returns None, or why not (the rest of an error line)."""
+    """Create the lock file exclusively; a stale one is replaced, with one line. None, or why not."""
     for _ in range(2):
         try:
             fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
@@ -140,14 +123,12 @@ def _take_lock(lock, name, owner):
 
 
 def _owner_line():
-    """What a hold's or an output's lock says of this process: host, pid and start time (a later process given
-    the same pid, as a restarted container hands out, is not mistaken for the owner)."""
+    """Host, pid and start time (a later process given the same pid is not mistaken for the owner)."""
     return f"{socket.gethostname()} {os.getpid()} {_start_time(os.getpid())}\n"
 
 
 def _start_time(pid):
-    """When process pid started (clock ticks since boot: /proc/<pid>/stat's field 22, after the parenthesised
-    command name), or None where unreadable."""
+    """When process pid started (/proc/<pid>/stat's field 22), or None where unreadable."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             return int(f.read().rsplit(")", 1)[1].split()[19])
@@ -166,10 +147,8 @@ def _lock_owner(lock):
 
 
 def _held(lock, owner):
-    """Whether a lock file belongs to a live job: one on another host (not checkable from here), or a live process
-    here other than this one (a restarted container can hand this process, or another, the pid of a job that is
-    gone: where the lock records its start time, a process that started at another time is not its job). A lock
-    with no owner yet is a job between creating and writing it, unless it is older than a few seconds."""
+    """Whether a lock belongs to a live job: one on another host (not checkable), or a live process here other than
+    this one, started when the lock says. A lock with no owner yet is a job between creating and writing it."""
     if owner is None:
         try:
             return time.time() - os.path.getmtime(lock) < 10
@@ -211,9 +190,7 @@ def checkpoint_bytes(n_parameters, export_bytes_per_parameter):
 
 
 def check_disk(run_dir, model, export_bytes_per_parameter):
-    """Before the engine starts: room in run_dir for one more checkpoint (the previous one stays until the new
-    one is complete), else one line saying how much is free and needed, and what evaluations' holds keep. Holds
-    whose evaluation is gone are removed first."""
+    """Before the engine starts: room in run_dir for one more checkpoint, else one line (stale holds removed first)."""
     from machinery.collectives import all_gather_objects
     need = checkpoint_bytes(sum(p.numel() for p in model.parameters()), export_bytes_per_parameter)
     free, (jobs, held) = None, ([], 0)
@@ -237,11 +214,8 @@ def open_output(path, flag, program, earlier=()):
 
 
 def claim_output(path, flag, program, earlier=()):
-    """Rank 0's claim of an output (a file, or with `earlier` a directory) for this job, or an error line: a lock
-    file beside it (path.lock, removed at exit) keeps a second writer out while the first lives, as a run
-    directory's lock does. A directory's files named with one of the endings `earlier` (an earlier run's results)
-    move into earlier_K/ there, with one line: never overwritten, never mixed with this run's. The results are
-    written with `atomic_write`."""
+    """Rank 0's claim of an output (a file, or with `earlier` a directory) by a lock beside it, or an error line.
+    A directory's files ending in `earlier` (an earlier run's results) move into earlier_K/, said in one line."""
     lock = os.path.normpath(path) + ".lock"
     try:
         os.makedirs(os.path.dirname(os.path.abspath(lock)), exist_ok=True)
@@ -260,9 +234,8 @@ def claim_output(path, flag, program, earlier=()):
 
 
 def shared_output(path, run_dir, program, what):
-    """A file runs share (the toy's offline values beside the toy), on every rank: path when it is there or rank 0
-    claims it for this run (`claim_output`: one writer per output, so two runs starting together never write one
-    file), else the same name in run_dir (a read-only toy, another run writing it now), said in one line."""
+    """A file runs share (the toy's offline values): path when it is there or rank 0 claims it, else the same name
+    in run_dir (a read-only toy, another run writing it now), said in one line."""
     from machinery.collectives import all_gather_objects
     if dist.get_rank() == 0 and not os.path.exists(path) and (error := claim_output(path, what, program)):
         kept = os.path.join(run_dir, os.path.basename(path))
@@ -273,8 +246,7 @@ def shared_output(path, run_dir, program, what):
 
 @contextlib.contextmanager
 def atomic_write(path):
-    """path opened for writing under a temporary name, renamed to path once written whole and on disk: a reader,
-    or a rerun after a run stopped midway, never finds half a file there."""
+    """path written under a temporary name, renamed once whole and on disk: nobody finds half a file there."""
     tmp = f"{path}.tmp"
     try:
         with open(tmp, "w") as f:
@@ -290,10 +262,8 @@ def atomic_write(path):
 
 # ------------------------------------------------------------------------------------------------ reading a run
 def resolve_model(path: str) -> str:
-    """A model directory from what a user naturally passes: an HF dir or hub name as is, or spo.py output: a run
-    directory or its checkpoints/ directory (the newest published checkpoint: `latest` may name one deleted since),
+    """A model directory: an HF dir or hub name as is, a run or its checkpoints/ (the newest checkpoint's model/),
     or a step_N directory (its model/)."""
-    from machinery.checkpoint import checkpoint_dirs
     run = os.path.normpath(path)
     found = checkpoint_dirs(os.path.dirname(run) if os.path.basename(run) == "checkpoints" else run)
     if found:
@@ -304,10 +274,8 @@ def resolve_model(path: str) -> str:
 
 
 def checkpoint_model(given: str, tries: int = 3):
-    """--model, on rank 0: (the model directory it names, the directory to load it from, an error line or None).
-    A run still training deletes all but its newest checkpoints, maybe while the engine loads one: a checkpoint's
-    model/ is held (`_hold`: hard links, no copy; removed at exit) and checked there (machinery/checkpoint.py:
-    damaged, against the sizes written). One deleted before it was held: the run's newest is taken again."""
+    """--model, on rank 0: (the model directory it names, where to load it from, an error line or None). A training
+    run rotates its checkpoints, maybe while the engine loads one: model/ is held (hard links) and checked there."""
     run = os.path.normpath(given)
     run = os.path.dirname(run) if os.path.basename(run) == "checkpoints" else run
     if os.path.isfile(os.path.join(run, "metrics.jsonl")) and not checkpoint_dirs(run):
@@ -343,9 +311,8 @@ def checkpoint_model(given: str, tries: int = 3):
 
 
 def _hold(step):
-    """step_N's model/ and manifest hard-linked into checkpoints/.eval-<host>-<pid>/ (with a lock naming this
-    process), after removing the holds of evaluations that are gone (`clear_stale_holds`). None where links cannot
-    be made (a read-only copy of a run: nothing rotates it); FileNotFoundError: its run deleted it while linked."""
+    """step_N's model/ and manifest hard-linked into checkpoints/.eval-<host>-<pid>/ with a lock. None where links
+    cannot be made (a read-only copy: nothing rotates it); FileNotFoundError: its run deleted it meanwhile."""
     root = os.path.dirname(step)
     clear_stale_holds(root)
     hold = os.path.join(root, f".eval-{socket.gethostname()}-{os.getpid()}")
@@ -367,9 +334,8 @@ def _hold(step):
 
 
 def clear_stale_holds(root):
-    """The holds in root (a run's checkpoints/: `_hold`) of evaluations that are gone from this host are removed:
-    one killed before its exit handler ran would keep a rotated-out checkpoint on disk for good. Returns the live
-    ones' jobs ("pid P on HOST") and the bytes only they keep (files no checkpoint links to any more)."""
+    """Holds in root of evaluations that are gone are removed (one killed before its exit handler would keep a
+    checkpoint for good). Returns the live ones' jobs and the bytes only they keep."""
     jobs, links = [], {}  # inode: (bytes, links seen in live holds, links in all)
     for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
         hold = os.path.join(root, name)

@@ -1,19 +1,10 @@
 """On torch FSDP2 (fully_shard) and transformers: the policy-gradient trainer TRL or verl has, in one readable file.
 
-spo.py tells the algorithm's story and holds its math (the advantages, D(x), the PPO-clip loss of Eq. 10); this
-file holds the mechanics any policy-gradient trainer on torch FSDP2 needs:
-- `setup_distributed`: torch.distributed on gloo (CPU) or nccl (GPU); `python spo.py` works as a world of 1.
-- `build_policy`: a Hugging Face causal LM sharded with FSDP2 (per decoder layer, or the whole model as one unit);
-  on GPU bf16 compute with fp32 master weights and fp32 gradient reduction.
-- `token_logprobs` (via `response_logprobs`): the decoder once per micro-batch, its sequences packed into one row
-  without padding and shared prefixes once (batching.packed_row, packed_attention), the output projection only
-  at response positions, with fp32 logits and in chunks, so no (B, T, V) logits tensor exists.
-- `old_logprobs` / `ppo_update`: per-token log-probs in micro-batches, and the optimiser steps around a loss
-  function given by the caller, normalised by the GLOBAL token count. FSDP2 averages gradients over ranks; that
-  loss is already a global mean, so each rank scales its loss by the world size to get the true gradient
-  (set_gradient_divide_factor(1) would do the same but fails on gloo). Neither loop waits for the device.
-- `clip_grad_norm`: torch's gradient clipping on FSDP2's shards in one collective. The small collectives and the
-  full weights for the push are in collectives.py, checkpoints in checkpoint.py, what a run records in metrics.py.
+spo.py holds the algorithm's math (the advantages, D(x), the PPO-clip loss of Eq. 10); this file the mechanics:
+the policy sharded with FSDP2, per-token log-probs with fp32 logits computed in chunks (no (B, T, V) tensor), and
+the optimiser steps around the caller's loss, normalised by the GLOBAL token count. FSDP2 averages gradients over
+ranks and that loss is already a global mean, so each rank scales it by the world size
+(set_gradient_divide_factor(1) would do the same but fails on gloo).
 """
 import contextlib
 import datetime
@@ -42,8 +33,8 @@ DIST_TIMEOUT = datetime.timedelta(minutes=60)
 
 
 def setup_distributed():
-    """Start torch.distributed. Under torchrun the environment says who we are; plain `python spo.py` is a
-    world of one (vLLM's external launcher needs the process group either way)."""
+    """torch.distributed on gloo (CPU) or nccl (GPU); plain `python spo.py` is a world of one (vLLM's external
+    launcher needs the process group either way)."""
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
@@ -66,18 +57,10 @@ def setup_distributed():
 # ------------------------------------------------------------------------------------------------ the policy
 def build_policy(path, device, lr, weight_decay, gradient_checkpointing=None, layer_units=None, bf16=None):
     """The policy: a Hugging Face causal LM in training mode, sharded with FSDP2, and its AdamW optimiser.
-    gradient_checkpointing: recompute each decoder layer's activations in the backward pass (None: on GPU only,
-    where long responses make the saved activations the largest memory item).
-    layer_units: each decoder layer its own FSDP2 unit (None: on more than one GPU, where FSDP2 overlaps the next
-    layer's gather with compute; device.use_layer_units); one GPU has nothing to gather, and on CPU a rank's one
-    thread pays every unit's gathers in turn.
-    bf16: forward and backward in bf16 with FSDP2's mixed precision (the fp32 parameters stay the master copy the
-    optimiser updates; gradients are reduced in fp32). None: on GPU only; on CPU it pays only where the cores have
-    bf16 instructions (device.use_bf16 refuses it elsewhere).
-
-    Only rank 0 reads the weights (in fp32, on the host: 33 GB for an 8B model); the other ranks build the model
-    on the meta device, and each rank receives its own shard by broadcast (set_model_state_dict with
-    broadcast_from_rank0), so a node holds one full copy on the host, not one per GPU."""
+    gradient_checkpointing, layer_units, bf16: as resolved by device.py and memory.py (None: the GPU defaults).
+    bf16 is FSDP2's mixed precision: fp32 master weights, gradients reduced in fp32.
+    Only rank 0 reads the weights (33 GB in fp32 for an 8B model); the others build on the meta device and receive
+    their shards by broadcast, so a node holds one full copy on the host, not one per GPU."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -113,12 +96,8 @@ def build_policy(path, device, lr, weight_decay, gradient_checkpointing=None, la
 
 
 def prepare_for_training(model, gradient_checkpointing):
-    """Training mode with dropout off, and optionally gradient checkpointing that really happens.
-
-    `from_pretrained` returns a model in eval mode, and transformers checkpoints a layer only while the model is
-    training: without `.train()` gradient checkpointing is silently never applied and every activation is kept.
-    Dropout stays off: PPO's ratio compares the update's log-probs with the old ones, and dropout noise in either
-    would move the ratio away from 1 for no reason (Qwen3 has none; other models may)."""
+    """Training mode (transformers checkpoints a layer only while training) with dropout off: dropout noise would
+    move PPO's ratio away from 1 for no reason."""
     model.train()
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
@@ -215,14 +194,10 @@ def _chunk_logprobs(hidden, weight, weight_sum, bias, targets, temperature, with
 
 def response_logprobs(model, ids, rows, cols, temperature, with_entropy=False, chunk=None):
     """(N,) log pi(ids[rows, cols + 1] | ids[rows, :cols + 1]) at the sampling temperature, and the (N,) entropies
-    (or None): the decoder runs once over the sequences (packed into one row without padding, a prefix they share
-    once: batching.packed_row, where the model takes packed_attention: attach_logprob_forward; else over the
-    padded (B, T) rows), the output projection only at the N positions asked for (the response tokens), `chunk`
-    positions at a time (default: LOGIT_CHUNK_BYTES of fp32 logits). No (B, T, V) tensor ever exists (Qwen3, V =
-    151,936: 12 GB per fp32 copy of the logits of 2 x 10k tokens). With gradients each chunk is checkpointed
-    (recomputed in the backward), so the backward too holds one chunk's logits at a time.
-    Call it as `model.response_logprobs(...)` after attach_logprob_forward (build_policy does), so that FSDP2
-    gathers the parameters around it as it would around `forward`."""
+    (or None): the decoder once over the sequences (one packed row, batching.packed_row; else the padded rows), the
+    output projection only at the N positions, `chunk` positions at a time, each chunk checkpointed: no (B, T, V)
+    tensor exists (Qwen3: 12 GB per fp32 copy of the logits of 2 x 10k tokens). Call it as
+    `model.response_logprobs(...)` (attach_logprob_forward), so that FSDP2 gathers the parameters around it."""
     device = next(model.parameters()).device
     ids, rows, cols = (x.cpu() for x in (ids, rows, cols))  # host tensors (the loops pass them; no wait then)
     targets = ids[rows, cols + 1]  # (N,)
@@ -257,11 +232,8 @@ def response_logprobs(model, ids, rows, cols, temperature, with_entropy=False, c
 
 
 def attach_logprob_forward(model):
-    """Give the model `model.response_logprobs(ids, rows, cols, temperature, with_entropy)`.
-
-    FSDP2 gathers a sharded module's parameters only around `forward`; the root unit here holds the embedding,
-    the final norm and the output projection, which response_logprobs uses outside the model's own forward.
-    register_fsdp_forward_method wraps the method in the same gather/release hooks (a no-op without FSDP)."""
+    """Give the model `model.response_logprobs(...)`, wrapped in FSDP2's gather/release hooks: it uses the root
+    unit (embedding, final norm, output projection) outside the model's own forward."""
     from torch.distributed.fsdp import register_fsdp_forward_method
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     for name in ("final_logit_softcapping", "logit_scale"):  # applied inside forward, after the projection
@@ -275,10 +247,8 @@ def attach_logprob_forward(model):
 
 
 def token_logprobs(model, ids, mask, temperature, with_entropy=False):
-    """(B, T-1) log pi(token_t | tokens_<t) where mask > 0 (response tokens; 0 elsewhere) and, if asked, the
-    (B, T-1) entropy of pi at those positions, on the model's device. model: as returned by attach_logprob_forward.
-    ids, mask: host tensors (batching.pack(..., "cpu")), from which the positions are found without a device read;
-    device tensors are read back first (a wait for the device)."""
+    """(B, T-1) log pi(token_t | tokens_<t) where mask > 0 (0 elsewhere) and, if asked, the entropy there, on the
+    model's device. ids, mask: host tensors (batching.pack), so finding the positions does not wait for the device."""
     rows, cols = (torch.from_numpy(x) for x in np.nonzero(mask.cpu().numpy()))
     if not len(rows):
         # An idle rank (mask all 0) still projects one position: under FSDP2 every rank must produce a gradient
@@ -293,13 +263,10 @@ def token_logprobs(model, ids, mask, temperature, with_entropy=False):
 @torch.no_grad()
 def old_logprobs(model, rollouts, revisited, temperature, micro_batch_size, max_tokens=None):
     """The trainer's log-probs, before this step's update, of this batch's responses (PPO's old log-probs) and of
-    `revisited` responses (spo.py: previous responses, for D(x)), in one pass. revisited: (prompt token ids,
-    response token ids, response mask) triples. Also the policy's entropy on this batch and the gap between the
-    trainer's and vLLM's log-probs of the sampled tokens (a weight push that did not land shows here).
-    Tool-output tokens (mask 0) were never sampled: their log-prob is not computed and reads 0.
-    With a token budget (max_tokens) all ranks' sequences are dealt to the ranks by tokens (assign_by_tokens)
-    and each result goes back to the rank that owns the sequence. The results stay on the device until the loop
-    ends and are read in one copy: the host queues the micro-batches without waiting for any."""
+    `revisited` (prompt ids, response ids, response mask) triples (spo.py: previous responses, for D(x)), in one
+    pass; also the entropy and the trainer-vLLM log-prob gap (a weight push that did not land shows there).
+    With a token budget all ranks' sequences are dealt by tokens and each result sent back to its owner. The
+    results are read in one copy after the loop: the host queues the micro-batches without waiting."""
     rank, padded = dist.get_rank(), model.config._attn_implementation != PACKED_ATTENTION
     if max_tokens is not None and next(model.parameters()).is_cuda:  # no activations kept: twice the update's
         max_tokens *= 2  # budget on GPU (verl sizes its log-prob passes so)
@@ -336,21 +303,16 @@ def old_logprobs(model, rollouts, revisited, temperature, micro_batch_size, max_
 
 
 def tis_weights(old_logprobs, engine_logprobs, mask, cap):
-    """Truncated importance sampling (--tis; Yao et al. 2025, verl's and OpenRLHF's form): per token
-    min(pi_trainer / pi_engine, cap), the trainer's old log-prob against the engine's that sampled the token;
-    1 on tokens the policy did not generate (tool output). The samples came from the engine, the gradient is the
-    trainer's: the weight corrects for the gap, and the cap bounds its variance."""
+    """Truncated importance sampling (--tis; Yao et al. 2025): per token min(pi_trainer / pi_engine, cap), 1 on
+    tool output. The samples came from the engine, the gradient is the trainer's: the cap bounds the variance."""
     ratio = np.exp(np.asarray(old_logprobs) - np.asarray(engine_logprobs))
     return np.where(np.asarray(mask) > 0, np.minimum(ratio, cap), 1.0)
 
 
 @torch.no_grad()
 def clip_grad_norm(parameters, max_norm):
-    """torch.nn.utils.clip_grad_norm_ (2-norm) for FSDP2's sharded gradients, the same numbers bit for bit on two
-    ranks (tests/test_trainer.py) in one collective instead of the several of DTensor's arithmetic (docs/design.md):
-    each rank's norm of each of its gradient shards, each parameter's norm over the ranks (sqrt of the summed
-    squares, as DTensor reduces a partial norm), their 2-norm, and every shard scaled by min(1, max / (norm + 1e-6)).
-    Returns the global norm as a float."""
+    """torch.nn.utils.clip_grad_norm_ (2-norm) for FSDP2's sharded gradients, the same numbers bit for bit
+    (tests/test_trainer.py), in one collective instead of DTensor's several (docs/design.md). Returns the norm."""
     grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in parameters if p.grad is not None]
     squares = all_gather_np((torch.stack(torch._foreach_norm(grads, 2.0)) ** 2.0)[None].cpu().numpy())  # (world, P)
     total = torch.linalg.vector_norm(torch.from_numpy(squares).sum(0) ** 0.5, 2.0)
@@ -362,12 +324,9 @@ def ppo_update(model, optimizer, rollouts, old, advantage, loss_fn, *, ppo_steps
                grad_clip, max_tokens=None, tis=0.0):
     """`ppo_steps` optimiser steps over consecutive mini-batches of the rollouts, each step's loss from
     loss_fn(logprobs, old_logprobs, advantage, mask, n_tokens=...) -> (loss, clipped) (spo.ppo_clip_loss, Eq. 10),
-    where n_tokens counts the policy tokens of the GLOBAL mini-batch (all ranks): a token mean over it. The
-    machinery: micro-batches (_accumulate_gradients), gradient clipping, and skipping a step whose loss or gradient
-    norm is not finite (on every rank alike). old: (T_i,) old log-probs per rollout (old_logprobs'); advantage:
-    (B_local,) one scalar per trajectory. max_tokens: the micro-batches' token budget (plan_micro_batches), each
-    mini-batch's sequences then dealt to the ranks by tokens; None: micro_batch_size sequences each, every rank its
-    own rollouts. tis: the cap of tis_weights, passed to loss_fn as weights; 0: off."""
+    n_tokens: the GLOBAL mini-batch's policy tokens. A step whose loss or gradient norm is not finite is skipped on
+    every rank. old: per-rollout old log-probs; advantage: (B_local,). max_tokens: the token budget (sequences
+    then dealt to the ranks by tokens); tis: tis_weights' cap, passed to loss_fn as weights (0: off)."""
     per, world = len(rollouts) // ppo_steps, dist.get_world_size()
     sequences = [Sequence(r.prompt_ids, r.response_ids, r.response_mask, old[i], float(advantage[i]),
                           tis_weights(old[i], r.logprobs, r.response_mask, tis) if tis else None)
@@ -397,11 +356,9 @@ def ppo_update(model, optimizer, rollouts, old, advantage, loss_fn, *, ppo_steps
 
 
 def _accumulate_gradients(model, mini, shares, loss_fn, global_tokens, temperature, micro_batch_size, max_tokens, tis):
-    """One optimiser step's gradient, accumulated over this rank's micro-batches of `mini` (Sequence records).
-    Nothing in the loop waits for the device: the inputs are built on the host and moved without waiting
-    (batching.to_device), the loss and counts stay on the device, read once after the loop, and FSDP2 reduces the
-    summed gradient once, after the last micro-batch's backward. Returns this rank's (loss, clipped tokens, k3 KL
-    summed over tokens, tokens, truncated tokens, tokens the decoder ran), summed in float64 in order."""
+    """One optimiser step's gradient over this rank's micro-batches of `mini`; nothing waits for the device, and
+    FSDP2 reduces once, after the last backward. Returns this rank's (loss, clipped tokens, k3 KL summed over
+    tokens, tokens, truncated tokens, tokens the decoder ran), summed in float64 in order."""
     world, ran = dist.get_world_size(), getattr(model, "decoder_tokens", 0)
     plan = micro_batches(list(map(len, mini)), micro_batch_size, max_tokens, shares,
                          padded=model.config._attn_implementation != PACKED_ATTENTION)
