@@ -1,13 +1,8 @@
 """Stands in for torch.distributed's all_gather_object and all_reduce on numpy: one collective, not two (bench).
 
-The small collectives every rank runs: numpy arrays and picklable objects gathered from all ranks, in rank order,
-built on all-gather. On gloo each collective has a fixed cost that dominates the toy's small messages (its
-all-reduce of a few numbers costs more than its all-gather, and an all-gather of 64 KiB about what one of 16 bytes
-does: docs/design.md), so a reduction is an all-gather and a sum, several arrays travel in one collective, and
-objects travel in one fixed-size buffer. On nccl the same calls move GPU tensors. FSDP2's own collectives move the
-weights and gradients (machinery/trainer.py); `full_parameters` gathers the full weights from FSDP2's shards in
-buckets (the weight push, the HF export), fewer collectives than DTensor.full_tensor() one by one.
-Not run on its own; tests/test_trainer.py checks them on three ranks.
+The small collectives, in rank order, built on all-gather: on gloo each collective has a fixed cost that dominates
+small messages (docs/design.md), so several arrays travel in one, and objects in one fixed-size buffer.
+`full_parameters` gathers the full weights from FSDP2's shards in buckets (the weight push, the HF export).
 """
 import math
 import pickle
@@ -35,9 +30,7 @@ def all_reduce_np(values, op="sum"):
 
 
 def all_gather_np(*arrays):
-    """Concatenate numpy arrays from all ranks, in rank order: all_gather_np(a) -> a of every rank;
-    all_gather_np(a, b, ...) -> (a of every rank, b of every rank, ...) in ONE collective (each has a fixed cost).
-    Each array has the same size on every rank; several travel as float64 (exact for int and bool arrays)."""
+    """Numpy arrays of every rank, concatenated; several arrays in ONE collective, as float64 (exact for ints)."""
     if len(arrays) == 1:
         t = torch.as_tensor(np.ascontiguousarray(arrays[0]), device=_comm_device())
         out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
@@ -66,10 +59,8 @@ OBJECT_BUCKET_BYTES = 2 ** 16
 
 
 def all_gather_objects(items):
-    """Concatenate per-rank lists of picklable objects from all ranks, in rank order. torch's all_gather_object
-    spends two collectives (the sizes, then the padded pickles); here each rank sends a fixed OBJECT_BUCKET_BYTES
-    buffer (its pickle's length, then the pickle), and only if a pickle overflows it do all ranks (each knowing
-    every length now) gather the overflows too."""
+    """Per-rank lists of picklable objects, concatenated: one collective of OBJECT_BUCKET_BYTES (length, pickle)
+    where torch's all_gather_object spends two; a second only when a pickle overflows it."""
     data, room = np.frombuffer(pickle.dumps(items), dtype=np.uint8), OBJECT_BUCKET_BYTES - 8
     first = np.zeros(OBJECT_BUCKET_BYTES, dtype=np.uint8)
     first[:8], first[8: 8 + min(len(data), room)] = np.array([len(data)], np.int64).view(np.uint8), data[:room]
@@ -86,15 +77,10 @@ PUSH_BUCKET_BYTES = 2 ** 28
 
 
 def full_parameters(model, dtype=None, bucket_bytes=PUSH_BUCKET_BYTES):
-    """(name, full tensor) for every parameter, gathered in buckets of at most `bucket_bytes` of full tensors (one
-    all-gather per bucket; a larger parameter is a bucket of its own): the weight push and the HF export never hold
-    a second full copy of the model. Every rank must iterate (each gather is a collective). dtype: cast each rank's
-    shard BEFORE the gather (spo.py: bf16 on GPU, the engine's dtype), which halves the bytes gathered. The bytes
-    are the shards' own: the same tensors as DTensor.full_tensor(), fewer collectives. Tied weights come under both
-    names (remove_duplicate=False): vLLM's CPU backend keeps a separately packed copy of a tied lm_head, which goes
-    stale if only the embedding is pushed (a large log-prob gap). The root unit (CPU: the whole model) is gathered
-    by FSDP2's unshard and stays so: the next forward skips its own gather, and FSDP2 reshards after the backward,
-    before an optimiser step could make it stale."""
+    """(name, full tensor) for every parameter, one all-gather per bucket of at most `bucket_bytes`: never a second
+    full copy of the model. Every rank must iterate. dtype: each shard cast BEFORE the gather. Tied weights come
+    under both names: vLLM's CPU backend packs a tied lm_head apart, stale if only the embedding is pushed. The root
+    unit stays gathered for the next forward; FSDP2 reshards it after the backward."""
     from torch.distributed.tensor import Shard
     if hasattr(model, "unshard"):  # an FSDP2 module (not a plain one)
         model.unshard()
@@ -122,8 +108,7 @@ def _shard_rows(rows, world):
 
 
 def _gather_bucket(bucket):
-    """One all-gather of the local shards of `bucket` ((name, DTensor sharded on dim 0) pairs, one dtype), then the
-    full tensors, in order."""
+    """One all-gather of `bucket`'s (name, Shard(0) DTensor) local shards, then the full tensors, in order."""
     if not bucket:
         return
     world, rank = dist.get_world_size(), dist.get_rank()

@@ -1,8 +1,6 @@
 """No library drops another's known-harmless warnings; this does, one logger and exact message each (test_console).
 
-What a program's console shows: the library lines a user cannot act on are dropped at their source, precisely
-(one logger, the exact message; logging and warnings filters, the standard library's own way), so that real errors
-and every other warning still show (docs/design.md, "A quiet console"). No library does this for us.
+Real errors and every other warning still show (docs/design.md, "A quiet console").
 """
 import logging
 import os
@@ -11,16 +9,13 @@ import warnings
 
 
 def quiet_vllm():
-    """WARNING and above from vLLM unless VLLM_LOGGING_LEVEL is set: its start-up report and per-push INFO lines
-    would bury the progress bar; and vLLM's known-harmless warnings dropped (drop_harmless_warnings). Call it
-    before vllm is imported (Engine imports it)."""
+    """vLLM at WARNING unless VLLM_LOGGING_LEVEL is set (its INFO lines bury the progress bar), its harmless
+    warnings dropped. Call it before vllm is imported."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     drop_harmless_warnings()
 
 
-# The warnings vLLM (and torch through it) prints at every engine start that say nothing a user of these programs
-# can act on (docs/design.md, "A quiet console"): logger name -> its exact messages. Other messages of the same
-# loggers, and every other logger, still show.
+# vLLM's warnings at every engine start that nobody can act on: logger name -> its exact messages.
 SKIPPED_THREADS = "CPU backend doesn't allow to use `torch.set_num_threads` after the thread binding, skip it."
 HARMLESS_VLLM_WARNINGS = {
     "vllm.triton_utils.importing": ("Triton is installed, but doesn't include CPU backend. Disabling Triton.",),
@@ -45,9 +40,7 @@ HARMLESS_VLLM_WARNINGS = {
 
 
 def _vllm_own_threads():
-    """Whether the torch.set_num_threads call being refused (vLLM's CPU worker swaps torch.set_num_threads for
-    skip_set_num_threads, a warning) came from vLLM's own thread helpers (vllm/utils/torch_utils.py). A call from
-    anywhere else, ours included, still warns: it did not take effect."""
+    """Whether the refused torch.set_num_threads came from vLLM's own helpers: any other caller's still warns."""
     frame = sys._getframe()
     while frame is not None and frame.f_code.co_name != "skip_set_num_threads":
         frame = frame.f_back
@@ -69,9 +62,8 @@ class HarmlessWarnings(logging.Filter):
 
 
 def drop_harmless_warnings():
-    """Filters for HARMLESS_VLLM_WARNINGS on their loggers (once per process), and for the FutureWarning that vLLM's
-    Triton kernel registry raises as it scans every module's attributes (`torch.distributed.reduce_op` is
-    deprecated: it only looks at it). Works before vllm is imported (loggers are looked up by name)."""
+    """Filters for HARMLESS_VLLM_WARNINGS (once per process), and for the FutureWarning vLLM's Triton registry
+    raises by merely looking at `torch.distributed.reduce_op`."""
     for name, messages in HARMLESS_VLLM_WARNINGS.items():
         logger = logging.getLogger(name)
         if not any(isinstance(f, HarmlessWarnings) for f in logger.filters):

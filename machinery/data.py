@@ -1,17 +1,8 @@
 """On pyarrow and transformers' chat templates (no datasets package): stable prompt keys and one-line file errors.
 
-Prompt datasets: the one loader that spo.py, offline_values.py and eval.py share.
-
-A prompt's key is a hash of its chat messages, not its row number, so the tracker, the offline values and the
-evaluation agree on it across files, orderings and programs; duplicate prompts are merged and counted. Accepted
-files: verl DAPO parquet (chat-message `prompt`, `reward_model.ground_truth`), open-r1 processed DAPO (string
-`prompt`, `solution`), and any parquet / JSONL with a prompt column in PROMPT_COLUMNS and an answer column in
-ANSWER_COLUMNS. Bad files stop with an error that names the file, the row and what was found.
-
-    from machinery.data import load_prompts, load_dataset, load_tokenizer
-    prompts = load_prompts("dapo_math_17k.parquet")            # keys, chat messages, answers (no tokenizer)
-    data = load_dataset("dapo_math_17k.parquet", load_tokenizer("Qwen/Qwen3-8B"), max_prompt_len=2048,
-                        verbose=True)                           # + chat-templated token ids, long prompts left out
+The one loader spo.py, offline_values.py and eval.py share. A prompt's key is a hash of its chat messages, not its
+row number, so the tracker, the offline values and the evaluation agree on it across files and programs; duplicate
+prompts are merged and counted. Bad files stop with an error naming the file, the row and what was found.
 """
 import functools
 import hashlib
@@ -119,12 +110,9 @@ def _answer(value, where: str) -> str:
 
 
 def load_prompts(path) -> PromptSet:
-    """Load prompts and answers; one key per distinct prompt (the first occurrence's answer is kept).
-
-    Accepted: verl DAPO parquet (prompt = chat messages, reward_model.ground_truth), open-r1 processed DAPO
-    (prompt = string, solution), and any parquet / JSONL with a prompt column in PROMPT_COLUMNS (string or
-    messages) and an answer column in ANSWER_COLUMNS. Row numbers in errors count data rows from 0.
-    """
+    """Prompts and answers of a parquet / JSONL file with a prompt column in PROMPT_COLUMNS (a string or chat
+    messages) and an answer column in ANSWER_COLUMNS (verl's and open-r1's DAPO files); one key per distinct prompt
+    (the first occurrence's answer kept). Row numbers in errors count data rows from 0."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such file")
@@ -162,9 +150,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
 def find_model(name):
-    """A --model value that every loader (tokenizer, trainer, engine) can open: a local directory as it is; a hub
-    name as it is while the hub answers, else its cached snapshot directory, else one line. Asked once here because
-    an unreachable hub costs each loader a minute of retries and warnings before its own error."""
+    """A --model every loader can open: a local directory or a hub name as it is while the hub answers, else its
+    cached snapshot, else one line (an unreachable hub costs each loader a minute of retries)."""
     import urllib.request
     if Path(name).expanduser().is_dir() or os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "false", ""):
         return name  # local, or offline by request: the libraries then read the cache without retrying
@@ -193,11 +180,8 @@ def _few(items, n=3):
 
 
 def unfinished_download(folder):
-    """Why files may be missing from a Hugging Face cache snapshot (.../snapshots/<commit>), naming them, or None:
-    huggingface_hub downloads a file into blobs/<hash>...incomplete and links it into the snapshot only once it is
-    whole, so an interrupted download leaves that partial blob (unless it was cleaned up), the file's directory
-    empty, or a link to a blob deleted since. Asked only once a file is found missing: a stale partial blob of
-    another file must not stop a snapshot that is whole."""
+    """Why files may be missing from a Hugging Face cache snapshot, naming them (a partial blob, an empty
+    directory, a link to a deleted blob), or None. Asked only once a file is found missing."""
     folder = Path(folder)
     if folder.parent.name != "snapshots" or not folder.is_dir():
         return None
@@ -213,11 +197,9 @@ def unfinished_download(folder):
 
 
 def weights_disagreement(folder):
-    """How a model directory's safetensors weights differ from what its config.json builds, or None: the names
-    and shapes transformers would report as missing, unexpected or mismatched when loading, found from the files'
-    headers and a model on the meta device, so no weight is read. (It loads such a model with those layers freshly
-    initialised, and vLLM stops with a traceback.) pytorch_model.bin weights are not checked: their names are in a
-    pickle read only by loading it."""
+    """How a model directory's safetensors weights differ from what its config.json builds (missing, unexpected,
+    mismatched), or None, from the headers on the meta device: transformers would load such a model with fresh
+    layers, and vLLM stop with a traceback. pytorch_model.bin is not checked (a pickle)."""
     import torch
     import transformers
     from safetensors import SafetensorError, safe_open
@@ -268,8 +250,7 @@ def weights_disagreement(folder):
 
 @functools.cache  # spo.py asks twice (check_context, load_tokenizer); a failure raises, so it is never cached
 def check_model_dir(path):
-    """A local --model directory holds a config, weights that match it and a tokenizer: one line naming what is
-    missing or disagrees, before anything heavy starts. (A hub name is checked by loading it.)"""
+    """A local --model directory holds a config, weights that match it and a tokenizer, else one line."""
     folder = Path(path)
     if not folder.is_dir():
         return
@@ -287,8 +268,7 @@ def check_model_dir(path):
 
 
 def load_tokenizer(path):
-    """The model's tokenizer, once its directory is checked (check_model_dir); it must have a chat template, since
-    prompts are chat messages."""
+    """The model's tokenizer, once its directory is checked; it must have a chat template."""
     from transformers import AutoConfig, AutoTokenizer
     check_model_dir(path)
     try:
@@ -309,9 +289,8 @@ def load_tokenizer(path):
 
 
 def plain_text_ids(tokenizer, text):
-    """Token ids of text that no added token may come from (tool output): the backend's normaliser, pre-tokeniser
-    and model only. split_special_tokens splits the special ones alone, and Qwen3's <tool_call> and </think> are
-    added tokens not marked special. Assumes the model's own vocabulary cannot merge up to an added token."""
+    """Token ids of text that no added token may come from (tool output): split_special_tokens splits only the
+    special ones, and Qwen3's <tool_call> and </think> are added tokens not marked special."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:  # no tokenizers backend (a slow tokenizer): the special tokens, at least, are split
         return tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
@@ -320,9 +299,7 @@ def plain_text_ids(tokenizer, text):
     return [token.id for piece, _ in pieces for token in backend.model.tokenize(piece)]
 
 def check_context(model, tokens, flags):
-    """tokens (prompt + response budget, as `flags` set it) fit --model's positions (config.json's
-    max_position_embeddings): vLLM refuses a longer context at start-up with a long traceback, and a model run past
-    its positions degrades quietly."""
+    """tokens fit --model's max_position_embeddings: vLLM refuses a longer context with a traceback."""
     from transformers import AutoConfig
     check_model_dir(model)  # a directory without config.json: one line, not AutoConfig's traceback
     limit = getattr(AutoConfig.from_pretrained(model), "max_position_embeddings", None)
@@ -351,8 +328,7 @@ def with_system(messages, system_prompt):
 
 
 def load_dataset(path, tokenizer, max_prompt_len, verbose, system_prompt=None):
-    """Chat-formatted prompt token ids. system_prompt (e.g. the tool instruction) changes the prompts the model
-    sees, not their keys: the keys are hashes of the data's own messages."""
+    """Chat-formatted prompt token ids; system_prompt changes what the model sees, not the keys."""
     try:
         prompts = load_prompts(path)
     except (ValueError, FileNotFoundError) as e:
@@ -389,9 +365,7 @@ def load_dataset(path, tokenizer, max_prompt_len, verbose, system_prompt=None):
 
 def load_train_and_test(tokenizer, train, test, *, max_prompt_len, train_prompts, test_prompts, min_prompts,
                         system_prompt, verbose):
-    """spo.py's prompts: the training set (its first `train_prompts`, 0: all; at least `min_prompts`, the distinct
-    prompts one step draws) and the held-out set, if any (its first `test_prompts`, 0: all; prompts it shares with
-    training are counted in a warning). Returns (data, test or None)."""
+    """spo.py's (training prompts, held-out prompts or None), each cut to its first N (0: all)."""
     data = load_dataset(train, tokenizer, max_prompt_len, verbose, system_prompt)
     if train_prompts > len(data.keys):
         fail(f"--train_prompts {train_prompts}: --train {train} has only {len(data.keys)} prompts", once=True)

@@ -1,8 +1,7 @@
 """No library decides these; they are decided once so that the estimate, trainer and engine agree (tests/test_memory).
 
-What changes between a CPU and a GPU run, decided once so that the memory estimate, the trainer and the engine
-agree: the trainer's flags (add_trainer_flags), FSDP2's units and bf16 (each `auto`: on GPU only; gradient
-checkpointing and the token budgets: memory.py's auto_budget), and the device memory a run reports.
+What changes between a CPU and a GPU run: the trainer's flags and their `auto` values (the token budget and
+checkpointing: memory.py's auto_budget), and the device memory a run reports.
 """
 import argparse
 
@@ -23,9 +22,8 @@ def native_bf16():
 
 
 def use_bf16(choice, on_gpu):
-    """--bf16 auto/on/off -> "on" or "off", resolved once (auto: on GPU only: the default run's numbers are fp32 on
-    CPU). On a CPU without bf16 instructions "on" is one line and exit 2: torch would emulate every bf16 matmul,
-    far slower than fp32 (docs/LOG.md, "bench limits removed", has the measurement)."""
+    """--bf16 -> "on" or "off" (auto: on GPU only). "on" on a CPU without bf16 instructions is one line: torch
+    would emulate every bf16 matmul, far slower than fp32 (docs/LOG.md, "bench limits removed")."""
     if choice == "on" and not on_gpu and not native_bf16():
         from machinery.errors import fail
         fail("--bf16 on: this CPU has no bf16 instructions (none of " + ", ".join(BF16_FLAGS) + " in /proc/cpuinfo), "
@@ -34,9 +32,8 @@ def use_bf16(choice, on_gpu):
 
 
 def use_layer_units(choice, on_gpu, world=1):
-    """--fsdp_units auto/layers/model -> bool: each decoder layer its own FSDP2 unit (auto: on more than one GPU,
-    trainer.build_policy's default), resolved once so that the estimate and the policy agree. One GPU has no
-    gather to overlap, and per-layer units cost it each layer's cast and hooks twice per micro-batch."""
+    """--fsdp_units -> each decoder layer its own FSDP2 unit (auto: on more than one GPU: one GPU has no gather to
+    overlap, and per-layer units cost it each layer's cast and hooks twice per micro-batch)."""
     return on_gpu and world > 1 if choice == "auto" else choice == "layers"
 
 
@@ -71,11 +68,9 @@ _gpu = {"phases": {}, "peak": 0.0}  # GPU: memory in use at this step's phase en
 
 
 def phase_end(on_gpu, phase):
-    """GPU: note the device memory in use at the end of a phase (spo.py: "generate", with vLLM awake; "update",
-    before the push empties PyTorch's cache). total - free counts everything on the card: the CUDA context, NCCL,
-    vLLM's pools (awake or asleep) and what PyTorch's caching allocator holds, which keeps the phase's high-water
-    mark of reserved blocks until emptied. max_memory_allocated would count vLLM's slept blocks and miss the
-    context. CPU: nothing (peak_metrics reads the process's true peak)."""
+    """GPU: note the device memory in use at the end of a phase. total - free counts everything on the card (the
+    context, NCCL, vLLM's pools, the caching allocator's high-water mark); max_memory_allocated would miss the
+    context and count vLLM's slept blocks. CPU: nothing (peak_metrics reads the process's peak)."""
     if on_gpu:
         import torch
         free, total = torch.cuda.mem_get_info()
@@ -89,9 +84,8 @@ def peak_resident_bytes():
 
 
 def peak_metrics(on_gpu):
-    """memory/peak_gib: the largest peak over the ranks so far, to set against the estimate printed at start. CPU:
-    the process's peak resident memory (VmHWM: trainer, engine and libraries). GPU: the most device memory in use
-    at the end of a phase (phase_end) so far, and this step's per phase (memory/<phase>_gib), max over ranks."""
+    """memory/peak_gib, the largest peak over the ranks so far (CPU: VmHWM; GPU: phase_end's, and this step's per
+    phase), to set against the estimate printed at start."""
     from machinery.collectives import all_reduce_np
     if not on_gpu:
         return {"memory/peak_gib": float(all_reduce_np([peak_resident_bytes()], op="max")[0]) / GIB}
@@ -102,10 +96,8 @@ def peak_metrics(on_gpu):
 
 
 def prefer_flash_attention(on_gpu):
-    """Turn cuDNN's attention off on a GPU: torch 2.11+ prefers it on sm90 (H100/H200) with cuDNN > 9.15, and cuDNN
-    builds an execution plan for each exact shape it meets (tens of ms to about a second per miss, reported on
-    other GPUs). The packed trainer brings new shapes in most micro-batches and the transformers engine in every
-    decoded token; flash attention needs no per-shape plan. Called once by setup_distributed."""
+    """cuDNN's attention off on a GPU (torch 2.11+ prefers it on sm90): it plans each exact shape it meets (up to
+    a second per miss), and packed rows bring new shapes in most micro-batches; flash attention needs no plan."""
     if on_gpu:
         import torch
         torch.backends.cuda.enable_cudnn_sdp(False)

@@ -1,17 +1,13 @@
 """Stands in for argparse's error() where argparse cannot check: one line on rank 0 only, not one traceback per rank.
 
 How a program stops on bad input: one clear line naming the file, row or flag, then exit status 2.
-
-Every check that refuses input before anything heavy starts (flags, data files, offline values, run
-directories, verifiers) ends here, on any rank, in any program.
 """
 import os
 import sys
 
 
 def fail(message, once=False):
-    """A clear one-line error instead of a traceback, for bad input. once: every rank reaches this error the same
-    way (flags, shared files), so only rank 0 prints it; otherwise each failing rank prints its own."""
+    """A one-line error instead of a traceback; once: every rank reaches it alike, so only rank 0 prints it."""
     if not once or os.environ.get("RANK", "0") == "0":
         from tqdm import tqdm
         tqdm.write(f"error: {message}", file=sys.stderr)  # on a line of its own, also below a progress bar
@@ -27,8 +23,7 @@ def fail(message, once=False):
 
 
 def check_finite(flags):
-    """Every float flag is a number (flags: {name: value}): argparse's float() takes "nan" and "inf", which slip
-    through range checks (nan compares false both ways) and fail steps later, in the engine or as a non-finite loss."""
+    """Every float flag is finite: argparse's float() takes "nan", which slips through range checks."""
     import math
     for name, value in flags.items():
         if isinstance(value, float) and not math.isfinite(value):
@@ -36,9 +31,7 @@ def check_finite(flags):
 
 
 def check_sampling(temperature, top_p, top_k, prefix=""):
-    """Sampling flags within what both engines accept (vLLM's SamplingParams, which hf_engine follows):
-    temperature in [0, 2], top_p in (0, 1], top_k -1 or 0 (off) or a count. Checked before the engine starts:
-    vLLM would refuse them only at the first request, possibly the first evaluation hours in."""
+    """Sampling flags within vLLM's SamplingParams' ranges, now: vLLM refuses them only at the first request."""
     if not 0 <= temperature <= 2:
         fail(f"--{prefix}temperature must be in [0, 2] (the engines' range), got {temperature}", once=True)
     if not 0 < top_p <= 1:

@@ -1,27 +1,10 @@
 """No library estimates a rank's memory before it starts; this buys one line instead of a SIGKILL minutes in.
 
-How much memory one rank needs, estimated before anything heavy starts. Without it a run that does not fit ends
-as the kernel's SIGKILL (`exitcode -9` from torchrun, nothing else) minutes into the first step. spo.py calls
-`check_rank_memory` before building the policy: the estimate printed once, and one line naming the flag to change
-when it exceeds what a rank has. How the trainer cuts its work within that budget is batching.py.
-
-The estimate is arithmetic: the model's shapes come from its config (parameters counted on the meta device, so
-nothing is loaded), the rest from the flags. Per rank:
-- trainer state, sharded by FSDP2: fp32 weights, fp32 gradients, AdamW's two moments;
-- gathered weights: with per-layer FSDP units the root unit (embedding, output projection, final norm) and two
-  decoder layers (one prefetched), otherwise the whole model, full size, and their gradients before the
-  reduce-scatter;
-- activations: tokens per forward pass x bytes per token (every decoder layer's saved tensors, or with gradient
-  checkpointing each layer's input plus one layer recomputed), the largest item for a real model;
-- the log-prob chunks (batching.LOGIT_CHUNK_BYTES of fp32 logits, their softmax and gradient);
-- the engine: on CPU fp32 weights (counted twice), the KV cache (VLLM_CPU_KVCACHE_SPACE) and the process's
-  libraries; on GPU vLLM's share of the card while it generates (`--gpu_memory_utilization`; the trainer then
-  holds its shards and the root unit the weight push left gathered), asleep while the trainer works;
-- on GPU also what stays on the card in every phase: the CUDA context, the NCCL communicator, vLLM's runtime at
-  sleep level 2 (CUDA-graph pools, persistent buffers), and FSDP2's fp32 reduce-scatter buffers while training.
-The per-token constant was measured on this project's CPU machine (docs/own-model-and-data.md); it errs
-high. GPU numbers are the same arithmetic in bf16 plus estimates read from the sources named at each constant;
-they have never been checked on a GPU (docs/scale.md).
+Without it a run that does not fit ends as the kernel's SIGKILL (`exitcode -9` from torchrun, nothing else)
+minutes into the first step. The estimate is arithmetic: the model's shapes from its config (on the meta device),
+the rest from the flags; each item is named in rank_memory. The per-token constant was measured on this
+project's CPU machine and errs high; the GPU constants are read from the sources named beside them, never
+checked on a GPU (docs/scale.md).
 
     python -m machinery.memory --model smollm/model --tokens 2048   # the estimate for 2 ranks, nothing started
 """
@@ -74,8 +57,7 @@ class ModelShape:
 
 
 def model_shape(model_path, config=None):
-    """ModelShape of a Hugging Face causal LM, built on the meta device from its config (no weights read); config:
-    the config itself, instead of the model's path (bench/gpu.py)."""
+    """ModelShape of a Hugging Face causal LM from its config (or its path), on the meta device."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
     config = config or AutoConfig.from_pretrained(model_path)
@@ -92,9 +74,8 @@ def model_shape(model_path, config=None):
 
 
 def tokens_per_forward(micro_batch_size, max_tokens_per_micro_batch, sequences_per_rank, max_sequence_len):
-    """The most tokens (padding included) one forward pass of the trainer can hold, from the flags: a token budget
-    bounds it, but a sequence longer than the budget still gets a micro-batch of its own
-    (plan_micro_batches); without one it is micro_batch_size sequences of the longest possible length."""
+    """The most tokens one forward pass can hold: the budget, or one sequence longer than it (plan_micro_batches);
+    without a budget micro_batch_size sequences of the longest length."""
     if max_tokens_per_micro_batch is not None:
         return max(min(max_tokens_per_micro_batch, micro_batch_size * max_sequence_len), max_sequence_len)
     return min(micro_batch_size, sequences_per_rank) * max_sequence_len
@@ -102,8 +83,8 @@ def tokens_per_forward(micro_batch_size, max_tokens_per_micro_batch, sequences_p
 
 def rank_memory(shape, *, world, tokens, on_gpu, gradient_checkpointing, layer_units=True, kv_cache_gib=1.0,
                 gpu_bytes=0, gpu_memory_utilization=0.5, engine=True):
-    """Estimated peak bytes of one rank, as {item: bytes} (see the module docstring); "peak" is the total.
-    engine: a colocated vLLM engine (spo.py); False: the trainer alone (bench/gpu.py)."""
+    """Estimated peak bytes of one rank, {item: bytes}, "peak" the total: the sharded trainer state, the gathered
+    units and their gradients, activations, log-prob chunks, and the engine (engine False: the trainer alone)."""
     compute = 2 if on_gpu else 4  # bytes per activation: bf16 compute on GPU, fp32 on CPU
     per_layer_token = (ACT_HIDDEN * shape.hidden + ACT_MLP * shape.intermediate) * compute
     if gradient_checkpointing:  # each layer's input kept, one layer's activations recomputed at a time
@@ -144,8 +125,7 @@ def rank_memory(shape, *, world, tokens, on_gpu, gradient_checkpointing, layer_u
 
 
 def available_per_rank(on_gpu, local_ranks):
-    """Bytes one rank can have: the GPU's total memory, or on CPU the host's available memory (MemAvailable:
-    free plus what the kernel can reclaim) shared by the node's ranks."""
+    """Bytes one rank can have: the GPU's total, or the host's MemAvailable shared by the node's ranks."""
     if on_gpu:
         import torch
         return torch.cuda.mem_get_info()[1]
@@ -173,11 +153,9 @@ GPU_TOKENS, CPU_TOKENS = 16384, 2048
 
 
 def auto_budget(shape, budget, max_tokens, checkpointing, *, max_sequence_len, **common):
-    """--max_tokens_per_micro_batch and --gradient_checkpointing resolved: (tokens, checkpointing, the reason).
-    max_tokens: 'auto', a number or None (off); checkpointing: 'auto', 'on' or 'off'. On a GPU 'auto' tokens are
-    GPU_TOKENS where the estimate fits them, else the most that fits (in steps of 1024, at least one sequence), and
-    'auto' checkpointing is off where those tokens fit without it: it recomputes every layer (+33% FLOPs) and adds
-    host work per layer. On CPU: CPU_TOKENS, checkpointing off. common: rank_memory's other arguments."""
+    """(tokens, checkpointing, the reason) for --max_tokens_per_micro_batch and --gradient_checkpointing. On a GPU
+    'auto' tokens are GPU_TOKENS where they fit, else the most that fits (in steps of 1024), and 'auto'
+    checkpointing is off where those fit without it (it recomputes every layer: +33% FLOPs). CPU: CPU_TOKENS, off."""
     on_gpu = common["on_gpu"]
     if not on_gpu or checkpointing != "auto" and max_tokens != "auto":
         tokens = (GPU_TOKENS if on_gpu else CPU_TOKENS) if max_tokens == "auto" else max_tokens
@@ -197,10 +175,8 @@ def auto_budget(shape, budget, max_tokens, checkpointing, *, max_sequence_len, *
 
 def check_rank_memory(model, *, world, on_gpu, is_main, batch_size, micro_batch_size, max_tokens, max_sequence_len,
                       gradient_checkpointing, layer_units, gpu_memory_utilization, ignore=False):
-    """spo.py's check: resolve the 'auto' budgets (auto_budget), print the estimate (rank 0) and stop with one line
-    naming the flag if it will not fit. Returns (the update's tokens per micro-batch, gradient checkpointing).
-    max_tokens: --max_tokens_per_micro_batch ('auto', a number, None: off); gradient_checkpointing: 'auto', 'on' or
-    'off'; ignore (--ignore_memory_estimate): warn instead of stopping (the estimate errs high)."""
+    """spo.py's check: the 'auto' budgets resolved, the estimate printed (rank 0), one line naming the flag if it
+    will not fit (ignore: a warning). Returns (the update's tokens per micro-batch, gradient checkpointing)."""
     from machinery.errors import fail
     shape = model_shape(model)
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world))

@@ -1,13 +1,8 @@
 """What pickle and a config file would otherwise do: a run directory from elsewhere read as data, nothing in it run.
 
---resume reads a run directory that may come from someone else (a shared disk, a download, a moved copy). Its
-pickles are read allowing no code: state.pt with torch's weights_only (`read_state`), DCP's shards/.metadata with an
-unpickler that allows DCP's metadata types only (`read_shards_metadata`). Its config.json (`read_config`) is read
-as values, and a value that names code or a place is used only where this command line agrees (`foreign_values`):
-a verifier that is not built in runs only when --reward names it now, a wandb project is logged to only when --wandb
-names it now, and the training and held-out files are found where the run left them, in this checkout's shipped toy,
-or where --train / --test name them now (their prompts are checked against the run's: `same_held_out` and the
-checkpoint's prompt keys). The model always comes from the checkpoint's own model/ (weights and tokenizer).
+--resume reads a run directory that may come from someone else. Its pickles are read allowing no code, and a
+config value that names code or a place (a verifier, a wandb project, the data files) is used only where this
+command line agrees. The model always comes from the checkpoint's own model/.
 """
 import hashlib
 import json
@@ -40,12 +35,8 @@ SHIPPED = re.compile(r".*[/\\]tasks[/\\]built[/\\](\w+)[/\\](\w+\.parquet)")  # 
 
 
 def foreign_values(run_dir, settings, given, model_dir, built_in, shipped):
-    """--resume: the settings read from run_dir's config.json with every value that names code or a place checked
-    (given: the flags this command line names; model_dir: the checkpoint's model/; built_in: the --reward specs that
-    are ours; shipped: this checkout's built toys, tasks/built). Returns (settings, errors): error lines for a
-    verifier that is not built in and not named now, and for data that is not where the run left it. The training
-    and held-out files: named now, where the run left them, or (moved from another checkout) this checkout's copy
-    of the shipped toy's file, said in one line."""
+    """--resume: config.json's settings with every value that names code or a place checked; (settings, errors).
+    The data files: named now, where the run left them, or this checkout's copy of the shipped toy's (shipped)."""
     settings, errors = {**settings, "model": model_dir}, []
     if "reward" in settings and settings["reward"] not in built_in and "reward" not in given:  # (absent: the default)
         errors.append(f"--resume {run_dir}: its config.json names the verifier {settings['reward']!r}, which is "
@@ -77,8 +68,7 @@ def _say(line):
 
 
 def same_held_out(settings, keys, resumed):
-    """The held-out prompts' identity (a digest of their keys, recorded in config.json), or None without a held-out
-    set; on --resume a held-out set with other prompts than the run's (where it recorded them) is one line."""
+    """A digest of the held-out prompts' keys (None: no held-out set); on --resume another set's is one line."""
     digest = hashlib.sha1("\n".join(keys).encode()).hexdigest()[:16] if keys is not None else None
     if resumed and settings.get("held_out", digest) != digest:
         fail(f"--test {settings['test']}: not the run's held-out set (its prompts differ from those the run "
@@ -92,8 +82,7 @@ def nested(x, f):
 
 
 def read_state(path):
-    """A checkpoint's state.pt (save_checkpoint's), its tensors back to numpy arrays. weights_only: plain data
-    and tensors only, so a state file from elsewhere cannot run code when read."""
+    """A checkpoint's state.pt, its tensors back to numpy arrays; weights_only: reading it runs no code."""
     return nested(torch.load(path, weights_only=True), lambda v: v.numpy() if isinstance(v, torch.Tensor) else v)
 
 
@@ -113,7 +102,6 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def read_shards_metadata(path):
-    """DCP's metadata file (shards/.metadata), unpickled with only DCP's metadata types allowed: DCP's own reader
-    unpickles it with code execution allowed."""
+    """shards/.metadata unpickled with only DCP's metadata types allowed (DCP's own reader allows code)."""
     with open(path, "rb") as f:
         return _MetadataUnpickler(f).load()
