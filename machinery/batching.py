@@ -70,7 +70,6 @@ def deal_by_tokens(items, length, budget=True):
     return [item for item, o in zip(everything, owner) if o == dist.get_rank()], shares, everything
 
 
-# ------------------------------------------------------------------------------------------------ packing
 @dataclass
 class Sequence:
     """One sequence of a micro-batch: prompt and response token ids and the response's loss mask (0: tool output,
@@ -105,7 +104,6 @@ def pack(sequences, device="cpu"):
 
 
 def loss_terms(sequences):
-    """(B, T-1) old log-probs and TIS weights (1 where none), laid out as pack's mask, and (B,) advantages."""
     old = np.zeros((len(sequences), max(map(len, sequences)) - 1), dtype=np.float32)
     weights = np.ones_like(old)
     for i, s in enumerate(sequences):

@@ -25,7 +25,6 @@ from machinery.errors import fail
 from machinery.untrusted import LOCATIONS, foreign_values, nested, read_config, read_shards_metadata, read_state
 
 
-# ------------------------------------------------------------------------------------------------ resume
 # Flags that may differ on --resume: how long to run, what to log and how often, and memory knobs that change how
 # work is split but not what is computed (micro-batches only regroup a sum: the same result up to float rounding).
 RESUME_MAY_CHANGE = {"steps", "resume", "run_dir", "log_every", "eval_every", "save_every", "wandb",
@@ -35,7 +34,6 @@ RESUME_MAY_CHANGE = {"steps", "resume", "run_dir", "log_every", "eval_every", "s
 
 
 def resumed_settings(saved, given):
-    """(saved settings with the given flags that may change, one error line per given flag that may not)."""
     settings, errors = dict(saved), []
     for flag, value in sorted(given.items()):
         if flag in RESUME_MAY_CHANGE or flag in LOCATIONS or flag not in saved:
@@ -75,7 +73,6 @@ def resumed_config(run_dir, given, built_in=(), shipped=""):
 
 
 def latest_step(run_dir):
-    """The step `latest` names (the sweep's quick look), or None."""
     try:
         with open(os.path.join(run_dir, "checkpoints", "latest")) as f:
             return int(f.read().strip().removeprefix("step_"))
@@ -141,12 +138,10 @@ def _fsync_tree(root):
         os.close(fd)
 
 
-# ------------------------------------------------------------------------------------------------ checkpoints
 MANIFEST = "manifest.json"
 
 
 def _write_manifest(folder):
-    """manifest.json: every file's size under folder, what `damaged` compares with."""
     sizes = {os.path.relpath(os.path.join(d, n), folder).replace(os.sep, "/"): os.path.getsize(os.path.join(d, n))
              for d, _, names in os.walk(folder) for n in names}
     with open(os.path.join(folder, MANIFEST), "w") as f:
@@ -161,7 +156,6 @@ def _size(path):
 
 
 def _safetensors_problem(path):
-    """Why a safetensors file is not whole (its header's extent against its length), or None."""
     size = _size(path)
     try:
         with open(path, "rb") as f:

@@ -18,7 +18,6 @@ _PEER_GONE = re.compile(r"Connection (closed|reset) by peer")  # gloo's words wh
 
 
 def _comm_device():
-    """nccl moves only GPU tensors; gloo only CPU ones."""
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
@@ -108,7 +107,6 @@ def _shard_rows(rows, world):
 
 
 def _gather_bucket(bucket):
-    """One all-gather of `bucket`'s (name, Shard(0) DTensor) local shards, then the full tensors, in order."""
     if not bucket:
         return
     world, rank = dist.get_world_size(), dist.get_rank()

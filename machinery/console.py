@@ -49,7 +49,6 @@ def _vllm_own_threads():
 
 
 class HarmlessWarnings(logging.Filter):
-    """A logger's filter that drops the warnings (not errors) whose message is exactly one of `messages`."""
 
     def __init__(self, messages):
         super().__init__()

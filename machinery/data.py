@@ -15,7 +15,6 @@ from pathlib import Path
 from machinery.errors import fail
 
 
-# ---------------------------------------------------------------------------------------------- files
 PROMPT_COLUMNS = ("prompt", "problem", "question")  # first one present wins
 # reward_model (a struct with ground_truth) comes before solution: in the open-r1 processed DAPO files both hold
 # the answer, while in plain math files `solution` is often a worked solution and `answer` the short answer.
@@ -42,7 +41,6 @@ def prompt_key(messages: list[dict]) -> str:
 
 
 def read_rows(path: Path) -> tuple[list[dict], list[str]]:
-    """Rows as dicts and the column names, from parquet or JSON lines (.jsonl / .ndjson / .json)."""
     if path.suffix == ".parquet":
         import pyarrow as pa  # here: JSON lines need no pyarrow (a bare torch + transformers machine has none)
         import pyarrow.parquet as pq
@@ -141,7 +139,6 @@ def load_prompts(path) -> PromptSet:
     return PromptSet(keys, messages, answers, kept_rows, str(path), len(rows), n_duplicates, n_conflicting)
 
 
-# ---------------------------------------------------------------------------------------------- tokenised
 # What loading a local model directory needs; without tokenizer files transformers quietly builds an empty
 # tokenizer from config.json's model type, and without weights the failure comes as a traceback much later.
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
@@ -250,7 +247,6 @@ def weights_disagreement(folder):
 
 @functools.cache  # spo.py asks twice (check_context, load_tokenizer); a failure raises, so it is never cached
 def check_model_dir(path):
-    """A local --model directory holds a config, weights that match it and a tokenizer, else one line."""
     folder = Path(path)
     if not folder.is_dir():
         return
@@ -268,7 +264,6 @@ def check_model_dir(path):
 
 
 def load_tokenizer(path):
-    """The model's tokenizer, once its directory is checked; it must have a chat template."""
     from transformers import AutoConfig, AutoTokenizer
     check_model_dir(path)
     try:
@@ -319,7 +314,6 @@ class Dataset:
 
 
 def with_system(messages, system_prompt):
-    """Messages with system_prompt first: a system message of its own, or joined to the data's system message."""
     if not system_prompt:
         return messages
     if messages and messages[0]["role"] == "system":
@@ -365,7 +359,6 @@ def load_dataset(path, tokenizer, max_prompt_len, verbose, system_prompt=None):
 
 def load_train_and_test(tokenizer, train, test, *, max_prompt_len, train_prompts, test_prompts, min_prompts,
                         system_prompt, verbose):
-    """spo.py's (training prompts, held-out prompts or None), each cut to its first N (0: all)."""
     data = load_dataset(train, tokenizer, max_prompt_len, verbose, system_prompt)
     if train_prompts > len(data.keys):
         fail(f"--train_prompts {train_prompts}: --train {train} has only {len(data.keys)} prompts", once=True)

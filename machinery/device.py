@@ -12,7 +12,6 @@ BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")  # x86 (AVX-512 BF16, AMX), Arm
 
 
 def native_bf16():
-    """The bf16 instruction flags /proc/cpuinfo lists (empty: torch emulates bf16 matmuls, or no /proc)."""
     try:
         with open("/proc/cpuinfo") as f:
             flags = set(" ".join(line for line in f if line.startswith(("flags", "Features"))).split())
@@ -38,7 +37,6 @@ def use_layer_units(choice, on_gpu, world=1):
 
 
 def _tokens_or_off(value):
-    """--max_tokens_per_micro_batch: a number of tokens, 'auto', or 'off' (None)."""
     return None if value == "off" else value if value == "auto" else int(value)
 
 
@@ -78,7 +76,6 @@ def phase_end(on_gpu, phase):
 
 
 def peak_resident_bytes():
-    """This process's peak resident memory (Linux VmHWM), in bytes."""
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
 

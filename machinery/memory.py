@@ -46,7 +46,6 @@ GPU_ENGINE_ASLEEP_BYTES = 3 * GIB
 
 @dataclass
 class ModelShape:
-    """What the estimate needs from a model's config."""
     parameters: int  # all parameters, tied ones once
     root_parameters: int  # outside the decoder layers: embedding, output projection (if untied), final norm
     layer_parameters: int  # the largest decoder layer
@@ -57,7 +56,6 @@ class ModelShape:
 
 
 def model_shape(model_path, config=None):
-    """ModelShape of a Hugging Face causal LM from its config (or its path), on the meta device."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
     config = config or AutoConfig.from_pretrained(model_path)
@@ -125,7 +123,6 @@ def rank_memory(shape, *, world, tokens, on_gpu, gradient_checkpointing, layer_u
 
 
 def available_per_rank(on_gpu, local_ranks):
-    """Bytes one rank can have: the GPU's total, or the host's MemAvailable shared by the node's ranks."""
     if on_gpu:
         import torch
         return torch.cuda.mem_get_info()[1]
@@ -135,7 +132,6 @@ def available_per_rank(on_gpu, local_ranks):
 
 
 def fitting_tokens(shape, budget, **kwargs):
-    """The most tokens per forward pass that keep rank_memory's peak within `budget` bytes (0 if none do)."""
     low, high = 0, 1 << 24
     while low < high:
         mid = (low + high + 1) // 2

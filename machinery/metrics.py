@@ -17,7 +17,6 @@ from machinery.collectives import all_gather_np
 
 
 def tool_metrics(all_reward, rollouts):
-    """Tool use over the global batch (all_reward: already gathered)."""
     calls, errors, timeouts, turns = (all_gather_np(np.array([getattr(r, k) for r in rollouts], dtype=np.float64))
                                       for k in ("tool_calls", "tool_errors", "tool_timeouts", "turns"))
     reward, used = np.asarray(all_reward, dtype=np.float64), calls > 0
@@ -64,7 +63,6 @@ def learning_warning(changed, old, new, advantage, masks):
 
 
 def step_metrics(reward, raw_advantage, advantage, rollouts, old, stats, times, group=1, tools=False):
-    """What every algorithm reports over the global batch; group: responses per prompt (consecutive)."""
     world = dist.get_world_size()
     reward, raw, adv, lengths, policy_tokens, truncated, scalars = all_gather_np(  # one collective
         reward, raw_advantage, np.asarray(advantage), np.array([len(r.response_ids) for r in rollouts]),
@@ -143,7 +141,6 @@ def signal_metrics(all_raw_advantage, all_advantage, all_reward, group, tol=1e-6
 
 
 def _row(line):
-    """A metrics.jsonl row with its step, or None for a line that is not one (blank, or cut off mid-write)."""
     try:
         row = json.loads(line)
         return row if isinstance(row.get("step"), int) else None
@@ -153,7 +150,6 @@ def _row(line):
 
 @contextlib.contextmanager
 def timed(seconds, phase):
-    """seconds[phase] = the with-block's wall time: a step's phases, logged as time/<phase>."""
     t0 = time.time()
     yield
     seconds[phase] = time.time() - t0
@@ -236,7 +232,6 @@ class Logger:
 
 
 def all_equal_note(step, reward):
-    """Said once per run, the first time every reward of a step's batch is the same."""
     return (f"step {step}: every reward of the batch is {reward:g} (counted in reward/all_equal_steps; said once). "
             f"SPO still moves the policy (Eq. 9 scales r - v(x) to unit spread); GRPO-like estimators get no signal")
 
@@ -289,7 +284,6 @@ RUN_PLOT_PANELS = (("eval/accuracy", "held-out accuracy"), ("reward/mean", "trai
                    ("policy/entropy", "entropy"))
 
 
-# ------------------------------------------------ between steps (eval.py): the tracker probe's error, the pool
 def probe_stats(value, success, n_samples, n_eff=None):
     """v(x) against the measured success rate: MAE, bias, and the MAE a PERFECT tracker would show from the n-sample
     measurement alone (E|p_hat - p| ~ sqrt(2/pi) sqrt(p(1-p)/n)). n_eff: the tracker's N_eff(x); mae_unbiased is
@@ -376,6 +370,5 @@ def run_summary(run_dir, plot, seconds, expected_range=None, test=None):
 
 
 def add_logging_flags(p):
-    """What the Logger writes besides metrics.jsonl: wandb, and the console line's cadence (tests and benchmarks)."""
     p.add_argument("--wandb", default=None, help="wandb project name (only if wandb is installed)")
     p.add_argument("--log_every", type=int, default=10, help=argparse.SUPPRESS)  # the console line every N steps

@@ -83,7 +83,6 @@ def _linked(run_dir):
 
 
 def _take_over(run_dir, name):
-    """The files of a run that stopped before its first checkpoint go to earlier_attempt_K/, said in one line."""
     files = sorted(f for f in os.listdir(run_dir) if f in ("config.json", "metrics.jsonl", "probe.jsonl",
                                                            "checkpoints", "wandb") or f.startswith("events.out."))
     if files:
@@ -93,7 +92,6 @@ def _take_over(run_dir, name):
 
 
 def _move_aside(folder, files, prefix):
-    """files of folder moved into a new folder/<prefix>_K (the first K free); returns that folder."""
     k = next(k for k in itertools.count(1) if not os.path.exists(os.path.join(folder, f"{prefix}_{k}")))
     aside = os.path.join(folder, f"{prefix}_{k}")
     os.makedirs(aside)
@@ -103,7 +101,6 @@ def _move_aside(folder, files, prefix):
 
 
 def _take_lock(lock, name, owner):
-    """Create the lock file exclusively; a stale one is replaced, with one line. None, or why not."""
     for _ in range(2):
         try:
             fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
@@ -128,7 +125,6 @@ def _owner_line():
 
 
 def _start_time(pid):
-    """When process pid started (/proc/<pid>/stat's field 22), or None where unreadable."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             return int(f.read().rsplit(")", 1)[1].split()[19])
@@ -137,7 +133,6 @@ def _start_time(pid):
 
 
 def _lock_owner(lock):
-    """(host, pid, start time or None) written in a lock file, or None if unreadable."""
     try:
         with open(lock) as f:
             host, pid, *start = f.read().split()
@@ -159,7 +154,6 @@ def _held(lock, owner):
 
 
 def _alive(pid, start=None):
-    """Whether pid is a live process here, and the one that started at `start` where that is known."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -170,7 +164,6 @@ def _alive(pid, start=None):
 
 
 def _release(lock, run_dir, existed):
-    """At exit: our lock goes; a directory this run created and never wrote to (a run refused early) goes too."""
     if (_lock_owner(lock) or ())[:2] == (socket.gethostname(), os.getpid()):
         os.remove(lock)
         if not existed and not os.listdir(run_dir):
@@ -178,14 +171,12 @@ def _release(lock, run_dir, existed):
 
 
 def live_job(run_dir):
-    """The job holding run_dir's lock ("pid P on HOST"), or None: is a run there still writing?"""
     lock = os.path.join(run_dir, ".lock")
     owner = _lock_owner(lock)
     return (f"pid {owner[1]} on {owner[0]}" if owner else "one starting") if _held(lock, owner) else None
 
 
 def checkpoint_bytes(n_parameters, export_bytes_per_parameter):
-    """About what one checkpoint takes on disk: fp32 weights + Adam's two moments (shards) and the HF export."""
     return n_parameters * (4 + 8 + export_bytes_per_parameter)
 
 
@@ -204,9 +195,7 @@ def check_disk(run_dir, model, export_bytes_per_parameter):
              f"hold rotated-out checkpoints ({', '.join(jobs)}) until they exit" if held else ""), once=True)
 
 
-# ------------------------------------------------------------------------------------------------ outputs
 def open_output(path, flag, program, earlier=()):
-    """`claim_output` by rank 0, on every rank: any error stops every rank with one line."""
     from machinery.collectives import all_gather_objects
     error = claim_output(path, flag, program, earlier) if dist.get_rank() == 0 else None
     if error := all_gather_objects([error])[0]:
@@ -260,7 +249,6 @@ def atomic_write(path):
     os.replace(tmp, path)
 
 
-# ------------------------------------------------------------------------------------------------ reading a run
 def resolve_model(path: str) -> str:
     """A model directory: an HF dir or hub name as is, a run or its checkpoints/ (the newest checkpoint's model/),
     or a step_N directory (its model/)."""

@@ -26,7 +26,6 @@ from machinery.batching import (IDLE, LOGIT_CHUNK_BYTES, PACKED_ATTENTION, Packe
                                 loss_terms, micro_batches, pack, packed_row, to_device, use_packed_attention)
 
 
-# ------------------------------------------------------------------------------------------------ setup
 # How long a rank waits in a collective before the job fails. NCCL's default, 10 minutes, is shorter than rank 0
 # writing an 8B model's HF export (16 GB in bf16) on a slow disk while the others wait at the barrier.
 DIST_TIMEOUT = datetime.timedelta(minutes=60)
@@ -54,7 +53,6 @@ def setup_distributed():
     return dist.get_rank(), dist.get_world_size(), device
 
 
-# ------------------------------------------------------------------------------------------------ the policy
 def build_policy(path, device, lr, weight_decay, gradient_checkpointing=None, layer_units=None, bf16=None):
     """The policy: a Hugging Face causal LM in training mode, sharded with FSDP2, and its AdamW optimiser.
     gradient_checkpointing, layer_units, bf16: as resolved by device.py and memory.py (None: the GPU defaults).

@@ -16,7 +16,6 @@ from machinery.errors import fail
 
 
 def read_config(run_dir):
-    """The run's flags as spo.py wrote them (a JSON object): anything else is one line, not a traceback later."""
     try:
         with open(os.path.join(run_dir, "config.json")) as f:
             config = json.load(f)
@@ -77,7 +76,6 @@ def same_held_out(settings, keys, resumed):
 
 
 def nested(x, f):
-    """x with f applied to each value of its nested dicts: state.pt's numpy arrays <-> tensors."""
     return {k: nested(v, f) for k, v in x.items()} if isinstance(x, dict) else f(x)
 
 
