@@ -1,8 +1,6 @@
 """Stands in for padded (B, T) batches: token budgets, packed rows, shared prefixes once (gain: docs/benchmarks.md).
 
-How the trainer cuts its work so that every forward pass fits a token budget, the same way on every rank: micro-
-batches, sequences dealt to the ranks by tokens, and ONE packed row per pass with each shared prefix once. The loss
-is a token sum over a global count, so none of these choices changes the gradient, only memory and time.
+The loss is a token sum over a global count, so none of these choices changes the gradient, only memory and time.
 """
 from dataclasses import dataclass
 
@@ -15,10 +13,8 @@ LOGIT_CHUNK_BYTES = 2 ** 28
 
 
 def plan_micro_batches(lengths, max_sequences, max_tokens=None, padded=False):
-    """Micro-batches as lists of positions into `lengths`, at most max_sequences each. max_tokens None: consecutive
-    groups. Otherwise first-fit decreasing within the budget, costed as the packed row runs them (the sum of the
-    lengths; padded, for a model without packed_attention: count x longest, only the last one open). A sequence
-    longer than the budget gets a micro-batch of its own."""
+    """Micro-batches (positions into `lengths`) of at most max_sequences: first-fit decreasing within max_tokens
+    as the packed row runs them (padded: count x longest, only the last one open); None: consecutive groups."""
     n = len(lengths)
     if max_tokens is None:
         return [list(range(k, min(k + max_sequences, n))) for k in range(0, n, max_sequences)]
@@ -72,9 +68,7 @@ def deal_by_tokens(items, length, budget=True):
 
 @dataclass
 class Sequence:
-    """One sequence of a micro-batch: prompt and response token ids and the response's loss mask (0: tool output,
-    never sampled); for the update its (T,) old log-probs, advantage and (T,) TIS weights (None: none); owner,
-    index: the rank it came from and its position there (old_logprobs sends the result back)."""
+    """One sequence of a micro-batch (mask 0: tool output); owner, index: where old_logprobs sends its result."""
     prompt: list
     response: list
     mask: object
@@ -191,10 +185,8 @@ def _attention_calls(prefix, members):
 
 
 def packed_row(ids, rows, cols):
-    """The rows of (B, T) ids that hold the N positions (rows, cols), packed into ONE row without padding, each
-    shared prefix once: (1, S) ids, (1, S) positions (each sequence counting from 0), the PackedLayout, and (N,) the
-    row index of each asked position. Built on the host. A row is cut after its last target: with causal attention
-    the tokens after it change nothing asked for."""
+    """The rows holding the N positions (rows, cols) as ONE row, each shared prefix once: (1, S) ids, (1, S)
+    positions, the PackedLayout, (N,) each position's row index. A row is cut after its last target (causal)."""
     ids, rows, cols = (np.asarray(x.cpu() if torch.is_tensor(x) else x) for x in (ids, rows, cols))
     needed = np.zeros(len(ids), dtype=np.int64)  # (B,) tokens each row needs; 0 for rows nothing is asked of
     np.maximum.at(needed, rows, cols + 2)

@@ -1,12 +1,8 @@
 """On torch.distributed.checkpoint (shards) and transformers (export); buys atomic steps, named damage, exact resume.
 
-A checkpoint is a directory written atomically (into step_N.tmp, every file fsynced, renamed when complete, then
-`latest` replaced): shards/ (fp32 weights and optimiser state, each rank its own: no rank gathers 66 GB of Adam
-state for an 8B model), model/ (a plain Hugging Face model for vLLM and eval.py), state.pt (the run's own state)
-and manifest.json (every file's size, so a cut-off file is named before anything reads it). A failed write removes
-the partial directory and says why on every rank; a symbolic link where a checkpoint goes is removed, never
-followed. A damaged newest checkpoint is never stepped back from silently. `--resume` keeps the run's own settings:
-only RESUME_MAY_CHANGE (and LOCATIONS, checked by content) may differ.
+A checkpoint is written into step_N.tmp, fsynced, renamed when complete: shards/ (each rank its own), model/ (a
+Hugging Face model for vLLM and eval.py), state.pt and manifest.json (every file's size). A failed write removes
+the partial directory; a damaged newest checkpoint is never stepped back from silently.
 """
 import argparse
 import copy
@@ -170,9 +166,8 @@ def _safetensors_problem(path):
 
 
 def damaged(path, part=""):
-    """Why the step_N directory in path cannot be read, naming the first damaged file, or None. part: only the files
-    under it ("model/": eval.py's). Sizes against manifest.json (written last), then safetensors headers: a cut-off
-    or missing file is caught, not a flipped bit."""
+    """The first damaged file of step_N directory path (part: only under it), or None: sizes against manifest.json
+    (written last), then safetensors headers. A flipped bit is not caught."""
     try:
         with open(os.path.join(path, MANIFEST)) as f:
             written = json.load(f)["files"]
@@ -216,9 +211,8 @@ def _export_plan(model, dtype, file_bytes):
 
 
 def export_hf(model, out_dir, dtype=None, write=True, file_bytes=EXPORT_FILE_BYTES):
-    """The policy's weights as Hugging Face safetensors in out_dir, in `dtype` (None: as trained), named as
-    transformers names them. Every rank gathers (full_parameters); rank 0 writes each file as soon as its tensors
-    are in, never holding the whole state dict (write False: gathers only). Returns rank 0's write error, or None."""
+    """The weights as Hugging Face safetensors in out_dir; every rank gathers, rank 0 writes each file as soon as
+    its tensors are in, never holding the whole state dict. Returns rank 0's write error, or None."""
     from safetensors import SafetensorError
     from safetensors.torch import save_file
     from machinery.collectives import full_parameters

@@ -1,8 +1,7 @@
 """Stands in for torch.distributed's all_gather_object and all_reduce on numpy: one collective, not two (bench).
 
-The small collectives, in rank order, built on all-gather: on gloo each collective has a fixed cost that dominates
-small messages (docs/design.md), so several arrays travel in one, and objects in one fixed-size buffer.
-`full_parameters` gathers the full weights from FSDP2's shards in buckets (the weight push, the HF export).
+On gloo each collective has a fixed cost that dominates small messages (docs/design.md): several arrays travel in
+one all-gather, objects in one fixed-size buffer, and the full weights in buckets (full_parameters).
 """
 import math
 import pickle
@@ -22,8 +21,7 @@ def _comm_device():
 
 
 def all_reduce_np(values, op="sum"):
-    """Element-wise sum (or max) of a small float array over all ranks, in rank order: an all-gather and a sum,
-    since gloo's all-reduce of a few numbers takes longer than its all-gather (docs/design.md)."""
+    """Element-wise sum (or max) over all ranks: an all-gather and a sum (gloo's all-reduce is slower)."""
     parts = all_gather_np(np.asarray(values, dtype=np.float64).reshape(1, -1))  # (world, n)
     return parts.max(0) if op == "max" else parts.sum(0)
 

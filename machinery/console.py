@@ -1,6 +1,4 @@
 """No library drops another's known-harmless warnings; this does, one logger and exact message each (test_console).
-
-Real errors and every other warning still show (docs/design.md, "A quiet console").
 """
 import logging
 import os

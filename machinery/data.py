@@ -1,8 +1,7 @@
 """On pyarrow and transformers' chat templates (no datasets package): stable prompt keys and one-line file errors.
 
-The one loader spo.py, offline_values.py and eval.py share. A prompt's key is a hash of its chat messages, not its
-row number, so the tracker, the offline values and the evaluation agree on it across files and programs; duplicate
-prompts are merged and counted. Bad files stop with an error naming the file, the row and what was found.
+A prompt's key is a hash of its chat messages, not its row number, so the tracker, the offline values and the
+evaluation agree on it across files and programs; duplicate prompts are merged and counted.
 """
 import functools
 import hashlib
@@ -108,9 +107,7 @@ def _answer(value, where: str) -> str:
 
 
 def load_prompts(path) -> PromptSet:
-    """Prompts and answers of a parquet / JSONL file with a prompt column in PROMPT_COLUMNS (a string or chat
-    messages) and an answer column in ANSWER_COLUMNS (verl's and open-r1's DAPO files); one key per distinct prompt
-    (the first occurrence's answer kept). Row numbers in errors count data rows from 0."""
+    """Prompts and answers of a parquet / JSONL file, one key per distinct prompt (the first answer kept)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such file")
@@ -177,8 +174,7 @@ def _few(items, n=3):
 
 
 def unfinished_download(folder):
-    """Why files may be missing from a Hugging Face cache snapshot, naming them (a partial blob, an empty
-    directory, a link to a deleted blob), or None. Asked only once a file is found missing."""
+    """Why files may be missing from a Hugging Face cache snapshot, naming them, or None."""
     folder = Path(folder)
     if folder.parent.name != "snapshots" or not folder.is_dir():
         return None
@@ -194,9 +190,8 @@ def unfinished_download(folder):
 
 
 def weights_disagreement(folder):
-    """How a model directory's safetensors weights differ from what its config.json builds (missing, unexpected,
-    mismatched), or None, from the headers on the meta device: transformers would load such a model with fresh
-    layers, and vLLM stop with a traceback. pytorch_model.bin is not checked (a pickle)."""
+    """How a model directory's safetensors differ from what its config.json builds, or None (from the headers):
+    transformers would load such a model with fresh layers, and vLLM stop with a traceback."""
     import torch
     import transformers
     from safetensors import SafetensorError, safe_open

@@ -1,7 +1,7 @@
 """No library decides these; they are decided once so that the estimate, trainer and engine agree (tests/test_memory).
 
-What changes between a CPU and a GPU run: the trainer's flags and their `auto` values (the token budget and
-checkpointing: memory.py's auto_budget), and the device memory a run reports.
+The trainer's flags and their `auto` values (the token budget and checkpointing: memory.auto_budget), and the
+device memory a run reports.
 """
 import argparse
 
@@ -41,8 +41,7 @@ def _tokens_or_off(value):
 
 
 def add_trainer_flags(p):
-    """spo.py's trainer flags, resolved here (use_bf16, use_layer_units) and by memory.check_rank_memory (token
-    budget, checkpointing): how its forward passes are cut, checkpointing, FSDP2's units, bf16."""
+    """spo.py's trainer flags, resolved here and by memory.check_rank_memory."""
     p.add_argument("--micro_batch_size", type=int, default=64, help=argparse.SUPPRESS)  # sequences per pass, at most
     p.add_argument("--max_tokens_per_micro_batch", type=_tokens_or_off, default="auto",
                    help="the update's token budget per forward pass, as the packed row runs it (sequences packed "
@@ -81,8 +80,7 @@ def peak_resident_bytes():
 
 
 def peak_metrics(on_gpu):
-    """memory/peak_gib, the largest peak over the ranks so far (CPU: VmHWM; GPU: phase_end's, and this step's per
-    phase), to set against the estimate printed at start."""
+    """memory/peak_gib over the ranks so far (CPU: VmHWM; GPU: phase_end's), against the estimate at start."""
     from machinery.collectives import all_reduce_np
     if not on_gpu:
         return {"memory/peak_gib": float(all_reduce_np([peak_resident_bytes()], op="max")[0]) / GIB}

@@ -1,6 +1,4 @@
 """Stands in for argparse's error() where argparse cannot check: one line on rank 0 only, not one traceback per rank.
-
-How a program stops on bad input: one clear line naming the file, row or flag, then exit status 2.
 """
 import os
 import sys

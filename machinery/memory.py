@@ -1,10 +1,7 @@
 """No library estimates a rank's memory before it starts; this buys one line instead of a SIGKILL minutes in.
 
-Without it a run that does not fit ends as the kernel's SIGKILL (`exitcode -9` from torchrun, nothing else)
-minutes into the first step. The estimate is arithmetic: the model's shapes from its config (on the meta device),
-the rest from the flags; each item is named in rank_memory. The per-token constant was measured on this
-project's CPU machine and errs high; the GPU constants are read from the sources named beside them, never
-checked on a GPU (docs/scale.md).
+Arithmetic: the model's shapes from its config, the rest from the flags. The per-token constant was measured on
+CPU and errs high; the GPU constants are reported numbers, never checked on a GPU (docs/scale.md).
 
     python -m machinery.memory --model smollm/model --tokens 2048   # the estimate for 2 ranks, nothing started
 """
@@ -12,35 +9,24 @@ import argparse
 import os
 from dataclasses import dataclass
 
-
 from machinery.batching import LOGIT_CHUNK_BYTES
 
 GIB = 2 ** 30
-# Saved activations per decoder layer and token, in elements: ACT_HIDDEN x hidden + ACT_MLP x intermediate. Set
-# above what autograd saves (SmolLM2-135M in fp32: 1.70 MiB per token over 30 layers, i.e. 14.8k elements per
-# layer and token; the formula gives 16.5k) and above the growth of the process's peak memory with tokens (1.5-1.7
-# MiB per token). Attention by SDPA saves no (T, T) scores, so sequence length does not enter (measured: 2 x 1024
-# and 16 x 128 tokens peaked alike).
+# Saved activations per decoder layer and token, in elements: ACT_HIDDEN x hidden + ACT_MLP x intermediate, set
+# above what autograd saves and above the process's growth with tokens (measured: docs/own-model-and-data.md). SDPA
+# saves no (T, T) scores, so sequence length does not enter.
 ACT_HIDDEN, ACT_MLP = 18, 4
-# With gradient checkpointing autograd keeps each layer's input (1.1 x hidden elements per layer and token for
-# SmolLM2), but on CPU the process's peak grows by 0.43 MiB per token, 6 x hidden per layer: freed blocks stay
-# with the C allocator. PyTorch's GPU caching allocator reuses its blocks; 2 there is arithmetic, not measured.
+# With gradient checkpointing, hidden elements kept per layer and token: on CPU freed blocks stay with the C
+# allocator (measured); the GPU's caching allocator reuses its blocks (arithmetic, not measured).
 CKPT_HIDDEN = {"cpu": 6, "gpu": 2}
-# A CPU rank's process besides the model and the KV cache: python, torch, vLLM's libraries and runtime (a toy rank
-# peaks at 1.9 GiB with a 1 GiB KV cache and a model of 2 MiB).
+# A CPU rank besides the model and the KV cache: python, torch, vLLM's libraries (a toy rank peaks at 1.9 GiB
+# with a 1 GiB KV cache and a 2 MiB model).
 CPU_PROCESS_BYTES = 1.25 * GIB
-# GPU, per rank, estimates (never measured here). The CUDA context with the kernels torch and vLLM load and cuBLAS's
-# workspaces: 0.5-1 GiB on H100-class cards (vLLM's start-up report counts it in "non_torch_memory": 1.27 GiB on an
-# 80 GB card in the log of vLLM PR #11743).
+# GPU, per rank, estimates from reported numbers, never measured here (sources: docs/scale.md): the CUDA context,
+# the trainer's one NCCL communicator (vLLM at tensor-parallel size 1 makes none), and vLLM asleep at level 2 (its
+# CUDA-graph pool and persistent buffers stay).
 GPU_CONTEXT_BYTES = 1 * GIB
-# The trainer's one NCCL communicator (FSDP2 and our collectives share the default process group; vLLM with
-# tensor_parallel_size 1 makes none: its groups of one rank skip the device communicator, vllm 0.32
-# distributed/parallel_state.py). NCCL's buffers grow with channels and NVLink SHARP: about 1.6 GB for one
-# communicator after an all-reduce (NVIDIA/nccl issue #864), 0.5-0.7 GB per group on 4 A100s (issue #964).
 GPU_NCCL_BYTES = 1.5 * GIB
-# vLLM asleep at level 2 discards its weights and KV cache but keeps its CUDA-graph pool (1.4 GiB for a TP8 model in
-# vLLM issue #47654; offloading it is unmerged work, PRs #45623 and #56373) and the model runner's persistent
-# buffers and attention workspace, allocated by torch.
 GPU_ENGINE_ASLEEP_BYTES = 3 * GIB
 
 
@@ -149,8 +135,7 @@ GPU_TOKENS, CPU_TOKENS = 16384, 2048
 
 
 def auto_budget(shape, budget, max_tokens, checkpointing, *, max_sequence_len, **common):
-    """(tokens, checkpointing, the reason) for --max_tokens_per_micro_batch and --gradient_checkpointing. On a GPU
-    'auto' tokens are GPU_TOKENS where they fit, else the most that fits (in steps of 1024), and 'auto'
+    """(tokens, checkpointing, the reason). On a GPU 'auto' tokens are GPU_TOKENS or the most that fit, and 'auto'
     checkpointing is off where those fit without it (it recomputes every layer: +33% FLOPs). CPU: CPU_TOKENS, off."""
     on_gpu = common["on_gpu"]
     if not on_gpu or checkpointing != "auto" and max_tokens != "auto":

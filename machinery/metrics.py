@@ -1,7 +1,6 @@
 """On json, tqdm and matplotlib (wandb, TensorBoard if asked): the metrics no library knows for SPO, and the run's plot.
 
-What a training run records (docs/flags.md lists every metric; gathered over all ranks) and the logger that
-writes it on rank 0: a tqdm bar, a console line, metrics.jsonl, wandb if asked; and the run's plot (run.png).
+Every metric is gathered over all ranks and listed in docs/flags.md; rank 0 writes them.
 """
 import argparse
 import contextlib
@@ -41,9 +40,8 @@ def vllm_gap(batch, rollouts):
 
 
 def learning_warning(changed, old, new, advantage, masks):
-    """After the first update: None if it moved the policy the way the advantages say (parameters changed,
-    positive-advantage tokens' log-probs rose, negative ones' fell, over all ranks), else the warning line. A run
-    that learns nothing says nothing otherwise (an exactly-zero gradient trains "fine")."""
+    """None if the first update moved the policy the way the advantages say, else a warning line: a run that
+    learns nothing says nothing otherwise (an exactly-zero gradient trains "fine")."""
     sums = np.zeros(5)  # changed; the log-prob change summed over positive-advantage tokens, their count; negative
     sums[0] = changed
     for o, n, a, m in zip(old, new, advantage, masks):
@@ -63,6 +61,7 @@ def learning_warning(changed, old, new, advantage, masks):
 
 
 def step_metrics(reward, raw_advantage, advantage, rollouts, old, stats, times, group=1, tools=False):
+    """What every algorithm reports over the global batch (each metric: docs/flags.md)."""
     world = dist.get_world_size()
     reward, raw, adv, lengths, policy_tokens, truncated, scalars = all_gather_np(  # one collective
         reward, raw_advantage, np.asarray(advantage), np.array([len(r.response_ids) for r in rollouts]),
@@ -78,21 +77,16 @@ def step_metrics(reward, raw_advantage, advantage, rollouts, old, stats, times, 
          "advantage/mean": raw.mean(), "advantage/std": raw.std(),
          "advantage/p05": np.quantile(raw, 0.05), "advantage/p50": np.quantile(raw, 0.5),
          "advantage/p95": np.quantile(raw, 0.95), "advantage/normalised_std": adv.std(),
-         # the normalised advantage's mean under the token-mean loss (SPO++'s point: not 0 unless --adv_norm token)
          "advantage/token_mean": (adv * policy_tokens).sum() / max(policy_tokens.sum(), 1),
          "response/length_mean": lengths.mean(), "response/length_max": lengths.max(),
          "response/truncated": truncated.mean(),
          "policy/entropy": scalars[0] / world, "policy/logprob_gap_mean": scalars[1] / world,
          "policy/logprob_gap_max": gap_max,
-         # pi_trainer / pi_engine of the sampled tokens (the mismatch --tis corrects): share outside [0.9, 1.1], max
          "policy/ratio_outside": outside / max(tokens, 1), "policy/ratio_max": ratio_max,
          "policy/tis_truncated": stats["tis_truncated"],
-         # sequences in the no-grad pass before the update (all ranks): SPO's revisited previous responses, plus
-         # the batch when ppo_steps > 1 (with one optimiser step the update's forward gives the old log-probs)
          "policy/rescored_sequences": scalars[2],
          "policy/clip_fraction": stats["clip_fraction"], "policy/approx_kl": stats["approx_kl"],
          "policy/grad_norm": stats["grad_norm"], "policy/loss": stats["loss"],
-         # tokens the trainer's decoder ran in the update, per rank: packed rows, each shared prefix once
          "policy/decoder_tokens": stats["decoder_tokens"]}
     m.update(signal_metrics(raw, adv, reward, group))
     m.update({f"time/{k}": v for k, v in times.items()})
@@ -285,9 +279,8 @@ RUN_PLOT_PANELS = (("eval/accuracy", "held-out accuracy"), ("reward/mean", "trai
 
 
 def probe_stats(value, success, n_samples, n_eff=None):
-    """v(x) against the measured success rate: MAE, bias, and the MAE a PERFECT tracker would show from the n-sample
-    measurement alone (E|p_hat - p| ~ sqrt(2/pi) sqrt(p(1-p)/n)). n_eff: the tracker's N_eff(x); mae_unbiased is
-    then an UNBIASED tracker's of N_eff samples, beside the probe's noise (1/N_eff + 1/n)."""
+    """v(x) against the measured success rate: MAE, bias, and the MAE a PERFECT tracker would show from the
+    n-sample measurement alone; with n_eff, an UNBIASED tracker's of N_eff samples (E|p_hat - p| approximations)."""
     value, success = np.asarray(value, np.float64), np.asarray(success, np.float64)
     spread = success * (1 - success) * n_samples / max(n_samples - 1, 1)  # unbiased p(1-p) from n Bernoulli draws
     stats = {"probe/mae": float(np.mean(np.abs(value - success))), "probe/bias": float(np.mean(value - success)),
@@ -302,9 +295,8 @@ POOL_PROMPTS = 2048  # the training prompts pool_statistics reads (a fixed subse
 
 
 def pool_statistics(p, group=8, mastered=0.9):
-    """Whether a baseline and a sampler have work to do, from training prompts' exact success probabilities p:
-    the share of groups whose rewards all agree (Fig. 3a), and var(p) / (mean(p) (1 - mean(p))), the share of the
-    reward variance between prompts: the most any per-prompt baseline can remove."""
+    """Whether a baseline and a sampler have work to do, from exact success probabilities p; between_share: the
+    share of the reward variance between prompts, the most any per-prompt baseline can remove."""
     p = np.asarray(p, np.float64)
     total = p.mean() * (1 - p.mean())
     return {"pool/exact": float(p.mean()), "pool/mastered": float(np.mean(p >= mastered)),

@@ -1,8 +1,6 @@
 """No library guards a run directory or an output: lock files and holds, so that no run overwrites another.
 
-One run per directory, nothing overwritten, nothing written through a symbolic link; a lock file (host, pid, start
-time) keeps a second job out while the first lives. eval.py reads a run's newest checkpoint through hard-linked
-holds, safe from the run's rotation. An output of eval.py or offline_values.py has one writer and appears whole.
+eval.py reads a run's newest checkpoint through hard-linked holds, safe from the run's rotation.
 """
 import atexit
 import contextlib
@@ -24,8 +22,7 @@ def default_run_dir(algo):
 
 
 def open_run_dir(run_dir, *, resumed, algo, program):
-    """The run directory every rank agrees on (run_dir, or rank 0 names a default one for `algo`), claimed by rank 0
-    for this run of `program`; any error stops every rank with one line."""
+    """The run directory (or a default one) claimed by rank 0, on every rank; an error stops every rank."""
     from machinery.collectives import all_gather_objects
     error = None
     if dist.get_rank() == 0:
@@ -250,8 +247,7 @@ def atomic_write(path):
 
 
 def resolve_model(path: str) -> str:
-    """A model directory: an HF dir or hub name as is, a run or its checkpoints/ (the newest checkpoint's model/),
-    or a step_N directory (its model/)."""
+    """A model directory: an HF dir or hub name as is; of a run, its newest checkpoint's model/."""
     run = os.path.normpath(path)
     found = checkpoint_dirs(os.path.dirname(run) if os.path.basename(run) == "checkpoints" else run)
     if found:

@@ -1,10 +1,7 @@
 """On torch FSDP2 (fully_shard) and transformers: the policy-gradient trainer TRL or verl has, in one readable file.
 
-spo.py holds the algorithm's math (the advantages, D(x), the PPO-clip loss of Eq. 10); this file the mechanics:
-the policy sharded with FSDP2, per-token log-probs with fp32 logits computed in chunks (no (B, T, V) tensor), and
-the optimiser steps around the caller's loss, normalised by the GLOBAL token count. FSDP2 averages gradients over
-ranks and that loss is already a global mean, so each rank scales it by the world size
-(set_gradient_divide_factor(1) would do the same but fails on gloo).
+spo.py holds the math (Eq. 10's loss, a mean over the GLOBAL token count); this file the mechanics. FSDP2 averages
+gradients over ranks, so each rank scales the loss by the world size (set_gradient_divide_factor(1) fails on gloo).
 """
 import contextlib
 import datetime
@@ -32,8 +29,7 @@ DIST_TIMEOUT = datetime.timedelta(minutes=60)
 
 
 def setup_distributed():
-    """torch.distributed on gloo (CPU) or nccl (GPU); plain `python spo.py` is a world of one (vLLM's external
-    launcher needs the process group either way)."""
+    """torch.distributed on gloo (CPU) or nccl (GPU); plain `python spo.py` is a world of one."""
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
@@ -54,11 +50,8 @@ def setup_distributed():
 
 
 def build_policy(path, device, lr, weight_decay, gradient_checkpointing=None, layer_units=None, bf16=None):
-    """The policy: a Hugging Face causal LM in training mode, sharded with FSDP2, and its AdamW optimiser.
-    gradient_checkpointing, layer_units, bf16: as resolved by device.py and memory.py (None: the GPU defaults).
-    bf16 is FSDP2's mixed precision: fp32 master weights, gradients reduced in fp32.
-    Only rank 0 reads the weights (33 GB in fp32 for an 8B model); the others build on the meta device and receive
-    their shards by broadcast, so a node holds one full copy on the host, not one per GPU."""
+    """The policy (a causal LM sharded with FSDP2; bf16: mixed precision, fp32 master weights) and its AdamW. Only
+    rank 0 reads the weights; the others build on the meta device and receive their shards by broadcast."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -114,9 +107,8 @@ HALF = (torch.bfloat16, torch.float16)
 
 
 def _mm_fp32(a, b, into=None):
-    """a @ b in fp32 from bf16 (or fp16) a and b, or with `into` (fp32) into += a @ b in place: one half-precision
-    GEMM accumulating in fp32 where torch has it for the device (mm's and addmm's out_dtype: CUDA; no CPU kernel in
-    torch 2.13), else the same numbers from fp32 copies."""
+    """a @ b (or into += a @ b) in fp32 from half-precision a and b: one GEMM accumulating in fp32 where torch has
+    it (out_dtype: CUDA only in torch 2.13), else the same numbers from fp32 copies."""
     if a.is_cuda and "dtype" in torch.ops.aten.mm.overloads():
         if into is None:
             return torch.mm(a, b, out_dtype=torch.float32)
@@ -128,11 +120,9 @@ def _mm_fp32(a, b, into=None):
 
 
 class _WeightGradient(torch.autograd.Function):
-    """The output projection's weight gradient under bf16, summed over the chunks in ONE fp32 buffer, total["sum"],
-    into which each chunk's _HalfInputLogits adds its share in place (not a fresh (V, H) fp32 gradient per chunk for
-    autograd to add up). Every chunk takes this function's output (an empty tensor), so autograd runs this backward
-    after all of theirs: it hands the weight the sum in the weight's dtype, its one gradient through autograd (under
-    FSDP2 mixed precision the gathered bf16 copy's, which FSDP2 reduce-scatters after the backward)."""
+    """The output projection's weight gradient under bf16, summed over the chunks in ONE fp32 buffer (not a (V, H)
+    fp32 gradient per chunk). Every chunk takes this function's empty output, so this backward runs after all of
+    theirs and hands the weight the sum, its one gradient through autograd."""
 
     @staticmethod
     def forward(ctx, weight, total):
@@ -146,12 +136,9 @@ class _WeightGradient(torch.autograd.Function):
 
 
 class _HalfInputLogits(torch.autograd.Function):
-    """(n, V) fp32 logits hidden @ weight.T from bf16 hidden (n, H) and weight (V, H). A product of two bf16 values
-    is exact in fp32, so these are the fp32 projection's logits (up to the order of the sum) from a bf16 GEMM, not
-    an fp32 one (no TF32 by default: several times slower). mm's out_dtype has no derivative (torch 2.13): hence
-    this function. token, total: _WeightGradient's output and buffer, into which the backward adds the weight's
-    gradient in fp32 (None: no weight gradient). The logits' gradient is rounded to bf16 for the backward GEMMs, as
-    every gradient in the bf16 decoder is."""
+    """(n, V) fp32 logits from bf16 hidden (n, H) and weight (V, H): a product of two bf16 values is exact in fp32,
+    so a bf16 GEMM gives the fp32 projection's logits. mm's out_dtype has no derivative (torch 2.13): hence this
+    function. token, total: _WeightGradient's, into which the backward adds the weight's gradient."""
 
     @staticmethod
     def forward(ctx, hidden, weight, token, total):
@@ -171,11 +158,8 @@ class _HalfInputLogits(torch.autograd.Function):
 
 
 def _chunk_logprobs(hidden, weight, weight_sum, bias, targets, temperature, with_entropy):
-    """(n,) log-probs of `targets` and (n,) entropies (or None) from (n, H) hidden states, with fp32 logits even
-    when the model computes in bf16: bf16 logits near 30 are rounded to steps of 0.125, an error the log-probs (and
-    PPO's ratio) would inherit. Under bf16 _HalfInputLogits, its weight gradient summed as weight_sum says
-    (_WeightGradient's token, None for no weight gradient, and buffer); in fp32 (CPU) an fp32 GEMM on the parameter.
-    log p = logit - logsumexp(logits), so the (n, V) log-softmax is never stored."""
+    """(n,) log-probs of `targets` and entropies (or None) from (n, H) hidden states, with fp32 logits even in bf16:
+    bf16 logits near 30 are rounded to steps of 0.125, an error PPO's ratio would inherit."""
     if weight.dtype in HALF and hidden.dtype == weight.dtype:
         logits = _HalfInputLogits.apply(hidden, weight, *weight_sum)  # (n, V) fp32
         logits = (logits if bias is None else logits + bias.float()) / temperature
@@ -191,11 +175,9 @@ def _chunk_logprobs(hidden, weight, weight_sum, bias, targets, temperature, with
 
 
 def response_logprobs(model, ids, rows, cols, temperature, with_entropy=False, chunk=None):
-    """(N,) log pi(ids[rows, cols + 1] | ids[rows, :cols + 1]) at the sampling temperature, and the (N,) entropies
-    (or None): the decoder once over the sequences (one packed row, batching.packed_row; else the padded rows), the
-    output projection only at the N positions, `chunk` positions at a time, each chunk checkpointed: no (B, T, V)
-    tensor exists (Qwen3: 12 GB per fp32 copy of the logits of 2 x 10k tokens). Call it as
-    `model.response_logprobs(...)` (attach_logprob_forward), so that FSDP2 gathers the parameters around it."""
+    """(N,) log pi(ids[rows, cols + 1] | ids[rows, :cols + 1]) and entropies (or None): the decoder once (one packed
+    row), the output projection only at the N positions, `chunk` at a time, each checkpointed: no (B, T, V) tensor
+    exists. Call it as `model.response_logprobs(...)`, so that FSDP2 gathers the parameters around it."""
     device = next(model.parameters()).device
     ids, rows, cols = (x.cpu() for x in (ids, rows, cols))  # host tensors (the loops pass them; no wait then)
     targets = ids[rows, cols + 1]  # (N,)
@@ -260,11 +242,9 @@ def token_logprobs(model, ids, mask, temperature, with_entropy=False):
 
 @torch.no_grad()
 def old_logprobs(model, rollouts, revisited, temperature, micro_batch_size, max_tokens=None):
-    """The trainer's log-probs, before this step's update, of this batch's responses (PPO's old log-probs) and of
-    `revisited` (prompt ids, response ids, response mask) triples (spo.py: previous responses, for D(x)), in one
-    pass; also the entropy and the trainer-vLLM log-prob gap (a weight push that did not land shows there).
-    With a token budget all ranks' sequences are dealt by tokens and each result sent back to its owner. The
-    results are read in one copy after the loop: the host queues the micro-batches without waiting."""
+    """Before the update, in one pass: PPO's old log-probs of this batch and those of `revisited` (prompt ids,
+    response ids, mask) triples (spo.py: for D(x)), the entropy and the trainer-vLLM gap. With a token budget the
+    sequences are dealt by tokens and each result sent back to its owner."""
     rank, padded = dist.get_rank(), model.config._attn_implementation != PACKED_ATTENTION
     if max_tokens is not None and next(model.parameters()).is_cuda:  # no activations kept: twice the update's
         max_tokens *= 2  # budget on GPU (verl sizes its log-prob passes so)
@@ -320,11 +300,9 @@ def clip_grad_norm(parameters, max_norm):
 
 def ppo_update(model, optimizer, rollouts, old, advantage, loss_fn, *, ppo_steps, micro_batch_size, temperature,
                grad_clip, max_tokens=None, tis=0.0):
-    """`ppo_steps` optimiser steps over consecutive mini-batches of the rollouts, each step's loss from
-    loss_fn(logprobs, old_logprobs, advantage, mask, n_tokens=...) -> (loss, clipped) (spo.ppo_clip_loss, Eq. 10),
-    n_tokens: the GLOBAL mini-batch's policy tokens. A step whose loss or gradient norm is not finite is skipped on
-    every rank. old: per-rollout old log-probs; advantage: (B_local,). max_tokens: the token budget (sequences
-    then dealt to the ranks by tokens); tis: tis_weights' cap, passed to loss_fn as weights (0: off)."""
+    """`ppo_steps` optimiser steps over consecutive mini-batches, each loss from loss_fn(logprobs, old_logprobs,
+    advantage, mask, n_tokens=the GLOBAL mini-batch's tokens) -> (loss, clipped) (Eq. 10). A step whose loss or
+    gradient norm is not finite is skipped on every rank. tis: tis_weights' cap, passed as weights (0: off)."""
     per, world = len(rollouts) // ppo_steps, dist.get_world_size()
     sequences = [Sequence(r.prompt_ids, r.response_ids, r.response_mask, old[i], float(advantage[i]),
                           tis_weights(old[i], r.logprobs, r.response_mask, tis) if tis else None)
@@ -354,9 +332,8 @@ def ppo_update(model, optimizer, rollouts, old, advantage, loss_fn, *, ppo_steps
 
 
 def _accumulate_gradients(model, mini, shares, loss_fn, global_tokens, temperature, micro_batch_size, max_tokens, tis):
-    """One optimiser step's gradient over this rank's micro-batches of `mini`; nothing waits for the device, and
-    FSDP2 reduces once, after the last backward. Returns this rank's (loss, clipped tokens, k3 KL summed over
-    tokens, tokens, truncated tokens, tokens the decoder ran), summed in float64 in order."""
+    """One step's gradient over this rank's micro-batches, reduced once; nothing waits for the device. Returns the
+    sums of (loss, clipped tokens, k3 KL, tokens, truncated tokens, tokens the decoder ran)."""
     world, ran = dist.get_world_size(), getattr(model, "decoder_tokens", 0)
     plan = micro_batches(list(map(len, mini)), micro_batch_size, max_tokens, shares,
                          padded=model.config._attn_implementation != PACKED_ATTENTION)

@@ -1,8 +1,7 @@
 """What pickle and a config file would otherwise do: a run directory from elsewhere read as data, nothing in it run.
 
---resume reads a run directory that may come from someone else. Its pickles are read allowing no code, and a
-config value that names code or a place (a verifier, a wandb project, the data files) is used only where this
-command line agrees. The model always comes from the checkpoint's own model/.
+Its pickles are read allowing no code; a config value that names code or a place is used only where this command
+line agrees; the model always comes from the checkpoint's own model/.
 """
 import hashlib
 import json
