@@ -33,8 +33,7 @@ def plan_micro_batches(lengths, max_sequences, max_tokens=None, padded=False):
 
 
 def assign_by_tokens(lengths, world):
-    """(n,) the rank that computes each sequence: longest first, each to the rank with the fewest tokens so far.
-    Slicing by count could leave one rank several times the tokens of another (responses of 1k to 16k tokens)."""
+    """(n,) each sequence's rank: longest first, to the rank with the fewest tokens (counts would not balance)."""
     load, owner = np.zeros(world), np.zeros(len(lengths), dtype=np.int64)
     for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):  # stable: ties keep their order
         owner[i] = int(np.argmin(load))
@@ -43,8 +42,7 @@ def assign_by_tokens(lengths, world):
 
 
 def micro_batches(lengths, max_sequences, max_tokens=None, shares=None, padded=False):
-    """plan_micro_batches, padded with empty micro-batches to one count on every rank (FSDP2's passes are
-    collectives). shares: every rank's lengths (deal_by_tokens); None: one collective finds the most."""
+    """plan_micro_batches padded to one count on every rank (FSDP2's passes are collectives)."""
     from machinery.collectives import all_reduce_np
     plan = plan_micro_batches(lengths, max_sequences, max_tokens, padded)
     count = (int(all_reduce_np([len(plan)], op="max")[0]) if shares is None else
@@ -53,8 +51,7 @@ def micro_batches(lengths, max_sequences, max_tokens=None, shares=None, padded=F
 
 
 def deal_by_tokens(items, length, budget=True):
-    """All ranks' items dealt by tokens: (this rank's items, every rank's lengths, all items); without a budget:
-    (items, None, None)."""
+    """(this rank's items, every rank's lengths, all items), dealt by tokens; without a budget (items, None, None)."""
     if not budget:
         return items, None, None
     import torch.distributed as dist
@@ -86,8 +83,7 @@ IDLE = Sequence([0], [0], [0])  # a one-token dummy sequence with mask 0, for a 
 
 
 def pack(sequences, device="cpu"):
-    """Right-padded (B, T) ids and the (B, T-1) loss mask of Sequence records or (prompt, response, mask) triples.
-    Right padding needs no attention mask: with causal attention real tokens never see the pads after them."""
+    """Right-padded (B, T) ids and the (B, T-1) loss mask (causal: no attention mask needed)."""
     sequences = [s if isinstance(s, Sequence) else Sequence(*s) for s in sequences]
     ids = np.zeros((len(sequences), max(map(len, sequences))), dtype=np.int64)
     mask = np.zeros((len(sequences), ids.shape[1] - 1), dtype=np.float32)
@@ -110,8 +106,7 @@ def loss_terms(sequences):
 
 
 def to_device(tensors, device):
-    """Host tensors on `device`; on CUDA in ONE non-blocking copy from a pinned buffer: a copy from pageable
-    memory, or one per tensor, makes the host wait for the device (memcpy_and_sync)."""
+    """Host tensors on `device`; on CUDA in ONE non-blocking copy from a pinned buffer, so the host never waits."""
     if device.type != "cuda":
         return list(tensors)
     raw = [t.contiguous().reshape(-1).view(torch.uint8) for t in tensors]
@@ -164,8 +159,7 @@ CALL_PADDING = 1.25
 
 
 def _attention_calls(prefix, members):
-    """[(members, (k, L) row positions)] for one group (prefix positions, members' own (start, end)): longest
-    first, cut where another member would take the padding past CALL_PADDING."""
+    """[(members, (k, L) row positions)] for one group, longest first, within CALL_PADDING."""
     members = sorted(members, key=lambda m: m[0] - m[1])  # longest first (stable)
     calls, current = [], []
     for m in members:
@@ -260,8 +254,7 @@ def _needs_repeated_kv(device_type, dtype, heads, kv_heads):
 
 
 def use_packed_attention(model):
-    """Make the model's attention packed_attention; False for a model outside transformers' AttentionInterface
-    (it then runs on padded rows)."""
+    """packed_attention for the model; False for one outside AttentionInterface (it then runs on padded rows)."""
     from transformers import AttentionInterface
     AttentionInterface.register(PACKED_ATTENTION, packed_attention)
     try:

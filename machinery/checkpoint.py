@@ -41,8 +41,7 @@ def resumed_settings(saved, given):
 
 
 def given_flags(parser, argv):
-    """The flags the command line typed (not their defaults), which --resume may change: argv parsed again with
-    every default suppressed (argparse has no public way to tell a typed flag from its default)."""
+    """The flags argv typed: argparse has no public way to tell a typed flag from its default."""
     quiet = copy.deepcopy(parser)
     for action in quiet._actions:
         action.default = argparse.SUPPRESS
@@ -50,8 +49,7 @@ def given_flags(parser, argv):
 
 
 def resumed_config(run_dir, given, built_in=(), shipped=""):
-    """--resume: the run's settings (resumed_settings, foreign_values); a --steps that would not go past the
-    checkpoint is an error too. Returns the settings, resume and run_dir set to run_dir."""
+    """--resume: the run's settings, checked (resumed_settings, foreign_values, --steps past the checkpoint)."""
     path, error = resume_point(run_dir)  # before the config: "no checkpoint" is the error that says what to do
     if error:
         fail(error, once=True)
@@ -105,8 +103,7 @@ def no_checkpoint(run_dir):
 
 
 def resume_point(run_dir):
-    """(the newest published checkpoint, None) or (None, one error line). A damaged newest one names the newest
-    intact one, to resume from by deleting the damaged ones: going back is the user's choice, never silent."""
+    """(the newest checkpoint, None) or (None, one error line): going back past a damaged one is the user's choice."""
     found = checkpoint_dirs(run_dir)
     if not found:
         return None, no_checkpoint(run_dir)
@@ -195,8 +192,7 @@ EXPORT_FILE_BYTES = 2 ** 32
 
 
 def _export_plan(model, dtype, file_bytes):
-    """The HF export's files: lists of names (parameters, tied ones once, then persistent buffers) in
-    full_parameters' order, a new file whenever the next tensor would pass file_bytes."""
+    """The HF export's files as lists of names in full_parameters' order, each within file_bytes."""
     tensors = list(model.named_parameters())  # a tied output projection once, under the embedding's name
     state = model.state_dict()  # (FSDP2: DTensors, nothing gathered) persistent buffers are in it, others not
     tensors += [(name, b) for name, b in model.named_buffers() if name in state]
@@ -246,8 +242,7 @@ def export_hf(model, out_dir, dtype=None, write=True, file_bytes=EXPORT_FILE_BYT
 
 def save_checkpoint(run_dir, step, model, optimizer, tokenizer, world, prompt_keys, tracker_state,
                     sampler_state, previous, config, keep=2, export_dtype=None, reach=None):
-    """Write checkpoints/step_N atomically (the module docstring); model/ in export_dtype (None: fp32). A crash
-    mid-write leaves the previous checkpoint intact."""
+    """Write checkpoints/step_N atomically: a crash mid-write leaves the previous checkpoint intact."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
     from torch.distributed.checkpoint.api import CheckpointException
@@ -326,8 +321,7 @@ def _why(e):
 
 
 def load_checkpoint(run_dir, world, prompt_keys):
-    """The newest checkpoint's state, read as data and checked against this run's world size and dataset. Rank 0
-    (holding the run's lock) removes, and names, the partial directories of saves that did not finish."""
+    """The newest checkpoint's state, checked against this run; rank 0 removes the saves that did not finish."""
     path, error = resume_point(run_dir)
     if error:
         fail(error, once=True)
@@ -365,8 +359,7 @@ def _read_error(path, e):
 
 
 def restore_training_state(model, optimizer, shards):
-    """Load save_checkpoint's shards into the built policy and optimiser, each rank its own; DCP's two pickles
-    read as data (read_shards_metadata, weights_only)."""
+    """save_checkpoint's shards into the policy and optimiser; DCP's two pickles read as data."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint._traverse import set_element
     from torch.distributed.checkpoint.api import CheckpointException

@@ -56,8 +56,7 @@ OBJECT_BUCKET_BYTES = 2 ** 16
 
 
 def all_gather_objects(items):
-    """Per-rank lists of picklable objects, concatenated: one collective of OBJECT_BUCKET_BYTES (length, pickle)
-    where torch's all_gather_object spends two; a second only when a pickle overflows it."""
+    """Per-rank lists of objects, concatenated, in one collective (two only when a pickle overflows the bucket)."""
     data, room = np.frombuffer(pickle.dumps(items), dtype=np.uint8), OBJECT_BUCKET_BYTES - 8
     first = np.zeros(OBJECT_BUCKET_BYTES, dtype=np.uint8)
     first[:8], first[8: 8 + min(len(data), room)] = np.array([len(data)], np.int64).view(np.uint8), data[:room]

@@ -33,8 +33,7 @@ class PromptSet:
 
 
 def prompt_key(messages: list[dict]) -> str:
-    """First 16 hex digits of sha1 of the messages' canonical JSON. A plain string prompt s and
-    [{"role": "user", "content": s}] get the same key, so the verl and open-r1 DAPO files agree."""
+    """sha1 of the messages' canonical JSON: a string prompt gets its user message's key (verl = open-r1 DAPO)."""
     canonical = json.dumps(messages, ensure_ascii=False, sort_keys=True, separators=(",", ":"))
     return hashlib.sha1(canonical.encode("utf-8")).hexdigest()[:16]
 
@@ -144,8 +143,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
 def find_model(name):
-    """A --model every loader can open: a local directory or a hub name as it is while the hub answers, else its
-    cached snapshot, else one line (an unreachable hub costs each loader a minute of retries)."""
+    """A --model every loader can open, asked once: an unreachable hub costs each loader a minute of retries."""
     import urllib.request
     if Path(name).expanduser().is_dir() or os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "false", ""):
         return name  # local, or offline by request: the libraries then read the cache without retrying
@@ -279,8 +277,7 @@ def load_tokenizer(path):
 
 
 def plain_text_ids(tokenizer, text):
-    """Token ids of text that no added token may come from (tool output): split_special_tokens splits only the
-    special ones, and Qwen3's <tool_call> and </think> are added tokens not marked special."""
+    """Token ids of tool output, no added token among them (Qwen3's <tool_call> is added but not special)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:  # no tokenizers backend (a slow tokenizer): the special tokens, at least, are split
         return tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)

@@ -31,8 +31,7 @@ def use_bf16(choice, on_gpu):
 
 
 def use_layer_units(choice, on_gpu, world=1):
-    """--fsdp_units -> each decoder layer its own FSDP2 unit (auto: on more than one GPU: one GPU has no gather to
-    overlap, and per-layer units cost it each layer's cast and hooks twice per micro-batch)."""
+    """--fsdp_units -> per-layer FSDP2 units (auto: on more than one GPU: one GPU has no gather to overlap)."""
     return on_gpu and world > 1 if choice == "auto" else choice == "layers"
 
 

@@ -58,8 +58,7 @@ def model_shape(model_path, config=None):
 
 
 def tokens_per_forward(micro_batch_size, max_tokens_per_micro_batch, sequences_per_rank, max_sequence_len):
-    """The most tokens one forward pass can hold: the budget, or one sequence longer than it (plan_micro_batches);
-    without a budget micro_batch_size sequences of the longest length."""
+    """The most tokens one forward pass can hold, as plan_micro_batches cuts them."""
     if max_tokens_per_micro_batch is not None:
         return max(min(max_tokens_per_micro_batch, micro_batch_size * max_sequence_len), max_sequence_len)
     return min(micro_batch_size, sequences_per_rank) * max_sequence_len

@@ -27,8 +27,7 @@ def tool_metrics(all_reward, rollouts):
 
 
 def vllm_gap(batch, rollouts):
-    """The trainer's and the engine's log-probs of the sampled policy tokens compared (a weight push that did not
-    land shows here; bf16 kernels differ: what --tis corrects)."""
+    """The trainer's and the engine's log-probs of the sampled tokens compared (a failed weight push shows here)."""
     if not rollouts:
         return {"logprob_gap_mean": 0.0, "logprob_gap_max": 0.0, "ratio_outside": 0, "ratio_max": 0.0, "tokens": 0}
     diff = np.concatenate([(lp - np.asarray(r.logprobs))[np.asarray(r.response_mask) > 0]
@@ -122,8 +121,7 @@ def spo_metrics(all_raw_advantage, tracker, divergence, rho, revisit):
 
 
 def signal_metrics(all_raw_advantage, all_advantage, all_reward, group, tol=1e-6):
-    """How much of the batch carries a learning signal, for every estimator (the paper's Fig. 3; "effective":
-    over the samples with |raw advantage| > tol)."""
+    """How much of the batch carries a learning signal, for every estimator (the paper's Fig. 3)."""
     raw, adv = np.asarray(all_raw_advantage, np.float64), np.asarray(all_advantage, np.float64)
     carries = np.abs(raw) > tol
     m = {"signal/zero_advantage": np.mean(np.abs(adv) <= tol), "signal/adv_var_raw": raw.var(),
@@ -231,8 +229,7 @@ def all_equal_note(step, reward):
 
 
 class PromptReach:
-    """--oversample, over the run: each prompt's draws and trainings (a slow prompt is aborted more often: one
-    drawn but never kept is never learned from). Saved in checkpoints."""
+    """--oversample: each prompt's draws and trainings over the run (a slow prompt is aborted more often)."""
 
     def __init__(self, n_prompts):
         self.drawn, self.kept = np.zeros(n_prompts, np.int64), np.zeros(n_prompts, np.int64)
@@ -306,8 +303,7 @@ def pool_statistics(p, group=8, mastered=0.9):
 
 
 def plot_run(run_dir):
-    """run_dir/run.png: a panel per RUN_PLOT_PANELS key that metrics.jsonl has. Never fails a run: returns the
-    path, or None when it could not be drawn (said in one line)."""
+    """run_dir/run.png, a panel per RUN_PLOT_PANELS key: its path, or None (said in one line), never a failure."""
     path = os.path.join(run_dir, "run.png")
     try:
         rows = []

@@ -35,8 +35,7 @@ def open_run_dir(run_dir, *, resumed, algo, program):
 
 
 def claim_run_dir(run_dir, resume, name):
-    """Rank 0's check that this run may write run_dir, then its lock (removed at exit); an error line or None. A
-    fresh run refuses a directory that holds a checkpoint and takes over one that holds none; --resume needs one."""
+    """Rank 0's lock on run_dir, or an error line: a fresh run refuses a directory with checkpoints."""
     saved = checkpoint_dirs(run_dir)
     if not resume and saved:
         return (f"--run_dir {run_dir} already holds a run with checkpoints (newest: {os.path.basename(saved[-1])}): "
@@ -139,8 +138,7 @@ def _lock_owner(lock):
 
 
 def _held(lock, owner):
-    """Whether a lock belongs to a live job: one on another host (not checkable), or a live process here other than
-    this one, started when the lock says. A lock with no owner yet is a job between creating and writing it."""
+    """Whether a lock belongs to a live job (another host's cannot be checked: it counts as live)."""
     if owner is None:
         try:
             return time.time() - os.path.getmtime(lock) < 10
@@ -200,8 +198,7 @@ def open_output(path, flag, program, earlier=()):
 
 
 def claim_output(path, flag, program, earlier=()):
-    """Rank 0's claim of an output (a file, or with `earlier` a directory) by a lock beside it, or an error line.
-    A directory's files ending in `earlier` (an earlier run's results) move into earlier_K/, said in one line."""
+    """Rank 0's lock on an output, or an error line; an earlier run's results (`earlier`) move into earlier_K/."""
     lock = os.path.normpath(path) + ".lock"
     try:
         os.makedirs(os.path.dirname(os.path.abspath(lock)), exist_ok=True)
@@ -220,8 +217,7 @@ def claim_output(path, flag, program, earlier=()):
 
 
 def shared_output(path, run_dir, program, what):
-    """A file runs share (the toy's offline values): path when it is there or rank 0 claims it, else the same name
-    in run_dir (a read-only toy, another run writing it now), said in one line."""
+    """A file runs share (the toy's offline values): path, or the same name in run_dir where path is taken."""
     from machinery.collectives import all_gather_objects
     if dist.get_rank() == 0 and not os.path.exists(path) and (error := claim_output(path, what, program)):
         kept = os.path.join(run_dir, os.path.basename(path))
@@ -318,8 +314,7 @@ def _hold(step):
 
 
 def clear_stale_holds(root):
-    """Holds in root of evaluations that are gone are removed (one killed before its exit handler would keep a
-    checkpoint for good). Returns the live ones' jobs and the bytes only they keep."""
+    """Stale holds in root removed; the live ones' jobs and the bytes only they keep."""
     jobs, links = [], {}  # inode: (bytes, links seen in live holds, links in all)
     for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
         hold = os.path.join(root, name)

@@ -33,10 +33,8 @@ def setup_distributed():
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-    # torch.distributed.nn's functions take `group=group.WORLD` as a default, evaluated on import: imported after
-    # init_process_group (transformers' model and tokenizer modules do), they hold the group past
-    # destroy_process_group, and its gloo threads can abort the exit ("terminate called without an active
-    # exception", exit -6, seen in CI). Imported first, the defaults are None.
+    # Imported after init_process_group, torch.distributed.nn's defaults hold the group past destroy_process_group,
+    # and its gloo threads can abort the exit (exit -6, seen in CI); imported first, they are None.
     import torch.distributed.nn  # noqa: F401
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
@@ -72,23 +70,20 @@ def build_policy(path, device, lr, weight_decay, gradient_checkpointing=None, la
     model.to_empty(device=device)  # storage for this rank's shards (and the buffers), contents undefined
     set_model_state_dict(model, loaded.state_dict() if loaded is not None else {},
                          options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    # Buffers that are not in the state dict (rotary inv_freq) are computed at construction, which on the meta
-    # device computed nothing: rank 0 copies its own and broadcasts them.
+    # Buffers outside the state dict (rotary inv_freq) were computed on the meta device, i.e. not: rank 0 sends its own
     loaded_buffers = dict(loaded.named_buffers()) if loaded is not None else {}
     for name, buffer in model.named_buffers():
         if loaded is not None:
             buffer.copy_(loaded_buffers[name])
         dist.broadcast(buffer, src=0)
     del loaded
-    # foreach: one dispatch per operation over all parameters. On CPU torch defaults to a Python loop per
-    # parameter, and with FSDP2's DTensors every operation of that loop pays DTensor's dispatch; same numbers.
+    # foreach: on CPU torch defaults to a loop per parameter, each step paying DTensor's dispatch; same numbers
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, foreach=True)
     return model, optimizer
 
 
 def prepare_for_training(model, gradient_checkpointing):
-    """Training mode (transformers checkpoints a layer only while training) with dropout off: dropout noise would
-    move PPO's ratio away from 1 for no reason."""
+    """Training mode (transformers checkpoints a layer only then), dropout off: it would move PPO's ratio from 1."""
     model.train()
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
@@ -96,8 +91,7 @@ def prepare_for_training(model, gradient_checkpointing):
         if isinstance(getattr(module, "attention_dropout", None), float):
             module.attention_dropout = 0.0  # attention modules pass it to the attention kernel in training mode
     if gradient_checkpointing:
-        # Non-reentrant checkpointing: the variant that composes with FSDP2 and with inputs that need no grad. No RNG
-        # state stashed and restored per layer: with dropout off the recompute draws no random numbers.
+        # non-reentrant: it composes with FSDP2; no RNG stash: with dropout off the recompute draws nothing
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False,
                                                                            "preserve_rng_state": False})
     return model
@@ -120,9 +114,8 @@ def _mm_fp32(a, b, into=None):
 
 
 class _WeightGradient(torch.autograd.Function):
-    """The output projection's weight gradient under bf16, summed over the chunks in ONE fp32 buffer (not a (V, H)
-    fp32 gradient per chunk). Every chunk takes this function's empty output, so this backward runs after all of
-    theirs and hands the weight the sum, its one gradient through autograd."""
+    """The head's weight gradient under bf16, summed over the chunks in ONE fp32 buffer: every chunk takes this
+    function's empty output, so this backward runs after all of theirs and hands the weight the sum."""
 
     @staticmethod
     def forward(ctx, weight, total):
@@ -212,8 +205,7 @@ def response_logprobs(model, ids, rows, cols, temperature, with_entropy=False, c
 
 
 def attach_logprob_forward(model):
-    """Give the model `model.response_logprobs(...)`, wrapped in FSDP2's gather/release hooks: it uses the root
-    unit (embedding, final norm, output projection) outside the model's own forward."""
+    """`model.response_logprobs(...)`, in FSDP2's gather hooks: it uses the root unit outside the model's forward."""
     from torch.distributed.fsdp import register_fsdp_forward_method
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     for name in ("final_logit_softcapping", "logit_scale"):  # applied inside forward, after the projection
@@ -227,12 +219,11 @@ def attach_logprob_forward(model):
 
 
 def token_logprobs(model, ids, mask, temperature, with_entropy=False):
-    """(B, T-1) log pi(token_t | tokens_<t) where mask > 0 (0 elsewhere) and, if asked, the entropy there, on the
-    model's device. ids, mask: host tensors (batching.pack), so finding the positions does not wait for the device."""
+    """(B, T-1) log pi(token_t | tokens_<t) where mask > 0 (0 elsewhere), and the entropy if asked; ids, mask: host
+    tensors, so finding the positions does not wait for the device."""
     rows, cols = (torch.from_numpy(x) for x in np.nonzero(mask.cpu().numpy()))
     if not len(rows):
-        # An idle rank (mask all 0) still projects one position: under FSDP2 every rank must produce a gradient
-        # for the output projection, or the ranks' reduce-scatters would not match. Its value is masked out.
+        # an idle rank still projects one (masked) position: every rank's reduce-scatter needs the head's gradient
         rows = cols = torch.zeros(1, dtype=torch.long)
     logp, entropy = model.response_logprobs(ids, rows, cols, temperature, with_entropy)
     scatter = functools.partial(torch.zeros(mask.shape, device=logp.device).index_put,
@@ -281,16 +272,14 @@ def old_logprobs(model, rollouts, revisited, temperature, micro_batch_size, max_
 
 
 def tis_weights(old_logprobs, engine_logprobs, mask, cap):
-    """Truncated importance sampling (--tis; Yao et al. 2025): per token min(pi_trainer / pi_engine, cap), 1 on
-    tool output. The samples came from the engine, the gradient is the trainer's: the cap bounds the variance."""
+    """Truncated importance sampling (--tis; Yao et al. 2025): per token min(pi_trainer / pi_engine, cap)."""
     ratio = np.exp(np.asarray(old_logprobs) - np.asarray(engine_logprobs))
     return np.where(np.asarray(mask) > 0, np.minimum(ratio, cap), 1.0)
 
 
 @torch.no_grad()
 def clip_grad_norm(parameters, max_norm):
-    """torch.nn.utils.clip_grad_norm_ (2-norm) for FSDP2's sharded gradients, the same numbers bit for bit
-    (tests/test_trainer.py), in one collective instead of DTensor's several (docs/design.md). Returns the norm."""
+    """torch's clip_grad_norm_ on FSDP2's shards, bit for bit, in one collective instead of DTensor's several."""
     grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in parameters if p.grad is not None]
     squares = all_gather_np((torch.stack(torch._foreach_norm(grads, 2.0)) ** 2.0)[None].cpu().numpy())  # (world, P)
     total = torch.linalg.vector_norm(torch.from_numpy(squares).sum(0) ** 0.5, 2.0)
@@ -363,8 +352,7 @@ def _accumulate_gradients(model, mini, shares, loss_fn, global_tokens, temperatu
 
 @contextlib.contextmanager
 def learning_check(model, optimizer, rollouts, old, advantage, temperature, micro_batch_size, max_tokens, on=True):
-    """Around an update (spo.py: the first): afterwards a warning line on rank 0 unless it moved the policy the way
-    the advantages say (metrics.learning_warning; one more no-grad pass). on False: nothing."""
+    """Around an update: a warning line unless it moved the policy the way the advantages say (one more pass)."""
     def norms():  # (P,) fp64 norms of this rank's shards (the optimiser's: the model's may be unsharded copies now)
         return torch.stack([(p.to_local() if isinstance(p, DTensor) else p).detach().double().norm()
                             for group in optimizer.param_groups for p in group["params"]])
