@@ -7,8 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-# One chunk of fp32 logits takes at most this many bytes: 441 positions at Qwen3's vocabulary of 151,936. The
-# backward of a chunk holds a few tensors of this size (the logits, their softmax, their gradient).
+# One chunk of fp32 logits takes at most this many bytes (the backward holds a few tensors of this size).
 LOGIT_CHUNK_BYTES = 2 ** 28
 
 
@@ -153,8 +152,7 @@ class PackedLayout:
     gather: torch.Tensor
 
 
-# An attention call takes sequences side by side while their padded tokens stay within this factor of their real
-# ones (the prefix counted for each): a few calls per layer instead of one per sequence, little padding.
+# An attention call takes sequences side by side while their padded tokens stay within this factor of the real.
 CALL_PADDING = 1.25
 
 
@@ -227,9 +225,8 @@ def packed_attention(module, query, key, value, attention_mask, packed_layout=No
                            "(batching.packed_row, trainer.response_logprobs); this call passed none")
     if kwargs.get("s_aux") is not None:
         raise NotImplementedError("packed_attention: attention sinks (s_aux) are not supported")
-    # One gather per tensor for all the calls, then a view per call: a gather per call would cost each call's
-    # backward (index_add) a zero buffer the size of the whole row. (torch.nn.attention.varlen.varlen_attn would take
-    # the row without a gather, but its signature is not settled across torch versions.)
+    # One gather per tensor for all the calls: a gather per call would cost each call's backward a zero buffer the
+    # size of the whole row (varlen_attn's signature is not settled across torch versions).
     sizes = [positions.numel() for positions in packed_layout.calls]
     gathered = (x[0].index_select(1, packed_layout.gather).split(sizes, 1) for x in (query, key, value))
     out = []

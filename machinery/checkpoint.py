@@ -21,8 +21,7 @@ from machinery.errors import fail
 from machinery.untrusted import LOCATIONS, foreign_values, nested, read_config, read_shards_metadata, read_state
 
 
-# Flags that may differ on --resume: how long to run, what to log and how often, and memory knobs that change how
-# work is split but not what is computed (micro-batches only regroup a sum: the same result up to float rounding).
+# Flags that may differ on --resume: they change how long, what is logged, or how work is split, not the result.
 RESUME_MAY_CHANGE = {"steps", "resume", "run_dir", "log_every", "eval_every", "save_every", "wandb",
                      "micro_batch_size", "max_tokens_per_micro_batch", "gpu_memory_utilization", "sandbox_workers",
                      "given", "probe_every", "probe_prompts", "probe_samples", "gradient_checkpointing", "fsdp_units",

@@ -135,8 +135,7 @@ def load_prompts(path) -> PromptSet:
     return PromptSet(keys, messages, answers, kept_rows, str(path), len(rows), n_duplicates, n_conflicting)
 
 
-# What loading a local model directory needs; without tokenizer files transformers quietly builds an empty
-# tokenizer from config.json's model type, and without weights the failure comes as a traceback much later.
+# Without tokenizer files transformers quietly builds an empty tokenizer; without weights a traceback comes later.
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
@@ -216,8 +215,7 @@ def weights_disagreement(folder):
     transformers.logging.disable_progress_bar()
     try:
         config = transformers.AutoConfig.from_pretrained(folder)
-        # transformers' own loading (its renamings of older layouts, e.g. per-expert MoE weights; tied embeddings;
-        # buffers it knows to ignore) on meta tensors: a name-by-name comparison would refuse models it loads
+        # transformers' own loading on meta tensors: a name-by-name comparison would refuse models it renames
         _, info = transformers.MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].from_pretrained(
             None, config=config, state_dict=state, device_map="meta", ignore_mismatched_sizes=True,
             output_loading_info=True)
@@ -328,10 +326,8 @@ def load_dataset(path, tokenizer, max_prompt_len, verbose, system_prompt=None):
             roles = ", ".join(m["role"] for m in with_system(messages, system_prompt))
             fail(f"{path} row {prompts.rows[i]}: the prompt (roles {roles}) is rejected by the chat template of "
                  f"--model {tokenizer.name_or_path}: {type(e).__name__}: {str(e).splitlines()[0][:200]}", once=True)
-    # A token spans at most its own string's characters (a byte-level token has one per byte), and normalisation
-    # (NFC) merges at most 4 code points into one (U+1FAF): a text longer than this cannot fit, and is left out
-    # untokenised (a 4 MiB prompt took 2 GB and 15 s to tokenise here). Not covered: a tokenizer whose normaliser
-    # deletes characters (T5's collapses runs of spaces).
+    # A token spans at most its own string's characters and NFC merges at most 4 code points into one: a longer
+    # text cannot fit and is left out untokenised (a 4 MiB prompt took 2 GB to tokenise).
     max_chars = max_prompt_len * 4 * max(map(len, tokenizer.get_vocab()))
     prompt_ids = [tokenizer.encode(t, add_special_tokens=False) if len(t) <= max_chars else None for t in texts]
     keep = [i for i, p in enumerate(prompt_ids) if p is not None and len(p) <= max_prompt_len]

@@ -10,9 +10,8 @@ def fail(message, once=False):
         from tqdm import tqdm
         tqdm.write(f"error: {message}", file=sys.stderr)  # on a line of its own, also below a progress bar
         sys.stderr.flush()
-    # A process that exits with its gloo process group alive can abort at interpreter shutdown ("terminate called
-    # without an active exception", exit -6, seen in CI): take it down while the interpreter is whole, unless a
-    # vLLM engine has started, whose own teardown destroys it (with its subgroups) and would fail if it were gone.
+    # A live gloo group can abort the exit (exit -6, seen in CI): take it down now, unless a vLLM engine started,
+    # whose own teardown destroys it and would fail if it were gone.
     dist, vllm_groups = sys.modules.get("torch.distributed"), sys.modules.get("vllm.distributed.parallel_state")
     if (dist is not None and dist.is_available() and dist.is_initialized()
             and not (vllm_groups and vllm_groups.model_parallel_is_initialized())):

@@ -82,23 +82,20 @@ def rank_memory(shape, *, world, tokens, on_gpu, gradient_checkpointing, layer_u
              "log-prob chunks": 3 * min(LOGIT_CHUNK_BYTES, tokens * shape.vocab * 4)}
     if on_gpu:
         items["fp32 output projection"] = 2 * shape.vocab * shape.hidden * 4  # the fp32 copy and its gradient
-        # foreach_reduce casts a unit's bf16 gradients into one fp32 buffer of the unit's full size for the
-        # reduce-scatter (torch 2.13 fsdp/_fully_shard/_fsdp_collectives.py): the root unit's, and the previous
-        # unit's still in flight (layer units), or the whole model's
+        # foreach_reduce casts a unit's bf16 gradients into one full-size fp32 buffer: the root unit's and the
+        # previous unit's still in flight, or the whole model's (torch 2.13 fsdp/_fully_shard/_fsdp_collectives.py)
         items["FSDP2 fp32 reduce-scatter buffers"] = 4 * (shape.root_parameters + shape.layer_parameters
                                                           if layer_units else shape.parameters)
         resident = {"CUDA context": GPU_CONTEXT_BYTES, "NCCL communicator": GPU_NCCL_BYTES if world > 1 else 0,
                     "engine asleep (while training)": GPU_ENGINE_ASLEEP_BYTES if engine else 0}
         training = sum(items.values()) + sum(resident.values())
-        # while vLLM generates: the trainer's sharded weights and moments, and the root unit the weight push left
-        # gathered for the next forward (collectives.full_parameters); vLLM's share counts from the card's total
+        # while vLLM generates: the trainer's shards and the root unit the weight push left gathered
         generating = (shape.parameters * 12 / world + gathered + gpu_memory_utilization * gpu_bytes
                       + resident["CUDA context"] + resident["NCCL communicator"]) if engine else 0
         items.update(resident)
         items["peak"] = max(training, generating)
         return items
-    # Counted twice: a SmolLM2 rank at 1024 tokens per forward peaked 1.4% under the estimate with one copy, and
-    # the engine holds more than its fp32 weights (the tied output projection packed separately, load buffers).
+    # Counted twice: the engine holds more than its fp32 weights (a tied head packed apart, load buffers)
     if engine:
         items["engine weights (fp32, x2)"] = 2 * shape.parameters * 4
         items["engine KV cache"] = kv_cache_gib * GIB
@@ -127,9 +124,8 @@ def fitting_tokens(shape, budget, **kwargs):
     return low
 
 
-# The update's token budget per micro-batch on a GPU where memory allows (verl's ppo_max_token_len_per_gpu): the
-# host's cost is per layer and operator, not per token, and ~10k tokens of device work hide it (docs/benchmarks.md).
-# The CPU keeps 2048: no device to keep busy, and a larger row only grows the process (no faster step measured).
+# The update's token budget per micro-batch: on a GPU ~10k tokens of device work hide the host's cost per layer
+# (docs/benchmarks.md); on CPU a larger row only grows the process.
 GPU_TOKENS, CPU_TOKENS = 16384, 2048
 
 
@@ -161,10 +157,9 @@ def check_rank_memory(model, *, world, on_gpu, is_main, batch_size, micro_batch_
     shape = model_shape(model)
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     kv = float(os.environ.get("VLLM_CPU_KVCACHE_SPACE", 1))
-    gpu_bytes = available_per_rank(True, local_ranks) if on_gpu else 0
-    budget = available_per_rank(on_gpu, local_ranks)
-    common = dict(world=world, on_gpu=on_gpu, layer_units=layer_units, kv_cache_gib=kv, gpu_bytes=gpu_bytes,
-                  gpu_memory_utilization=gpu_memory_utilization)
+    budget = available_per_rank(on_gpu, local_ranks)  # on a GPU: the card's total
+    common = dict(world=world, on_gpu=on_gpu, layer_units=layer_units, kv_cache_gib=kv,
+                  gpu_bytes=budget if on_gpu else 0, gpu_memory_utilization=gpu_memory_utilization)
     max_tokens, checkpointing, why = auto_budget(shape, budget, max_tokens, gradient_checkpointing,
                                                  max_sequence_len=max_sequence_len, **common)
     common["gradient_checkpointing"] = checkpointing

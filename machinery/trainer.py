@@ -23,8 +23,7 @@ from machinery.batching import (IDLE, LOGIT_CHUNK_BYTES, PACKED_ATTENTION, Packe
                                 loss_terms, micro_batches, pack, packed_row, to_device, use_packed_attention)
 
 
-# How long a rank waits in a collective before the job fails. NCCL's default, 10 minutes, is shorter than rank 0
-# writing an 8B model's HF export (16 GB in bf16) on a slow disk while the others wait at the barrier.
+# NCCL's default, 10 minutes, is shorter than rank 0 writing an 8B model's export while the others wait.
 DIST_TIMEOUT = datetime.timedelta(minutes=60)
 
 

@@ -26,8 +26,7 @@ def read_config(run_dir):
     return config
 
 
-# Flags that name where a file is, not what is computed: on --resume they may name where it is now (its content is
-# checked instead). --model: a resumed run always loads its checkpoint's model/.
+# Flags that name where a file is: on --resume they may change (the content is checked instead).
 LOCATIONS = {"model", "train", "test", "toy_dir"}
 SHIPPED = re.compile(r".*[/\\]tasks[/\\]built[/\\](\w+)[/\\](\w+\.parquet)")  # a shipped toy's data, in any checkout
 
