@@ -12,8 +12,7 @@ LOGIT_CHUNK_BYTES = 2 ** 28
 
 
 def plan_micro_batches(lengths, max_sequences, max_tokens=None, padded=False):
-    """Micro-batches (positions into `lengths`) of at most max_sequences: first-fit decreasing within max_tokens
-    as the packed row runs them (padded: count x longest, only the last one open); None: consecutive groups."""
+    """Micro-batches of at most max_sequences, first-fit decreasing within max_tokens as the packed row runs them."""
     n = len(lengths)
     if max_tokens is None:
         return [list(range(k, min(k + max_sequences, n))) for k in range(0, n, max_sequences)]
@@ -144,9 +143,8 @@ def shared_prefix_groups(sequences):
 
 @dataclass
 class PackedLayout:
-    """How packed_attention reads one packed row. calls: (k, L) row positions per attention call, each row a shared
-    prefix then one sequence's own tokens, right-padded by repeating its last position; pick: (S,) where each row
-    position's output sits among the calls' flattened outputs; gather: every call's positions, flattened."""
+    """calls: (k, L) row positions per attention call, each row a prefix and one sequence, padded by repeating its
+    last position; pick: (S,) each row position's output among the calls'; gather: the calls' positions, flat."""
     calls: list
     pick: torch.Tensor
     gather: torch.Tensor
@@ -216,9 +214,8 @@ PACKED_ATTENTION = "spo_packed"
 
 
 def packed_attention(module, query, key, value, attention_mask, packed_layout=None, sliding_window=None, **kwargs):
-    """transformers' attention-function interface over ONE packed row: torch's sdpa, causal, each sequence over its
-    shared prefix and its own tokens only. A sliding window becomes an explicit mask where a call is longer than
-    it; without a layout, or with attention sinks, it refuses rather than attend across sequences."""
+    """sdpa over ONE packed row, each sequence over its prefix and its own tokens only; without a layout, or with
+    attention sinks, it refuses rather than attend across sequences."""
     from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward, use_gqa_in_sdpa
     if packed_layout is None or query.shape[0] != 1:
         raise RuntimeError("packed_attention: the model's attention is set for one packed row with its layout "

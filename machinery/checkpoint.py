@@ -162,8 +162,7 @@ def _safetensors_problem(path):
 
 
 def damaged(path, part=""):
-    """The first damaged file of step_N directory path (part: only under it), or None: sizes against manifest.json
-    (written last), then safetensors headers. A flipped bit is not caught."""
+    """The first damaged file under path/part (sizes against manifest.json, then safetensors headers), or None."""
     try:
         with open(os.path.join(path, MANIFEST)) as f:
             written = json.load(f)["files"]
@@ -206,8 +205,7 @@ def _export_plan(model, dtype, file_bytes):
 
 
 def export_hf(model, out_dir, dtype=None, write=True, file_bytes=EXPORT_FILE_BYTES):
-    """The weights as Hugging Face safetensors in out_dir; every rank gathers, rank 0 writes each file as soon as
-    its tensors are in, never holding the whole state dict. Returns rank 0's write error, or None."""
+    """Hugging Face safetensors in out_dir, rank 0 writing each file once its tensors are in; its error or None."""
     from safetensors import SafetensorError
     from safetensors.torch import save_file
     from machinery.collectives import full_parameters

@@ -73,10 +73,9 @@ PUSH_BUCKET_BYTES = 2 ** 28
 
 
 def full_parameters(model, dtype=None, bucket_bytes=PUSH_BUCKET_BYTES):
-    """(name, full tensor) for every parameter, one all-gather per bucket of at most `bucket_bytes`: never a second
-    full copy of the model. Every rank must iterate. dtype: each shard cast BEFORE the gather. Tied weights come
-    under both names: vLLM's CPU backend packs a tied lm_head apart, stale if only the embedding is pushed. The root
-    unit stays gathered for the next forward; FSDP2 reshards it after the backward."""
+    """(name, full tensor), one all-gather per bucket (dtype: cast before it), on every rank. Tied weights come
+    under both names: vLLM's CPU backend packs a tied lm_head apart. The root unit stays gathered for the next
+    forward; FSDP2 reshards it after the backward."""
     from torch.distributed.tensor import Shard
     if hasattr(model, "unshard"):  # an FSDP2 module (not a plain one)
         model.unshard()

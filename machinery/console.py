@@ -7,8 +7,7 @@ import warnings
 
 
 def quiet_vllm():
-    """vLLM at WARNING unless VLLM_LOGGING_LEVEL is set (its INFO lines bury the progress bar), its harmless
-    warnings dropped. Call it before vllm is imported."""
+    """vLLM at WARNING (its INFO lines bury the progress bar), harmless warnings dropped; before importing vllm."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     drop_harmless_warnings()
 
@@ -59,8 +58,7 @@ class HarmlessWarnings(logging.Filter):
 
 
 def drop_harmless_warnings():
-    """Filters for HARMLESS_VLLM_WARNINGS (once per process), and for the FutureWarning vLLM's Triton registry
-    raises by merely looking at `torch.distributed.reduce_op`."""
+    """Filters for HARMLESS_VLLM_WARNINGS, and for the FutureWarning vLLM raises by looking at a deprecated name."""
     for name, messages in HARMLESS_VLLM_WARNINGS.items():
         logger = logging.getLogger(name)
         if not any(isinstance(f, HarmlessWarnings) for f in logger.filters):

@@ -64,9 +64,8 @@ _gpu = {"phases": {}, "peak": 0.0}  # GPU: memory in use at this step's phase en
 
 
 def phase_end(on_gpu, phase):
-    """GPU: note the device memory in use at the end of a phase. total - free counts everything on the card (the
-    context, NCCL, vLLM's pools, the caching allocator's high-water mark); max_memory_allocated would miss the
-    context and count vLLM's slept blocks. CPU: nothing (peak_metrics reads the process's peak)."""
+    """GPU: the device memory in use at a phase's end, total - free: max_memory_allocated would miss the context
+    and count vLLM's slept blocks."""
     if on_gpu:
         import torch
         free, total = torch.cuda.mem_get_info()

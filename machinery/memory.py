@@ -66,8 +66,7 @@ def tokens_per_forward(micro_batch_size, max_tokens_per_micro_batch, sequences_p
 
 def rank_memory(shape, *, world, tokens, on_gpu, gradient_checkpointing, layer_units=True, kv_cache_gib=1.0,
                 gpu_bytes=0, gpu_memory_utilization=0.5, engine=True):
-    """Estimated peak bytes of one rank, {item: bytes}, "peak" the total: the sharded trainer state, the gathered
-    units and their gradients, activations, log-prob chunks, and the engine (engine False: the trainer alone)."""
+    """Estimated peak bytes of one rank, {item: bytes}, "peak" the total (engine False: the trainer alone)."""
     compute = 2 if on_gpu else 4  # bytes per activation: bf16 compute on GPU, fp32 on CPU
     per_layer_token = (ACT_HIDDEN * shape.hidden + ACT_MLP * shape.intermediate) * compute
     if gradient_checkpointing:  # each layer's input kept, one layer's activations recomputed at a time
@@ -151,8 +150,7 @@ def auto_budget(shape, budget, max_tokens, checkpointing, *, max_sequence_len, *
 
 def check_rank_memory(model, *, world, on_gpu, is_main, batch_size, micro_batch_size, max_tokens, max_sequence_len,
                       gradient_checkpointing, layer_units, gpu_memory_utilization, ignore=False):
-    """spo.py's check: the 'auto' budgets resolved, the estimate printed (rank 0), one line naming the flag if it
-    will not fit (ignore: a warning). Returns (the update's tokens per micro-batch, gradient checkpointing)."""
+    """spo.py's check: (tokens per micro-batch, checkpointing) resolved and printed, or one line if they won't fit."""
     from machinery.errors import fail
     shape = model_shape(model)
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world))

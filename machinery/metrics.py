@@ -252,8 +252,7 @@ class PromptReach:
 
 
 def oversample_metrics(rollouts, reward, kept, index, reach):
-    """--oversample, over all ranks: the share kept, and the kept ones' length and reward against the aborted
-    ones' that finished: keeping the first to finish keeps the short ones, and this measures that bias."""
+    """--oversample: kept against aborted trajectories (keeping the first to finish keeps the short ones)."""
     finished = np.array([r is not None for r in rollouts], dtype=np.float64)
     lengths = np.array([len(r.response_ids) if r is not None else np.nan for r in rollouts])
     kept, finished, lengths, reward, index = (all_gather_np(np.asarray(x, dtype=np.float64))

@@ -128,9 +128,8 @@ class _WeightGradient(torch.autograd.Function):
 
 
 class _HalfInputLogits(torch.autograd.Function):
-    """(n, V) fp32 logits from bf16 hidden (n, H) and weight (V, H): a product of two bf16 values is exact in fp32,
-    so a bf16 GEMM gives the fp32 projection's logits. mm's out_dtype has no derivative (torch 2.13): hence this
-    function. token, total: _WeightGradient's, into which the backward adds the weight's gradient."""
+    """(n, V) fp32 logits from bf16 hidden and weight: a product of two bf16 values is exact in fp32, and mm's
+    out_dtype has no derivative (torch 2.13). The backward adds the weight's gradient into _WeightGradient's total."""
 
     @staticmethod
     def forward(ctx, hidden, weight, token, total):
@@ -167,9 +166,8 @@ def _chunk_logprobs(hidden, weight, weight_sum, bias, targets, temperature, with
 
 
 def response_logprobs(model, ids, rows, cols, temperature, with_entropy=False, chunk=None):
-    """(N,) log pi(ids[rows, cols + 1] | ids[rows, :cols + 1]) and entropies (or None): the decoder once (one packed
-    row), the output projection only at the N positions, `chunk` at a time, each checkpointed: no (B, T, V) tensor
-    exists. Call it as `model.response_logprobs(...)`, so that FSDP2 gathers the parameters around it."""
+    """(N,) log pi(ids[rows, cols + 1] | ids[rows, :cols + 1]) and entropies (or None), the head `chunk` positions at
+    a time: no (B, T, V) tensor exists. Call it as `model.response_logprobs(...)` (FSDP2 gathers around it)."""
     device = next(model.parameters()).device
     ids, rows, cols = (x.cpu() for x in (ids, rows, cols))  # host tensors (the loops pass them; no wait then)
     targets = ids[rows, cols + 1]  # (N,)
@@ -218,8 +216,7 @@ def attach_logprob_forward(model):
 
 
 def token_logprobs(model, ids, mask, temperature, with_entropy=False):
-    """(B, T-1) log pi(token_t | tokens_<t) where mask > 0 (0 elsewhere), and the entropy if asked; ids, mask: host
-    tensors, so finding the positions does not wait for the device."""
+    """(B, T-1) log pi(token_t | tokens_<t) where mask > 0, and the entropy if asked; host ids and mask: no wait."""
     rows, cols = (torch.from_numpy(x) for x in np.nonzero(mask.cpu().numpy()))
     if not len(rows):
         # an idle rank still projects one (masked) position: every rank's reduce-scatter needs the head's gradient
@@ -233,8 +230,7 @@ def token_logprobs(model, ids, mask, temperature, with_entropy=False):
 @torch.no_grad()
 def old_logprobs(model, rollouts, revisited, temperature, micro_batch_size, max_tokens=None):
     """Before the update, in one pass: PPO's old log-probs of this batch and those of `revisited` (prompt ids,
-    response ids, mask) triples (spo.py: for D(x)), the entropy and the trainer-vLLM gap. With a token budget the
-    sequences are dealt by tokens and each result sent back to its owner."""
+    response ids, mask) triples (for D(x)), the entropy and the trainer-vLLM gap."""
     rank, padded = dist.get_rank(), model.config._attn_implementation != PACKED_ATTENTION
     if max_tokens is not None and next(model.parameters()).is_cuda:  # no activations kept: twice the update's
         max_tokens *= 2  # budget on GPU (verl sizes its log-prob passes so)
@@ -320,8 +316,7 @@ def ppo_update(model, optimizer, rollouts, old, advantage, loss_fn, *, ppo_steps
 
 
 def _accumulate_gradients(model, mini, shares, loss_fn, global_tokens, temperature, micro_batch_size, max_tokens, tis):
-    """One step's gradient over this rank's micro-batches, reduced once; nothing waits for the device. Returns the
-    sums of (loss, clipped tokens, k3 KL, tokens, truncated tokens, tokens the decoder ran)."""
+    """One step's gradient, reduced once: sums of (loss, clipped, k3 KL, tokens, truncated, decoder tokens)."""
     world, ran = dist.get_world_size(), getattr(model, "decoder_tokens", 0)
     plan = micro_batches(list(map(len, mini)), micro_batch_size, max_tokens, shares,
                          padded=model.config._attn_implementation != PACKED_ATTENTION)

@@ -32,8 +32,7 @@ SHIPPED = re.compile(r".*[/\\]tasks[/\\]built[/\\](\w+)[/\\](\w+\.parquet)")  # 
 
 
 def foreign_values(run_dir, settings, given, model_dir, built_in, shipped):
-    """--resume: config.json's settings with every value that names code or a place checked; (settings, errors).
-    The data files: named now, where the run left them, or this checkout's copy of the shipped toy's (shipped)."""
+    """--resume: (settings, errors), every value that names code or a place checked (shipped: this checkout's toy)."""
     settings, errors = {**settings, "model": model_dir}, []
     if "reward" in settings and settings["reward"] not in built_in and "reward" not in given:  # (absent: the default)
         errors.append(f"--resume {run_dir}: its config.json names the verifier {settings['reward']!r}, which is "
