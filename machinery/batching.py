@@ -1,7 +1,6 @@
 """Stands in for padded (B, T) batches: token budgets, packed rows, shared prefixes once (gain: docs/benchmarks.md).
 
-The loss is a token sum over a global count, so none of these choices changes the gradient, only memory and time.
-"""
+None of these choices changes the gradient (a token sum over a global count), only memory and time."""
 from dataclasses import dataclass
 
 import numpy as np

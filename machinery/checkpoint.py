@@ -1,9 +1,7 @@
 """On torch.distributed.checkpoint (shards) and transformers (export); buys atomic steps, named damage, exact resume.
 
-A checkpoint is written into step_N.tmp, fsynced, renamed when complete: shards/ (each rank its own), model/ (a
-Hugging Face model for vLLM and eval.py), state.pt and manifest.json (every file's size). A failed write removes
-the partial directory; a damaged newest checkpoint is never stepped back from silently.
-"""
+step_N.tmp, fsynced, renamed when complete: shards/ (each rank its own), model/ (for vLLM and eval.py), state.pt
+and manifest.json (every file's size). A damaged newest checkpoint is never stepped back from silently."""
 import argparse
 import copy
 import errno

@@ -1,8 +1,6 @@
 """Stands in for torch.distributed's all_gather_object and all_reduce on numpy: one collective, not two (bench).
 
-On gloo each collective has a fixed cost that dominates small messages (docs/design.md): several arrays travel in
-one all-gather, objects in one fixed-size buffer, and the full weights in buckets (full_parameters).
-"""
+On gloo each collective has a fixed cost that dominates small messages (docs/design.md), so few travel."""
 import math
 import pickle
 import re

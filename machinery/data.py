@@ -1,8 +1,6 @@
 """On pyarrow and transformers' chat templates (no datasets package): stable prompt keys and one-line file errors.
 
-A prompt's key is a hash of its chat messages, not its row number, so the tracker, the offline values and the
-evaluation agree on it across files and programs; duplicate prompts are merged and counted.
-"""
+A prompt's key is a hash of its chat messages, not its row number: programs and files agree on it."""
 import functools
 import hashlib
 import json

@@ -1,8 +1,6 @@
 """No library decides these; they are decided once so that the estimate, trainer and engine agree (tests/test_memory).
 
-The trainer's flags and their `auto` values (the token budget and checkpointing: memory.auto_budget), and the
-device memory a run reports.
-"""
+The trainer's flags and their `auto` values (the token budget: memory.auto_budget), and the memory a run reports."""
 import argparse
 
 from machinery.memory import CPU_TOKENS, GIB, GPU_TOKENS

@@ -1,7 +1,6 @@
 """No library estimates a rank's memory before it starts; this buys one line instead of a SIGKILL minutes in.
 
-Arithmetic: the model's shapes from its config, the rest from the flags. The per-token constant was measured on
-CPU and errs high; the GPU constants are reported numbers, never checked on a GPU (docs/scale.md).
+Arithmetic from the config and the flags; it errs high on CPU, and the GPU constants are unchecked (docs/scale.md).
 
     python -m machinery.memory --model smollm/model --tokens 2048   # the estimate for 2 ranks, nothing started
 """

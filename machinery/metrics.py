@@ -1,7 +1,4 @@
-"""On json, tqdm and matplotlib (wandb, TensorBoard if asked): the metrics no library knows for SPO, and the run's plot.
-
-Every metric is gathered over all ranks and listed in docs/flags.md; rank 0 writes them.
-"""
+"""On json, tqdm and matplotlib (wandb if asked): the metrics no library knows for SPO (docs/flags.md), and run.png."""
 import argparse
 import contextlib
 import json

@@ -1,7 +1,4 @@
-"""No library guards a run directory or an output: lock files and holds, so that no run overwrites another.
-
-eval.py reads a run's newest checkpoint through hard-linked holds, safe from the run's rotation.
-"""
+"""No library guards a run directory or an output: lock files and holds, so that no run overwrites another."""
 import atexit
 import contextlib
 import itertools

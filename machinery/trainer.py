@@ -1,8 +1,7 @@
 """On torch FSDP2 (fully_shard) and transformers: the policy-gradient trainer TRL or verl has, in one readable file.
 
-spo.py holds the math (Eq. 10's loss, a mean over the GLOBAL token count); this file the mechanics. FSDP2 averages
-gradients over ranks, so each rank scales the loss by the world size (set_gradient_divide_factor(1) fails on gloo).
-"""
+FSDP2 averages gradients over ranks and spo.py's loss is a mean over the GLOBAL token count, so each rank scales
+it by the world size (set_gradient_divide_factor(1) would, but fails on gloo)."""
 import contextlib
 import datetime
 import functools

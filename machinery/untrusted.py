@@ -1,8 +1,6 @@
 """What pickle and a config file would otherwise do: a run directory from elsewhere read as data, nothing in it run.
 
-Its pickles are read allowing no code; a config value that names code or a place is used only where this command
-line agrees; the model always comes from the checkpoint's own model/.
-"""
+Its pickles are read allowing no code; a value that names code or a place is used only where the command agrees."""
 import hashlib
 import json
 import os
