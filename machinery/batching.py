@@ -116,8 +116,7 @@ def to_device(tensors, device):
 
 
 def shared_prefix_groups(sequences):
-    """[(shared prefix length, [positions into `sequences`])], every position once: runs of the lexicographic
-    order, chosen by dynamic programming to spare the most tokens (k sequences sharing L tokens spare (k - 1) L)."""
+    """[(shared prefix length, [positions])], every position once: runs of the sorted order that spare the most."""
     order = sorted(range(len(sequences)), key=lambda i: sequences[i])
     common = []  # common[j]: the common prefix length of order[j] and order[j + 1]
     for a, b in zip(order[:-1], order[1:]):
@@ -174,8 +173,7 @@ def _attention_calls(prefix, members):
 
 
 def packed_row(ids, rows, cols):
-    """The rows holding the N positions (rows, cols) as ONE row, each shared prefix once: (1, S) ids, (1, S)
-    positions, the PackedLayout, (N,) each position's row index. A row is cut after its last target (causal)."""
+    """The rows holding positions (rows, cols) as ONE row, each shared prefix once, each cut after its last target."""
     ids, rows, cols = (np.asarray(x.cpu() if torch.is_tensor(x) else x) for x in (ids, rows, cols))
     needed = np.zeros(len(ids), dtype=np.int64)  # (B,) tokens each row needs; 0 for rows nothing is asked of
     np.maximum.at(needed, rows, cols + 2)
@@ -221,8 +219,7 @@ def packed_attention(module, query, key, value, attention_mask, packed_layout=No
                            "(batching.packed_row, trainer.response_logprobs); this call passed none")
     if kwargs.get("s_aux") is not None:
         raise NotImplementedError("packed_attention: attention sinks (s_aux) are not supported")
-    # One gather per tensor for all the calls: a gather per call would cost each call's backward a zero buffer the
-    # size of the whole row (varlen_attn's signature is not settled across torch versions).
+    # one gather per tensor for all the calls: a gather per call costs each backward a zero buffer of the row
     sizes = [positions.numel() for positions in packed_layout.calls]
     gathered = (x[0].index_select(1, packed_layout.gather).split(sizes, 1) for x in (query, key, value))
     out = []
@@ -232,8 +229,7 @@ def packed_attention(module, query, key, value, attention_mask, packed_layout=No
         if sliding_window is not None and n > sliding_window:
             i = torch.arange(n, device=q.device)
             mask = ((i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - sliding_window))[None, None]
-        # where transformers would pass enable_gqa (with a mask it repeats k and v itself); the math kernel's scores
-        # would take 34 GB per call of 16k tokens at Qwen3-8B
+        # where transformers would pass enable_gqa (with a mask it repeats k and v itself)
         if use_gqa_in_sdpa(mask, k, v) and _needs_repeated_kv(q.device.type, q.dtype, q.shape[1], k.shape[1]):
             k, v = (repeat_kv(x, q.shape[1] // k.shape[1]) for x in (k, v))
         out.append(sdpa_attention_forward(module, q, k, v, mask, **kwargs)[0].flatten(0, 1))  # (k L, heads, d)
@@ -241,8 +237,7 @@ def packed_attention(module, query, key, value, attention_mask, packed_layout=No
 
 
 def _needs_repeated_kv(device_type, dtype, heads, kv_heads):
-    """On CUDA in fp32 with GQA: flash and cuDNN take no fp32 and the memory-efficient kernel no GQA, so sdpa
-    would fall back to its math kernel (every head's full score matrix); on repeated heads the efficient one runs."""
+    """On CUDA in fp32 with GQA sdpa falls back to its math kernel (every head's scores): repeated heads avoid it."""
     return device_type == "cuda" and dtype == torch.float32 and kv_heads < heads
 
 

@@ -304,8 +304,7 @@ def save_checkpoint(run_dir, step, model, optimizer, tokenizer, world, prompt_ke
 
 
 def _why(e):
-    """Why a checkpoint's write or read failed, in a few words: the OSError's reason wherever it is under e (DCP's
-    CheckpointException, torch.save's RuntimeError, safetensors' "os error N"), else the innermost's first line."""
+    """Why a checkpoint's write or read failed: the OSError's reason wherever it is under e, else its first line."""
     found = [e]
     for x in found:
         if isinstance(x, OSError):

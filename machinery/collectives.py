@@ -48,8 +48,7 @@ def barrier():
     all_gather_np(np.zeros(1))
 
 
-# all_gather_objects' fixed first buffer: gloo gathers 64 KiB in about the time it gathers 16 bytes
-# (docs/design.md).
+# all_gather_objects' fixed first buffer: gloo gathers 64 KiB in about the time of 16 bytes (docs/design.md)
 OBJECT_BUCKET_BYTES = 2 ** 16
 
 
@@ -71,9 +70,8 @@ PUSH_BUCKET_BYTES = 2 ** 28
 
 
 def full_parameters(model, dtype=None, bucket_bytes=PUSH_BUCKET_BYTES):
-    """(name, full tensor), one all-gather per bucket (dtype: cast before it), on every rank. Tied weights come
-    under both names: vLLM's CPU backend packs a tied lm_head apart. The root unit stays gathered for the next
-    forward; FSDP2 reshards it after the backward."""
+    """(name, full tensor), one all-gather per bucket (dtype: cast before it), on every rank; tied weights under
+    both names (vLLM's CPU backend packs a tied lm_head apart). The root unit stays gathered for the next forward."""
     from torch.distributed.tensor import Shard
     if hasattr(model, "unshard"):  # an FSDP2 module (not a plain one)
         model.unshard()

@@ -13,8 +13,7 @@ from machinery.errors import fail
 
 
 PROMPT_COLUMNS = ("prompt", "problem", "question")  # first one present wins
-# reward_model (a struct with ground_truth) comes before solution: in the open-r1 processed DAPO files both hold
-# the answer, while in plain math files `solution` is often a worked solution and `answer` the short answer.
+# reward_model before solution: in plain math files `solution` is often a worked solution, not the answer
 ANSWER_COLUMNS = ("answer", "ground_truth", "reward_model", "solution")
 
 
@@ -185,8 +184,7 @@ def unfinished_download(folder):
 
 
 def weights_disagreement(folder):
-    """How a model directory's safetensors differ from what its config.json builds, or None (from the headers):
-    transformers would load such a model with fresh layers, and vLLM stop with a traceback."""
+    """How a directory's safetensors differ from what config.json builds, or None (transformers would load it)."""
     import torch
     import transformers
     from safetensors import SafetensorError, safe_open

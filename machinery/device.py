@@ -19,8 +19,7 @@ def native_bf16():
 
 
 def use_bf16(choice, on_gpu):
-    """--bf16 -> "on" or "off" (auto: on GPU only). "on" on a CPU without bf16 instructions is one line: torch
-    would emulate every bf16 matmul, far slower than fp32 (docs/LOG.md, "bench limits removed")."""
+    """--bf16 -> "on"/"off" (auto: GPU only); "on" on a CPU without bf16 instructions (emulated: slow) is one line."""
     if choice == "on" and not on_gpu and not native_bf16():
         from machinery.errors import fail
         fail("--bf16 on: this CPU has no bf16 instructions (none of " + ", ".join(BF16_FLAGS) + " in /proc/cpuinfo), "
@@ -48,8 +47,7 @@ def add_trainer_flags(p):
     p.add_argument("--gradient_checkpointing", choices=["auto", "on", "off"], default="auto",
                    help="recompute each decoder layer in the backward pass (auto: on GPU where the budget does not "
                         "fit without it)")
-    # FSDP2's units (bench/gpu_trainer.py compares them): each decoder layer (one layer's full weights at a time) or
-    # the whole model (one gather per pass); auto: layers on more than one GPU, else model
+    # FSDP2's units, per decoder layer or the whole model (bench/gpu_trainer.py compares them; auto: use_layer_units)
     p.add_argument("--fsdp_units", choices=["auto", "layers", "model"], default="auto", help=argparse.SUPPRESS)
     p.add_argument("--bf16", choices=["auto", "on", "off"], default="auto",
                    help="compute in bf16: the trainer (FSDP2 mixed precision, fp32 master weights) and the engine "
@@ -62,8 +60,7 @@ _gpu = {"phases": {}, "peak": 0.0}  # GPU: memory in use at this step's phase en
 
 
 def phase_end(on_gpu, phase):
-    """GPU: the device memory in use at a phase's end, total - free: max_memory_allocated would miss the context
-    and count vLLM's slept blocks."""
+    """GPU: the memory in use at a phase's end, total - free (max_memory_allocated would miss the CUDA context)."""
     if on_gpu:
         import torch
         free, total = torch.cuda.mem_get_info()
@@ -87,8 +84,7 @@ def peak_metrics(on_gpu):
 
 
 def prefer_flash_attention(on_gpu):
-    """cuDNN's attention off on a GPU (torch 2.11+ prefers it on sm90): it plans each exact shape it meets (up to
-    a second per miss), and packed rows bring new shapes in most micro-batches; flash attention needs no plan."""
+    """cuDNN's attention off on a GPU: it plans each exact shape it meets, and packed rows bring new ones often."""
     if on_gpu:
         import torch
         torch.backends.cuda.enable_cudnn_sdp(False)

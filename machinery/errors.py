@@ -10,8 +10,7 @@ def fail(message, once=False):
         from tqdm import tqdm
         tqdm.write(f"error: {message}", file=sys.stderr)  # on a line of its own, also below a progress bar
         sys.stderr.flush()
-    # A live gloo group can abort the exit (exit -6, seen in CI): take it down now, unless a vLLM engine started,
-    # whose own teardown destroys it and would fail if it were gone.
+    # a live gloo group can abort the exit (seen in CI): destroy it now, unless vLLM's own teardown will
     dist, vllm_groups = sys.modules.get("torch.distributed"), sys.modules.get("vllm.distributed.parallel_state")
     if (dist is not None and dist.is_available() and dist.is_initialized()
             and not (vllm_groups and vllm_groups.model_parallel_is_initialized())):

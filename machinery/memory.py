@@ -18,9 +18,7 @@ ACT_HIDDEN, ACT_MLP = 18, 4
 # With gradient checkpointing, hidden elements kept per layer and token: on CPU freed blocks stay with the C
 # allocator (measured); the GPU's caching allocator reuses its blocks (arithmetic, not measured).
 CKPT_HIDDEN = {"cpu": 6, "gpu": 2}
-# A CPU rank besides the model and the KV cache: python, torch, vLLM's libraries (a toy rank peaks at 1.9 GiB
-# with a 1 GiB KV cache and a 2 MiB model).
-CPU_PROCESS_BYTES = 1.25 * GIB
+CPU_PROCESS_BYTES = 1.25 * GIB  # python, torch, vLLM's libraries (a toy rank peaks at 1.9 GiB with 1 GiB of KV)
 # GPU, per rank, estimates from reported numbers, never measured here (sources: docs/scale.md): the CUDA context,
 # the trainer's one NCCL communicator (vLLM at tensor-parallel size 1 makes none), and vLLM asleep at level 2 (its
 # CUDA-graph pool and persistent buffers stay).
@@ -122,8 +120,7 @@ def fitting_tokens(shape, budget, **kwargs):
     return low
 
 
-# The update's token budget per micro-batch: on a GPU ~10k tokens of device work hide the host's cost per layer
-# (docs/benchmarks.md); on CPU a larger row only grows the process.
+# The update's tokens per micro-batch: on a GPU ~10k hide the host's cost per layer (docs/benchmarks.md)
 GPU_TOKENS, CPU_TOKENS = 16384, 2048
 
 

@@ -36,8 +36,7 @@ def vllm_gap(batch, rollouts):
 
 
 def learning_warning(changed, old, new, advantage, masks):
-    """None if the first update moved the policy the way the advantages say, else a warning line: a run that
-    learns nothing says nothing otherwise (an exactly-zero gradient trains "fine")."""
+    """None if the first update moved the policy the way the advantages say, else a warning (else it is silent)."""
     sums = np.zeros(5)  # changed; the log-prob change summed over positive-advantage tokens, their count; negative
     sums[0] = changed
     for o, n, a, m in zip(old, new, advantage, masks):
@@ -95,8 +94,7 @@ def step_metrics(reward, raw_advantage, advantage, rollouts, old, stats, times, 
 
 
 def spo_metrics(all_raw_advantage, tracker, divergence, rho, revisit):
-    """SPO's own: samples with (almost) no signal (Fig. 3a), the tracker, D(x) and rho. rho's quantiles are over
-    revisited prompts (a first visit has rho = rho_max): they show whether D(x) is on the scale D_half assumes."""
+    """SPO's own: zero-signal samples (Fig. 3a), the tracker, D(x) and rho (quantiles over revisited prompts)."""
     raw, value, rho, revisit = np.asarray(all_raw_advantage), tracker.value, np.asarray(rho), np.asarray(revisit)
     m = {"zero_signal/abs_adv_le_1e-4": np.mean(np.abs(raw) <= 1e-4),
          "zero_signal/abs_adv_le_0.02": np.mean(np.abs(raw) <= 0.02),
@@ -288,8 +286,7 @@ POOL_PROMPTS = 2048  # the training prompts pool_statistics reads (a fixed subse
 
 
 def pool_statistics(p, group=8, mastered=0.9):
-    """Whether a baseline and a sampler have work to do, from exact success probabilities p; between_share: the
-    share of the reward variance between prompts, the most any per-prompt baseline can remove."""
+    """Whether a baseline and a sampler have work to do; between_share: the most a per-prompt baseline removes."""
     p = np.asarray(p, np.float64)
     total = p.mean() * (1 - p.mean())
     return {"pool/exact": float(p.mean()), "pool/mastered": float(np.mean(p >= mastered)),

@@ -31,8 +31,7 @@ def setup_distributed():
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-    # Imported after init_process_group, torch.distributed.nn's defaults hold the group past destroy_process_group,
-    # and its gloo threads can abort the exit (exit -6, seen in CI); imported first, they are None.
+    # imported before init_process_group, torch.distributed.nn holds no group that could abort the exit (CI)
     import torch.distributed.nn  # noqa: F401
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
@@ -46,8 +45,7 @@ def setup_distributed():
 
 
 def build_policy(path, device, lr, weight_decay, gradient_checkpointing=None, layer_units=None, bf16=None):
-    """The policy (a causal LM sharded with FSDP2; bf16: mixed precision, fp32 master weights) and its AdamW. Only
-    rank 0 reads the weights; the others build on the meta device and receive their shards by broadcast."""
+    """The policy (FSDP2; bf16: mixed precision) and its AdamW; only rank 0 reads the weights, the others get shards."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -99,8 +97,7 @@ HALF = (torch.bfloat16, torch.float16)
 
 
 def _mm_fp32(a, b, into=None):
-    """a @ b (or into += a @ b) in fp32 from half-precision a and b: one GEMM accumulating in fp32 where torch has
-    it (out_dtype: CUDA only in torch 2.13), else the same numbers from fp32 copies."""
+    """a @ b (or into += a @ b) in fp32 from half-precision a and b: one GEMM where torch has it (CUDA)."""
     if a.is_cuda and "dtype" in torch.ops.aten.mm.overloads():
         if into is None:
             return torch.mm(a, b, out_dtype=torch.float32)
@@ -148,8 +145,7 @@ class _HalfInputLogits(torch.autograd.Function):
 
 
 def _chunk_logprobs(hidden, weight, weight_sum, bias, targets, temperature, with_entropy):
-    """(n,) log-probs of `targets` and entropies (or None) from (n, H) hidden states, with fp32 logits even in bf16:
-    bf16 logits near 30 are rounded to steps of 0.125, an error PPO's ratio would inherit."""
+    """(n,) log-probs and entropies (or None), fp32 logits even in bf16 (which rounds logits near 30 to 0.125)."""
     if weight.dtype in HALF and hidden.dtype == weight.dtype:
         logits = _HalfInputLogits.apply(hidden, weight, *weight_sum)  # (n, V) fp32
         logits = (logits if bias is None else logits + bias.float()) / temperature
@@ -228,8 +224,7 @@ def token_logprobs(model, ids, mask, temperature, with_entropy=False):
 
 @torch.no_grad()
 def old_logprobs(model, rollouts, revisited, temperature, micro_batch_size, max_tokens=None):
-    """Before the update, in one pass: PPO's old log-probs of this batch and those of `revisited` (prompt ids,
-    response ids, mask) triples (for D(x)), the entropy and the trainer-vLLM gap."""
+    """Before the update, in one pass: old log-probs of the batch and of `revisited` triples (D(x)), entropy, gap."""
     rank, padded = dist.get_rank(), model.config._attn_implementation != PACKED_ATTENTION
     if max_tokens is not None and next(model.parameters()).is_cuda:  # no activations kept: twice the update's
         max_tokens *= 2  # budget on GPU (verl sizes its log-prob passes so)
