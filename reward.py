@@ -5,25 +5,17 @@ The default rule (`--reward reward:exact_match`) is the authors' strict one: the
 (braces matched), which must start within the last 100 characters of the response and must equal the ground truth
 exactly after stripping whitespace (`\\boxed{1/2}` is wrong for "0.5"). Two additions of ours, applied before any
 verifier reads the response:
-- Tool calls are not the model's answer: `<code>...</code>` and `<interpreter>...</interpreter>` blocks are
-  removed before the box is looked for. Scored as the authors do (whole text), a snippet that prints
-  `\\boxed{N}` would answer for the model (in its code and again in the tool output): a reward hack.
+- Tool calls are not the model's answer: `<code>` and `<interpreter>` blocks are removed first. Scored as the
+  authors do (whole text), a snippet that prints `\\boxed{N}` would answer for the model: a reward hack.
 - A response cut off by the token budget (or the tool loop's turn limit) scores 0 by default
-  (`truncated_reward="zero"`): it never finished its answer. Scored as is, the verifier ignores whatever follows
-  the last box, and a policy can learn never to end its answer (docs/design.md, Rewards).
+  (`truncated_reward="zero"`): scored as is, a policy can learn never to end its answer (docs/design.md, Rewards).
 `think_format=True` adds the authors' gate for thinking models: exactly one `</think>` and no tool tag after it.
 
 Your own verifier (`--reward module:function` or `--reward path/to/file.py:function`, docs/own-model-and-data.md)
-is a function `fn(response_text, ground_truth) -> 0 or 1` that reads the response with the tool blocks removed
-(after the think gate) and the answer as a stripped string. Binary, because SPO's tracker is a Beta posterior over
-successes (Eq. 5) and pass@k, maj@k and the offline-values check count successes; any other value stops the run
-with one line naming --reward. It runs in a child process of its own: nothing it does to its process (a change of
-directory, an exit, a crash) touches the run's. `numeric_match` (numbers by value) and `math_verify` (mathematical
-equivalence, with the optional math-verify package) are two more verifiers.
-
-    from reward import boxed_reward, rewards
-    boxed_reward("so the sum is \\\\boxed{17}", "17")                       # 1.0
-    rewards(rollouts, ground_truths, think_format=False, truncated_reward="zero")   # (B,) for rollout.Rollout
+is a function `fn(response_text, ground_truth) -> 0 or 1`, binary because SPO's tracker is a Beta posterior over
+successes (Eq. 5). It runs in a child process of its own: nothing it does to its process touches the run's.
+`numeric_match` (numbers by value) and `math_verify` (mathematical equivalence, with the optional math-verify
+package) are two more verifiers.
 """
 import contextlib
 import functools
@@ -68,11 +60,8 @@ def add_reward_flags(parser, truncation=True):
 
 
 def extract_boxed(text: str, tail_chars: int | None = None) -> str | None:
-    """Content of the last `\\boxed{` in text (or in its last tail_chars characters), braces matched.
-
-    The LAST opener decides: if it never closes (a response cut off inside its final box) the result is None,
-    we do not fall back to an earlier box. Braces are counted naively, so `\\{ \\}` pairs count too.
-    """
+    """Content of the last `\\boxed{` in text (or in its last tail_chars characters), braces matched naively.
+    The LAST opener decides: one that never closes (a response cut off inside its final box) gives None."""
     if tail_chars is not None:
         text = text[max(len(text) - tail_chars, 0):]  # the box must start (and so end) inside the window
     start = text.rfind(BOX)
@@ -99,8 +88,7 @@ def final_answer(text: str, tail_chars: int = TAIL_CHARS) -> str | None:
 # ------------------------------------------------------------------------------------------------ verifiers
 # fn(response_text, ground_truth) -> 0 or 1; the text comes without tool blocks (visible_text).
 def exact_match(text: str, ground_truth: str, tail_chars: int = TAIL_CHARS) -> float:
-    """The default --reward, the authors' rule: 1.0 if the final answer equals the ground truth exactly (both
-    stripped), else 0.0."""
+    """The default --reward, the authors' rule: the final answer equals the ground truth exactly (both stripped)."""
     return float(final_answer(text, tail_chars) == str(ground_truth).strip())
 
 
@@ -246,10 +234,8 @@ def _start_math_verify():
 
 def math_verify(text: str, ground_truth: str) -> float:
     """`--reward reward:math_verify`: the same final box as exact_match, compared with the ground truth by the
-    math-verify package (parse, then verify, gold first): `\\frac{1}{2}` = `0.5`, `2^{n-1}` = `2^(n-1)`,
-    `1,000` = `1000`, `[1, 2)` = `[1,2)`. An exact match scores 1 without it; no box, an answer it cannot parse
-    or one it cannot decide within its limits (or MATH_VERIFY_LIMIT_S) scores 0. A child that ends while scoring
-    (an out-of-memory kill) is replaced and the answer asked again; twice stops the run with one line."""
+    math-verify package: `\\frac{1}{2}` = `0.5`, `2^{n-1}` = `2^(n-1)`, `1,000` = `1000`. An exact match scores 1
+    without it; an answer it cannot parse or decide within its limits (or MATH_VERIFY_LIMIT_S) scores 0."""
     answer, truth = final_answer(text), str(ground_truth).strip()
     if answer is None:
         return 0.0
@@ -271,10 +257,8 @@ math_verify.check_before_start = lambda: _child("math-verify", _start_math_verif
 
 @functools.lru_cache(maxsize=None)
 def load_verifier(spec: str):
-    """The function a --reward spec names: `module:function` (imported as Python imports it: the repository,
-    PYTHONPATH, installed packages) or `path/to/file.py:function`. Raises ValueError with one line naming the
-    flag for a malformed spec, a module that does not import or a missing function. Cached: one import per
-    process. Your own verifier is loaded in its child process (VERIFIER_CHILD), only BUILT_IN ones here."""
+    """The function a --reward spec names (`module:function` or `path/to/file.py:function`), imported once per
+    process; ValueError with one line naming the flag if it cannot be. Your own verifier loads in its child."""
     module_name, sep, name = spec.rpartition(":")
     if not sep or not module_name or not name:
         raise ValueError(f"--reward {spec}: expected module:function or file.py:function (e.g. reward:numeric_match)")
@@ -298,8 +282,7 @@ def load_verifier(spec: str):
 
 
 # Our own verifiers run in the trainer's process: pure code of ours that leaves the process as it found it, in
-# bounded time (math_verify keeps math-verify in its own child). Through a child each response would pay a pipe
-# round trip (measured: about 70 us, so 75 ms per batch of 1,024, against 4 us in-process on a busy 2-core machine).
+# bounded time (math_verify keeps math-verify in its own child), without a pipe round trip per response.
 BUILT_IN = {"reward:exact_match", "reward:numeric_match", "reward:math_verify"}
 VERIFIER_CHILD = CHILD_PRELUDE + r"""
 sys.path[:] = json.loads(sys.argv[2])  # the trainer's: the spec imports as it would there
@@ -330,8 +313,7 @@ def _start_verifier(spec):
 
 
 def check_reward_flag(spec: str, timeout_s: float = VERIFIER_TIMEOUT_S):
-    """Resolve --reward once, before anything heavy starts (your own verifier is imported in its child, which then
-    stays up): a bad spec or --reward_timeout is one `error:` line (exit code 2)."""
+    """Resolve --reward once, before anything heavy starts: a bad spec or --reward_timeout is one `error:` line."""
     from machinery.errors import fail
     if not 0 < timeout_s < float("inf"):
         fail(f"--reward_timeout must be a positive number of seconds, got {timeout_s}", once=True)
@@ -346,10 +328,9 @@ def check_reward_flag(spec: str, timeout_s: float = VERIFIER_TIMEOUT_S):
 
 
 def call_verifier(spec: str, text: str, ground_truth: str, timeout_s: float = VERIFIER_TIMEOUT_S):
-    """The --reward verifier's value on one response. Your own verifier runs in its child process, within
-    timeout_s: one that raises, returns anything but 0 or 1, does not return in time (its child is killed, so even
-    code stuck in C that holds the GIL is stopped) or ends its process on an input twice stops the run with one
-    line naming it and the input: a traceback on every rank, a silent hang or a silent 0 tells the user nothing."""
+    """The --reward verifier's value on one response. Your own verifier, in its child: one that raises, returns
+    anything but 0 or 1, does not return within timeout_s (its child is killed, even in C holding the GIL) or ends
+    its process twice stops the run with one line naming the input, not a traceback, a hang or a silent 0."""
     if spec in BUILT_IN:
         return load_verifier(spec)(text, ground_truth)
     from machinery.errors import fail
@@ -360,7 +341,8 @@ def call_verifier(spec: str, text: str, ground_truth: str, timeout_s: float = VE
     if kind == "value":
         return value[0]
     if kind == "returned":
-        _not_binary(spec, value[0])
+        fail(f"--reward {spec} returned {value[0]}; a verifier must return 0 or 1 "
+             f"(SPO's tracker is a Beta posterior over binary rewards)")
     if kind == "raised":
         what = f"raised {value[0]}"
     elif kind == "ended":
@@ -376,19 +358,6 @@ def is_binary(value) -> bool:
     return isinstance(value, (bool, int, float, np.number, np.bool_)) and value in (0, 1)
 
 
-def _not_binary(spec, what):
-    from machinery.errors import fail
-    fail(f"--reward {spec} returned {what}; a verifier must return 0 or 1 "
-         f"(SPO's tracker is a Beta posterior over binary rewards)")
-
-
-def checked_reward(value, spec: str) -> float:
-    """A verifier's return value as 0.0 or 1.0; anything else stops with one line naming --reward."""
-    if is_binary(value):
-        return float(value)
-    _not_binary(spec, f"{value!r} (a {type(value).__name__})")
-
-
 # ------------------------------------------------------------------------------------------------ scoring
 def visible_text(response_text: str, think_format: bool = False) -> str | None:
     """What a verifier reads: the response without tool calls and their output; None (reward 0, no answer) when
@@ -402,24 +371,22 @@ def visible_text(response_text: str, think_format: bool = False) -> str | None:
 
 def reward_and_answer(response_text: str, ground_truth: str, think_format: bool = False,
                       reward: str = DEFAULT_REWARD, timeout_s: float = VERIFIER_TIMEOUT_S) -> tuple[float, str | None]:
-    """(reward in {0.0, 1.0} by the --reward verifier, the final boxed answer or None). The answer feeds maj@k
-    (whatever the verifier; None never wins a vote). The think gate and the tool-block removal come first."""
+    """(reward in {0.0, 1.0} by the --reward verifier, the final boxed answer or None: maj@k's vote)."""
     text = visible_text(response_text, think_format)
     if text is None:
         return 0.0, None
-    return checked_reward(call_verifier(reward, text, ground_truth, timeout_s), reward), final_answer(text)
+    return call_verifier(reward, text, ground_truth, timeout_s), final_answer(text)
 
 
 def boxed_reward(response_text: str, ground_truth: str, think_format: bool = False) -> float:
-    """The binary reward r(x, y) by the default rule: 1.0 if the final boxed answer equals the ground truth."""
+    """The binary reward r(x, y) by the default rule."""
     return reward_and_answer(response_text, ground_truth, think_format)[0]
 
 
 def rewards(rollouts, ground_truths, think_format=False, truncated_reward="zero", reward=DEFAULT_REWARD,
             timeout_s=VERIFIER_TIMEOUT_S):
-    """(B,) rewards of a batch of rollout.Rollout, as training and the offline values pass score them.
-    truncated_reward "zero": a rollout that hit the token budget or the turn limit (finish reason "length")
-    scores 0; "score": it is scored like any other. reward: the --reward spec; timeout_s: --reward_timeout."""
+    """(B,) rewards of a batch of rollout.Rollout, as training and the offline values pass score them;
+    truncated_reward "zero": one that hit the token budget or the turn limit scores 0."""
     scores = np.array([reward_and_answer(r.text, answer, think_format, reward, timeout_s)[0]
                        for r, answer in zip(rollouts, ground_truths)])
     if truncated_reward == "zero":
