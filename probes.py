@@ -44,8 +44,6 @@ class ProbeSettings:
 
 
 # ---------------------------------------------------------------------------------------------- evaluation
-# Each rank's engine takes problems rank, rank + world, ...; every request has its own seed, derived from (seed,
-# prompt key, sample index) only, so a sample is the same whatever the world size, batch or order.
 EVAL_DEFAULTS = {"n": 32, "temperature": 0.6, "top_p": 0.95, "top_k": 20}  # the paper's evaluation sampling
 
 
@@ -58,16 +56,13 @@ def request_seeds(base, prompt_key: str, n: int) -> np.ndarray:
 
 def sample_and_score(engine, data, n, seeds_base, *, temperature, top_p, top_k, max_tokens, rank, world,
                      think_format=False, tools=None, reward=DEFAULT_REWARD, reward_timeout=VERIFIER_TIMEOUT_S,
-                     progress=True):
-    """n samples of every problem of `data` (data.Dataset: keys, prompt_ids, answers), sharded over ranks.
-
-    Returns (samples, rollouts). samples[p] lists the n (answer or None, correct, truncated) of problem p, for
-    EVERY problem in data order and on every rank (gathered: call it on all ranks), ready for summarize().
-    rollouts maps this rank's problems p to their n Rollouts (responses to write out). tools: a rollout.Tools for
-    the tool loop; reward: the --reward verifier (correct: it returned 1). A truncated sample is scored as it is
-    (the verifier reads what is there): evaluation does not apply training's --truncated_reward.
-    progress: a bar on rank 0 counting its finished samples while they generate (False: none)."""
-    mine = list(range(rank, len(data.keys), world))
+                     progress=True, problems=None):
+    """n samples of each of `problems` (default: every problem of `data`), sharded over ranks (rank r takes
+    r, r + world, ...). Returns (samples, rollouts): samples[j] lists the n (answer or None, correct, truncated) of
+    problems[j], on every rank (gathered: call it on all ranks); rollouts maps this rank's problems to their n
+    Rollouts. A truncated sample is scored as it is: --truncated_reward is training's, not evaluation's."""
+    problems = range(len(data.keys)) if problems is None else problems
+    mine = list(problems[rank::world])
     outputs = []
     if mine:  # a rank with no problem (more ranks than problems) still joins the gather below
         seeds = np.concatenate([request_seeds(seeds_base, data.keys[p], n) for p in mine])
@@ -90,7 +85,7 @@ def sample_and_score(engine, data, n, seeds_base, *, temperature, top_p, top_k, 
         from machinery.collectives import all_gather_objects
         parts = all_gather_objects([local])  # (a rank stopped by its verifier: one line here too, not a traceback)
     merged = {p: s for part in parts for p, s in part.items()}
-    return [merged[p] for p in range(len(data.keys))], rollouts
+    return [merged[p] for p in problems], rollouts
 
 
 def evaluations(engine, test, data, tracker, settings: ProbeSettings, tools, step, exact=None):
@@ -201,37 +196,29 @@ def probe_subset(n_prompts, k, seed):
 
 
 def tracker_probe(engine, data, tracker, settings: ProbeSettings, step, tools, exact=None):
-    """--probe_every: for the fixed subset of training prompts, the tracker's v(x) as it stands now (after this
-    step's tracker update: the baseline that x's next visit would use) against the success rate of the current
-    policy (after this step's update: the one that would act at that visit), from --probe_samples fresh samples
-    per prompt at the training temperature, scored with training's reward. Sampled on every rank (prompts
-    rank, rank + world, ...), with request seeds from (seed, 2, step, prompt key): never training's or the held-out
-    evaluation's. Rank 0 appends one line per probe to <run_dir>/probe.jsonl (a resumed run may repeat a step: the
-    last line of a step wins). Returns probe_stats (the same on every rank); with `exact`, v(x) also against the
-    exact success probability at the training temperature (probe/mae_exact, probe/bias_exact: no sampling noise)."""
+    """--probe_every: for the fixed subset of training prompts, the tracker's v(x) as it stands now (the baseline
+    x's next visit would use) against the current policy's success rate from --probe_samples fresh samples per
+    prompt, sampled and scored as training does, with request seeds from (seed, 2, step, prompt key): never
+    training's or the held-out evaluation's. Rank 0 appends a line to <run_dir>/probe.jsonl (a resumed run may
+    repeat a step: its last line wins). Returns probe_stats; with `exact`, v(x) against the exact probability too."""
     import torch.distributed as dist
-    from reward import rewards
-    from machinery.collectives import all_gather_objects
-    rank, world, n = dist.get_rank(), dist.get_world_size(), settings.probe_samples
+    n = settings.probe_samples
     index = probe_subset(len(data.keys), settings.probe_prompts, settings.seed)  # (K,)
     value, n_eff = tracker.value_at(index), tracker.n_eff_at(index)  # (K,) read before any further update
-    mine = index[rank::world]
-    success = {}
-    if len(mine):  # a rank with no probed prompt still joins the gather
-        seeds = np.concatenate([request_seeds([settings.seed, 2, step], data.keys[i], n) for i in mine])
-        rollouts = engine.generate([data.prompt_ids[i] for i in mine for _ in range(n)], seeds,
-                                   max_tokens=settings.max_response_len, temperature=settings.temperature, tools=tools)
-        reward = rewards(rollouts, [data.answers[i] for i in mine for _ in range(n)], settings.think_format,
-                         settings.truncated_reward, settings.reward, settings.reward_timeout).reshape(len(mine), n)
-        success = {int(i): float(r.mean()) for i, r in zip(mine, reward)}
-    merged = {i: s for part in all_gather_objects([success]) for i, s in part.items()}
-    measured = np.array([merged[int(i)] for i in index])  # (K,)
+    samples, _ = sample_and_score(engine, data, n, [settings.seed, 2, step], temperature=settings.temperature,
+                                  top_p=1.0, top_k=-1, max_tokens=settings.max_response_len, rank=dist.get_rank(),
+                                  world=dist.get_world_size(), think_format=settings.think_format, tools=tools,
+                                  reward=settings.reward, reward_timeout=settings.reward_timeout, progress=False,
+                                  problems=index)
+    cut_scores_zero = settings.truncated_reward == "zero"  # training's rule (reward.rewards)
+    measured = np.array([np.mean([correct and not (cut and cut_scores_zero) for _, correct, cut in s])
+                         for s in samples])  # (K,)
     stats, exact_p = probe_stats(value, measured, n, n_eff), {}
     if exact:
         exact_p = {"exact": exact(data, index, settings.temperature).tolist()}
         stats.update({"probe/mae_exact": float(np.mean(np.abs(value - exact_p["exact"]))),
                       "probe/bias_exact": float(np.mean(value - exact_p["exact"]))})
-    if rank == 0:
+    if dist.get_rank() == 0:
         with open(os.path.join(settings.run_dir, "probe.jsonl"), "a") as f:
             f.write(json.dumps({"step": step, "prompt": index.tolist(), "value": value.tolist(),
                                 "success": measured.tolist(), **exact_p, "n_eff": n_eff.tolist(),
