@@ -34,7 +34,7 @@ from reward import DEFAULT_REWARD, VERIFIER_TIMEOUT_S, rewards
 
 def run_header(header, *, n0, temperature, top_p, max_tokens, seed, truncated_reward, tools=None,
                think_format=False, reward=DEFAULT_REWARD):
-    """The settings that make scores comparable; a partial file made with other settings cannot be resumed."""
+    """The settings that make scores comparable."""
     header = {**header, "n0": n0, "temperature": float(temperature), "top_p": float(top_p),
               "max_tokens": max_tokens, "seed": seed, "truncated_reward": truncated_reward}
     # Absent when off (or the default verifier), so that files made before these options existed still match.
@@ -86,21 +86,18 @@ class TrainingV0:
 
     @classmethod
     def pick(cls, flags: dict, tools=None, system_prompt=None):
-        """These settings out of spo.py's flags ({name: value}, e.g. vars(args)), with the run's tools and prompt."""
         named = {f.name: flags[f.name] for f in fields(cls) if f.name not in ("tools", "system_prompt")}
         return cls(**named, tools=tools, system_prompt=system_prompt)
 
     def settings(self):
-        """The settings of the run that change v0, as check_values_header and toy_values_path read them: training
-        samples at top_p 1 within --max_response_len and scores with its verifier."""
+        """The settings of the run that change v0 (training samples at top_p 1)."""
         return {"temperature": float(self.temperature), "top_p": 1.0, "max_tokens": self.max_response_len,
                 "truncated_reward": self.truncated_reward, "think_format": self.think_format,
                 "tools": tool_settings(self.tools), "system_prompt": self.system_prompt, **reward_setting(self.reward)}
 
 
 def read_values_file(path):
-    """(header, prompts) of an offline-values file, its structure checked ({"header": {...}, "prompts": {key:
-    {"scores": [...]}}}): a file that parses but has another shape is one line naming it and what is wrong."""
+    """(header, prompts) of an offline-values file; another shape is one line naming it and what is wrong."""
     from machinery.errors import fail
     try:
         with open(path) as f:
@@ -143,7 +140,7 @@ def same_model(name):
 
 
 def partial_paths(out_path):
-    """Partial files of earlier runs, of any world size: ranks of a smaller rerun still pick them up."""
+    """Partial files of earlier runs, of any world size."""
     return sorted(glob.glob(glob.escape(out_path) + ".rank*.partial.jsonl"))
 
 
@@ -183,8 +180,8 @@ def read_finished(out_path, header):
 def estimate_offline_values(engine, data, out_path, *, n0=8, temperature=1.0, top_p=1.0, max_tokens, seed=0,
                             header, truncated_reward="zero", chunk_prompts=64, progress=True, max_chunks=None,
                             tools=None, think_format=False, reward=DEFAULT_REWARD, reward_timeout=VERIFIER_TIMEOUT_S):
-    """n0 scored samples of every prompt of `data`, sharded over ranks, resumable; call on every rank. Returns the
-    output dict on every rank once all prompts are done, or None if max_chunks stopped this run early."""
+    """n0 scored samples of every prompt of `data`, sharded over ranks, resumable; call on every rank. Rank 0 writes
+    out_path once all prompts are done (max_chunks can stop a run earlier: a debugging aid)."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     barrier = collectives.barrier if world > 1 else (lambda: None)  # a rank stopped by its verifier: one line each
     header = run_header(header, n0=n0, temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed,
@@ -229,7 +226,6 @@ def estimate_offline_values(engine, data, out_path, *, n0=8, temperature=1.0, to
     if bar is not None:
         bar.close()
     barrier()
-    result = None
     if rank == 0:
         done = read_finished(out_path, header)
         missing = sum(key not in done for key in data.keys)
@@ -249,13 +245,7 @@ def estimate_offline_values(engine, data, out_path, *, n0=8, temperature=1.0, to
                 os.remove(path)
             if progress:
                 print_histogram(result, n0)
-    if world > 1:
-        box = [result is not None]
-        dist.broadcast_object_list(box)
-        if box[0] and rank != 0:
-            with open(out_path) as f:
-                result = json.load(f)
-    return result
+    barrier()  # the values file is there before any rank reads it
 
 
 def stop_on_full_disk(error, path):
@@ -270,9 +260,8 @@ def stop_on_full_disk(error, path):
 
 
 def claim_toy_values(run: TrainingV0, on_toy, run_dir):
-    """spo.py's --offline_values, settled before the engine starts: on the toy (a new SPO run), 'auto' becomes the
-    file of the toy's v0 for the run's settings, beside the toy or, where this run cannot claim it (read-only,
-    another run measuring it now: run_dir.shared_output), in its run directory, said in one line."""
+    """spo.py's --offline_values settled before the engine starts: on the toy, 'auto' becomes the file of the toy's v0
+    for the run's settings, beside the toy or, where this run cannot claim it, in its run directory."""
     if not (on_toy and run.offline_values == "auto"):
         return run
     from machinery.run_dir import shared_output

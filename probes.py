@@ -2,8 +2,7 @@
 spo.py measures between steps (`evaluations`: held-out accuracy, the tracker probe, the exact probability).
 
 Every request's seed derives from (seed, prompt key, sample index), so a sample does not depend on the world size,
-batch or order, and none of these touches training's random state. spo.py builds `ProbeSettings` once from its
-flags (add_eval_flags and the training settings the probes share); nothing here reads the command line.
+batch or order, and none of these touches training's random state.
 """
 import hashlib
 import json
@@ -39,7 +38,6 @@ class ProbeSettings:
 
     @classmethod
     def pick(cls, flags: dict):
-        """These settings out of a program's flags ({name: value}, e.g. vars(args))."""
         return cls(**{f.name: flags[f.name] for f in fields(cls)})
 
 
@@ -48,8 +46,7 @@ EVAL_DEFAULTS = {"n": 32, "temperature": 0.6, "top_p": 0.95, "top_k": 20}  # the
 
 
 def request_seeds(base, prompt_key: str, n: int) -> np.ndarray:
-    """(n,) per-request seeds for samples 0..n-1 of one prompt; base: an int or a sequence of ints (>= 0).
-    The first k seeds do not depend on n, so asking for more samples later keeps the earlier ones."""
+    """(n,) per-request seeds for samples 0..n-1 of one prompt (the first k do not depend on n)."""
     key = int(hashlib.sha1(prompt_key.encode("utf-8")).hexdigest()[:16], 16)
     return np.random.SeedSequence([*np.atleast_1d(base).tolist(), key]).generate_state(n)
 
@@ -89,9 +86,7 @@ def sample_and_score(engine, data, n, seeds_base, *, temperature, top_p, top_k, 
 
 
 def evaluations(engine, test, data, tracker, settings: ProbeSettings, tools, step, exact=None):
-    """What spo.py measures between steps (step 0: before training; then after each step's weight push), when due
-    (every --eval_every / --probe_every steps and at the end): held-out accuracy and the tracker probe, with
-    `exact_metric`'s function where given. Neither touches training's random state (their own request seeds)."""
+    """What spo.py measures between steps when due (every --eval_every / --probe_every steps and at the end)."""
     metrics = {}
     if test is not None and settings.eval_every and (step % settings.eval_every == 0 or step == settings.steps):
         metrics.update(heldout_metrics(engine, test, settings, tools, exact))
@@ -104,9 +99,8 @@ def evaluations(engine, test, data, tracker, settings: ProbeSettings, tools, ste
 
 
 def heldout_metrics(engine, test, settings: ProbeSettings, tools, exact=None):
-    """spo.py's held-out evaluation: accuracy (avg@n at the evaluation temperature, sample_and_score), the shares
-    of samples with no parsed answer and cut by the budget, with tools the share that called the tool, with `exact`
-    the mean exact success probability. Seeds independent of the step: every evaluation scores the same draws."""
+    """spo.py's held-out evaluation (avg@n and why samples fail). Seeds independent of the step: every evaluation
+    scores the same draws."""
     import torch.distributed as dist
     from machinery.collectives import all_reduce_np
     samples, rollouts = sample_and_score(engine, test, settings.eval_samples, [settings.seed, 1],
@@ -129,8 +123,7 @@ def heldout_metrics(engine, test, settings: ProbeSettings, tools, exact=None):
 
 # ---------------------------------------------------------------------------------------------- exact metric
 def exact_template(flag, on_toy, top_p, top_k):
-    """--eval_reference resolved: auto is the toy's only correct response on the toy's data (no tools), else
-    off (None). With --eval_top_p or --eval_top_k the probability would not be the sampler's: one line."""
+    """--eval_reference resolved (None: off); with --eval_top_p or --eval_top_k it would not be the sampler's."""
     from tasks.toy import ONLY_CORRECT
     template = {"auto": ONLY_CORRECT if on_toy else None, "off": None}.get(flag, flag)
     if template and (top_p < 1 or top_k > 0):
@@ -141,10 +134,9 @@ def exact_template(flag, on_toy, top_p, top_k):
 
 
 def exact_metric(policy, tokenizer, template, micro_batch_size, max_tokens):
-    """None without a template, else `exact(data, indices, temperature)` -> (K,): the probability that the policy,
-    sampling at `temperature`, answers each prompt with `template` ({answer}: its ground truth) and ends its turn,
-    exp of the summed log-probs of the trainer's no-grad pass (step 4's). Where that response is the only one
-    scored correct, the success probability without sampling noise; elsewhere a lower bound. Call on every rank."""
+    """None without a template, else `exact(data, indices, temperature)` -> (K,): the probability that the policy
+    answers each prompt with `template` ({answer}: its ground truth) and ends its turn, from the trainer's no-grad
+    pass. Where that response is the only one scored correct, the success probability without sampling noise."""
     if template is None:
         return None
     import torch.distributed as dist
@@ -169,8 +161,7 @@ def exact_metric(policy, tokenizer, template, micro_batch_size, max_tokens):
 # forgetting what older policies did). The probe measures that rate directly on a fixed random subset of training
 # prompts with fresh samples, so the gap between the two (and its noise floor) is visible over training.
 def add_eval_flags(p):
-    """spo.py's flags for its evaluations between steps (eval.py's own command does not use them): held-out accuracy
-    and the tracker probe."""
+    """spo.py's flags for its evaluations between steps."""
     p.add_argument("--eval_every", type=int, default=25, help="held-out evaluation every N steps and at the end "
                    "(0: off)")
     p.add_argument("--eval_samples", type=int, default=2, help="samples per held-out prompt (avg@n's n)")
@@ -190,8 +181,7 @@ def add_eval_flags(p):
 
 
 def probe_subset(n_prompts, k, seed):
-    """(min(k, n),) sorted prompt indices the probe follows for the whole run: drawn from a generator of their
-    own (seed, 3), so they depend only on the seed and the training set, and training's draws are untouched."""
+    """(min(k, n),) sorted prompt indices the probe follows for the whole run, from a generator of their own."""
     return np.sort(np.random.default_rng([seed, 3]).choice(n_prompts, size=min(k, n_prompts), replace=False))
 
 

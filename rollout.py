@@ -161,13 +161,6 @@ def run_trajectories(start, step, abort, tokenizer, prompt_ids, seeds, *, max_to
     ids). One response per prompt, each with its own seed; `max_tokens`: the response budget, tool tokens included.
     keep_first: return once this many trajectories have finished, None in the others' slots (not reproducible:
     timing decides); with group_size G only whole groups count. progress: called as each trajectory finishes."""
-    if len(seeds) != len(prompt_ids):
-        raise ValueError(f"Engine.generate: {len(prompt_ids)} prompts but {len(seeds)} seeds")
-    if keep_first is not None and not 0 < keep_first <= len(prompt_ids):
-        raise ValueError(f"Engine.generate: keep_first must be in [1, {len(prompt_ids)}], got {keep_first}")
-    if len(prompt_ids) % group_size or (keep_first or 0) % group_size:
-        raise ValueError(f"Engine.generate: {len(prompt_ids)} prompts and keep_first {keep_first} must be "
-                         f"multiples of group_size {group_size}")
     rollouts = [Rollout(list(p), [], [], "", "", turns=0) for p in prompt_ids]
     running: dict[str, int] = {}  # request id -> trajectory
     tool_runs: list[tuple[Future | str, int]] = []  # (pending tool run or an error message, trajectory)
