@@ -1,12 +1,9 @@
 """Evaluation: avg@k, pass@k and maj@k, and the command that samples a model (--engine: vLLM or transformers)
-and scores it, writing every sample (JSONL) and the summary (JSON and markdown).
+and scores it, writing every sample (JSONL) and the summary (JSON and markdown); docs/evaluation.md.
 
-The metrics: the unbiased pass@k of Chen et al. (2021) in its stable product form, and maj@k both as a single vote
-(ties go to the answer whose first sample comes earliest; an unparsed answer never wins) and as a bootstrap
-expectation over resamples (the paper's maj@32 values on 30-problem sets are not multiples of 1/30, so they look
-like one). Sampling and scoring is probes.py's `sample_and_score`, as spo.py's held-out evaluation; the defaults
-are the paper's (n 32, temperature 0.6, top_p 0.95, top_k 20). --model also takes an spo.py run or checkpoint
-directory, of a live run too (machinery/run_dir.py:checkpoint_model).
+maj@k is a single vote (ties go to the answer whose first sample comes earliest; an unparsed answer never wins) and
+a bootstrap expectation over resamples: the paper's maj@32 values on 30-problem sets are not multiples of 1/30, so
+they look like one.
 
     torchrun --nproc_per_node=2 eval.py --model runs/<run> --data aime24.parquet aime25.parquet
     python eval.py                                            # the toy's test set, one process

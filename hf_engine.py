@@ -107,24 +107,22 @@ def _fmix32(z):
 
 
 def exponential_noise(seeds, step, vocab):
-    """(b, V) float64 Exp(1) noise, a pure function of (row seed, step, token id): counter-based, so every row
-    draws from its own seed without a generator per row (no launch per row) and on CPU and GPU alike."""
+    """(b, V) float64 Exp(1) noise, a pure function of (row seed, step, token id): no generator per row, and the
+    same on CPU and GPU."""
     key = _fmix32((seeds[:, None] & 0xFFFFFFFF) ^ (step * 0x9E3779B1 & 0xFFFFFFFF))
     z = _fmix32((key + torch.arange(vocab, device=seeds.device)) & 0xFFFFFFFF)
     return -torch.log((z.double() + 0.5) / 2 ** 32)  # uniform on (0, 1), never 0 or 1
 
 
 def preallocated_cache(length, padded):
-    """A transformers Cache whose layers hold `length` positions each in storage allocated once (at the first
-    forward, in the model's KV heads and dtype): each step writes its positions in place and attention reads a view
-    of those filled, so nothing is copied per token (DynamicCache concatenates: quadratic in the length)."""
+    """A transformers Cache whose layers hold `length` positions in storage allocated once, written in place: nothing
+    is copied per token (DynamicCache concatenates: quadratic in the length)."""
     from transformers.cache_utils import Cache, DynamicLayer
 
     class PreallocatedLayer(DynamicLayer):
         # transformers' mask code reads is_compileable as "storage of a fixed size": a decode step then builds its
         # attention mask rather than first asking the device whether it could skip it (a host sync per token).
         # Without padding there is no mask to ask about: False lets SDPA run causal, with GQA, no repeat_kv copy.
-        # Nothing else here reads it (generate() would, to compile: this engine does not call generate).
         is_compileable = padded
 
         def lazy_initialization(self, key_states, value_states):
@@ -203,8 +201,8 @@ class HFEngine:
 
     @torch.inference_mode()
     def decode_segments(self, requests, temperature, top_k, top_p, stop):
-        """Decode {request id: (ids, room, seed)} as one left-padded batch, each row to its end: an end-of-turn
-        id, a stop string, or `room` tokens. Returns [(request id, Segment)] in the order the rows ended."""
+        """Decode {request id: (ids, room, seed)} as one left-padded batch, each row to its end; returns
+        [(request id, Segment)] in the order the rows ended."""
         names, device = list(requests), self.device
         prompts = [requests[n][0] for n in names]
         width = max(len(p) for p in prompts)
@@ -254,9 +252,8 @@ class HFEngine:
         return ended
 
     def segment_end(self, ids, room, stop):
-        """(text, finish_reason, stop_reason) once a segment with these sampled ids has ended, else None: an
-        end-of-turn id ("stop"), a stop string ("stop", the text cut right after it: the earliest to end, ties in
-        list order, as vLLM), or `room` tokens ("length")."""
+        """(text, finish_reason, stop_reason) once a segment with these sampled ids has ended, else None; at a stop
+        string the text is cut right after it (the earliest to end, ties in list order, as vLLM)."""
         found = []
         if stop and ids[-1] not in self.end_ids:
             # Only the tail is decoded each step: enough tokens for the longest stop string even at 4 bytes a
@@ -273,11 +270,12 @@ class HFEngine:
         return text, "stop" if ids[-1] in self.end_ids else "length", None
 
     def push_weights(self, named_tensors):
-        """Copy (name, full tensor) pairs in Hugging Face naming into the engine's model; every parameter must come
-        (a missing one would leave stale weights behind silently)."""
+        """(name, full tensor) pairs into the engine's model; every parameter must come (else stale weights stay)."""
         pushed = set()
         with torch.no_grad():
             for name, tensor in named_tensors:
+                if name not in self.params:
+                    raise KeyError(f"HFEngine.push_weights: the engine's model has no parameter {name!r}")
                 self.params[name].copy_(tensor)
                 pushed.add(name)
         if missing := set(self.params) - pushed:
@@ -289,10 +287,10 @@ class HFEngine:
             torch.cuda.empty_cache()
 
     def wake_up(self):
-        """Nothing to bring back."""
+        pass
 
     def shutdown(self):
-        """Release the engine and, as rollout.Engine's teardown does, torch.distributed's default process group."""
+        """As rollout.Engine's teardown does, this destroys torch.distributed's default process group."""
         import torch.distributed as dist
         del self.model, self.params
         if dist.is_initialized():

@@ -1,18 +1,11 @@
 """Algorithm 2 (Eq. 6) as a library: the tracker's initial values v0, measured (n0 samples per prompt from the
 initial policy), written, checked and read; offline_values.py is its command, spo.py its reader (TrainingV0).
 
-Before training, the initial model answers each training prompt n0 times (default 8); its success fraction is
-v0(x), and spo.py starts the tracker from alpha0 = N0 * v0, beta0 = N0 * (1 - v0) with N0 = 1 / (1 - rho_min)
-(tracker.init_from_scores). Without it the tracker starts uninformed (alpha = beta = 0.5).
-
-- Sampling: by default exactly the training distribution (temperature 1.0, top_p 1.0, the training token budget,
-  reward and tool loop). The authors measured v0 at their evaluation temperature 0.6 while training at 1.0: a prior
-  for another distribution. The settings that change v0 join the header; spo.py refuses a mismatch.
-- Resumable: every request's seed derives from (seed, prompt key, sample index), and each rank appends finished
-  prompts to <out>.rank<r>.partial.jsonl (first line: the settings); a rerun skips what is there and refuses other
-  settings. When every prompt is done, rank 0 writes <out> atomically and removes the partial files.
-
-Output, read by spo.py --offline_values (dataset order; scores: the n0 rewards):
+Sampling is by default exactly training's (temperature 1.0, top_p 1.0, the training budget, reward and tool loop):
+the authors measured v0 at their evaluation temperature 0.6 while training at 1.0, a prior for another
+distribution. The settings that change v0 join the file's header, and spo.py refuses a mismatch. Every request's
+seed derives from (seed, prompt key, sample index), so a pass resumes from its partial files whatever the world
+size (docs/evaluation.md). The file (dataset order; scores: the n0 rewards):
     {"header": {"model", "dataset", "n0", "temperature", "top_p", "max_tokens", "seed", ...},
      "prompts": {prompt key: {"prompt": decoded prompt text, "scores": [0.0, 1.0, ...]}}}
 """
@@ -135,7 +128,7 @@ def check_values_header(path, wanted, accept_mismatch=False, model=None):
 
 
 def same_model(name):
-    """A model as a values file names it: the real path of a folder (however it was reached), else the hub name."""
+    """The real path of a folder (however it was reached), else the hub name."""
     return os.path.realpath(name) if os.path.exists(name) else name
 
 
@@ -147,7 +140,6 @@ def partial_paths(out_path):
 def read_finished(out_path, header):
     """{prompt key: scores} already computed for out_path (its final file and partial files) with these settings;
     ValueError naming the file and the differing settings otherwise."""
-    wanted = {k: v for k, v in header.items() if k != "created"}
     done = {}
     for path in ([out_path] if os.path.exists(out_path) else []) + partial_paths(out_path):
         with open(path) as f:
@@ -168,9 +160,9 @@ def read_finished(out_path, header):
                 raise ValueError(f"{path}: not an offline-values file (unreadable header); move it away or choose "
                                  f"another --out") from None
         theirs = {k: v for k, v in theirs.items() if k != "created"}
-        if theirs != wanted:
-            diff = "; ".join(f"{k}: {theirs.get(k)!r} there, {wanted.get(k)!r} now" for k in sorted({*theirs, *wanted})
-                             if theirs.get(k) != wanted.get(k))
+        if theirs != header:
+            diff = "; ".join(f"{k}: {theirs.get(k)!r} there, {header.get(k)!r} now" for k in sorted({*theirs, *header})
+                             if theirs.get(k) != header.get(k))
             raise ValueError(f"{path} was made with other settings ({diff}): rerun with the same settings to "
                              f"resume, or delete it / choose another --out to start over")
         done.update(entries)

@@ -1,21 +1,12 @@
 """The verifier: the binary reward r(x, y) in {0, 1} that SPO's tracker absorbs (Eq. 5) and its advantage
-subtracts from (Eq. 8). Training, the offline values pass (Algorithm 2) and evaluation all score with it.
+subtracts from (Eq. 8); training, the offline values pass (Algorithm 2) and evaluation all score with it.
 
-The default rule (`--reward reward:exact_match`) is the authors' strict one: the answer is the last `\\boxed{...}`
-(braces matched), which must start within the last 100 characters of the response and must equal the ground truth
-exactly after stripping whitespace (`\\boxed{1/2}` is wrong for "0.5"). Two additions of ours, applied before any
-verifier reads the response:
-- Tool calls are not the model's answer: `<code>` and `<interpreter>` blocks are removed first. Scored as the
-  authors do (whole text), a snippet that prints `\\boxed{N}` would answer for the model: a reward hack.
-- A response cut off by the token budget (or the tool loop's turn limit) scores 0 by default
-  (`truncated_reward="zero"`): scored as is, a policy can learn never to end its answer (docs/design.md, Rewards).
-`think_format=True` adds the authors' gate for thinking models: exactly one `</think>` and no tool tag after it.
-
-Your own verifier (`--reward module:function` or `--reward path/to/file.py:function`, docs/own-model-and-data.md)
-is a function `fn(response_text, ground_truth) -> 0 or 1`, binary because SPO's tracker is a Beta posterior over
-successes (Eq. 5). It runs in a child process of its own: nothing it does to its process touches the run's.
-`numeric_match` (numbers by value) and `math_verify` (mathematical equivalence, with the optional math-verify
-package) are two more verifiers.
+The default (`--reward reward:exact_match`) is the authors' strict rule: the last `\\boxed{...}`, starting within
+the last 100 characters, equal to the ground truth after stripping whitespace. Before any verifier reads a response,
+its tool blocks are removed (a snippet that prints `\\boxed{N}` would otherwise answer for the model), and by default
+a response cut off by the token budget scores 0 (else a policy can learn never to end its answer: docs/design.md).
+Your own verifier (`--reward module:function`, docs/own-model-and-data.md) must return 0 or 1 (the tracker is a
+Beta posterior over successes) and runs in a child process of its own: nothing it does there touches the run.
 """
 import contextlib
 import functools
@@ -43,8 +34,7 @@ VERIFIER_TIMEOUT_S = 60.0  # per response: generous for a symbolic checker, shor
 
 
 def add_reward_flags(parser, truncation=True):
-    """The verifier's flags, shared by spo.py, offline_values.py and eval.py (eval scores truncated responses as
-    they are: truncation=False leaves --truncated_reward out)."""
+    """The verifier's flags, shared by the three programs (eval.py scores truncated responses as they are)."""
     parser.add_argument("--reward", default=DEFAULT_REWARD,
                         help="the verifier, module:function or file.py:function, fn(response_text, ground_truth) "
                              "-> 0 or 1 (docs/own-model-and-data.md; e.g. reward:numeric_match, reward:math_verify); "
@@ -79,8 +69,7 @@ def extract_boxed(text: str, tail_chars: int | None = None) -> str | None:
 
 
 def final_answer(text: str, tail_chars: int = TAIL_CHARS) -> str | None:
-    """The model's final answer: the last box in the tail, stripped; None if there is none or it is empty
-    (`\\boxed{}` or `\\boxed{  }` is no answer)."""
+    """The model's final answer: the last box in the tail, stripped; None if there is none or it is empty."""
     boxed = extract_boxed(text, tail_chars)
     return (boxed.strip() or None) if boxed is not None else None
 
@@ -97,10 +86,8 @@ NUMBER = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d{1,3})?|[+-]?\d+
 
 
 def numeric_match(text: str, ground_truth: str) -> float:
-    """An example of a second verifier (`--reward reward:numeric_match`): the same final box as exact_match, but
-    when both sides are numbers (decimals with an optional exponent, or a/b) they compare by value, in exact
-    rational arithmetic: `3.0` = `3` = `6/2`, `0.5` = `1/2`, `1e3` = `1000`. Anything else (`\\frac{1}{2}`,
-    `1,000`, `x+1`) falls back to exact_match's string equality."""
+    """`--reward reward:numeric_match`: exact_match, but two numbers (decimals or a/b) compare by value, in exact
+    rational arithmetic: `3.0` = `3` = `6/2`, `0.5` = `1/2`, `1e3` = `1000`."""
     answer, truth = final_answer(text), str(ground_truth).strip()
     if answer is None:
         return 0.0
@@ -130,8 +117,7 @@ def reply(*message):
 
 
 class _Child:
-    """A child process running `python -c code *args`; started is its first reply (["ready"] or ["error", why]), or
-    None when it ended before saying."""
+    """A child process running `python -c code *args`; started: its first reply (["ready"] or ["error", why])."""
 
     def __init__(self, code, *args):
         # A session of its own: a verifier that stops its checkers with os.killpg (the usual idiom) stops its own
@@ -148,7 +134,6 @@ class _Child:
         self.replies.put(None)
 
     def ask(self, request, timeout_s):
-        """The reply to request, None if the child ended first; raises queue.Empty after timeout_s."""
         try:
             self.process.stdin.write(json.dumps(request) + "\n")
             self.process.stdin.flush()
@@ -157,7 +142,7 @@ class _Child:
         return self.replies.get(timeout=timeout_s)
 
     def stop(self):
-        """Kill it and every process left in its group (a no-op if none is), reap it; returns how it ended."""
+        """Kill it and every process left in its group, reap it; returns how it ended."""
         if self.process.returncode is None:  # not reaped: its pid, the group's id, is still ours
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.process.pid, signal.SIGKILL)
@@ -177,9 +162,9 @@ def _child(key, start):
 
 
 def _ask(key, start, request, timeout_s):
-    """[kind, value...], the reply to request of the child for key (start() starts one). A child that does not
-    answer within timeout_s is killed: ["timeout"]. One that ends before answering (os._exit, a crash, an
-    out-of-memory kill) is replaced and asked again, once, then ["ended", how]: never a score without a verdict."""
+    """[kind, value...], the reply of the child for key (start() starts one). One that does not answer within
+    timeout_s is killed: ["timeout"]. One that ends before answering is replaced and asked again, once, then
+    ["ended", how]: never a score without a verdict."""
     with _children_lock:
         for _ in range(2):
             child = _child(key, start)
@@ -222,8 +207,7 @@ MATH_VERIFY_LIMIT_S = 40.0  # per answer; math-verify's own limits are 5 s per p
 
 
 def _start_math_verify():
-    """A math-verify child. Raises ValueError with one line when math-verify does not import:
-    math_verify.check_before_start, run when --reward is resolved."""
+    """A math-verify child; ValueError with one line when math-verify does not import."""
     child = _Child(MATH_VERIFY_CHILD)
     if child.started != ["ready"]:
         how = child.stop()
@@ -304,7 +288,7 @@ for line in requests:
 
 
 def _start_verifier(spec):
-    """The child that runs your verifier, its spec imported; ValueError with one line if it does not import."""
+    """The child that runs your verifier; ValueError with one line if it does not import."""
     child = _Child(VERIFIER_CHILD, spec, json.dumps(sys.path))
     if child.started != ["ready"]:
         how = child.stop()
@@ -354,14 +338,12 @@ def call_verifier(spec: str, text: str, ground_truth: str, timeout_s: float = VE
 
 
 def is_binary(value) -> bool:
-    """0 or 1, as a bool, an int, a float or a numpy number: what a verifier may return."""
     return isinstance(value, (bool, int, float, np.number, np.bool_)) and value in (0, 1)
 
 
 # ------------------------------------------------------------------------------------------------ scoring
 def visible_text(response_text: str, think_format: bool = False) -> str | None:
-    """What a verifier reads: the response without tool calls and their output; None (reward 0, no answer) when
-    think_format is on and the authors' gate fails (not exactly one `</think>`, or a tool tag after it)."""
+    """What a verifier reads: the response without tool blocks; None (reward 0) when think_format's gate fails."""
     if think_format:
         after_think = response_text.partition("</think>")[2]
         if response_text.count("</think>") != 1 or "<code>" in after_think or "<interpreter>" in after_think:

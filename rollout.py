@@ -1,22 +1,15 @@
 """Rollouts: one vLLM engine per torchrun rank, colocated with the trainer, the weight push that keeps it
 on-policy, and the multi-turn tool loop of tool-integrated reasoning (paper section 5.1, Appendix D).
 
-Every rank runs its own in-process engine (`distributed_executor_backend="external_launcher"`, tensor parallel
-size 1) on the prompts of its shard, so generation scales with the number of ranks exactly like training does.
-After every optimiser step the trainer's weights are pushed into the engine (vLLM's `reload_weights`): step t+1
-samples from the policy of step t. On GPU the engine sleeps while the trainer runs (docs/algorithm.md, CPU and
-GPU); written for the GPU but not run on one here.
-
-Generation stays behind one function, `Engine.generate`, which returns token ids, the sampled tokens' log-probs
-and a response mask (1 on tokens the policy generated, 0 on tool output: the trainer leaves those out of the
-loss, the token count and D(x)). Its loop, `run_trajectories`, also drives hf_engine.py's transformers engine.
-
-The tool loop (the authors' ReTool format; docs/tools.md): a segment stops at `</code>`, the first ```python block
-after its last `<code>` runs in the sandbox pool, and its output comes back as `<interpreter>...</interpreter>`
-tokens with mask 0 in the same assistant turn, until a segment without a call, `max_turns` segments or the token
-budget. Unlike the authors' code: token ids are only concatenated; requests go one by one through vLLM's engine
-(`add_request` / `step`), so a trajectory waiting for its tool holds up no one and `keep_first` can keep the first
-to finish (paper Appendix B); sandbox errors go back as text; only a bare last expression is printed, REPL-style.
+Every rank runs its own in-process engine (`distributed_executor_backend="external_launcher"`) on its shard's
+prompts, so generation scales with the ranks as training does; after each optimiser step the trainer's weights are
+pushed in (`reload_weights`): step t+1 samples from the policy of step t. `Engine.generate` returns token ids,
+log-probs and a response mask (0 on tool output: the trainer leaves it out of the loss, the token count and D(x));
+its loop, `run_trajectories`, also drives hf_engine.py's engine. The tool loop (the authors' ReTool format,
+docs/tools.md): a segment stops at `</code>`, its code runs in the sandbox pool and the output comes back as
+`<interpreter>` tokens in the same turn. Requests go one by one through vLLM's engine (`add_request` / `step`), so
+a trajectory waiting for its tool holds up no one and `keep_first` can keep the first to finish (paper Appendix B).
+Written for the GPU but not run on one here (docs/algorithm.md, CPU and GPU).
 """
 import os
 import re
@@ -71,7 +64,6 @@ class Tools:
 
 
 def add_tool_flags(parser):
-    """The tool-loop flags, shared by spo.py, eval.py and offline_values.py."""
     g = parser.add_argument_group("tools (tool-integrated reasoning)")
     g.add_argument("--tools", action="store_true",
                    help="multi-turn Python tool loop; without --model or data: the a*b tool toy")
@@ -127,13 +119,12 @@ def make_tools(tools, max_turns, sandbox_workers, sandbox_timeout, sandbox_memor
 
 
 def turn_seed(seed: int, turn: int) -> int:
-    """The sampling seed of a trajectory's turn: its own seed at turn 0, then a function of (seed, turn)."""
+    """The sampling seed of a trajectory's turn: its own seed at turn 0 (single-turn sampling is unchanged)."""
     return int(seed) if turn == 0 else int(np.random.SeedSequence([int(seed), turn]).generate_state(1)[0])
 
 
 def extract_code(segment: str) -> str | None:
-    """The code of a segment that stopped at `</code>`: the first ```python block after its last `<code>`
-    (anywhere in the segment if `<code>` is missing). None if there is no block."""
+    """The first ```python block after the segment's last `<code>` (anywhere without one); None if there is none."""
     body = segment[: segment.rfind(CODE_STOP)] if CODE_STOP in segment else segment
     body = body[body.rfind("<code>") + len("<code>"):] if "<code>" in body else body
     match = _CODE_BLOCK.search(body)
@@ -150,7 +141,6 @@ class Segment(NamedTuple):
 
 
 def stop_strings(stop, tools):
-    """An engine's stop strings: the caller's (a string or a list), and `</code>` when the tool loop runs."""
     return list([stop] if isinstance(stop, str) else stop or []) + ([CODE_STOP] if tools else [])
 
 
@@ -177,7 +167,6 @@ def run_trajectories(start, step, abort, tokenizer, prompt_ids, seeds, *, max_to
             progress()
 
     def submit(i):
-        """The next model segment of trajectory i: prompt + everything so far, its own seed."""
         r = rollouts[i]
         context = len(r.prompt_ids) + len(r.response_ids)
         room = min(max_tokens - len(r.response_ids), max_model_len - context)
@@ -186,7 +175,6 @@ def run_trajectories(start, step, abort, tokenizer, prompt_ids, seeds, *, max_to
         running[start(r.prompt_ids + r.response_ids, room, turn_seed(seeds[i], r.turns))] = i
 
     def segment_done(i, segment):
-        """A model segment finished: append it; a tool call goes to the pool, anything else ends."""
         r = rollouts[i]
         r.response_ids += segment.token_ids
         r.logprobs += segment.logprobs
@@ -210,7 +198,6 @@ def run_trajectories(start, step, abort, tokenizer, prompt_ids, seeds, *, max_to
             tool_runs.append((f"sandbox error: {type(e).__name__}: {e}", i))
 
     def tool_done(i, outcome):
-        """Append the interpreter text (mask 0, log-prob 0), cut at the token budget; then continue."""
         r = rollouts[i]
         text, error, timed_out = interpreter_text(outcome, tools.max_tool_output_chars)
         r.tool_errors += error
@@ -255,8 +242,7 @@ def run_trajectories(start, step, abort, tokenizer, prompt_ids, seeds, *, max_to
 
 
 class Engine:
-    """Our engine: one colocated vLLM `LLM` (self.llm) per rank: generate (with tools), receive weights, sleep
-    while the trainer runs (GPU)."""
+    """One colocated vLLM `LLM` per rank: generate (with tools), receive weights, sleep while the trainer runs."""
 
     def __init__(self, model_path, *, seed, max_model_len, device, gpu_memory_utilization=0.5,
                  temperature=1.0, compile_model=None, bf16=None):
@@ -340,7 +326,6 @@ class Engine:
             self.state = "asleep"
 
     def _wake(self, tag):
-        """Bring back "weights" (for a push) or everything ("kv_cache": for generation), each part only once."""
         if tag == "kv_cache" and self.state == "asleep":
             raise RuntimeError("Engine: sleep() discarded the weights (vLLM sleep level 2); push_weights before "
                                "generating")
@@ -354,7 +339,6 @@ class Engine:
             self.state = "awake"
 
     def wake_up(self):
-        """Everything back on the device before generation (a no-op when awake, and on CPU)."""
         self._wake("kv_cache")
 
     def push_weights(self, named_tensors):
@@ -368,6 +352,6 @@ class Engine:
             self.llm.reset_prefix_cache()  # cached KV was computed by the old weights (sleep already cleared it)
 
     def shutdown(self):
-        """Release the engine. Its teardown also destroys torch.distributed's default process group."""
+        """Its teardown also destroys torch.distributed's default process group."""
         del self.llm
 

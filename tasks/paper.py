@@ -1,25 +1,11 @@
 """The paper's data: the training set and the five evaluation sets, from their Hugging Face hub names to the plain
-JSONL files that spo.py, offline_values.py and eval.py read (machinery/data.py).
+JSONL files that spo.py, offline_values.py and eval.py read (docs/scale.md: what it changes, the manifest).
 
     python -m tasks.paper prepare --out data/paper          # fetch, convert, de-duplicate; rerun: a no-op
     HF_HUB_OFFLINE=1 python -m tasks.paper prepare --out data/paper     # from a populated hub cache only
 
-Each dataset becomes `<out>/<name>.jsonl`, one row per distinct prompt (`prompt`: one user message, `answer`
-normalised as below, `answer_original`, `source_id`), and `<out>/manifest.json` records where each came from (the
-resolved commit, the source files' sha256) and what was dropped and why. A rerun skips a dataset whose manifest entry has the same commit, converter version and template and whose file is
-intact; every file is written to a temporary name and renamed.
-
-Prompts. The training prompts are open-r1's English DAPO prompts as they are, which ask for an `Answer:` line, not
-the `\\boxed{}` that the strict verifier (reward.py:exact_match) reads; the authors' recipe appends BOX_LINE to every
-prompt, training and evaluation alike, and so do we. An evaluation problem is by default the authors' evaluation
-prompt, the bare problem plus BOX_LINE (`--eval_prompt authors`: so ours compare with Table 1); `--eval_prompt
-training` wraps it in the training prompts' DAPO sentences instead (make_prompt).
-
-Answers. exact_match compares the last box's content with the ground truth as strings, so the ground truth is
-written the way a box holds it: surrounding `$...$`, `$$...$$`, `\\(...\\)`, `\\[...\\]` and a `\\boxed{...}`
-around the whole answer are removed (repeatedly: `$\\boxed{5}$` -> `5`), whitespace stripped, numbers written
-plainly (17.0 -> 17) and integers without leading zeros (AIME's `033` -> `33`). Nothing else changes: `\\dfrac`
-stays `\\dfrac`, `1,000` stays `1,000`. A row whose answer is then empty is dropped.
+Every prompt ends with the authors' BOX_LINE (the DAPO prompts ask for an `Answer:` line, which the strict verifier,
+reward.py:exact_match, does not read), and answers are written the way a box holds them (normalise_answer).
 
 Sources: the hub's dataset cards and file listings, open-r1's build script (BytedTsinghua-SIA/DAPO-Math-17k
 de-duplicated by prompt, split into `en` and `cn` by a test for Chinese characters) and the authors' recipe, which
@@ -85,7 +71,9 @@ SOURCES = (
 
 # ---------------------------------------------------------------------------------------------- answers, prompts
 def normalise_answer(value) -> str | None:
-    """The ground truth as a box would hold it (module docstring, Answers); None if empty or not text / a number."""
+    """The ground truth as a box holds it: `$...$`, `$$...$$`, `\\(...\\)`, `\\[...\\]` and a `\\boxed{...}` around the
+    whole answer removed (repeatedly), numbers written plainly (17.0 -> 17, AIME's `033` -> `33`); nothing else
+    changes (`\\dfrac` stays, `1,000` stays). None if empty or not text / a number."""
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, (str, int, float)) or (

