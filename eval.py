@@ -64,8 +64,7 @@ def majority_vote(answers, correct_flags) -> float:
 
 def bootstrap_maj_at_k(answers_per_problem, correct_per_problem, k: int, n_boot: int = 1000,
                        seed: int = 0) -> tuple[float, float]:
-    """Mean and std of the benchmark's maj@k over n_boot resamples; each draws, per problem, k of its n samples
-    with replacement (seeded numpy Generator) and votes."""
+    """Mean and std of the benchmark's maj@k over n_boot resamples of k samples per problem, with replacement."""
     rng = np.random.default_rng(seed)
     maj = np.zeros((len(answers_per_problem), n_boot))                        # (P, B)
     for p, (answers, flags) in enumerate(zip(answers_per_problem, correct_per_problem)):

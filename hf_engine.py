@@ -27,8 +27,7 @@ def start_engine(kind, model_path, engine_compile="auto", **settings):
 
 
 def start_program(engine, cpu_kv_cache_gib):
-    """What the three programs do first: the process group, vLLM's console quieted and its CPU KV cache set, and
-    --engine resolved. Returns (rank, world, device, engine kind)."""
+    """What the three programs do first. Returns (rank, world, device, engine kind)."""
     from machinery.errors import fail
     from machinery.trainer import setup_distributed
     rank, world, device = setup_distributed()
@@ -66,8 +65,7 @@ def add_engine_flags(p, gpu_share):
 
 
 def choose_engine(choice, is_main):
-    """--engine resolved to "vllm" or "hf" and said in one line. Call it after quiet_vllm (vLLM's log level is read
-    when it is imported)."""
+    """--engine resolved and said. After quiet_vllm: vLLM's log level is read when it is imported."""
     why = f"--engine {choice}"
     if choice == "auto":
         try:
@@ -201,8 +199,7 @@ class HFEngine:
 
     @torch.inference_mode()
     def decode_segments(self, requests, temperature, top_k, top_p, stop):
-        """Decode {request id: (ids, room, seed)} as one left-padded batch, each row to its end; returns
-        [(request id, Segment)] in the order the rows ended."""
+        """Decode {request id: (ids, room, seed)} as one left-padded batch, each row to its end."""
         names, device = list(requests), self.device
         prompts = [requests[n][0] for n in names]
         width = max(len(p) for p in prompts)

@@ -138,8 +138,7 @@ def partial_paths(out_path):
 
 
 def read_finished(out_path, header):
-    """{prompt key: scores} already computed for out_path (its final file and partial files) with these settings;
-    ValueError naming the file and the differing settings otherwise."""
+    """{prompt key: scores} already in out_path and its partial files; ValueError if made with other settings."""
     done = {}
     for path in ([out_path] if os.path.exists(out_path) else []) + partial_paths(out_path):
         with open(path) as f:
@@ -299,8 +298,7 @@ def add_v0_flags(p):
 
 
 def toy_values_path(toy_dir, n0, seed, v0_settings, train_prompts=0):
-    """Where the toy's offline values for these settings are cached (per --train_prompts subset too: a values file
-    must not hold prompts outside the training set)."""
+    """Where the toy's offline values for these settings (and --train_prompts subset) are cached."""
     digest = hashlib.sha1(json.dumps(v0_settings, sort_keys=True).encode()).hexdigest()[:8]
     subset = f"_p{train_prompts}" if train_prompts else ""
     name = f"offline_values_n{n0}_seed{seed}_len{v0_settings['max_tokens']}{subset}_{digest}.json"

@@ -241,8 +241,7 @@ math_verify.check_before_start = lambda: _child("math-verify", _start_math_verif
 
 @functools.lru_cache(maxsize=None)
 def load_verifier(spec: str):
-    """The function a --reward spec names (`module:function` or `path/to/file.py:function`), imported once per
-    process; ValueError with one line naming the flag if it cannot be. Your own verifier loads in its child."""
+    """The function a --reward spec names, imported once per process; ValueError with one line if it cannot be."""
     module_name, sep, name = spec.rpartition(":")
     if not sep or not module_name or not name:
         raise ValueError(f"--reward {spec}: expected module:function or file.py:function (e.g. reward:numeric_match)")
@@ -367,8 +366,7 @@ def boxed_reward(response_text: str, ground_truth: str, think_format: bool = Fal
 
 def rewards(rollouts, ground_truths, think_format=False, truncated_reward="zero", reward=DEFAULT_REWARD,
             timeout_s=VERIFIER_TIMEOUT_S):
-    """(B,) rewards of a batch of rollout.Rollout, as training and the offline values pass score them;
-    truncated_reward "zero": one that hit the token budget or the turn limit scores 0."""
+    """(B,) rewards of a batch of rollout.Rollout, as training and the offline values pass score them."""
     scores = np.array([reward_and_answer(r.text, answer, think_format, reward, timeout_s)[0]
                        for r, answer in zip(rollouts, ground_truths)])
     if truncated_reward == "zero":

@@ -86,8 +86,7 @@ def add_budget_flag(parser):
 
 
 def response_budget(max_response_len, tools):
-    """--max_response_len, or where left unset the toys' (with --tools: room for a code call, its output and the
-    answer)."""
+    """--max_response_len, or where left unset the toys' budget."""
     return max_response_len if max_response_len is not None else 160 if tools else 32  # a given 0 reaches the check
 
 
@@ -342,8 +341,7 @@ class Engine:
         self._wake("kv_cache")
 
     def push_weights(self, named_tensors):
-        """Load new weights in place from (name, full tensor) pairs in Hugging Face naming, consumed as they come.
-        Pass an iterator, never None: reload_weights without weights reloads the checkpoint from disk."""
+        """An iterator of (name, full tensor), never None: without weights vLLM reloads the checkpoint from disk."""
         self._wake("weights")  # weights back on the GPU before they are overwritten; the KV cache stays asleep
         dtype = torch.bfloat16 if self.on_gpu else torch.float32
         self.llm.collective_rpc("reload_weights",

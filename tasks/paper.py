@@ -215,8 +215,7 @@ def read_manifest(out: Path) -> dict:
 
 
 def prepare(out, names=None, eval_prompt="authors"):
-    """Fetch, convert and write each dataset (all, or those named), skipping those already written from the same
-    commit with the same settings; the manifest is rewritten after each, so an interrupted run resumes."""
+    """Fetch, convert and write each dataset, skipping those up to date; the manifest is rewritten after each."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     manifest = read_manifest(out)

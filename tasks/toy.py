@@ -140,8 +140,7 @@ def noisy_answer(a, b, rng, noise):
 
 def warm_started(tmp, train, test, op, seed, steps, lr, batch_size, response,
                  lr_factor=lambda s: min(1.0, (s + 1) / 20)):
-    """A toy's data, tokenizer and model written into tmp, the model warm-started on response(a, b, rng).
-    Returns (model, tokenizer, the last loss, seconds)."""
+    """A toy's data, tokenizer and model written into tmp, the model warm-started on response(a, b, rng)."""
     for split, problems in (("train", train), ("test", test)):
         write_parquet(f"{tmp}/{split}.parquet", problems, split, op)
     tokenizer = build_tokenizer(f"{tmp}/model")
@@ -165,8 +164,7 @@ def warm_started(tmp, train, test, op, seed, steps, lr, batch_size, response,
 
 
 def build_atomically(toy_dir, build, info_file="toy.json"):
-    """build(tmp) -> info in a fresh sibling directory, then renamed over toy_dir: a half-built toy is never
-    mistaken for a finished one."""
+    """build(tmp) in a fresh sibling directory, renamed over toy_dir: a half-built toy is never taken as finished."""
     tmp = f"{toy_dir}.tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(f"{tmp}/model")
@@ -266,8 +264,7 @@ DEFAULT_RUN_RANGE = (46.2, 59.0)
 
 
 def fill_in(toy_dir, tools, model, data, split, test=None):
-    """(toy_dir, model, data, test): what a program left unset filled in from the toy (the tool toy with --tools);
-    `split` ("train" or "test") picks the toy's file for `data`."""
+    """(toy_dir, model, data, test): what a program left unset filled in from the toy's `split` and test files."""
     if model is not None and data is not None:
         return toy_dir, model, data, test
     toy_dir = toy_dir or default_toy_dir(tools)
