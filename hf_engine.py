@@ -2,12 +2,9 @@
 no wheel; a GPU machine without vLLM), on a plain Hugging Face model and a short KV-cache decode loop of its own;
 and the start-up the three programs share, which picks one engine or the other (start_program, start_engine).
 
-It decodes through rollout.py's `run_trajectories` (the tool loop, budget, keep_first are the vLLM engine's code)
-and, as vLLM does: samples every row from its own seed (`exponential_noise`: the same prompt and seed give the same
-sample whatever else is in the batch), returns processed log-probs (`processed_logprobs`) and keeps stop strings in
-the text. Requests started between two steps are decoded together, left-padded, in a KV cache allocated once for
-the batch (`preallocated_cache`), each row leaving the batch when it ends. No continuous batching, paged KV cache,
-CUDA graphs or sleep mode: it is for where vLLM is absent.
+It decodes through rollout.py's `run_trajectories` and, as vLLM does, samples each row from its own seed (the same
+prompt and seed give the same sample whatever else is in the batch) and returns processed log-probs. No continuous
+batching, paged KV cache, CUDA graphs or sleep mode: it is for where vLLM is absent.
 """
 import os
 

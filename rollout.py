@@ -2,14 +2,11 @@
 on-policy, and the multi-turn tool loop of tool-integrated reasoning (paper section 5.1, Appendix D).
 
 Every rank runs its own in-process engine (`distributed_executor_backend="external_launcher"`) on its shard's
-prompts, so generation scales with the ranks as training does; after each optimiser step the trainer's weights are
-pushed in (`reload_weights`): step t+1 samples from the policy of step t. `Engine.generate` returns token ids,
-log-probs and a response mask (0 on tool output: the trainer leaves it out of the loss, the token count and D(x));
-its loop, `run_trajectories`, also drives hf_engine.py's engine. The tool loop (the authors' ReTool format,
-docs/tools.md): a segment stops at `</code>`, its code runs in the sandbox pool and the output comes back as
-`<interpreter>` tokens in the same turn. Requests go one by one through vLLM's engine (`add_request` / `step`), so
-a trajectory waiting for its tool holds up no one and `keep_first` can keep the first to finish (paper Appendix B).
-Written for the GPU but not run on one here (docs/algorithm.md, CPU and GPU).
+prompts, so generation scales with the ranks as training does. `Engine.generate` returns token ids, log-probs and a
+response mask (0 on tool output, which the trainer leaves out); its loop, `run_trajectories`, also drives
+hf_engine.py's engine. Requests go one by one through vLLM's engine (`add_request` / `step`), so a trajectory
+waiting for its tool (docs/tools.md) holds up no one and `keep_first` can keep the first to finish (paper
+Appendix B). Written for the GPU but not run on one here (docs/algorithm.md, CPU and GPU).
 """
 import os
 import re
