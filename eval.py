@@ -127,7 +127,7 @@ def markdown_table(summaries: dict[str, dict]) -> str:
 def write_samples(path, data, samples, rollouts, n, rank, world):
     """One JSONL line per sample, problems in data order. Each rank writes its shard, then rank 0 interleaves
     the shards (problem p is the (p // world)-th problem of rank p % world) without holding them in memory."""
-    import torch.distributed as dist
+    from machinery.collectives import barrier  # a rank that stopped first: one line here too
     from machinery.run_dir import atomic_write
     shard = f"{path}.rank{rank}"
     try:
@@ -141,7 +141,7 @@ def write_samples(path, data, samples, rollouts, n, rank, world):
                                         "response": r.text}) + "\n")
     except OSError as e:
         stop_writing(path, e, [shard])
-    dist.barrier()
+    barrier()
     if rank == 0:
         shards = [open(f"{path}.rank{r}") for r in range(world)]
         try:
@@ -153,7 +153,7 @@ def write_samples(path, data, samples, rollouts, n, rank, world):
         for r, shard in enumerate(shards):
             shard.close()
             os.remove(f"{path}.rank{r}")
-    dist.barrier()
+    barrier()
 
 
 def stop_writing(path, error, leftovers=()):
@@ -190,7 +190,7 @@ def parse_args(argv=None):
     g = p.add_argument_group("output and engine")
     g.add_argument("--out_dir", default="eval_out", help="<benchmark>.samples.jsonl, summary.json, summary.md")
     g.add_argument("--n_boot", type=int, default=1000, help="bootstrap resamples for maj@n mean and std")
-    add_engine_flags(g, gpu_share=0.9)  # --engine, --cpu_kv_cache_gib, --gpu_memory_utilization (an engine alone)
+    add_engine_flags(g, gpu_share=0.9)  # --engine, --gpu_memory_utilization (an engine alone), --engine_compile
     add_tool_flags(p)
     args = p.parse_args(argv)
     args.max_response_len = response_budget(args.max_response_len, args.tools)
@@ -214,7 +214,7 @@ def main(argv=None):
     from rollout import TOOL_INSTRUCTION, make_tools
     from tasks import toy
     args = parse_args(argv)
-    rank, world, device, args.engine = start_program(args.engine, args.cpu_kv_cache_gib)  # as spo.py
+    rank, world, device, args.engine = start_program(args.engine)  # as spo.py
     args.toy_dir, args.model, args.data, _ = toy.fill_in(args.toy_dir, args.tools, args.model, args.data, "test")
     args.data = [args.data] if isinstance(args.data, str) else args.data  # --data takes several files
     from machinery.collectives import all_gather_objects

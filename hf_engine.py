@@ -23,29 +23,24 @@ def start_engine(kind, model_path, engine_compile="auto", **settings):
     return (Engine if kind == "vllm" else HFEngine)(model_path, compile_model=compile_model, **settings)
 
 
-def start_program(engine, cpu_kv_cache_gib):
+def start_program(engine):
     """What the three programs do first. Returns (rank, world, device, engine kind)."""
     from machinery.errors import fail
     from machinery.trainer import setup_distributed
     rank, world, device = setup_distributed()
     quiet_vllm()
-    if error := set_cpu_kv_cache(cpu_kv_cache_gib):
+    if error := set_cpu_kv_cache():
         fail(error, once=True)
     return rank, world, device, choose_engine(engine, rank == 0)
 
 
-def set_cpu_kv_cache(gib):
-    """VLLM_CPU_KVCACHE_SPACE from --cpu_kv_cache_gib, else the variable, else 1 (GiB). Returns an error line for a
-    bad value (vLLM would otherwise fail with GPU advice, or take half the RAM per rank for an empty string)."""
-    if gib is not None:
-        if gib < 1:
-            return f"--cpu_kv_cache_gib {gib}: must be at least 1 (GiB)"
-        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(gib)
-        return None
+def set_cpu_kv_cache():
+    """VLLM_CPU_KVCACHE_SPACE, vLLM's own setting of the CPU engine's KV cache per rank (GiB): 1 when unset. Returns
+    an error line for a bad value (vLLM would otherwise fail with GPU advice, or take half the RAM per rank for an
+    empty string)."""
     value = os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     if not value.strip().isdigit() or int(value) < 1:
-        return (f"VLLM_CPU_KVCACHE_SPACE={value!r}: must be a whole number of GiB, at least 1 "
-                f"(or pass --cpu_kv_cache_gib)")
+        return f"VLLM_CPU_KVCACHE_SPACE={value!r}: must be a whole number of GiB, at least 1"
     return None
 
 
@@ -54,8 +49,6 @@ def add_engine_flags(p, gpu_share):
     p.add_argument("--engine", choices=["auto", "vllm", "hf"], default="auto",
                    help="rollout engine: vllm, hf (transformers, where vLLM cannot run: slower, no vLLM-only "
                         "setting applies) or auto (vllm where it imports, else hf)")
-    p.add_argument("--cpu_kv_cache_gib", type=int, default=None,
-                   help="vLLM KV cache per rank on CPU (GiB; default: VLLM_CPU_KVCACHE_SPACE if set, else 1)")
     p.add_argument("--gpu_memory_utilization", type=float, default=gpu_share, help="vLLM's share of each GPU (0-1)")
     p.add_argument("--engine_compile", choices=["auto", "on", "off"], default="auto",
                    help="torch.compile vLLM's model (auto: on GPU only; on CPU it costs start-up: docs/benchmarks.md)")

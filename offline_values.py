@@ -35,7 +35,7 @@ def parse_args(argv=None):
     g = p.add_argument_group("run and engine")
     g.add_argument("--chunk_prompts", type=int, default=64, help="prompts per generate call and partial flush")
     g.add_argument("--max_chunks", type=int, default=None, help="debugging: stop after N chunks per rank")
-    add_engine_flags(g, gpu_share=0.9)  # --engine, --cpu_kv_cache_gib, --gpu_memory_utilization (an engine alone)
+    add_engine_flags(g, gpu_share=0.9)  # --engine, --gpu_memory_utilization (an engine alone), --engine_compile
     add_tool_flags(p)
     args = p.parse_args(argv)
     args.max_response_len = response_budget(args.max_response_len, args.tools)
@@ -59,7 +59,7 @@ def main(argv=None):
     from machinery.errors import fail
     from tasks import toy
     args = parse_args(argv)
-    rank, world, device, args.engine = start_program(args.engine, args.cpu_kv_cache_gib)  # as spo.py
+    rank, world, device, args.engine = start_program(args.engine)  # as spo.py
     args.toy_dir, args.model, args.data, _ = toy.fill_in(args.toy_dir, args.tools, args.model, args.data, "train")
     args.model = find_model(args.model)  # a hub name without a hub: its cached copy, or one line
     sampling = {k: getattr(args, k) for k in ("n0", "temperature", "top_p", "seed", "truncated_reward", "think_format",

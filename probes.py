@@ -4,6 +4,7 @@ spo.py measures between steps (`evaluations`: held-out accuracy, the tracker pro
 Every request's seed derives from (seed, prompt key, sample index), so a sample does not depend on the world size,
 batch or order, and none of these touches training's random state.
 """
+import argparse
 import hashlib
 import json
 import os
@@ -166,18 +167,18 @@ def add_eval_flags(p):
                    "(0: off)")
     p.add_argument("--eval_samples", type=int, default=2, help="samples per held-out prompt (avg@n's n)")
     p.add_argument("--eval_temperature", type=float, default=1.0, help="evaluation temperature")
-    p.add_argument("--eval_top_p", type=float, default=1.0, help="evaluation top-p (paper: 0.95)")
-    p.add_argument("--eval_top_k", type=int, default=-1, help="evaluation top-k (-1: off; paper: 20)")
-    p.add_argument("--eval_max_prompts", type=int, default=500, help="held-out prompts used, the first N (0: all)")
-    p.add_argument("--eval_reference", default="auto",
-                   help="the only correct response, {answer} for the ground truth: evaluations and the probe also log "
-                        "its exact probability (eval/exact, probe/*_exact); auto: the toy's \\boxed{{answer}} on the "
-                        "toy, else off")
+    # Not in --help (what experiments/paper.py, the sweeps and the tests set; docs/flags.md): the paper's top-p 0.95
+    # and top-k 20 (-1: off), the first N held-out prompts (0: all), and the only correct response whose exact
+    # probability evaluations and the probe also log (eval/exact, probe/*_exact; auto: the toy's \boxed{answer})
+    p.add_argument("--eval_top_p", type=float, default=1.0, help=argparse.SUPPRESS)
+    p.add_argument("--eval_top_k", type=int, default=-1, help=argparse.SUPPRESS)
+    p.add_argument("--eval_max_prompts", type=int, default=500, help=argparse.SUPPRESS)
+    p.add_argument("--eval_reference", default="auto", help=argparse.SUPPRESS)
     p.add_argument("--probe_every", type=int, default=0,
                    help="tracker probe every N steps and at the end (0: off; spo only): v(x) of a fixed subset of "
                         "training prompts against the policy's success rate from fresh samples (probe.jsonl)")
-    p.add_argument("--probe_prompts", type=int, default=64, help="training prompts the probe follows")
-    p.add_argument("--probe_samples", type=int, default=16, help="fresh samples per probed prompt")
+    p.add_argument("--probe_prompts", type=int, default=64, help=argparse.SUPPRESS)  # prompts followed (sweeps)
+    p.add_argument("--probe_samples", type=int, default=16, help=argparse.SUPPRESS)  # fresh samples per prompt
 
 
 def probe_subset(n_prompts, k, seed):

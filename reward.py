@@ -8,6 +8,7 @@ a response cut off by the token budget scores 0 (else a policy can learn never t
 Your own verifier (`--reward module:function`, docs/own-model-and-data.md) must return 0 or 1 (the tracker is a
 Beta posterior over successes) and runs in a child process of its own: nothing it does there touches the run.
 """
+import argparse
 import contextlib
 import functools
 import importlib
@@ -40,8 +41,8 @@ def add_reward_flags(parser, truncation=True):
                              "-> 0 or 1 (docs/own-model-and-data.md; e.g. reward:numeric_match, reward:math_verify); "
                              "default: the authors' strict boxed rule")
     if truncation:
-        parser.add_argument("--truncated_reward", choices=["zero", "score"], default="zero",
-                            help="a response cut off by the token budget gets 0 (zero) or is scored like any other")
+        parser.add_argument("--truncated_reward", choices=["zero", "score"], default="zero",  # (the authors': zero)
+                            help=argparse.SUPPRESS)  # a cut-off response gets 0, or is scored (the benchmarks)
     parser.add_argument("--think_format", action="store_true",
                         help="reward 0 unless one </think> with no tool call after it (the authors' gate)")
     parser.add_argument("--reward_timeout", type=float, default=VERIFIER_TIMEOUT_S,

@@ -8,6 +8,7 @@ hf_engine.py's engine. Requests go one by one through vLLM's engine (`add_reques
 waiting for its tool (docs/tools.md) holds up no one and `keep_first` can keep the first to finish (paper
 Appendix B). Written for the GPU but not run on one here (docs/algorithm.md, CPU and GPU).
 """
+import argparse
 import os
 import re
 import sys
@@ -68,7 +69,7 @@ def add_tool_flags(parser):
                    help="prepend rollout.TOOL_INSTRUCTION as a system message (for data that does not teach the "
                         "format; prompt keys stay those of the data)")
     g.add_argument("--max_turns", type=int, default=8, help="model segments per trajectory (the authors: 8)")
-    g.add_argument("--max_tool_output_chars", type=int, default=256, help="interpreter text kept, head and tail")
+    g.add_argument("--max_tool_output_chars", type=int, default=256, help=argparse.SUPPRESS)  # the authors': 256
     g.add_argument("--sandbox_workers", type=int, default=4, help="snippets run at once, per rank")
     g.add_argument("--sandbox_timeout", type=float, default=30.0, help="wall-clock seconds per snippet")
     g.add_argument("--sandbox_memory_mb", type=int, default=1024, help="address-space limit per snippet process")
@@ -248,7 +249,7 @@ class Engine:
         self.on_gpu = device.type == "cuda"
         if not self.on_gpu and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
             raise RuntimeError("VLLM_CPU_KVCACHE_SPACE is unset: set it (GiB, e.g. 1) or the engine claims most "
-                               "of RAM (spo.py sets it from --cpu_kv_cache_gib)")
+                               "of RAM (the programs set 1 when unset)")
         self.temperature = temperature
         self.max_model_len = max_model_len
         self.prefix_caching = self.on_gpu  # on GPU a tool turn's continuation reuses its prompt's KV

@@ -45,6 +45,9 @@ from tracker import ValueTracker
 
 # D_half per divergence measure: the authors' 0.06 for mean |l|; k3's agrees with it mid-window (docs/algorithm.md)
 D_HALF = {"abs": 0.06, "k3": 3.0e-4}
+DUAL_CLIP = 10.0  # Eq. 10's dual-clip bound c, the authors'
+WEIGHT_DECAY = 0.01  # AdamW's (torch's default), the authors'
+MAX_NONFINITE = 3  # consecutive steps with a non-finite loss before the run stops with one line
 
 
 # ------------------------------------------------------------------------------------------------ the math
@@ -142,15 +145,14 @@ def main(argv=None):
     policy, optimizer, engine, state = build_policy_and_engine(args, world, device, data, is_main)
     tracker, sampler, previous, reach, start_step = per_prompt_state(args, state, engine, data, v0_settings, tools,
                                                                      on_toy, is_main)
-    logger = Logger(run_dir, vars(args), is_main, args.wandb, args.tensorboard, start_step if state else None)
+    logger = Logger(run_dir, vars(args), is_main, args.wandb, start_step if state else None)
     logger.console(f"{len(data.keys)} training prompts, {len(test.keys) if test else 0} held-out, {world} ranks on "
                    f"{device.type}; run directory {run_dir}")
     # Step 6's loss: Eq. 10 (PPO-clip, token mean over the global mini-batch); --loss / --loss_agg swap in another
-    loss_fn = functools.partial(ppo_clip_loss, clip_low=args.clip_low, clip_high=args.clip_high,
-                                dual_clip=args.dual_clip)
+    loss_fn = functools.partial(ppo_clip_loss, clip_low=args.clip_low, clip_high=args.clip_high, dual_clip=DUAL_CLIP)
     if (args.loss, args.loss_agg) != ("ppo_clip", "token_mean"):
         loss_fn = variants.make_loss(args.loss, args.loss_agg, ppo_clip_token_loss, clip_low=args.clip_low,
-                                     clip_high=args.clip_high, dual_clip=args.dual_clip,
+                                     clip_high=args.clip_high, dual_clip=DUAL_CLIP,
                                      n_sequences=args.batch_size // args.ppo_steps, max_len=args.max_response_len)
     generate = functools.partial(engine.generate, max_tokens=args.max_response_len, tools=tools, group_size=group)
     score = functools.partial(rewards, think_format=args.think_format, truncated_reward=args.truncated_reward,
@@ -165,7 +167,7 @@ def main(argv=None):
             mine, rollouts, reward, sampling, t = variants.oversampled_batch(
                 sampler, generate, score, data, functools.partial(request_seeds, args.seed, step, rank),
                 batch_size=args.batch_size, group=group, rank=rank, world=world, oversample=args.oversample,
-                measure=args.oversample_measure, dynamic=args.dynamic_sampling, max_rounds=args.max_sampling_rounds,
+                measure=args.oversample_measure, dynamic=args.dynamic_sampling,
                 reach=reach, gather=all_gather_objects)
         else:
             t0 = time.time()
@@ -204,8 +206,8 @@ def main(argv=None):
                 tracker.update(all_index, all_reward, rho)  # Eq. 5: every rank applies the same update, once
             if args.sampler == "prioritized":  # Eq. 11 for the prompts whose value just changed
                 uniq = np.unique(all_index)
-                sampler.set_weights(priority_weights(tracker.value_at(uniq), tracker.n_eff_at(uniq),
-                                                     args.sampling_eps, args.sampling_gamma), uniq)
+                sampler.set_weights(priority_weights(tracker.value_at(uniq), tracker.n_eff_at(uniq), args.sampling_eps),
+                                    uniq)
             remember(previous, all_index, all_gather_objects(  # for D(x) at the next visit: the acting policy's
                 [PreviousResponse.of(r, logprobs) for r, logprobs in zip(rollouts, old["batch"])]))
             algo_metrics = spo_metrics(all_raw_advantage, tracker, all_divergences, rho, all_revisit > 0)
@@ -224,7 +226,7 @@ def main(argv=None):
                                        max_tokens=args.max_tokens_per_micro_batch)
         devices.phase_end(on_gpu, "update")
         nonfinite = nonfinite + 1 if stats["nonfinite"] else 0
-        if nonfinite >= args.max_nonfinite:
+        if nonfinite >= MAX_NONFINITE:
             raise SystemExit(f"error: {nonfinite} consecutive steps with a non-finite loss at step {step}; "
                              f"lower --lr or check the data (metrics in {run_dir}/metrics.jsonl)")
         # 7. weight push: the next rollouts come from the updated policy
@@ -257,7 +259,7 @@ def parse_args(argv=None):
     p.add_argument("--test", default=None, help="held-out prompts, a parquet or JSONL file (default: the toy's)")
     p.add_argument("--toy_dir", default=None, help=argparse.SUPPRESS)
     p.add_argument("--max_prompt_len", type=int, default=256, help="token limit; longer prompts left out")
-    p.add_argument("--train_prompts", type=int, default=0, help="train on the first N prompts only (0: all)")
+    p.add_argument("--train_prompts", type=int, default=0, help=argparse.SUPPRESS)  # the first N only (sweeps)
     p.add_argument("--preset", choices=sorted(variants.PRESETS), default=None, help="named defaults (variants.PRESETS)")
     add_budget_flag(p)  # --max_response_len, shared with eval.py and offline_values.py
     p.add_argument("--algo", choices=["spo", "reinforce_pp", *variants.GROUP_ALGOS], default="spo",
@@ -273,7 +275,6 @@ def parse_args(argv=None):
     g.add_argument("--baseline", choices=["tracker", "none", "fixed"], default="tracker", help="spo's v(x) (fixed: v0)")
     g.add_argument("--sampler", choices=["auto", "prioritized", "uniform"], default="auto", help="auto: Eq. 11 for spo")
     g.add_argument("--sampling_eps", type=float, default=0.05, help="Eq. 11's exploration bonus eps")
-    g.add_argument("--sampling_gamma", type=float, default=0.0, help="Eq. 11's exponent of N_eff (ICLR form)")
     g.add_argument("--rho", choices=["kl", "constant", "none"], default="kl", help="rho: 2^(-D/D_half), fixed, 1")
     g.add_argument("--rho_min", type=float, default=0.875, help="lower clip of rho; N0 = 1/(1-rho_min)")
     g.add_argument("--rho_max", type=float, default=0.96, help="upper clip of rho (used on a first visit)")
@@ -283,12 +284,10 @@ def parse_args(argv=None):
     g.add_argument("--adv_norm", choices=["trajectory", "token"], default="trajectory", help="Eq. 9's weights")
     g = p.add_argument_group("PPO (Eq. 10)")
     g.add_argument("--lr", type=float, default=2e-4, help="AdamW learning rate (paper: 1e-6 for Qwen3-8B)")
-    g.add_argument("--weight_decay", type=float, default=0.01, help="AdamW weight decay")
     g.add_argument("--grad_clip", type=float, default=1.0, help="global gradient 2-norm clip")
     g.add_argument("--ppo_steps", type=int, default=1, help="optimiser steps per rollout batch (paper: 8)")
     g.add_argument("--clip_low", type=float, default=0.2, help="PPO ratio clip below 1")
     g.add_argument("--clip_high", type=float, default=0.28, help="PPO ratio clip above 1 (clip-higher)")
-    g.add_argument("--dual_clip", type=float, default=10.0, help="dual-clip bound of the ratio, negative advantages")
     g = p.add_argument_group("other estimators and losses")
     variants.add_variant_flags(g)  # --loss, --loss_agg, --dynamic_sampling, --oversample, ...
     g = p.add_argument_group("evaluation and probe")
@@ -298,11 +297,10 @@ def parse_args(argv=None):
     g.add_argument("--save_every", type=int, default=50, help="checkpoint every N steps (0: only at the end)")
     g.add_argument("--resume", default=None, help="a run directory to continue from its latest checkpoint")
     g.add_argument("--seed", type=int, default=0, help="seeds prompt sampling and generation")
-    g.add_argument("--max_nonfinite", type=int, default=3, help="stop after N consecutive non-finite losses")
-    add_logging_flags(g)  # --log_every, --wandb, --tensorboard (machinery/metrics.py)
+    add_logging_flags(g)  # --wandb, and --log_every (hidden)
     g = p.add_argument_group("machinery: memory, micro-batches, engine")
     memory.add_memory_flags(g)  # micro-batches, gradient checkpointing, FSDP2 units, bf16, the estimate's override
-    add_engine_flags(g, gpu_share=0.5)  # --engine, --cpu_kv_cache_gib, --gpu_memory_utilization, --engine_compile
+    add_engine_flags(g, gpu_share=0.5)  # --engine, --gpu_memory_utilization, --engine_compile
     args = p.parse_args(argv)
     args.given = checkpoint.given_flags(p, argv)  # --resume accepts changes to some only
     vars(args).update(variants.preset_values(args.preset, args.given, args.algo))  # --preset: defaults for the rest
@@ -317,7 +315,7 @@ def start(args):
     """Everything checked before anything heavy starts (start_program: as eval.py and offline_values.py), then a
     resumed run's own settings, every flag, the run directory (locked), the tools, the model and prompts (the toy's
     where none are named), and the settings that make offline values v0 valid here (Algorithm 2)."""
-    rank, world, device, args.engine = start_program(args.engine, args.cpu_kv_cache_gib)
+    rank, world, device, args.engine = start_program(args.engine)
     if args.resume:  # the run's own settings; only some flags may change (checkpoint.RESUME_MAY_CHANGE)
         given, values = args.given, {f: getattr(args, f) for f in args.given}
         resumed = checkpoint.resumed_config(args.resume, values, BUILT_IN, toy.BUILT)  # running nothing it names
@@ -363,7 +361,7 @@ def build_policy_and_engine(args, world, device, data, is_main):
         ignore=args.ignore_memory_estimate)
     state = checkpoint.load_checkpoint(args.resume, world, data.keys) if args.resume else None
     model_path = state["model_dir"] if state else args.model
-    policy, optimizer = trainer.build_policy(model_path, device, args.lr, args.weight_decay, checkpointing,
+    policy, optimizer = trainer.build_policy(model_path, device, args.lr, WEIGHT_DECAY, checkpointing,
                                              layer_units, args.bf16 == "on")
     check_disk(args.run_dir, policy, export_bytes_per_parameter=2 if on_gpu else 4)
     engine = start_engine(args.engine, model_path, seed=args.seed, device=device, temperature=args.temperature,
@@ -390,7 +388,7 @@ def per_prompt_state(args, state, engine, data, v0_settings, tools, on_toy, is_m
     elif args.algo == "spo":
         init_tracker(tracker, v0_settings, engine, data, on_toy, is_main)  # Algorithm 2
     if args.sampler == "prioritized":
-        sampler.set_weights(priority_weights(tracker.value, tracker.n_eff, args.sampling_eps, args.sampling_gamma))
+        sampler.set_weights(priority_weights(tracker.value, tracker.n_eff, args.sampling_eps))
     return tracker, sampler, previous, reach, state["step"] if state else 0
 
 

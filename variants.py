@@ -16,6 +16,7 @@ gives each flag's formula and source, and which combination reproduces the paper
     torchrun --nproc_per_node=2 spo.py --algo rloo --group_size 8 --dynamic_sampling --loss cispo
     torchrun --nproc_per_node=2 spo.py --algo spo --group_size 4            # Batch SPO (Appendix B)
 """
+import argparse
 import functools
 import math
 import os
@@ -43,26 +44,26 @@ def add_variant_flags(p):
                         "token sum / (sequences x --max_response_len)")
     p.add_argument("--dynamic_sampling", action="store_true",
                    help="DAPO: drop groups whose rewards are all equal and refill (group estimators only)")
-    p.add_argument("--max_sampling_rounds", type=int, default=4,
-                   help="dynamic sampling: extra generation rounds at most; then all-equal groups fill the batch")
     p.add_argument("--oversample", type=float, default=1.0,
                    help="start f x B trajectories, train on the first B to finish, abort the rest (Appendix B; "
                         "group estimators: whole groups); 1: off")
-    p.add_argument("--oversample_measure", action="store_true",
-                   help="with --oversample: let the others finish too, to log the kept vs aborted lengths and rewards")
+    p.add_argument("--oversample_measure", action="store_true", help=argparse.SUPPRESS)  # let the rest finish, to log
+    # the kept vs aborted lengths and rewards (docs/variants.md)
     p.add_argument("--tis", type=float, default=0.0,
                    help="truncated importance sampling against the engine/trainer mismatch: each token's loss times "
                         "min(pi_trainer / pi_engine, C) (verl's, OpenRLHF's form); 0: off (the paper)")
 
 
+MAX_SAMPLING_ROUNDS = 4  # DAPO's refill rounds at most; then all-equal groups fill the batch
+
 # Flags that must be at least this (a 0 or a negative value used to become a default or a traceback later).
 AT_LEAST = {"batch_size": 1, "group_size": 1, "steps": 1, "max_prompt_len": 1, "max_response_len": 1,
             "micro_batch_size": 1, "ppo_steps": 1, "n0": 1, "eval_samples": 1, "eval_every": 0, "save_every": 0,
-            "log_every": 1, "max_nonfinite": 1, "max_sampling_rounds": 0, "eval_max_prompts": 0,
+            "log_every": 1, "eval_max_prompts": 0,
             "probe_every": 0, "probe_prompts": 1, "probe_samples": 1, "train_prompts": 0, "seed": 0,
             "max_tool_output_chars": 1}
-POSITIVE = ("temperature", "eval_temperature", "d_half", "grad_clip", "dual_clip", "gpu_memory_utilization")
-NON_NEGATIVE = ("lr", "tis", "weight_decay", "clip_low", "clip_high", "sampling_eps", "sampling_gamma")
+POSITIVE = ("temperature", "eval_temperature", "d_half", "grad_clip", "gpu_memory_utilization")
+NON_NEGATIVE = ("lr", "tis", "clip_low", "clip_high", "sampling_eps")
 
 
 # Named defaults (spo.py --preset), each chosen by measurement (docs/experiments.md). tracker_keeps_up (paper_regime
@@ -107,8 +108,6 @@ def check_flags(flags, world):
     check_sampling(f.eval_temperature, f.eval_top_p, f.eval_top_k, prefix="eval_")
     for flag, ok, why in (
             ("clip_low", f.clip_low < 1, "below 1: the ratio's lower clip 1 - clip_low must stay above 0"),
-            ("dual_clip", f.dual_clip > 1, "above 1: at or below 1 it caps every negative-advantage token's loss "
-                                              "at on-policy ratios, so they get no gradient"),
             ("gpu_memory_utilization", f.gpu_memory_utilization <= 1, "at most 1 (a share of the GPU)")):
         if not ok:
             fail(f"--{flag} must be {why}; got {flags[flag]}", once=True)
@@ -292,7 +291,7 @@ def first_finished(rollouts, keep, group_size=1):
 
 
 def oversampled_batch(sampler, generate, score, data, seeds, *, batch_size, group, rank, world, oversample, measure,
-                      dynamic, max_rounds, reach, gather):
+                      dynamic, reach, gather, max_rounds=MAX_SAMPLING_ROUNDS):
     """Steps 1-3 when asked for over-sampling (Appendix B: start f x B trajectories, train on the first B to
     finish, abort the rest; measure: let them finish, to log kept vs aborted) or DAPO's dynamic sampling (refill
     rounds until B/G groups carry signal). seeds(n, round_): the per-request seeds. Returns this rank's (prompt

@@ -46,11 +46,10 @@ from machinery.untrusted import LOCATIONS, foreign_values, nested, read_config, 
 # ------------------------------------------------------------------------------------------------ resume
 # Flags that may differ on --resume: how long to run, what to log and how often, and memory knobs that change how
 # work is split but not what is computed (micro-batches only regroup a sum: the same result up to float rounding).
-RESUME_MAY_CHANGE = {"steps", "resume", "run_dir", "log_every", "eval_every", "save_every", "max_nonfinite", "wandb",
-                     "tensorboard", "micro_batch_size", "max_tokens_per_micro_batch", "cpu_kv_cache_gib",
-                     "gpu_memory_utilization", "sandbox_workers", "given", "probe_every", "probe_prompts",
-                     "probe_samples", "gradient_checkpointing", "fsdp_units", "ignore_memory_estimate",
-                     "engine_compile", "eval_reference"}
+RESUME_MAY_CHANGE = {"steps", "resume", "run_dir", "log_every", "eval_every", "save_every", "wandb",
+                     "micro_batch_size", "max_tokens_per_micro_batch", "gpu_memory_utilization", "sandbox_workers",
+                     "given", "probe_every", "probe_prompts", "probe_samples", "gradient_checkpointing", "fsdp_units",
+                     "ignore_memory_estimate", "engine_compile", "eval_reference"}
 
 
 def resumed_settings(saved, given):
@@ -305,7 +304,7 @@ def save_checkpoint(run_dir, step, model, optimizer, tokenizer, world, prompt_ke
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
     from torch.distributed.checkpoint.api import CheckpointException
-    from machinery.collectives import all_gather_objects
+    from machinery.collectives import all_gather_objects, barrier
     root = os.path.join(run_dir, "checkpoints")
     final, tmp = os.path.join(root, f"step_{step:06d}"), os.path.join(root, f"step_{step:06d}.tmp")
     error = None
@@ -364,7 +363,7 @@ def save_checkpoint(run_dir, step, model, optimizer, tokenizer, world, prompt_ke
         os.replace(os.path.join(root, "latest.tmp"), os.path.join(root, "latest"))
         for old in checkpoint_dirs(run_dir)[:-keep]:  # its own step_N only: a user's step_N_best stays
             remove(old)
-    dist.barrier()
+    barrier()  # (collectives: a rank that stopped first is one line here too)
 
 
 def _why(e):

@@ -247,7 +247,7 @@ def _tokens_or_off(value):
 def add_memory_flags(p):
     """spo.py's trainer flags that the estimate reads: how its forward passes are cut, checkpointing, FSDP2's units,
     bf16 (the device decisions: device.py)."""
-    p.add_argument("--micro_batch_size", type=int, default=64, help="sequences per forward pass, at most")
+    p.add_argument("--micro_batch_size", type=int, default=64, help=argparse.SUPPRESS)  # sequences per pass, at most
     p.add_argument("--max_tokens_per_micro_batch", type=_tokens_or_off, default="auto",
                    help="the update's token budget per forward pass, as the packed row runs it (sequences packed "
                         "longest first and dealt to the ranks by tokens; the no-grad pass takes twice on GPU; auto: "
@@ -256,9 +256,9 @@ def add_memory_flags(p):
     p.add_argument("--gradient_checkpointing", choices=["auto", "on", "off"], default="auto",
                    help="recompute each decoder layer in the backward pass (auto: on GPU where the budget does not "
                         "fit without it)")
-    p.add_argument("--fsdp_units", choices=["auto", "layers", "model"], default="auto",
-                   help="FSDP2 units: each decoder layer (one layer's full weights at a time) or the whole model "
-                        "(one gather per pass; auto: layers on more than one GPU, else model)")
+    # FSDP2's units (bench/gpu_trainer.py compares them): each decoder layer (one layer's full weights at a time) or
+    # the whole model (one gather per pass); auto: layers on more than one GPU, else model
+    p.add_argument("--fsdp_units", choices=["auto", "layers", "model"], default="auto", help=argparse.SUPPRESS)
     p.add_argument("--bf16", choices=["auto", "on", "off"], default="auto",
                    help="compute in bf16: the trainer (FSDP2 mixed precision, fp32 master weights) and the engine "
                         "(auto: on GPU only; on a CPU with bf16 instructions 'on' is faster: docs/benchmarks.md)")

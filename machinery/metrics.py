@@ -6,6 +6,7 @@ metrics, and the logger that writes them (a tqdm bar and a console line on rank 
 directory, TensorBoard or wandb when installed and asked for), and the run's plot (plot_run: run.png, rank 0).
 docs/flags.md lists every metric. Called by spo.py on every rank (the metrics gather over all ranks).
 """
+import argparse
 import contextlib
 import json
 import os
@@ -174,13 +175,13 @@ def timed(seconds, phase):
 
 
 class Logger:
-    """Rank 0 logs: a tqdm bar, a console line every few steps, metrics.jsonl per run, and TensorBoard or wandb
-    when installed and asked for."""
+    """Rank 0 logs: a tqdm bar, a console line every few steps, metrics.jsonl per run, and wandb when installed and
+    asked for."""
 
-    def __init__(self, run_dir, config, is_main, wandb_project=None, tensorboard=False, resume_step=None):
+    def __init__(self, run_dir, config, is_main, wandb_project=None, resume_step=None):
         """resume_step: the checkpoint's step when resuming: rows after it (steps that will be replayed) are cut
         from metrics.jsonl, so it keeps one row per step."""
-        self.is_main, self.bar, self.tb, self.wandb = is_main, None, None, None
+        self.is_main, self.bar, self.wandb = is_main, None, None
         self.config, self.all_equal_steps = config, 0  # steps whose rewards were all equal, so far
         if not is_main:
             return
@@ -198,12 +199,6 @@ class Logger:
             os.replace(path + ".tmp", path)
             self.all_equal_steps = int(sum(row.get("reward/all_equal", 0) for _, row in kept))
         self.file = open(path, "a")
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-                self.tb = SummaryWriter(run_dir)
-            except ImportError:
-                print("--tensorboard: tensorboard is not installed, skipped", flush=True)
         if wandb_project:
             try:
                 import wandb
@@ -232,9 +227,6 @@ class Logger:
             self.all_equal_steps = metrics["reward/all_equal_steps"]
         self.file.write(json.dumps({"step": step, "time": time.time(), **metrics}) + "\n")
         self.file.flush()
-        if self.tb:
-            for k, v in metrics.items():
-                self.tb.add_scalar(k, v, step)
         if self.wandb:
             self.wandb.log(metrics, step=step)
         if self.bar is not None and "reward/mean" in metrics:
@@ -261,8 +253,6 @@ class Logger:
             if self.bar is not None:
                 self.bar.close()
             self.file.close()
-            if self.tb:
-                self.tb.close()
 
 
 def all_equal_note(step, reward):
@@ -422,7 +412,6 @@ def run_summary(run_dir, plot, seconds, expected_range=None, test=None):
 
 
 def add_logging_flags(p):
-    """What the Logger writes besides metrics.jsonl: the console line's cadence, wandb, TensorBoard."""
-    p.add_argument("--log_every", type=int, default=10, help="console line every N steps")
+    """What the Logger writes besides metrics.jsonl: wandb, and the console line's cadence (tests and benchmarks)."""
     p.add_argument("--wandb", default=None, help="wandb project name (only if wandb is installed)")
-    p.add_argument("--tensorboard", action="store_true", help="also log to TensorBoard (if installed)")
+    p.add_argument("--log_every", type=int, default=10, help=argparse.SUPPRESS)  # the console line every N steps

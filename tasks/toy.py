@@ -245,6 +245,7 @@ def ensure_toy(toy_dir=None, tools=False):
 def toy_paths(toy_dir=None, tools=False):
     """ensure_toy for a torchrun job: rank 0 builds the toy on first use while the others wait."""
     import torch.distributed as dist
+    from machinery.collectives import barrier
     if dist.get_rank() == 0:
         # torchrun gives each rank one thread, but the other ranks only wait here: build on every core (the
         # toy's bytes do not depend on the thread count; checked for both toys at 1 and 2 threads).
@@ -254,7 +255,7 @@ def toy_paths(toy_dir=None, tools=False):
             ensure_toy(toy_dir, tools=tools)
         finally:
             torch.set_num_threads(threads)
-    dist.barrier()
+    barrier()  # (collectives: if rank 0 stopped building, one line here too)
     return ensure_toy(toy_dir, tools=tools)  # (built by now) every rank checks the bytes it will load
 
 

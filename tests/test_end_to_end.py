@@ -182,52 +182,40 @@ def test_two_nodes_train_and_resume_as_one_node_does(small_toy, spo_run, tmp_pat
     _assert_same_checkpoint(straight, run, tmp_path)
 
 
-# ---- bad input: one clear line, no traceback
-def _run_fail(*args):
-    proc = python("spo.py", *args)
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    return proc.stderr
-
-
+# ---- bad input: one clear line, no traceback. One start of the program checks that (exit status 2, no traceback);
+# the other checks call the function that refuses, in-process (each start would pay the torch and vLLM imports).
 @pytest.mark.slow
-def test_bad_parquet_columns_lists_what_was_found(small_toy, tmp_path):
+def test_bad_parquet_columns_is_one_line_and_exit_status_2(small_toy, tmp_path):
     bad = tmp_path / "bad.parquet"
     pq.write_table(pa.table({"text": ["1+1="], "label": ["2"]}), bad)
-    err = _run_fail("--model", small_toy["model"], "--train", str(bad), "--test", small_toy["test"])
-    assert "bad.parquet" in err and "'text'" in err and "'label'" in err
+    proc = python("spo.py", "--model", small_toy["model"], "--train", str(bad), "--test", small_toy["test"])
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "bad.parquet" in proc.stderr and "'text'" in proc.stderr and "'label'" in proc.stderr
 
 
-@pytest.mark.slow
-def test_empty_dataset(small_toy, tmp_path):
-    empty = tmp_path / "empty.jsonl"
-    empty.write_text("")
-    assert "empty" in _run_fail("--model", small_toy["model"], "--train", str(empty))
-
-
-@pytest.mark.slow
-def test_unknown_model_path(small_toy, tmp_path):
-    err = _run_fail("--model", str(tmp_path / "no_such_model"), "--train", small_toy["train"])
-    assert "--model" in err and "no_such_model" in err
-
-
-@pytest.mark.slow
-def test_offline_values_for_another_dataset(small_toy, tmp_path):
+def test_offline_values_for_another_dataset(tmp_path, capsys):
+    import initial_values
+    from machinery.data import Dataset
+    from tracker import ValueTracker
     values = tmp_path / "values.json"
-    header = {"temperature": 1.0, "top_p": 1.0, "max_tokens": 32, "truncated_reward": "zero"}  # spo.py's defaults
-    values.write_text(json.dumps({"header": header, "prompts": {"0123456789abcdef": {"scores": [1, 0]}}}))
-    err = _run_fail("--model", small_toy["model"], "--train", small_toy["train"], "--offline_values", str(values))
-    assert "not in the training set" in err
+    values.write_text(json.dumps({"header": {}, "prompts": {"0123456789abcdef": {"scores": [1, 0]}}}))
+    with pytest.raises(SystemExit):
+        initial_values.init_tracker_from_file(ValueTracker(1), str(values), Dataset(["k0"], [[1]], ["1"]), "kt", False)
+    assert "not in the training set" in capsys.readouterr().err
 
 
-@pytest.mark.slow
-def test_resume_with_another_world_size_or_dataset(small_toy, spo_run, tmp_path):
+@pytest.mark.slow  # (spo_run: a torchrun run)
+def test_resume_with_another_world_size_or_dataset(spo_run, capsys):
+    """The checkpoint's state names the world size and the training set's prompt keys (from their content)."""
+    from machinery.untrusted import read_state
     run, _ = spo_run
-    err = _run_fail("--model", small_toy["model"], "--train", small_toy["train"], "--resume", str(run), "--steps", "6")
-    assert "world size 2" in err
-    other = shutil.copy(small_toy["test"], tmp_path / "other.parquet")  # --train names a place: checked by content
-    err = _run_fail("--model", small_toy["model"], "--train", str(other), "--resume", str(run), "--steps", "6")
-    assert "the checkpoint was made with another training set" in err
+    path, _ = checkpoint.resume_point(str(run))
+    keys = read_state(os.path.join(path, "state.pt"))["prompt_keys"]
+    for world, prompt_keys, says in [(1, keys, "world size 2"), (2, keys[1:], "made with another training set")]:
+        with pytest.raises(SystemExit):
+            checkpoint.load_checkpoint(str(run), world, prompt_keys)
+        err = capsys.readouterr().err
+        assert says in err and len(err.strip().splitlines()) == 1, err
 
 
 @pytest.mark.slow

@@ -165,16 +165,15 @@ def test_an_oversized_micro_batch_is_refused_before_the_model_loads(small_toy, t
     assert not (run / "metrics.jsonl").exists()
 
 
-@pytest.mark.parametrize("flag, env, expected, error", [
-    (None, None, "1", None), (None, "3", "3", None), (2, "3", "2", None),  # the flag wins when given
-    (0, None, None, "--cpu_kv_cache_gib 0"), (None, "", None, "VLLM_CPU_KVCACHE_SPACE=''"),
-    (None, "0", None, "VLLM_CPU_KVCACHE_SPACE='0'")])
-def test_cpu_kv_cache_space_from_flag_or_environment(monkeypatch, flag, env, expected, error):
+@pytest.mark.parametrize("env, expected, error", [
+    (None, "1", None), ("3", "3", None), ("", None, "VLLM_CPU_KVCACHE_SPACE=''"),
+    ("0", None, "VLLM_CPU_KVCACHE_SPACE='0'"), ("1.5", None, "VLLM_CPU_KVCACHE_SPACE='1.5'")])
+def test_cpu_kv_cache_space_from_the_environment(monkeypatch, env, expected, error):
     if env is None:
         monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     else:
         monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", env)
-    message = hf_engine.set_cpu_kv_cache(flag)
+    message = hf_engine.set_cpu_kv_cache()
     assert (message is None) if error is None else message.startswith(error)
     if expected is not None:
         assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == expected
