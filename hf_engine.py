@@ -2,20 +2,9 @@
 no wheel; a GPU machine without vLLM), on a plain Hugging Face model and a short KV-cache decode loop of its own;
 and the start-up the three programs share, which picks one engine or the other (start_program, start_engine).
 
-Its own copy of the policy receives the weight push as vLLM's does; it decodes through rollout.py's
-`run_trajectories` (the tool loop, budget, keep_first are the vLLM engine's code). Itself, one segment at a time:
-- per-request seeds: every row's noise is a hash of its seed (rollout.turn_seed), the step and the token id
-  (`exponential_noise`), drawn for all rows in one batched op, so the same prompt and seed give the same sample
-  whatever else is in the batch, on any world size and device;
-- the sampled tokens' processed log-probs (`processed_logprobs`): after temperature, top-k and top-p, renormalised,
-  as vLLM's logprobs_mode="processed_logprobs" returns them (temperature 0: greedy, the raw log-softmax);
-- stop strings kept in the text, as vLLM's include_stop_str_in_output; end of turn at the model's EOS ids.
-Requests started between two steps are decoded together, left-padded, in a KV cache allocated once for the batch
-(`preallocated_cache`), each row leaving the batch when it ends; a step reads its sampled tokens back in one host
-sync. No continuous batching, paged KV cache, CUDA graphs or sleep
-mode: it is for where vLLM is absent.
-
-    engine = start_engine("hf", model_dir, seed=0, max_model_len=512, device=torch.device("cpu"))
+It decodes through rollout.py's `run_trajectories` and, as vLLM does, samples each row from its own seed (the same
+prompt and seed give the same sample whatever else is in the batch) and returns processed log-probs. No continuous
+batching, paged KV cache, CUDA graphs or sleep mode: it is for where vLLM is absent.
 """
 import os
 
@@ -28,17 +17,14 @@ GREEDY_BELOW = 1e-5  # temperatures below this sample greedily (vLLM's _SAMPLING
 
 
 def start_engine(kind, model_path, engine_compile="auto", **settings):
-    """The engine `kind` ("vllm" or "hf": choose_engine) with rollout.Engine's settings and --engine_compile
-    (auto: on GPU only); here, the one file that knows both (rollout.py cannot import this one back). The
-    transformers engine ignores the vLLM-only settings (gpu_memory_utilization, compile_model)."""
+    """The engine `kind` ("vllm" or "hf") with rollout.Engine's settings and --engine_compile; here, the one file
+    that knows both (rollout.py cannot import this one back)."""
     compile_model = None if engine_compile == "auto" else engine_compile == "on"
     return (Engine if kind == "vllm" else HFEngine)(model_path, compile_model=compile_model, **settings)
 
 
 def start_program(engine):
-    """What spo.py, eval.py and offline_values.py do first, written once: the process group (trainer.py), vLLM's
-    console quieted (quiet_vllm) and its CPU KV cache set (set_cpu_kv_cache; a bad value stops with one line), and
-    --engine resolved (choose_engine). Returns (rank, world, device, engine kind)."""
+    """What the three programs do first. Returns (rank, world, device, engine kind)."""
     from machinery.errors import fail
     from machinery.trainer import setup_distributed
     rank, world, device = setup_distributed()
@@ -51,7 +37,7 @@ def start_program(engine):
 def set_cpu_kv_cache():
     """VLLM_CPU_KVCACHE_SPACE, vLLM's own setting of the CPU engine's KV cache per rank (GiB): 1 when unset. Returns
     an error line for a bad value (vLLM would otherwise fail with GPU advice, or take half the RAM per rank for an
-    empty string), else None."""
+    empty string)."""
     value = os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     if not value.strip().isdigit() or int(value) < 1:
         return f"VLLM_CPU_KVCACHE_SPACE={value!r}: must be a whole number of GiB, at least 1"
@@ -59,8 +45,7 @@ def set_cpu_kv_cache():
 
 
 def add_engine_flags(p, gpu_share):
-    """The engine and its memory, defined once for every program that starts one. gpu_share: the default share of
-    each GPU, 0.5 beside the trainer (spo.py), 0.9 for an engine alone (eval.py, offline_values.py)."""
+    """The engine and its memory. gpu_share: the default share of each GPU (0.5 beside the trainer, 0.9 alone)."""
     p.add_argument("--engine", choices=["auto", "vllm", "hf"], default="auto",
                    help="rollout engine: vllm, hf (transformers, where vLLM cannot run: slower, no vLLM-only "
                         "setting applies) or auto (vllm where it imports, else hf)")
@@ -70,8 +55,7 @@ def add_engine_flags(p, gpu_share):
 
 
 def choose_engine(choice, is_main):
-    """--engine resolved to "vllm" or "hf"; "auto": vLLM where `import vllm` works, else transformers. Said in one
-    line (rank 0). Call it after quiet_vllm (vLLM's log level is read when it is imported)."""
+    """--engine resolved and said. After quiet_vllm: vLLM's log level is read when it is imported."""
     why = f"--engine {choice}"
     if choice == "auto":
         try:
@@ -111,24 +95,22 @@ def _fmix32(z):
 
 
 def exponential_noise(seeds, step, vocab):
-    """(b, V) float64 Exp(1) noise, a pure function of (row seed, step, token id): counter-based, so every row
-    draws from its own seed without a generator per row (no launch per row) and on CPU and GPU alike."""
+    """(b, V) float64 Exp(1) noise, a pure function of (row seed, step, token id): no generator per row, and the
+    same on CPU and GPU."""
     key = _fmix32((seeds[:, None] & 0xFFFFFFFF) ^ (step * 0x9E3779B1 & 0xFFFFFFFF))
     z = _fmix32((key + torch.arange(vocab, device=seeds.device)) & 0xFFFFFFFF)
     return -torch.log((z.double() + 0.5) / 2 ** 32)  # uniform on (0, 1), never 0 or 1
 
 
 def preallocated_cache(length, padded):
-    """A transformers Cache whose layers hold `length` positions each in storage allocated once (at the first
-    forward, in the model's KV heads and dtype): each step writes its positions in place and attention reads a view
-    of those filled, so nothing is copied per token (DynamicCache concatenates: quadratic in the length)."""
+    """A transformers Cache whose layers hold `length` positions in storage allocated once, written in place: nothing
+    is copied per token (DynamicCache concatenates: quadratic in the length)."""
     from transformers.cache_utils import Cache, DynamicLayer
 
     class PreallocatedLayer(DynamicLayer):
         # transformers' mask code reads is_compileable as "storage of a fixed size": a decode step then builds its
         # attention mask rather than first asking the device whether it could skip it (a host sync per token).
         # Without padding there is no mask to ask about: False lets SDPA run causal, with GQA, no repeat_kv copy.
-        # Nothing else here reads it (generate() would, to compile: this engine does not call generate).
         is_compileable = padded
 
         def lazy_initialization(self, key_states, value_states):
@@ -158,13 +140,11 @@ def preallocated_cache(length, padded):
 
 
 class HFEngine:
-    """rollout.Engine's interface on transformers: generate (with tools), push_weights, sleep / wake_up, shutdown,
-    .tokenizer. State: its own copy of the policy."""
+    """rollout.Engine's interface on transformers, on its own copy of the policy."""
 
     def __init__(self, model_path, *, seed, max_model_len, device, temperature=1.0, gpu_memory_utilization=None,
                  compile_model=None, bf16=None):
-        """seed: unused (every request has its own); gpu_memory_utilization, compile_model: vLLM's, unused. bf16:
-        the model's dtype (None: bf16 on GPU, fp32 on CPU), as vLLM's."""
+        """seed (every request has its own), gpu_memory_utilization and compile_model (vLLM's): unused."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
         self.device, self.on_gpu = device, device.type == "cuda"
         self.temperature, self.max_model_len = temperature, max_model_len
@@ -184,8 +164,7 @@ class HFEngine:
 
     def generate(self, prompt_ids, seeds, *, max_tokens, temperature=None, top_p=1.0, top_k=-1, stop=None,
                  tools=None, keep_first=None, group_size=1, progress=None):
-        """rollout.Engine.generate (rollout.run_trajectories): each step decodes every segment started since the
-        last one, to its end; progress: called as each trajectory finishes."""
+        """rollout.Engine.generate: each step decodes every segment started since the last one, to its end."""
         temperature = self.temperature if temperature is None else temperature
         stop = stop_strings(stop, tools)
         waiting = {}  # request id -> (ids, room, seed)
@@ -210,8 +189,7 @@ class HFEngine:
 
     @torch.inference_mode()
     def decode_segments(self, requests, temperature, top_k, top_p, stop):
-        """Decode {request id: (ids, room, seed)} as one left-padded batch, each row to its end: an end-of-turn
-        id, a stop string, or `room` tokens. Returns [(request id, Segment)] in the order the rows ended."""
+        """Decode {request id: (ids, room, seed)} as one left-padded batch, each row to its end."""
         names, device = list(requests), self.device
         prompts = [requests[n][0] for n in names]
         width = max(len(p) for p in prompts)
@@ -261,9 +239,8 @@ class HFEngine:
         return ended
 
     def segment_end(self, ids, room, stop):
-        """(text, finish_reason, stop_reason) once a segment with these sampled ids has ended, else None: an
-        end-of-turn id ("stop"), a stop string ("stop", the text cut right after it: the earliest to end, ties in
-        list order, as vLLM), or `room` tokens ("length")."""
+        """(text, finish_reason, stop_reason) once a segment with these sampled ids has ended, else None; at a stop
+        string the text is cut right after it (the earliest to end, ties in list order, as vLLM)."""
         found = []
         if stop and ids[-1] not in self.end_ids:
             # Only the tail is decoded each step: enough tokens for the longest stop string even at 4 bytes a
@@ -280,8 +257,7 @@ class HFEngine:
         return text, "stop" if ids[-1] in self.end_ids else "length", None
 
     def push_weights(self, named_tensors):
-        """Copy (name, full tensor) pairs in Hugging Face naming into the engine's model; every parameter must come
-        (a missing one would leave stale weights behind silently)."""
+        """(name, full tensor) pairs into the engine's model; every parameter must come (else stale weights stay)."""
         pushed = set()
         with torch.no_grad():
             for name, tensor in named_tensors:
@@ -293,16 +269,15 @@ class HFEngine:
             raise KeyError(f"HFEngine.push_weights: {len(missing)} parameters not pushed, e.g. {sorted(missing)[0]!r}")
 
     def sleep(self):
-        """Nothing is discarded (the weights stay for the next generation); on GPU the KV cache's freed blocks go
-        back from PyTorch's cache to the card, for the trainer."""
+        """Nothing is discarded; on GPU the KV cache's freed blocks go back to the card, for the trainer."""
         if self.on_gpu:
             torch.cuda.empty_cache()
 
     def wake_up(self):
-        """Nothing to bring back."""
+        pass
 
     def shutdown(self):
-        """Release the engine and, as rollout.Engine's teardown does, torch.distributed's default process group."""
+        """As rollout.Engine's teardown does, this destroys torch.distributed's default process group."""
         import torch.distributed as dist
         del self.model, self.params
         if dist.is_initialized():

@@ -1,26 +1,13 @@
 """Algorithm 2 (Eq. 6) as a library: the tracker's initial values v0, measured (n0 samples per prompt from the
 initial policy), written, checked and read; offline_values.py is its command, spo.py its reader (TrainingV0).
 
-SPO's tracker needs a starting value for every prompt. Before training, the initial model answers each training
-prompt n0 times (default 8); its success fraction is v0(x), and spo.py starts the tracker from
-alpha0 = N0 * v0, beta0 = N0 * (1 - v0) with N0 = 1 / (1 - rho_min) (Eq. 6; tracker.init_from_scores, which
-also applies the smoothing). Without this pass the tracker starts uninformed (alpha = beta = 0.5).
-
-- Sampling: by default exactly the training distribution (temperature 1.0, top_p 1.0, the training token budget
-  and reward, where a response cut off by the budget scores 0). The authors measured v0 at their evaluation
-  temperature 0.6 while training at 1.0: a prior for another distribution. Any override is recorded in the header.
-- Tools: with --tools the samples go through the tool loop, as training's; the tool settings, --think_format, the
-  system prompt and a non-default --reward join the header; spo.py refuses a mismatch (check_values_header).
-- Reproducible: every request has its own seed derived from (seed, prompt key, sample index), so the scores do not
-  depend on the world size, the chunking or an interruption.
-- Resumable: each rank appends finished prompts (all n0 scores at once) to <out>.rank<r>.partial.jsonl, whose
-  first line holds the settings; a rerun skips what is there and refuses other settings. When every prompt is
-  done, rank 0 writes <out> atomically and removes the partial files. One pass writes an --out at a time (<out>.lock).
-
-Output, read by spo.py --offline_values (dataset order; scores: the n0 rewards):
+Sampling is by default exactly training's (temperature 1.0, top_p 1.0, the training budget, reward and tool loop):
+the authors measured v0 at their evaluation temperature 0.6 while training at 1.0, a prior for another
+distribution. The settings that change v0 join the file's header, and spo.py refuses a mismatch. Every request's
+seed derives from (seed, prompt key, sample index), so a pass resumes from its partial files whatever the world
+size (docs/evaluation.md). The file (dataset order; scores: the n0 rewards):
     {"header": {"model", "dataset", "n0", "temperature", "top_p", "max_tokens", "seed", ...},
      "prompts": {prompt key: {"prompt": decoded prompt text, "scores": [0.0, 1.0, ...]}}}
-Use the same --max_prompt_len as training: spo.py refuses a file with prompts its training set left out.
 """
 import glob
 import hashlib
@@ -40,7 +27,7 @@ from reward import DEFAULT_REWARD, VERIFIER_TIMEOUT_S, rewards
 
 def run_header(header, *, n0, temperature, top_p, max_tokens, seed, truncated_reward, tools=None,
                think_format=False, reward=DEFAULT_REWARD):
-    """The settings that make scores comparable; a partial file made with other settings cannot be resumed."""
+    """The settings that make scores comparable."""
     header = {**header, "n0": n0, "temperature": float(temperature), "top_p": float(top_p),
               "max_tokens": max_tokens, "seed": seed, "truncated_reward": truncated_reward}
     # Absent when off (or the default verifier), so that files made before these options existed still match.
@@ -77,7 +64,6 @@ class TrainingV0:
     n0: int
     seed: int
     init_smoothing: str
-    accept_offline_mismatch: bool
     model: str
     train: str
     toy_dir: str
@@ -93,21 +79,18 @@ class TrainingV0:
 
     @classmethod
     def pick(cls, flags: dict, tools=None, system_prompt=None):
-        """These settings out of spo.py's flags ({name: value}, e.g. vars(args)), with the run's tools and prompt."""
         named = {f.name: flags[f.name] for f in fields(cls) if f.name not in ("tools", "system_prompt")}
         return cls(**named, tools=tools, system_prompt=system_prompt)
 
     def settings(self):
-        """The settings of the run that change v0, as check_values_header and toy_values_path read them: training
-        samples at top_p 1 within --max_response_len and scores with its verifier."""
+        """The settings of the run that change v0 (training samples at top_p 1)."""
         return {"temperature": float(self.temperature), "top_p": 1.0, "max_tokens": self.max_response_len,
                 "truncated_reward": self.truncated_reward, "think_format": self.think_format,
                 "tools": tool_settings(self.tools), "system_prompt": self.system_prompt, **reward_setting(self.reward)}
 
 
 def read_values_file(path):
-    """(header, prompts) of an offline-values file, its structure checked ({"header": {...}, "prompts": {key:
-    {"scores": [...]}}}): a file that parses but has another shape is one line naming it and what is wrong."""
+    """(header, prompts) of an offline-values file; another shape is one line naming it and what is wrong."""
     from machinery.errors import fail
     try:
         with open(path) as f:
@@ -126,10 +109,9 @@ def read_values_file(path):
 
 
 def check_values_header(path, wanted, accept_mismatch=False, model=None):
-    """Compare the v0-changing settings an offline-values file was made with (temperature, top_p, budget,
-    truncated reward, think gate, tools, system prompt, verifier) and, where given, its model with `wanted` (the
-    training run's) and `model`. A mismatch is an error naming each setting and both values, unless accept_mismatch
-    (then a warning): the tracker would start from values measured under another distribution than training's."""
+    """The V0_SETTINGS an offline-values file was made with (and its model) against `wanted`, the training run's.
+    A mismatch is an error naming each setting and both values, unless accept_mismatch (then a warning): the
+    tracker would start from values measured under another distribution than training's."""
     from machinery.errors import fail
     header, _ = read_values_file(path)
     diff = [f"{k}: {header.get(k, absent)!r} there, {wanted.get(k, absent)!r} here"
@@ -146,19 +128,17 @@ def check_values_header(path, wanted, accept_mismatch=False, model=None):
 
 
 def same_model(name):
-    """A model as a values file names it: the real path of a folder (however it was reached), else the hub name."""
+    """The real path of a folder (however it was reached), else the hub name."""
     return os.path.realpath(name) if os.path.exists(name) else name
 
 
 def partial_paths(out_path):
-    """Partial files of earlier runs, of any world size: ranks of a smaller rerun still pick them up."""
+    """Partial files of earlier runs, of any world size."""
     return sorted(glob.glob(glob.escape(out_path) + ".rank*.partial.jsonl"))
 
 
 def read_finished(out_path, header):
-    """{prompt key: scores} already computed for out_path (its final file and partial files) with these settings.
-    Raises ValueError naming the file and the differing settings otherwise."""
-    wanted = {k: v for k, v in header.items() if k != "created"}
+    """{prompt key: scores} already in out_path and its partial files; ValueError if made with other settings."""
     done = {}
     for path in ([out_path] if os.path.exists(out_path) else []) + partial_paths(out_path):
         with open(path) as f:
@@ -179,9 +159,9 @@ def read_finished(out_path, header):
                 raise ValueError(f"{path}: not an offline-values file (unreadable header); move it away or choose "
                                  f"another --out") from None
         theirs = {k: v for k, v in theirs.items() if k != "created"}
-        if theirs != wanted:
-            diff = "; ".join(f"{k}: {theirs.get(k)!r} there, {wanted.get(k)!r} now" for k in sorted({*theirs, *wanted})
-                             if theirs.get(k) != wanted.get(k))
+        if theirs != header:
+            diff = "; ".join(f"{k}: {theirs.get(k)!r} there, {header.get(k)!r} now" for k in sorted({*theirs, *header})
+                             if theirs.get(k) != header.get(k))
             raise ValueError(f"{path} was made with other settings ({diff}): rerun with the same settings to "
                              f"resume, or delete it / choose another --out to start over")
         done.update(entries)
@@ -191,12 +171,8 @@ def read_finished(out_path, header):
 def estimate_offline_values(engine, data, out_path, *, n0=8, temperature=1.0, top_p=1.0, max_tokens, seed=0,
                             header, truncated_reward="zero", chunk_prompts=64, progress=True, max_chunks=None,
                             tools=None, think_format=False, reward=DEFAULT_REWARD, reward_timeout=VERIFIER_TIMEOUT_S):
-    """n0 scored samples of every prompt of `data` (data.Dataset), sharded over ranks (rank r takes prompts
-    r, r + W, ...), resumable. Call on every rank. Returns the output dict on every rank once all prompts are
-    done, or None if max_chunks stopped this run early (a debugging aid: rerun to resume).
-    tools: a rollout.Tools to sample with the tool loop, as training does; its settings join the header.
-    reward: the --reward spec that scores the samples (recorded in the header unless the default), within
-    reward_timeout seconds per sample (--reward_timeout)."""
+    """n0 scored samples of every prompt of `data`, sharded over ranks, resumable; call on every rank. Rank 0 writes
+    out_path once all prompts are done (max_chunks can stop a run earlier: a debugging aid)."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     barrier = collectives.barrier if world > 1 else (lambda: None)  # a rank stopped by its verifier: one line each
     header = run_header(header, n0=n0, temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed,
@@ -241,7 +217,6 @@ def estimate_offline_values(engine, data, out_path, *, n0=8, temperature=1.0, to
     if bar is not None:
         bar.close()
     barrier()
-    result = None
     if rank == 0:
         done = read_finished(out_path, header)
         missing = sum(key not in done for key in data.keys)
@@ -261,17 +236,12 @@ def estimate_offline_values(engine, data, out_path, *, n0=8, temperature=1.0, to
                 os.remove(path)
             if progress:
                 print_histogram(result, n0)
-    if world > 1:
-        if collectives.all_gather_objects([result is not None])[0] and rank != 0:  # rank 0 wrote it
-            with open(out_path) as f:
-                result = json.load(f)
-    return result
+    barrier()  # the values file is there before any rank reads it
 
 
 def stop_on_full_disk(error, path):
-    """A full disk or quota while writing `path`: one line, not a traceback. The prompts finished before it stay in
-    the partial files (whole lines; a cut-off one is redone), atomic_write left no half values file: the same
-    command resumes once there is room. Any other error is not this one's to name."""
+    """A full disk or quota while writing `path`: one line, not a traceback (the prompts finished stay in the
+    partial files: the same command resumes once there is room). Any other error is not this one's to name."""
     import errno
     from machinery.errors import fail
     if error.errno not in (errno.ENOSPC, errno.EDQUOT):
@@ -281,28 +251,13 @@ def stop_on_full_disk(error, path):
 
 
 def claim_toy_values(run: TrainingV0, on_toy, run_dir):
-    """spo.py's --offline_values, settled before the engine starts: on the toy (a new SPO run), 'auto' becomes the
-    file of the toy's v0 for the run's settings, beside the toy (shipped for the README's runs, cached for others)
-    or, where this run cannot claim it (a read-only toy, another run measuring it now: machinery/run_dir.py's
-    `shared_output`), in its run directory, said in one line."""
+    """spo.py's --offline_values settled before the engine starts: on the toy, 'auto' becomes the file of the toy's v0
+    for the run's settings, beside the toy or, where this run cannot claim it, in its run directory."""
     if not (on_toy and run.offline_values == "auto"):
         return run
     from machinery.run_dir import shared_output
     path = toy_values_path(run.toy_dir, run.n0, run.seed, run.settings(), run.train_prompts)
     return replace(run, offline_values=shared_output(path, run_dir, "spo.py", "the toy's offline values"))
-
-
-def toy_values(engine, data, run: TrainingV0, progress, path):
-    """path, the toy's offline values for spo.py's run, measured there with its engine (with the run's own sampling
-    settings, so they match by construction) unless there already."""
-    if not os.path.exists(path):
-        estimate_offline_values(engine, data, path, n0=run.n0, temperature=run.temperature,
-                                max_tokens=run.max_response_len, seed=run.seed,
-                                header={"model": shipped_name(run.model), "dataset": shipped_name(run.train),
-                                        **({"system_prompt": run.system_prompt} if run.system_prompt else {})},
-                                truncated_reward=run.truncated_reward, progress=progress, tools=run.tools,
-                                think_format=run.think_format, reward=run.reward, reward_timeout=run.reward_timeout)
-    return path
 
 
 def shipped_name(path):
@@ -312,13 +267,18 @@ def shipped_name(path):
 
 
 def init_tracker(tracker, run: TrainingV0, engine, data, on_toy, is_main):
-    """spo.py's Algorithm 2: the tracker from --offline_values (on the toy, measured here once with the run's own
-    engine and settings where claim_toy_values put it, then kept), or left at the uninformed prior with 'none'."""
+    """spo.py's Algorithm 2: the tracker from --offline_values (on the toy, measured once where claim_toy_values put
+    it, with the run's own engine and settings: they match by construction), or the uninformed prior."""
     path = run.offline_values
-    if on_toy and path == "auto":  # (spo.py's start settles it: claim_toy_values)
+    if on_toy and path == "auto":  # (spo.py's start has settled it: claim_toy_values)
         path = toy_values_path(run.toy_dir, run.n0, run.seed, run.settings(), run.train_prompts)
-    if on_toy and path != "none":  # the toy's: measured here if not yet
-        path = toy_values(engine, data, run, is_main, path)
+    if on_toy and path != "none" and not os.path.exists(path):
+        estimate_offline_values(engine, data, path, n0=run.n0, temperature=run.temperature,
+                                max_tokens=run.max_response_len, seed=run.seed,
+                                header={"model": shipped_name(run.model), "dataset": shipped_name(run.train),
+                                        **({"system_prompt": run.system_prompt} if run.system_prompt else {})},
+                                truncated_reward=run.truncated_reward, progress=is_main, tools=run.tools,
+                                think_format=run.think_format, reward=run.reward, reward_timeout=run.reward_timeout)
     if path not in ("auto", "none"):
         init_tracker_from_file(tracker, path, data, run.init_smoothing, is_main)
     elif is_main:
@@ -338,8 +298,7 @@ def add_v0_flags(p):
 
 
 def toy_values_path(toy_dir, n0, seed, v0_settings, train_prompts=0):
-    """Where the toy's offline values for these settings are cached: one file per setting that changes v0 (and per
-    --train_prompts subset: a values file must not hold prompts outside the training set)."""
+    """Where the toy's offline values for these settings (and --train_prompts subset) are cached."""
     digest = hashlib.sha1(json.dumps(v0_settings, sort_keys=True).encode()).hexdigest()[:8]
     subset = f"_p{train_prompts}" if train_prompts else ""
     name = f"offline_values_n{n0}_seed{seed}_len{v0_settings['max_tokens']}{subset}_{digest}.json"
@@ -347,8 +306,7 @@ def toy_values_path(toy_dir, n0, seed, v0_settings, train_prompts=0):
 
 
 def init_tracker_from_file(tracker, path, data, smoothing, verbose):
-    """Algorithm 2: initialise the tracker from this program's output ({"prompts": {id: {"scores": [...]}}}).
-    Bad files and files made for another dataset stop with a clear error."""
+    """Algorithm 2: the tracker from a values file; a bad one, or one for another dataset, stops with one line."""
     from machinery.errors import fail
     _, entries = read_values_file(path)
     position = {key: i for i, key in enumerate(data.keys)}

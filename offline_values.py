@@ -1,11 +1,9 @@
 """The command that measures offline value estimates v0 (Algorithm 2, Eq. 6) for SPO's tracker: n0 samples per
-training prompt from the initial policy, scored as training scores them (initial_values.py: the settings, the
-resumable partial files, the output's format). Every flag is checked before the engine starts.
+training prompt from the initial policy, scored as training scores them (initial_values.py). Use the same
+--max_prompt_len as training: spo.py refuses a file with prompts its training set left out.
 
     torchrun --nproc_per_node=2 offline_values.py --model M --data train.parquet --out values.json
     python offline_values.py                                   # the built-in toy, one process
-    torchrun --nproc_per_node=2 spo.py --model M --train train.parquet --offline_values values.json
-Use the same --max_prompt_len as training: spo.py refuses a file with prompts its training set left out.
 """
 import argparse
 import os

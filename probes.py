@@ -2,8 +2,7 @@
 spo.py measures between steps (`evaluations`: held-out accuracy, the tracker probe, the exact probability).
 
 Every request's seed derives from (seed, prompt key, sample index), so a sample does not depend on the world size,
-batch or order, and none of these touches training's random state. spo.py builds `ProbeSettings` once from its
-flags (add_eval_flags and the training settings the probes share); nothing here reads the command line.
+batch or order, and none of these touches training's random state.
 """
 import argparse
 import hashlib
@@ -40,35 +39,28 @@ class ProbeSettings:
 
     @classmethod
     def pick(cls, flags: dict):
-        """These settings out of a program's flags ({name: value}, e.g. vars(args))."""
         return cls(**{f.name: flags[f.name] for f in fields(cls)})
 
 
 # ---------------------------------------------------------------------------------------------- evaluation
-# Each rank's engine takes problems rank, rank + world, ...; every request has its own seed, derived from (seed,
-# prompt key, sample index) only, so a sample is the same whatever the world size, batch or order.
 EVAL_DEFAULTS = {"n": 32, "temperature": 0.6, "top_p": 0.95, "top_k": 20}  # the paper's evaluation sampling
 
 
 def request_seeds(base, prompt_key: str, n: int) -> np.ndarray:
-    """(n,) per-request seeds for samples 0..n-1 of one prompt; base: an int or a sequence of ints (>= 0).
-    The first k seeds do not depend on n, so asking for more samples later keeps the earlier ones."""
+    """(n,) per-request seeds for samples 0..n-1 of one prompt (the first k do not depend on n)."""
     key = int(hashlib.sha1(prompt_key.encode("utf-8")).hexdigest()[:16], 16)
     return np.random.SeedSequence([*np.atleast_1d(base).tolist(), key]).generate_state(n)
 
 
 def sample_and_score(engine, data, n, seeds_base, *, temperature, top_p, top_k, max_tokens, rank, world,
                      think_format=False, tools=None, reward=DEFAULT_REWARD, reward_timeout=VERIFIER_TIMEOUT_S,
-                     progress=True):
-    """n samples of every problem of `data` (data.Dataset: keys, prompt_ids, answers), sharded over ranks.
-
-    Returns (samples, rollouts). samples[p] lists the n (answer or None, correct, truncated) of problem p, for
-    EVERY problem in data order and on every rank (gathered: call it on all ranks), ready for summarize().
-    rollouts maps this rank's problems p to their n Rollouts (responses to write out). tools: a rollout.Tools for
-    the tool loop; reward: the --reward verifier (correct: it returned 1). A truncated sample is scored as it is
-    (the verifier reads what is there): evaluation does not apply training's --truncated_reward.
-    progress: a bar on rank 0 counting its finished samples while they generate (False: none)."""
-    mine = list(range(rank, len(data.keys), world))
+                     progress=True, problems=None):
+    """n samples of each of `problems` (default: every problem of `data`), sharded over ranks (rank r takes
+    r, r + world, ...). Returns (samples, rollouts): samples[j] lists the n (answer or None, correct, truncated) of
+    problems[j], on every rank (gathered: call it on all ranks); rollouts maps this rank's problems to their n
+    Rollouts. A truncated sample is scored as it is: --truncated_reward is training's, not evaluation's."""
+    problems = range(len(data.keys)) if problems is None else problems
+    mine = list(problems[rank::world])
     outputs = []
     if mine:  # a rank with no problem (more ranks than problems) still joins the gather below
         seeds = np.concatenate([request_seeds(seeds_base, data.keys[p], n) for p in mine])
@@ -91,13 +83,11 @@ def sample_and_score(engine, data, n, seeds_base, *, temperature, top_p, top_k, 
         from machinery.collectives import all_gather_objects
         parts = all_gather_objects([local])  # (a rank stopped by its verifier: one line here too, not a traceback)
     merged = {p: s for part in parts for p, s in part.items()}
-    return [merged[p] for p in range(len(data.keys))], rollouts
+    return [merged[p] for p in problems], rollouts
 
 
 def evaluations(engine, test, data, tracker, settings: ProbeSettings, tools, step, exact=None):
-    """What spo.py measures between steps (step 0: before training; then after each step's weight push), when due
-    (every --eval_every / --probe_every steps and at the end): held-out accuracy and the tracker probe, with
-    `exact_metric`'s function where given. Neither touches training's random state (their own request seeds)."""
+    """What spo.py measures between steps when due (every --eval_every / --probe_every steps and at the end)."""
     metrics = {}
     if test is not None and settings.eval_every and (step % settings.eval_every == 0 or step == settings.steps):
         metrics.update(heldout_metrics(engine, test, settings, tools, exact))
@@ -110,9 +100,8 @@ def evaluations(engine, test, data, tracker, settings: ProbeSettings, tools, ste
 
 
 def heldout_metrics(engine, test, settings: ProbeSettings, tools, exact=None):
-    """spo.py's held-out evaluation: accuracy (avg@n at the evaluation temperature, sample_and_score), the shares
-    of samples with no parsed answer and cut by the budget, with tools the share that called the tool, with `exact`
-    the mean exact success probability. Seeds independent of the step: every evaluation scores the same draws."""
+    """spo.py's held-out evaluation (avg@n and why samples fail). Seeds independent of the step: every evaluation
+    scores the same draws."""
     import torch.distributed as dist
     from machinery.collectives import all_reduce_np
     samples, rollouts = sample_and_score(engine, test, settings.eval_samples, [settings.seed, 1],
@@ -135,8 +124,7 @@ def heldout_metrics(engine, test, settings: ProbeSettings, tools, exact=None):
 
 # ---------------------------------------------------------------------------------------------- exact metric
 def exact_template(flag, on_toy, top_p, top_k):
-    """--eval_reference resolved: auto is the toy's only correct response on the toy's data (no tools), else
-    off (None). With --eval_top_p or --eval_top_k the probability would not be the sampler's: one line."""
+    """--eval_reference resolved (None: off); with --eval_top_p or --eval_top_k it would not be the sampler's."""
     from tasks.toy import ONLY_CORRECT
     template = {"auto": ONLY_CORRECT if on_toy else None, "off": None}.get(flag, flag)
     if template and (top_p < 1 or top_k > 0):
@@ -147,10 +135,9 @@ def exact_template(flag, on_toy, top_p, top_k):
 
 
 def exact_metric(policy, tokenizer, template, micro_batch_size, max_tokens):
-    """None without a template, else `exact(data, indices, temperature)` -> (K,): the probability that the policy,
-    sampling at `temperature`, answers each prompt with `template` ({answer}: its ground truth) and ends its turn,
-    exp of the summed log-probs of the trainer's no-grad pass (step 4's). Where that response is the only one
-    scored correct, the success probability without sampling noise; elsewhere a lower bound. Call on every rank."""
+    """None without a template, else `exact(data, indices, temperature)` -> (K,): the probability that the policy
+    answers each prompt with `template` ({answer}: its ground truth) and ends its turn, from the trainer's no-grad
+    pass. Where that response is the only one scored correct, the success probability without sampling noise."""
     if template is None:
         return None
     import torch.distributed as dist
@@ -175,8 +162,7 @@ def exact_metric(policy, tokenizer, template, micro_batch_size, max_tokens):
 # forgetting what older policies did). The probe measures that rate directly on a fixed random subset of training
 # prompts with fresh samples, so the gap between the two (and its noise floor) is visible over training.
 def add_eval_flags(p):
-    """spo.py's flags for its evaluations between steps (eval.py's own command does not use them): held-out accuracy
-    and the tracker probe."""
+    """spo.py's flags for its evaluations between steps."""
     p.add_argument("--eval_every", type=int, default=25, help="held-out evaluation every N steps and at the end "
                    "(0: off)")
     p.add_argument("--eval_samples", type=int, default=2, help="samples per held-out prompt (avg@n's n)")
@@ -196,43 +182,34 @@ def add_eval_flags(p):
 
 
 def probe_subset(n_prompts, k, seed):
-    """(min(k, n),) sorted prompt indices the probe follows for the whole run: drawn from a generator of their
-    own (seed, 3), so they depend only on the seed and the training set, and training's draws are untouched."""
+    """(min(k, n),) sorted prompt indices the probe follows for the whole run, from a generator of their own."""
     return np.sort(np.random.default_rng([seed, 3]).choice(n_prompts, size=min(k, n_prompts), replace=False))
 
 
 def tracker_probe(engine, data, tracker, settings: ProbeSettings, step, tools, exact=None):
-    """--probe_every: for the fixed subset of training prompts, the tracker's v(x) as it stands now (after this
-    step's tracker update: the baseline that x's next visit would use) against the success rate of the current
-    policy (after this step's update: the one that would act at that visit), from --probe_samples fresh samples
-    per prompt at the training temperature, scored with training's reward. Sampled on every rank (prompts
-    rank, rank + world, ...), with request seeds from (seed, 2, step, prompt key): never training's or the held-out
-    evaluation's. Rank 0 appends one line per probe to <run_dir>/probe.jsonl (a resumed run may repeat a step: the
-    last line of a step wins). Returns probe_stats (the same on every rank); with `exact`, v(x) also against the
-    exact success probability at the training temperature (probe/mae_exact, probe/bias_exact: no sampling noise)."""
+    """--probe_every: for the fixed subset of training prompts, the tracker's v(x) as it stands now (the baseline
+    x's next visit would use) against the current policy's success rate from --probe_samples fresh samples per
+    prompt, sampled and scored as training does, with request seeds from (seed, 2, step, prompt key): never
+    training's or the held-out evaluation's. Rank 0 appends a line to <run_dir>/probe.jsonl (a resumed run may
+    repeat a step: its last line wins). Returns probe_stats; with `exact`, v(x) against the exact probability too."""
     import torch.distributed as dist
-    from reward import rewards
-    from machinery.collectives import all_gather_objects
-    rank, world, n = dist.get_rank(), dist.get_world_size(), settings.probe_samples
+    n = settings.probe_samples
     index = probe_subset(len(data.keys), settings.probe_prompts, settings.seed)  # (K,)
     value, n_eff = tracker.value_at(index), tracker.n_eff_at(index)  # (K,) read before any further update
-    mine = index[rank::world]
-    success = {}
-    if len(mine):  # a rank with no probed prompt still joins the gather
-        seeds = np.concatenate([request_seeds([settings.seed, 2, step], data.keys[i], n) for i in mine])
-        rollouts = engine.generate([data.prompt_ids[i] for i in mine for _ in range(n)], seeds,
-                                   max_tokens=settings.max_response_len, temperature=settings.temperature, tools=tools)
-        reward = rewards(rollouts, [data.answers[i] for i in mine for _ in range(n)], settings.think_format,
-                         settings.truncated_reward, settings.reward, settings.reward_timeout).reshape(len(mine), n)
-        success = {int(i): float(r.mean()) for i, r in zip(mine, reward)}
-    merged = {i: s for part in all_gather_objects([success]) for i, s in part.items()}
-    measured = np.array([merged[int(i)] for i in index])  # (K,)
+    samples, _ = sample_and_score(engine, data, n, [settings.seed, 2, step], temperature=settings.temperature,
+                                  top_p=1.0, top_k=-1, max_tokens=settings.max_response_len, rank=dist.get_rank(),
+                                  world=dist.get_world_size(), think_format=settings.think_format, tools=tools,
+                                  reward=settings.reward, reward_timeout=settings.reward_timeout, progress=False,
+                                  problems=index)
+    cut_scores_zero = settings.truncated_reward == "zero"  # training's rule (reward.rewards)
+    measured = np.array([np.mean([correct and not (cut and cut_scores_zero) for _, correct, cut in s])
+                         for s in samples])  # (K,)
     stats, exact_p = probe_stats(value, measured, n, n_eff), {}
     if exact:
         exact_p = {"exact": exact(data, index, settings.temperature).tolist()}
         stats.update({"probe/mae_exact": float(np.mean(np.abs(value - exact_p["exact"]))),
                       "probe/bias_exact": float(np.mean(value - exact_p["exact"]))})
-    if rank == 0:
+    if dist.get_rank() == 0:
         with open(os.path.join(settings.run_dir, "probe.jsonl"), "a") as f:
             f.write(json.dumps({"step": step, "prompt": index.tolist(), "value": value.tolist(),
                                 "success": measured.tolist(), **exact_p, "n_eff": n_eff.tolist(),

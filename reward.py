@@ -1,29 +1,12 @@
 """The verifier: the binary reward r(x, y) in {0, 1} that SPO's tracker absorbs (Eq. 5) and its advantage
-subtracts from (Eq. 8). Training, the offline values pass (Algorithm 2) and evaluation all score with it.
+subtracts from (Eq. 8); training, the offline values pass (Algorithm 2) and evaluation all score with it.
 
-The default rule (`--reward reward:exact_match`) is the authors' strict one: the answer is the last `\\boxed{...}`
-(braces matched), which must start within the last 100 characters of the response and must equal the ground truth
-exactly after stripping whitespace (`\\boxed{1/2}` is wrong for "0.5"). Two additions of ours, applied before any
-verifier reads the response:
-- Tool calls are not the model's answer: `<code>...</code>` and `<interpreter>...</interpreter>` blocks are
-  removed before the box is looked for. Scored as the authors do (whole text), a snippet that prints
-  `\\boxed{N}` would answer for the model (in its code and again in the tool output): a reward hack.
-- A response cut off by the token budget (or the tool loop's turn limit) scores 0 by default
-  (`truncated_reward="zero"`): it never finished its answer. Scored as is, the verifier ignores whatever follows
-  the last box, and a policy can learn never to end its answer (docs/design.md, Rewards).
-`think_format=True` adds the authors' gate for thinking models: exactly one `</think>` and no tool tag after it.
-
-Your own verifier (`--reward module:function` or `--reward path/to/file.py:function`, docs/own-model-and-data.md)
-is a function `fn(response_text, ground_truth) -> 0 or 1` that reads the response with the tool blocks removed
-(after the think gate) and the answer as a stripped string. Binary, because SPO's tracker is a Beta posterior over
-successes (Eq. 5) and pass@k, maj@k and the offline-values check count successes; any other value stops the run
-with one line naming --reward. It runs in a child process of its own: nothing it does to its process (a change of
-directory, an exit, a crash) touches the run's. `numeric_match` (numbers by value) and `math_verify` (mathematical
-equivalence, with the optional math-verify package) are two more verifiers.
-
-    from reward import boxed_reward, rewards
-    boxed_reward("so the sum is \\\\boxed{17}", "17")                       # 1.0
-    rewards(rollouts, ground_truths, think_format=False, truncated_reward="zero")   # (B,) for rollout.Rollout
+The default (`--reward reward:exact_match`) is the authors' strict rule: the last `\\boxed{...}`, starting within
+the last 100 characters, equal to the ground truth after stripping whitespace. Before any verifier reads a response,
+its tool blocks are removed (a snippet that prints `\\boxed{N}` would otherwise answer for the model), and by default
+a response cut off by the token budget scores 0 (else a policy can learn never to end its answer: docs/design.md).
+Your own verifier (`--reward module:function`, docs/own-model-and-data.md) must return 0 or 1 (the tracker is a
+Beta posterior over successes) and runs in a child process of its own: nothing it does there touches the run.
 """
 import argparse
 import contextlib
@@ -52,8 +35,7 @@ VERIFIER_TIMEOUT_S = 60.0  # per response: generous for a symbolic checker, shor
 
 
 def add_reward_flags(parser, truncation=True):
-    """The verifier's flags, shared by spo.py, offline_values.py and eval.py (eval scores truncated responses as
-    they are: truncation=False leaves --truncated_reward out)."""
+    """The verifier's flags, shared by the three programs (eval.py scores truncated responses as they are)."""
     parser.add_argument("--reward", default=DEFAULT_REWARD,
                         help="the verifier, module:function or file.py:function, fn(response_text, ground_truth) "
                              "-> 0 or 1 (docs/own-model-and-data.md; e.g. reward:numeric_match, reward:math_verify); "
@@ -69,11 +51,8 @@ def add_reward_flags(parser, truncation=True):
 
 
 def extract_boxed(text: str, tail_chars: int | None = None) -> str | None:
-    """Content of the last `\\boxed{` in text (or in its last tail_chars characters), braces matched.
-
-    The LAST opener decides: if it never closes (a response cut off inside its final box) the result is None,
-    we do not fall back to an earlier box. Braces are counted naively, so `\\{ \\}` pairs count too.
-    """
+    """Content of the last `\\boxed{` in text (or in its last tail_chars characters), braces matched naively.
+    The LAST opener decides: one that never closes (a response cut off inside its final box) gives None."""
     if tail_chars is not None:
         text = text[max(len(text) - tail_chars, 0):]  # the box must start (and so end) inside the window
     start = text.rfind(BOX)
@@ -91,8 +70,7 @@ def extract_boxed(text: str, tail_chars: int | None = None) -> str | None:
 
 
 def final_answer(text: str, tail_chars: int = TAIL_CHARS) -> str | None:
-    """The model's final answer: the last box in the tail, stripped; None if there is none or it is empty
-    (`\\boxed{}` or `\\boxed{  }` is no answer)."""
+    """The model's final answer: the last box in the tail, stripped; None if there is none or it is empty."""
     boxed = extract_boxed(text, tail_chars)
     return (boxed.strip() or None) if boxed is not None else None
 
@@ -100,8 +78,7 @@ def final_answer(text: str, tail_chars: int = TAIL_CHARS) -> str | None:
 # ------------------------------------------------------------------------------------------------ verifiers
 # fn(response_text, ground_truth) -> 0 or 1; the text comes without tool blocks (visible_text).
 def exact_match(text: str, ground_truth: str, tail_chars: int = TAIL_CHARS) -> float:
-    """The default --reward, the authors' rule: 1.0 if the final answer equals the ground truth exactly (both
-    stripped), else 0.0."""
+    """The default --reward, the authors' rule: the final answer equals the ground truth exactly (both stripped)."""
     return float(final_answer(text, tail_chars) == str(ground_truth).strip())
 
 
@@ -110,10 +87,8 @@ NUMBER = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d{1,3})?|[+-]?\d+
 
 
 def numeric_match(text: str, ground_truth: str) -> float:
-    """An example of a second verifier (`--reward reward:numeric_match`): the same final box as exact_match, but
-    when both sides are numbers (decimals with an optional exponent, or a/b) they compare by value, in exact
-    rational arithmetic: `3.0` = `3` = `6/2`, `0.5` = `1/2`, `1e3` = `1000`. Anything else (`\\frac{1}{2}`,
-    `1,000`, `x+1`) falls back to exact_match's string equality."""
+    """`--reward reward:numeric_match`: exact_match, but two numbers (decimals or a/b) compare by value, in exact
+    rational arithmetic: `3.0` = `3` = `6/2`, `0.5` = `1/2`, `1e3` = `1000`."""
     answer, truth = final_answer(text), str(ground_truth).strip()
     if answer is None:
         return 0.0
@@ -143,8 +118,7 @@ def reply(*message):
 
 
 class _Child:
-    """A child process running `python -c code *args`; started is its first reply (["ready"] or ["error", why]), or
-    None when it ended before saying."""
+    """A child process running `python -c code *args`; started: its first reply (["ready"] or ["error", why])."""
 
     def __init__(self, code, *args):
         # A session of its own: a verifier that stops its checkers with os.killpg (the usual idiom) stops its own
@@ -161,7 +135,6 @@ class _Child:
         self.replies.put(None)
 
     def ask(self, request, timeout_s):
-        """The reply to request, None if the child ended first; raises queue.Empty after timeout_s."""
         try:
             self.process.stdin.write(json.dumps(request) + "\n")
             self.process.stdin.flush()
@@ -170,7 +143,7 @@ class _Child:
         return self.replies.get(timeout=timeout_s)
 
     def stop(self):
-        """Kill it and every process left in its group (a no-op if none is), reap it; returns how it ended."""
+        """Kill it and every process left in its group, reap it; returns how it ended."""
         if self.process.returncode is None:  # not reaped: its pid, the group's id, is still ours
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.process.pid, signal.SIGKILL)
@@ -190,9 +163,9 @@ def _child(key, start):
 
 
 def _ask(key, start, request, timeout_s):
-    """[kind, value...], the reply to request of the child for key (start() starts one). A child that does not
-    answer within timeout_s is killed: ["timeout"]. One that ends before answering (os._exit, a crash, an
-    out-of-memory kill) is replaced and asked again, once, then ["ended", how]: never a score without a verdict."""
+    """[kind, value...], the reply of the child for key (start() starts one). One that does not answer within
+    timeout_s is killed: ["timeout"]. One that ends before answering is replaced and asked again, once, then
+    ["ended", how]: never a score without a verdict."""
     with _children_lock:
         for _ in range(2):
             child = _child(key, start)
@@ -235,8 +208,7 @@ MATH_VERIFY_LIMIT_S = 40.0  # per answer; math-verify's own limits are 5 s per p
 
 
 def _start_math_verify():
-    """A math-verify child. Raises ValueError with one line when math-verify does not import:
-    math_verify.check_before_start, run when --reward is resolved."""
+    """A math-verify child; ValueError with one line when math-verify does not import."""
     child = _Child(MATH_VERIFY_CHILD)
     if child.started != ["ready"]:
         how = child.stop()
@@ -247,10 +219,8 @@ def _start_math_verify():
 
 def math_verify(text: str, ground_truth: str) -> float:
     """`--reward reward:math_verify`: the same final box as exact_match, compared with the ground truth by the
-    math-verify package (parse, then verify, gold first): `\\frac{1}{2}` = `0.5`, `2^{n-1}` = `2^(n-1)`,
-    `1,000` = `1000`, `[1, 2)` = `[1,2)`. An exact match scores 1 without it; no box, an answer it cannot parse
-    or one it cannot decide within its limits (or MATH_VERIFY_LIMIT_S) scores 0. A child that ends while scoring
-    (an out-of-memory kill) is replaced and the answer asked again; twice stops the run with one line."""
+    math-verify package: `\\frac{1}{2}` = `0.5`, `2^{n-1}` = `2^(n-1)`, `1,000` = `1000`. An exact match scores 1
+    without it; an answer it cannot parse or decide within its limits (or MATH_VERIFY_LIMIT_S) scores 0."""
     answer, truth = final_answer(text), str(ground_truth).strip()
     if answer is None:
         return 0.0
@@ -272,10 +242,7 @@ math_verify.check_before_start = lambda: _child("math-verify", _start_math_verif
 
 @functools.lru_cache(maxsize=None)
 def load_verifier(spec: str):
-    """The function a --reward spec names: `module:function` (imported as Python imports it: the repository,
-    PYTHONPATH, installed packages) or `path/to/file.py:function`. Raises ValueError with one line naming the
-    flag for a malformed spec, a module that does not import or a missing function. Cached: one import per
-    process. Your own verifier is loaded in its child process (VERIFIER_CHILD), only BUILT_IN ones here."""
+    """The function a --reward spec names, imported once per process; ValueError with one line if it cannot be."""
     module_name, sep, name = spec.rpartition(":")
     if not sep or not module_name or not name:
         raise ValueError(f"--reward {spec}: expected module:function or file.py:function (e.g. reward:numeric_match)")
@@ -299,8 +266,7 @@ def load_verifier(spec: str):
 
 
 # Our own verifiers run in the trainer's process: pure code of ours that leaves the process as it found it, in
-# bounded time (math_verify keeps math-verify in its own child). Through a child each response would pay a pipe
-# round trip (measured: about 70 us, so 75 ms per batch of 1,024, against 4 us in-process on a busy 2-core machine).
+# bounded time (math_verify keeps math-verify in its own child), without a pipe round trip per response.
 BUILT_IN = {"reward:exact_match", "reward:numeric_match", "reward:math_verify"}
 VERIFIER_CHILD = CHILD_PRELUDE + r"""
 sys.path[:] = json.loads(sys.argv[2])  # the trainer's: the spec imports as it would there
@@ -322,7 +288,7 @@ for line in requests:
 
 
 def _start_verifier(spec):
-    """The child that runs your verifier, its spec imported; ValueError with one line if it does not import."""
+    """The child that runs your verifier; ValueError with one line if it does not import."""
     child = _Child(VERIFIER_CHILD, spec, json.dumps(sys.path))
     if child.started != ["ready"]:
         how = child.stop()
@@ -331,8 +297,7 @@ def _start_verifier(spec):
 
 
 def check_reward_flag(spec: str, timeout_s: float = VERIFIER_TIMEOUT_S):
-    """Resolve --reward once, before anything heavy starts (your own verifier is imported in its child, which then
-    stays up): a bad spec or --reward_timeout is one `error:` line (exit code 2)."""
+    """Resolve --reward once, before anything heavy starts: a bad spec or --reward_timeout is one `error:` line."""
     from machinery.errors import fail
     if not 0 < timeout_s < float("inf"):
         fail(f"--reward_timeout must be a positive number of seconds, got {timeout_s}", once=True)
@@ -347,10 +312,9 @@ def check_reward_flag(spec: str, timeout_s: float = VERIFIER_TIMEOUT_S):
 
 
 def call_verifier(spec: str, text: str, ground_truth: str, timeout_s: float = VERIFIER_TIMEOUT_S):
-    """The --reward verifier's value on one response. Your own verifier runs in its child process, within
-    timeout_s: one that raises, returns anything but 0 or 1, does not return in time (its child is killed, so even
-    code stuck in C that holds the GIL is stopped) or ends its process on an input twice stops the run with one
-    line naming it and the input: a traceback on every rank, a silent hang or a silent 0 tells the user nothing."""
+    """The --reward verifier's value on one response. Your own verifier, in its child: one that raises, returns
+    anything but 0 or 1, does not return within timeout_s (its child is killed, even in C holding the GIL) or ends
+    its process twice stops the run with one line naming the input, not a traceback, a hang or a silent 0."""
     if spec in BUILT_IN:
         return load_verifier(spec)(text, ground_truth)
     from machinery.errors import fail
@@ -361,7 +325,8 @@ def call_verifier(spec: str, text: str, ground_truth: str, timeout_s: float = VE
     if kind == "value":
         return value[0]
     if kind == "returned":
-        _not_binary(spec, value[0])
+        fail(f"--reward {spec} returned {value[0]}; a verifier must return 0 or 1 "
+             f"(SPO's tracker is a Beta posterior over binary rewards)")
     if kind == "raised":
         what = f"raised {value[0]}"
     elif kind == "ended":
@@ -373,27 +338,12 @@ def call_verifier(spec: str, text: str, ground_truth: str, timeout_s: float = VE
 
 
 def is_binary(value) -> bool:
-    """0 or 1, as a bool, an int, a float or a numpy number: what a verifier may return."""
     return isinstance(value, (bool, int, float, np.number, np.bool_)) and value in (0, 1)
-
-
-def _not_binary(spec, what):
-    from machinery.errors import fail
-    fail(f"--reward {spec} returned {what}; a verifier must return 0 or 1 "
-         f"(SPO's tracker is a Beta posterior over binary rewards)")
-
-
-def checked_reward(value, spec: str) -> float:
-    """A verifier's return value as 0.0 or 1.0; anything else stops with one line naming --reward."""
-    if is_binary(value):
-        return float(value)
-    _not_binary(spec, f"{value!r} (a {type(value).__name__})")
 
 
 # ------------------------------------------------------------------------------------------------ scoring
 def visible_text(response_text: str, think_format: bool = False) -> str | None:
-    """What a verifier reads: the response without tool calls and their output; None (reward 0, no answer) when
-    think_format is on and the authors' gate fails (not exactly one `</think>`, or a tool tag after it)."""
+    """What a verifier reads: the response without tool blocks; None (reward 0) when think_format's gate fails."""
     if think_format:
         after_think = response_text.partition("</think>")[2]
         if response_text.count("</think>") != 1 or "<code>" in after_think or "<interpreter>" in after_think:
@@ -403,24 +353,21 @@ def visible_text(response_text: str, think_format: bool = False) -> str | None:
 
 def reward_and_answer(response_text: str, ground_truth: str, think_format: bool = False,
                       reward: str = DEFAULT_REWARD, timeout_s: float = VERIFIER_TIMEOUT_S) -> tuple[float, str | None]:
-    """(reward in {0.0, 1.0} by the --reward verifier, the final boxed answer or None). The answer feeds maj@k
-    (whatever the verifier; None never wins a vote). The think gate and the tool-block removal come first."""
+    """(reward in {0.0, 1.0} by the --reward verifier, the final boxed answer or None: maj@k's vote)."""
     text = visible_text(response_text, think_format)
     if text is None:
         return 0.0, None
-    return checked_reward(call_verifier(reward, text, ground_truth, timeout_s), reward), final_answer(text)
+    return call_verifier(reward, text, ground_truth, timeout_s), final_answer(text)
 
 
 def boxed_reward(response_text: str, ground_truth: str, think_format: bool = False) -> float:
-    """The binary reward r(x, y) by the default rule: 1.0 if the final boxed answer equals the ground truth."""
+    """The binary reward r(x, y) by the default rule."""
     return reward_and_answer(response_text, ground_truth, think_format)[0]
 
 
 def rewards(rollouts, ground_truths, think_format=False, truncated_reward="zero", reward=DEFAULT_REWARD,
             timeout_s=VERIFIER_TIMEOUT_S):
-    """(B,) rewards of a batch of rollout.Rollout, as training and the offline values pass score them.
-    truncated_reward "zero": a rollout that hit the token budget or the turn limit (finish reason "length")
-    scores 0; "score": it is scored like any other. reward: the --reward spec; timeout_s: --reward_timeout."""
+    """(B,) rewards of a batch of rollout.Rollout, as training and the offline values pass score them."""
     scores = np.array([reward_and_answer(r.text, answer, think_format, reward, timeout_s)[0]
                        for r, answer in zip(rollouts, ground_truths)])
     if truncated_reward == "zero":

