@@ -1,9 +1,5 @@
 """The benchmarks of the project's parts (`python -m bench [NAME ...]`), each measured side by side in one run and
-printed as ratios; each function's docstring says what it measures:
-tracker (SPO's bookkeeping step against the authors' dict-of-prompts style), steps (spo.py's phases, spo against
-grpo), sandbox, eval (probes.sample_and_score against raw LLM.generate), tools (the tool loop against no tools),
-throughput (Fig. 5: bench/throughput.py), logprobs (chunked log-probs against the full-vocabulary log-softmax, peak
-memory) and collectives (the small ones the step uses, on gloo).
+printed as ratios; each function's docstring says what it measures.
 """
 import argparse
 import functools
@@ -222,53 +218,6 @@ def bench_tools(toy_dir=None, n_prompts=256, max_tokens=160, workers=4, repeats=
     return best
 
 
-# ------------------------------------------------------------------------------------------------ collectives
-def _collectives_worker(repeats):
-    """torchrun worker: the median wall time of each small collective spo.py's step uses, on gloo."""
-    import torch
-    import torch.distributed as dist
-    from machinery.collectives import all_gather_objects
-    dist.init_process_group("gloo")
-    world = dist.get_world_size()
-
-    def timed(op):
-        for _ in range(20):
-            op()
-        times = []
-        for _ in range(repeats):
-            dist.barrier()
-            start = time.perf_counter()
-            op()
-            times.append(time.perf_counter() - start)
-        return 1e3 * float(np.median(times))
-    three, small = torch.zeros(3, dtype=torch.float64), torch.zeros(2, dtype=torch.float64)  # 16 bytes
-    bucket = torch.zeros(2 ** 16, dtype=torch.uint8)  # all_gather_objects' fixed buffer
-    small_out = [torch.empty_like(small) for _ in range(world)]
-    bucket_out = [torch.empty_like(bucket) for _ in range(world)]
-    rows = {"all_reduce of 3 float64": timed(lambda: dist.all_reduce(three)),
-            "all_gather of 16 bytes": timed(lambda: dist.all_gather(small_out, small)),
-            "all_gather of 64 KiB": timed(lambda: dist.all_gather(bucket_out, bucket)),
-            "torch all_gather_object (small dict)": timed(lambda: dist.all_gather_object([None] * world, {"a": 1})),
-            "collectives.all_gather_objects (same)": timed(lambda: all_gather_objects([{"a": 1}]))}
-    if dist.get_rank() == 0:
-        print(json.dumps(rows))
-    dist.destroy_process_group()
-
-
-def bench_collectives(nproc=2, repeats=2000):
-    """Median ms of one small collective on gloo: the fixed cost machinery/collectives.py is built around."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "-m", "bench.parts",
-           "_collectives", str(repeats)]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=ROOT).stdout
-    rows = json.loads(out.strip().splitlines()[-1])
-    print(f"collectives on gloo, {nproc} ranks, median of {repeats} (ms)")
-    for name, ms in rows.items():
-        print(f"{name:>50} {ms:9.3f}")
-    ratio = rows["collectives.all_gather_objects (same)"] / rows["torch all_gather_object (small dict)"]
-    print(f"{'all_gather_objects time over all_gather_object':>50} {ratio:9.3f}x")
-    return rows
-
-
 # ------------------------------------------------------------------------------------------------ log-prob memory
 def _peak_rss_bytes(run):
     """Peak resident memory added while `run()` executes: /proc's high-water mark, reset just before."""
@@ -333,18 +282,15 @@ def bench_logprob_memory(vocab=151_936, seq_len=4096, prompt_len=512):
 
 
 def main(argv=None):
-    """`python -m bench [NAME ...]`: the benchmarks named (default: all but peer and gpu), each printed as it ends."""
-    parser = argparse.ArgumentParser(prog="python -m bench", description="spo benchmarks (peer and gpu: "
-                                     "python -m bench peer --help, python -m bench gpu --help)")
+    """`python -m bench [NAME ...]`: the benchmarks named (default: all), each printed as it ends."""
+    parser = argparse.ArgumentParser(prog="python -m bench",
+                                     description="spo benchmarks (the GPU device check: python -m bench gpu --help)")
     parser.add_argument("which", nargs="*", choices=list(BENCHMARKS), default=list(BENCHMARKS),
                         help="which benchmarks: " + ", ".join(BENCHMARKS))
     parser.add_argument("--sizes", type=int, nargs="+", default=[14_000, 10**6, 10**7], help="tracker: prompts")
-    parser.add_argument("--throughput_steps", type=int, default=40,
-                        help="throughput: steps of each tool-toy training run (0: time to a batch only)")
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2],
                         help="steps: spo.py's ranks (torchrun --nproc_per_node), each measured")
     args = parser.parse_args(argv)
-    from bench import throughput
     for name in args.which:
         print(f"\n== {name}", flush=True)
         if name in ("eval", "tools") and len(args.which) > 1:  # one engine (and process group) per process
@@ -352,16 +298,13 @@ def main(argv=None):
             continue
         {"tracker": lambda: bench_tracker_sampler(args.sizes),
          "steps": lambda: [bench_steps(nproc=n) for n in args.ranks], "sandbox": bench_sandbox,
-         "eval": bench_eval, "tools": bench_tools, "logprobs": bench_logprob_memory, "collectives": bench_collectives,
-         "throughput": lambda: throughput.main(args.throughput_steps)}[name]()
+         "eval": bench_eval, "tools": bench_tools, "logprobs": bench_logprob_memory}[name]()
 
 
-BENCHMARKS = ("tracker", "throughput", "logprobs", "steps", "sandbox", "eval", "tools", "collectives")
+BENCHMARKS = ("tracker", "logprobs", "steps", "sandbox", "eval", "tools")
 
-if __name__ == "__main__":  # the worker processes; run the benchmarks through `python -m bench`
+if __name__ == "__main__":  # the worker process; run the benchmarks through `python -m bench`
     if sys.argv[1:2] == ["_logprob_memory"]:
         _logprob_memory_worker(sys.argv[2], bool(int(sys.argv[3])), *map(int, sys.argv[4:7]))
-    elif sys.argv[1:2] == ["_collectives"]:
-        _collectives_worker(int(sys.argv[2]))
     else:
         sys.exit("run `python -m bench` (this file holds the benchmarks of the project's parts)")
