@@ -1,18 +1,6 @@
-"""The plots of a sweep or of any spo.py run directories, as PNG files (matplotlib, Agg backend: no display).
-
-Each plot groups runs (a variant's seeds in a sweep; one run per group otherwise) and draws the group's mean over
-runs with a 95% t-interval band over runs (no band for a single run):
-  1. accuracy.png: held-out accuracy against generated samples (`sampling/generated` summed), so variants are
-     compared at equal budgets, not equal steps;
-  2. zero_signal.png: Fig. 3a, the share of samples without signal: all-equal groups for group estimators; for
-     SPO |A| <= 0.02 (solid) and <= 1e-4 (dashed) of the raw advantage r - v (not for `--baseline none`);
-  3. adv_variance.png: Fig. 3b, the variance of the raw advantage, and for group estimators over the samples that
-     carry signal (dashed: "GRPO effective");
-  4. tracker_probe.png (runs with `--probe_every`): the MAE of v(x) against the success rate measured with fresh
-     samples, beside the error the measurement's own noise leaves (dotted), and the last probe's calibration;
-  5. rho.png: rho over revisited prompts, the median with the p10-p90 band (means over runs of spo.py's per-step
-     quantiles), and the shares pinned at rho_min (solid) and rho_max (dashed).
-Per-step curves (2, 3, 5) are trailing means over SMOOTH steps; a plot without data in any run is skipped (named).
+"""The plots of a sweep or of any spo.py run directories, as PNG files (matplotlib, Agg backend: no display): each
+plot draws a group's (a variant's seeds, or one run) mean with a 95% t-interval band over its runs. What each of
+the five shows: docs/experiments.md ("What a sweep does", Plots). A plot without data in any run is skipped (named).
 
     python -m experiments.sweep plot runs/spo-1 runs/grpo-1 experiments/calibrated --out plots  # a sweep: by variant
 """

@@ -1,23 +1,10 @@
 """Sweeps: spo.py for a list of variants x seeds at an equal budget, resumable, with one summary and the plots.
 
-Why: one seed of an RL run on the toy moves the held-out accuracy by a few points, so comparing variants needs
-several seeds and paired differences (analysis.py). This runs the grid, one torchrun at a time, and writes:
-
-  OUT/runs/<variant>-s<seed>/      spo.py run directories
-  OUT/records.tar.gz               every finished run's config.json, metrics.jsonl, probe.jsonl (one archive: commit
-                                   it); the summary reads a run's record where the run is absent
-  OUT/logs/<variant>-s<seed>.log   everything the run printed (its latest attempt)
-  OUT/sweep.json                   per run: variant, seed, command, status, exit code, seconds, error lines
-  OUT/summary.json, summary.md     per variant and evaluation step the held-out accuracy, mean and 95% t-interval
-                                   over the seeds that finished, and the paired difference to --reference
-  OUT/plots/*.png                  the five plots of plots.py
-
-Equal budget: every variant generates --batch_size responses per step for the same --steps (the probe's and the
-evaluation's samples are measurements, not counted); the summary checks it from each run's `sampling/generated`.
-Resume: rerun the same command. A run whose latest checkpoint is at its last step is skipped; one with an earlier
-checkpoint continues from it (spo.py --resume, exact); one that never reached a checkpoint starts again. A failed
-run (non-zero exit) is reported on the console, in sweep.json and in summary.md, left out of every mean, and tried
-again by the next invocation. The tracker probe (--probe_every) runs on the SPO variants only.
+One seed of an RL run on the toy moves the held-out accuracy by a few points, so comparing variants needs several
+seeds and paired differences (analysis.py). This runs the grid, one torchrun at a time, into OUT/runs/NAME (NAME:
+<variant>-s<seed>), OUT/logs/NAME.log and OUT/sweep.json, packs each finished run's logs into OUT/records.tar.gz
+(commit it) and writes OUT/summary.{json,md} and OUT/plots/ (plots.py). docs/experiments.md ("Sweeps") says what
+each file holds, how the budget is checked, and how a rerun resumes, skips and retries runs.
 
     python -m experiments.sweep --variants spo:0-4 grpo:0-4 rloo dr_grpo --seeds 0-2 --out experiments/mine
     python -m experiments.sweep --summary_only --out experiments/toy  # summary and plots again (runs or records)
@@ -115,6 +102,13 @@ def run_state(run_dir, steps_wanted, record_dir=None):
     return "finished" if latest == steps == steps_wanted else "resume"
 
 
+def start_flags(run_dir, state):
+    """spo.py's flags that continue a run_state() (deleting a run that died before its first checkpoint)."""
+    if state == "restart":
+        shutil.rmtree(run_dir)
+    return ["--resume", run_dir] if state == "resume" else ["--run_dir", run_dir]
+
+
 @functools.cache
 def steps_of(flags):
     """The --steps a run with these spo.py flags trains for: spo.py's own parser decides (its default, or a
@@ -140,6 +134,22 @@ def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def launch(nproc, program, flags):
+    """The command of one program: a plain python process for one rank (no rendezvous to wait for), else torchrun."""
+    if nproc == 1:
+        return [sys.executable, program, *flags]
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
+            program, *flags]
+
+
+def run_logged(cmd, log_path, env=None):
+    """Run cmd from the repository, everything it prints in log_path after the command itself; its exit code."""
+    with open(log_path, "w") as log:
+        log.write("$ " + shlex.join(cmd) + "\n")
+        log.flush()
+        return subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
 
 
 def error_lines(log_path, tail=30):
@@ -201,18 +211,11 @@ def run_sweep(args, extra):
         bar = tqdm(todo, desc="runs", unit="run", dynamic_ncols=True)
         for name, flags, run_dir, record_dir, state in bar:
             bar.set_postfix_str(name)
-            if state == "restart":  # died before its first checkpoint: nothing to continue from
-                shutil.rmtree(run_dir)
-            where = ["--resume", run_dir] if state == "resume" else ["--run_dir", run_dir]
-            seed = sweep["runs"][name]["seed"]
-            cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}",
-                   f"--master_port={free_port()}", "spo.py", *flags, "--seed", str(seed), *where]
+            seed = str(sweep["runs"][name]["seed"])
+            cmd = launch(args.nproc, "spo.py", [*flags, "--seed", seed, *start_flags(run_dir, state)])
             log_path = os.path.join(args.out, "logs", f"{name}.log")
             t0 = time.time()
-            with open(log_path, "w") as log:
-                log.write("$ " + shlex.join(cmd) + "\n")
-                log.flush()
-                code = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
+            code = run_logged(cmd, log_path)
             entry = sweep["runs"][name]
             entry.update(command=cmd, returncode=code, seconds=round(time.time() - t0, 1),
                          log=os.path.relpath(log_path, args.out), resumed=state == "resume")
