@@ -109,12 +109,8 @@ def plot_rho(groups, colors, ax_q, ax_clip):
     ax_clip.set(xlabel="step", ylabel="revisits at the clip bound (%)", title="rho pinned at rho_min / rho_max")
 
 
-def _has(groups, test):
-    return any(test(run) for runs in groups.values() for run in runs)
-
-
 def make_plots(groups, out_dir):
-    """groups: {name: [read_run(...), ...]}. Writes the PNGs that have data into out_dir; returns
+    """groups: {name: [read_run(...), ...]}. Writes the PNGs whose first panel has data into out_dir; returns
     ({plot: path}, [names of the plots skipped for lack of data])."""
     import matplotlib
     matplotlib.use("Agg")
@@ -122,22 +118,16 @@ def make_plots(groups, out_dir):
     os.makedirs(out_dir, exist_ok=True)
     palette = plt.get_cmap("tab10" if len(groups) <= 10 else "tab20")
     colors = {name: palette(i % palette.N) for i, name in enumerate(groups)}
-
-    def any_row(key):
-        return _has(groups, lambda r: any(key in row for row in r["rows"].values()))
-    plots = {"accuracy": (any_row("eval/accuracy"), 1, plot_accuracy),
-             "zero_signal": (any_row("zero_signal/degenerate_groups") or any_row("zero_signal/abs_adv_le_0.02"), 1,
-                             plot_zero_signal),
-             "adv_variance": (any_row("signal/adv_var_raw"), 1, plot_adv_variance),
-             "tracker_probe": (_has(groups, lambda r: bool(r["probe"])), 2, plot_probe),
-             "rho": (any_row("tracker/rho_p50"), 2, plot_rho)}
+    plots = {"accuracy": (1, plot_accuracy), "zero_signal": (1, plot_zero_signal),
+             "adv_variance": (1, plot_adv_variance), "tracker_probe": (2, plot_probe), "rho": (2, plot_rho)}
     written, skipped = {}, []
-    for name, (has_data, panels, draw) in plots.items():
-        if not has_data:
-            skipped.append(name)
-            continue
+    for name, (panels, draw) in plots.items():
         fig, axes = plt.subplots(1, panels, figsize=(6.5 * panels, 4.5), squeeze=False)
         draw(groups, colors, *axes[0])
+        if not axes[0][0].has_data():  # no run logged what this plot draws
+            plt.close(fig)
+            skipped.append(name)
+            continue
         for ax in axes[0]:
             if ax.get_legend_handles_labels()[0]:
                 ax.legend(fontsize=7)

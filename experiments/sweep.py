@@ -24,8 +24,8 @@ import time
 
 import numpy as np
 
-from experiments.analysis import (archive, eval_curve, mean_ci, paired_difference, prediction_interval, read_run,
-                                  read_sweep, record_names, sweep_runs, write_archive)
+from experiments.analysis import (archive, eval_curve, mean_ci, paired_difference, pct, prediction_interval,
+                                  read_run, read_sweep, record_names, sweep_runs, write_archive)
 from experiments.plots import groups_from_paths, make_plots
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: spo.py runs from there
@@ -118,9 +118,8 @@ def steps_of(flags):
 
 
 def write_record(run_dir, record_dir):
-    """A finished run's record, NAME/{config.json, metrics.jsonl, probe.jsonl} (no checkpoints) in its sweep's one
-    archive OUT/records.tar.gz (record_dir: OUT/records/NAME), replacing an older record of NAME: small enough to
-    commit, so the sweep's summary, plots and resume work on a machine without the runs."""
+    """A finished run's logs (no checkpoints) as NAME/ in its sweep's one archive (record_dir OUT/records/NAME: in
+    OUT/records.tar.gz), replacing an older record of NAME: committed, it stands in for the run elsewhere."""
     path, name = os.path.dirname(record_dir) + ".tar.gz", os.path.basename(record_dir)
     members = {k: v for k, v in archive(path).items() if not k.startswith(name + "/")}
     for log in ("config.json", "metrics.jsonl", "probe.jsonl"):
@@ -164,16 +163,13 @@ def error_lines(log_path, tail=30):
 
 
 def acquire_lock(out):
-    """One sweep per --out at a time (two would run the same runs); a lock whose process is gone is taken over."""
+    """One sweep per --out at a time (two would run the same runs); the lock names its host and process."""
     lock = os.path.join(out, ".sweep.lock")
-    if os.path.exists(lock):
-        try:
-            os.kill(int(open(lock).read().split()[1]), 0)
-            raise SystemExit(f"error: {out} is in use by another sweep ({lock}); if it is gone, delete the lock")
-        except (ProcessLookupError, ValueError, IndexError):
-            pass
-    with open(lock, "w") as f:
-        f.write(f"{socket.gethostname()} {os.getpid()}\n")
+    try:
+        with open(lock, "x") as f:
+            f.write(f"{socket.gethostname()} {os.getpid()}\n")
+    except FileExistsError:
+        raise SystemExit(f"error: {out} is in use by another sweep ({lock}); if it is gone, delete the lock") from None
     return lock
 
 
@@ -184,53 +180,44 @@ def save_json(path, obj):
 
 
 def run_sweep(args, extra):
-    from tqdm import tqdm
     runs = plan(args, extra)
     os.makedirs(os.path.join(args.out, "logs"), exist_ok=True)
     lock = acquire_lock(args.out)
     sweep_path = os.path.join(args.out, "sweep.json")
     sweep = json.load(open(sweep_path)) if os.path.exists(sweep_path) else {"runs": {}}
     sweep["reference"] = args.reference
-    todo = []
-    for name, variant, seed, flags in runs:
-        run_dir, record_dir = os.path.join(args.out, "runs", name), os.path.join(args.out, "records", name)
-        wanted = steps_of(tuple(flags))
-        state = run_state(run_dir, wanted, record_dir)
-        entry = sweep["runs"].setdefault(name, {})
-        entry.update(name=name, variant=variant, seed=seed, flags=flags)
-        if state == "finished":
-            entry["status"] = "finished"
-            if os.path.isdir(run_dir) and name not in record_names(os.path.dirname(record_dir)):
-                write_record(run_dir, record_dir)
-            print(f"{name}: finished, skipped", flush=True)
-        else:
-            todo.append((name, flags, run_dir, record_dir, state))
-    save_json(sweep_path, sweep)
+    for name, variant, seed, flags in runs:  # all of the plan first: a sweep cut short shows what it did not run
+        sweep["runs"].setdefault(name, {}).update(name=name, variant=variant, seed=seed, flags=flags)
     failed = []
     try:
-        bar = tqdm(todo, desc="runs", unit="run", dynamic_ncols=True)
-        for name, flags, run_dir, record_dir, state in bar:
-            bar.set_postfix_str(name)
-            seed = str(sweep["runs"][name]["seed"])
-            cmd = launch(args.nproc, "spo.py", [*flags, "--seed", seed, *start_flags(run_dir, state)])
+        for k, (name, _, seed, flags) in enumerate(runs, 1):
+            run_dir, record_dir = os.path.join(args.out, "runs", name), os.path.join(args.out, "records", name)
+            entry, state = sweep["runs"][name], run_state(run_dir, steps_of(tuple(flags)), record_dir)
+            if state == "finished":
+                entry["status"] = "finished"
+                if os.path.isdir(run_dir) and name not in record_names(os.path.dirname(record_dir)):
+                    write_record(run_dir, record_dir)
+                print(f"{name}: finished, skipped", flush=True)
+                continue
+            print(f"{name}: running, {k} of {len(runs)} ({state})", flush=True)
+            cmd = launch(args.nproc, "spo.py", [*flags, "--seed", str(seed), *start_flags(run_dir, state)])
             log_path = os.path.join(args.out, "logs", f"{name}.log")
             t0 = time.time()
             code = run_logged(cmd, log_path)
-            entry = sweep["runs"][name]
             entry.update(command=cmd, returncode=code, seconds=round(time.time() - t0, 1),
                          log=os.path.relpath(log_path, args.out), resumed=state == "resume")
             if code == 0 and run_state(run_dir, steps_of(tuple(flags))) == "finished":
                 write_record(run_dir, record_dir)
                 entry.update(status="finished", error=None)
-                bar.write(f"{name}: finished in {entry['seconds']:.0f} s")
+                print(f"{name}: finished in {entry['seconds']:.0f} s", flush=True)
             else:
                 entry.update(status="failed", error=error_lines(log_path))
                 failed.append(name)
-                bar.write(f"{name}: FAILED (exit {code}), left out of the summary: {entry['error'][-1]} "
-                          f"(log: {log_path})")
+                print(f"{name}: FAILED (exit {code}), left out of the summary: {entry['error'][-1]} "
+                      f"(log: {log_path})", flush=True)
             save_json(sweep_path, sweep)
-        bar.close()
     finally:
+        save_json(sweep_path, sweep)
         os.remove(lock)
     write_summary(args.out, sweep, only={name for name, *_ in runs})
     if failed:
@@ -276,12 +263,6 @@ def summarize(out, sweep, only=None):
     return summary
 
 
-def _pct(mean, low, high):
-    if not np.isfinite(mean):
-        return ""
-    return f"{100 * mean:.1f}" + (f" [{100 * low:.1f}, {100 * high:.1f}]" if np.isfinite(low) else "")
-
-
 def markdown(summary):
     """summary.md: held-out accuracy per variant and evaluation step, paired differences, budgets, failed runs."""
     ref, variants = summary["reference"], summary["variants"]
@@ -301,7 +282,7 @@ def markdown(summary):
                             ("\n## A single run's range (95% prediction interval over seeds)\n", "accuracy_pi95")):
         lines += [title, header]
         for name, v in variants.items():
-            cells = [_pct(c["accuracy_mean"], *c[interval]) if (c := v["steps"].get(str(s))) else "" for s in steps]
+            cells = [pct(c["accuracy_mean"], *c[interval]) if (c := v["steps"].get(str(s))) else "" for s in steps]
             used = f"{len(v['seeds_used'])}"
             if interval == "accuracy_ci95":  # the first table says which seeds are missing, and why
                 used += ((f" ({len(v['seeds_failed'])} failed)" if v["seeds_failed"] else "")
@@ -314,7 +295,7 @@ def markdown(summary):
                 continue
             diffs = [v["steps"].get(str(s), {}).get("paired_diff") for s in steps]
             n = max((d["n"] for d in diffs if d), default=0)
-            lines.append(f"| {name} | {n} | " + " | ".join(_pct(d["mean"], *d["ci95"]) if d else "" for d in diffs)
+            lines.append(f"| {name} | {n} | " + " | ".join(pct(d["mean"], *d["ci95"]) if d else "" for d in diffs)
                          + " |")
     if summary["failed"]:
         lines += ["\n## Failed runs (left out of every mean)\n", "| run | exit | error | log |", "|---|---|---|---|"]
