@@ -1,6 +1,6 @@
 """How the notebook's numbers are computed: statistics over seeds, reading the records, the preregistered primary
-metric and its power, the mechanism sweep's attribution, and the checks docs/experiments.md cites. The regime
-targets and the tracker's lag: regime.py; figures: plots.py; running a sweep: sweep.py.
+metric and its power, and the checks docs/experiments.md cites. The regime targets and the tracker's lag:
+regime.py; figures: plots.py; running a sweep: sweep.py.
 
 Records: a folder of runs D/NAME/ may be packed as one archive D.tar.gz of NAME/config.json, NAME/metrics.jsonl and
 NAME/probe.jsonl; read_run(D/NAME) reads either. Intervals are over training seeds only: every seed starts from the
@@ -9,7 +9,6 @@ same model and pool and is evaluated on the same test set.
     python -m experiments.analysis primary experiments/calibrated --reference spo --budget 46592
     python -m experiments.analysis power 0.0057          # the seeds for 1 point at a paired sd of 0.57 points
     python -m experiments.analysis checks                # the numbers docs/experiments.md's checks cite
-    python -m experiments.analysis attribution           # experiments/mechanism/attribution.md's tables
 """
 import functools
 import gzip
@@ -282,56 +281,6 @@ def primary_markdown(result):
     return "\n".join(lines) + "\n"
 
 
-# ------------------------------------------------------------------------------------------------ the mechanism
-# experiments/mechanism/PLAN.md: (variant, against, what the difference isolates); "*": the earlier tracker_keeps_up
-# sweep's records (paper_regime/, older code)
-COMPARISONS = [("rpp_g8", "grpo", "group z-score -> batch whitening, at 8 x 8"),
-               ("rpp_g1", "rpp_g8", "8 x 8 -> 64 x 1, batch whitening"),
-               ("spo*", "rpp_g1", "SPO's tracker baseline, sampler and offline values (cross-code)"),
-               ("no_baseline*", "rpp_g1", "SPO's sampler and offline values alone (cross-code)"),
-               ("spo*", "grpo", "the whole gap, today's grpo against the earlier spo (cross-code)"),
-               ("spo*", "grpo*", "the whole gap in the earlier sweep")]
-
-
-def attribution(root=ROOT, seeds=range(5)):
-    """The mechanism sweep's tables (experiments/mechanism/attribution.md): per variant, then per comparison, the
-    held-out avg@2 and exact success at step 600 and their means over the evaluations (logged every 50 steps with
-    equal samples between them: the area under the curve against samples), paired by seed."""
-    def load_finished(variant, seed):
-        run = load(os.path.join(root, "paper_regime" if variant.endswith("*") else "mechanism"),
-                   f"{variant.rstrip('*')}-s{seed}")
-        return run if 600 in run["rows"] else None
-    variants = sorted({v for c in COMPARISONS for v in c[:2]})
-    runs = {v: {s: load_finished(v, s) for s in seeds} for v in variants}
-    at = lambda key: lambda r: r["rows"][600].get(key, float("nan"))  # noqa: E731
-    over = lambda key: lambda r: run_mean(r, key, 0)  # noqa: E731
-    metrics = {"held-out avg@2, step 600": at("eval/accuracy"), "exact, step 600": at("eval/exact"),
-               "exact, mean over evaluations": over("eval/exact"),
-               "avg@2, mean over evaluations": over("eval/accuracy")}
-    lines = ["| variant | seeds | " + " | ".join(metrics) + " | zero-advantage share | all-agree share |",
-             "| --- | --- |" + " --- |" * (len(metrics) + 2)]
-    for v in variants:
-        have = [s for s in seeds if runs[v][s]]
-        cells = [pct(*mean_ci([fn(runs[v][s]) for s in have])[:3]) for fn in metrics.values()]
-        zero = mean_ci([run_mean(runs[v][s], "signal/zero_advantage") for s in have])[0]
-        agree = mean_ci([run_mean(runs[v][s], "zero_signal/degenerate_groups") for s in have])[0]
-        lines.append(f"| {v} | {','.join(map(str, have))} | " + " | ".join(cells) + f" | {100 * zero:.1f}% | "
-                     + (f"{100 * agree:.1f}% |" if np.isfinite(agree) else "|"))
-    lines += ["", "| difference | isolates | " + " | ".join(metrics) + " | paired sd, step 600 (points) |",
-              "| --- | --- |" + " --- |" * (len(metrics) + 1)]
-    for a, b, what in COMPARISONS:
-        cells = []
-        for fn in metrics.values():
-            d = paired_difference({s: fn(runs[a][s]) for s in seeds if runs[a][s]},
-                                  {s: fn(runs[b][s]) for s in seeds if runs[b][s]})
-            cells.append(pct(*d[:3], "+.1f") + f" (n {d[3]})" if d[3] else "")
-        first = metrics["held-out avg@2, step 600"]
-        d = [first(runs[a][s]) - first(runs[b][s]) for s in seeds if runs[a][s] and runs[b][s]]
-        sd = f"{100 * np.std(d, ddof=1):.2f}" if len(d) > 1 else ""
-        lines.append(f"| {a} - {b} | {what} | " + " | ".join(cells) + f" | {sd} |")
-    return "\n".join(lines)
-
-
 # ------------------------------------------------------------------------------------------------ the checks
 
 def probe_bias(run, after=50, learning=(0.1, 0.9)):
@@ -376,7 +325,7 @@ def checks(root=ROOT):
             same.append(f"{len(before) - 1} steps {'equal' if equal else 'DIFFER'}")
         out.append(f"| 3. {variant} seeds 0-2 against round 2 (logged values but wall-clock times, probes) | "
                    + ", ".join(same) + " |")
-    # 4. the mechanism sweep's contrasts at step 600 (attribution()'s, to two decimals): point estimates, intervals
+    # 4. the mechanism sweep's contrasts at step 600 (experiments/mechanism/attribution.md's, to two decimals)
     folders = {"grpo": "mechanism", "rpp_g8": "mechanism", "rpp_g1": "mechanism", "spo": "paper_regime"}
     acc = {v: {s: run(folder, f"{v}-s{s}")["rows"][600]["eval/accuracy"] for s in seeds}
            for v, folder in folders.items()}
@@ -417,14 +366,13 @@ def main(argv=None):
     a.add_argument("sd", type=float, help="the paired sd, a fraction (0.004 = 0.4 points)")
     a.add_argument("--effect", type=float, default=0.01, help="the effect to detect (0.01: 1 point)")
     sub.add_parser("checks", help="the numbers docs/experiments.md's checks cite, from the records")
-    sub.add_parser("attribution", help="the mechanism sweep's tables (experiments/mechanism/attribution.md)")
     args = p.parse_args(argv)
     if args.what == "power":
         n = seeds_for(args.effect, args.sd)
         print(f"paired sd {100 * args.sd:.2f} points: {n or 'more than 30'} seeds detect {100 * args.effect:.1f} "
               f"points with 80% power" + (f" (detectable with {n}: {100 * detectable(args.sd, n):.2f})" if n else ""))
-    elif args.what in ("checks", "attribution"):
-        print(checks() if args.what == "checks" else attribution())
+    elif args.what == "checks":
+        print(checks())
     else:
         if not os.path.isdir(args.out):
             raise SystemExit(f"error: {args.out}: not a sweep directory")
