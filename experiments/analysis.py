@@ -330,7 +330,8 @@ def checks(root=ROOT):
     acc = {v: {s: run(folder, f"{v}-s{s}")["rows"][600]["eval/accuracy"] for s in seeds}
            for v, folder in folders.items()}
     for a, b in (("rpp_g8", "grpo"), ("rpp_g1", "rpp_g8"), ("spo", "rpp_g1")):
-        out.append(f"| 4. {a} - {b}, avg@2 at step 600 (points) | {pct(*paired_difference(acc[a], acc[b])[:3], '+.2f')} |")
+        diff = pct(*paired_difference(acc[a], acc[b])[:3], "+.2f")
+        out.append(f"| 4. {a} - {b}, avg@2 at step 600 (points) | {diff} |")
     # 5. PPO-clip in the calibration's learning-rate scans
     for name in record_names(os.path.join(cal, "scans")):
         clip = [row["policy/clip_fraction"] for row in read_run(os.path.join(cal, "scans", name))["rows"].values()
@@ -348,7 +349,8 @@ def checks(root=ROOT):
     out.append(f"| 7. spo: share of samples with abs(A) <= 0.02 (%) | {pct(*mean_ci(zero)[:3], '.2f')} |")
     # 8. prioritised sampling at the last evaluation: the preregistered analysis's secondary metric
     d = analyse(cal, "spo", 46592)["paired"]["uniform"]["final"]
-    out.append(f"| 8. uniform - spo, exact success at the last evaluation (points) | {pct(d['mean'], *d['ci95'], '+.2f')} |")
+    diff = pct(d["mean"], *d["ci95"], "+.2f")
+    out.append(f"| 8. uniform - spo, exact success at the last evaluation (points) | {diff} |")
     return "\n".join(out)
 
 
