@@ -1,6 +1,6 @@
 """How the notebook's numbers are computed: statistics over seeds, reading the records, the preregistered primary
-metric and its power, the mechanism sweep's attribution, and the checks docs/experiments.md cites. The regime
-targets and the tracker's lag: regime.py; figures: plots.py; running a sweep: sweep.py.
+metric and its power, and the checks docs/experiments.md cites. The regime targets and the tracker's lag:
+regime.py; figures: plots.py; running a sweep: sweep.py.
 
 Records: a folder of runs D/NAME/ may be packed as one archive D.tar.gz of NAME/config.json, NAME/metrics.jsonl and
 NAME/probe.jsonl; read_run(D/NAME) reads either. Intervals are over training seeds only: every seed starts from the
@@ -9,7 +9,6 @@ same model and pool and is evaluated on the same test set.
     python -m experiments.analysis primary experiments/calibrated --reference spo --budget 46592
     python -m experiments.analysis power 0.0057          # the seeds for 1 point at a paired sd of 0.57 points
     python -m experiments.analysis checks                # the numbers docs/experiments.md's checks cite
-    python -m experiments.analysis attribution           # experiments/mechanism/attribution.md's tables
 """
 import functools
 import gzip
@@ -32,16 +31,9 @@ T80 = [1.376, 1.061, 0.978, 0.941, 0.920, 0.906, 0.896, 0.889, 0.883, 0.879, 0.8
 
 # ------------------------------------------------------------------------------------------------ statistics
 def t975(df):
-    """t_{0.975, df}: the table up to 30, then the Cornish-Fisher expansion around z = 1.96 (Abramowitz & Stegun
-    26.7.5, three terms), which agrees with the tables to 1e-3 from df = 30 on."""
-    if df < 1:
-        return float("nan")
-    if df <= 30:
-        return T975[int(df) - 1]
-    z = 1.959964
-    g1, g2 = (z ** 3 + z) / 4, (5 * z ** 5 + 16 * z ** 3 + 3 * z) / 96
-    g3 = (3 * z ** 7 + 19 * z ** 5 + 17 * z ** 3 - 15 * z) / 384
-    return z + g1 / df + g2 / df ** 2 + g3 / df ** 3
+    """t_{0.975, df} from the table; past 30 degrees of freedom (no sweep here has half as many seeds) its last value,
+    which only widens an interval (t falls to 1.96)."""
+    return T975[min(int(df), 30) - 1] if df >= 1 else float("nan")
 
 
 def _finite(values):
@@ -49,8 +41,8 @@ def _finite(values):
 
 
 def mean_ci(values):
-    """(mean, low, high, n) of the finite values: a 95% t-interval mean +- t_{0.975, n-1} sd / sqrt(n), sd with
-    n - 1. With fewer than two values there is no interval (low = high = NaN), never a fake zero width."""
+    """(mean, low, high, n) of the finite values with a 95% t-interval; with fewer than two values there is no
+    interval (low = high = NaN), never a fake zero width."""
     x = _finite(values)
     if x.size == 0:
         return float("nan"), float("nan"), float("nan"), 0
@@ -71,10 +63,17 @@ def prediction_interval(values):
 
 
 def paired_difference(values, reference):
-    """values, reference: {seed: number}. The mean_ci of values[s] - reference[s] over the seeds both have
-    (finite): a paired comparison, since runs with one seed share the held-out samples' seeds and the start."""
+    """mean_ci of values[s] - reference[s] ({seed: number}) over the seeds both have: runs of one seed share the
+    start and the held-out samples' seeds, and pairing removes what they share."""
     common = sorted(s for s in set(values) & set(reference) if np.isfinite(values[s]) and np.isfinite(reference[s]))
     return mean_ci([values[s] - reference[s] for s in common])
+
+
+def pct(mean, low=float("nan"), high=float("nan"), spec=".1f"):
+    """100 x mean and its interval as text, "12.3 [11.0, 13.6]": no interval where there is none, "" for no mean."""
+    if not np.isfinite(mean):
+        return ""
+    return f"{100 * mean:{spec}}" + (f" [{100 * low:{spec}}, {100 * high:{spec}}]" if np.isfinite(low) else "")
 
 
 def detectable(sd, n):
@@ -112,12 +111,11 @@ def write_archive(path, members):
 
 
 def _text(run_dir, name):
-    """A run file's text: RUN/NAME, RUN/NAME.gz, or NAME of RUN in its folder's archive (D.tar.gz); None if none."""
+    """A run file's text: RUN/NAME, or NAME of RUN in its folder's archive (D.tar.gz); None if neither."""
     path = os.path.join(run_dir, name)
-    for candidate, opener in ((path, open), (path + ".gz", gzip.open)):
-        if os.path.exists(candidate):
-            with opener(candidate, "rt") as f:
-                return f.read()
+    if os.path.exists(path):
+        with open(path) as f:
+            return f.read()
     folder, run = os.path.split(os.path.normpath(run_dir))
     data = archive(folder + ".tar.gz").get(f"{run}/{name}")
     return None if data is None else data.decode()
@@ -130,8 +128,7 @@ def _jsonl_by_step(text):
 
 
 def read_run(run_dir):
-    """An spo.py run directory, or a sweep's record of one (loose or in its folder's archive): its config, metrics
-    rows and probe rows (each {step: row})."""
+    """An spo.py run directory or a sweep's record of one: its config, metrics rows and probe rows ({step: row})."""
     config = _text(run_dir, "config.json")
     return {"dir": run_dir, "config": json.loads(config) if config else {},
             "rows": _jsonl_by_step(_text(run_dir, "metrics.jsonl")),
@@ -157,15 +154,13 @@ def read_sweep(out):
 
 
 def load(out, name):
-    """A sweep's finished run: its run directory where it exists (this machine ran it), else its record
-    (OUT/records/NAME, or NAME in OUT/records.tar.gz: committed, so a sweep carries across machines)."""
+    """A sweep's run: its run directory where this machine ran it, else its committed record (OUT/records/NAME)."""
     run_dir = os.path.join(out, "runs", name)
     return read_run(run_dir if os.path.isdir(run_dir) else os.path.join(out, "records", name))
 
 
 def sweep_runs(out, sweep=None, only=None):
-    """{variant: {seed: run}} of a sweep's finished runs (sweep: sweep.json's dict, default read_sweep(out)'s; only:
-    the run names to include, None: all)."""
+    """{variant: {seed: run}} of a sweep's finished runs (sweep: default read_sweep(out); only: run names, or all)."""
     groups = {}
     for e in (sweep or read_sweep(out))["runs"].values():
         if e.get("status") == "finished" and (only is None or e["name"] in only):
@@ -193,8 +188,7 @@ def run_mean(run, key, first=1):
 
 # ------------------------------------------------------------------------------------------------ the primary metric
 def pool_size(config):
-    """The number of training prompts a run drew from: --train_prompts (at most the rows of its training file), else
-    every row of that file."""
+    """The number of training prompts a run drew from: its --train_prompts, at most its training file's rows."""
     if not os.path.exists(config["train"]):  # a record read on another machine: its --train_prompts, if it said
         if config.get("train_prompts"):
             return config["train_prompts"]
@@ -261,7 +255,6 @@ def analyse(out, reference, budget=None):
 
 
 def primary_markdown(result):
-    pts = lambda x: f"{100 * x:+.2f}" if np.isfinite(x) else "-"  # noqa: E731
     lines = [f"Primary metric: held-out exact success averaged over {result['budget']:.0f} generated samples "
              f"(offline values counted); secondary: exact success at the last evaluation. Mean [95% t-interval] "
              f"over seeds (training randomness only: same model, pool and test set), %; paired difference to "
@@ -270,79 +263,18 @@ def primary_markdown(result):
              "| variant | seeds | primary | final | primary - ref | sd | detectable | final - ref | detectable | "
              "zero-advantage |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, v in result["variants"].items():
-        cells = []
-        for metric in ("primary", "final"):
-            mean, low, high, n = mean_ci(v[metric].values())
-            cells.append(f"{100 * mean:.2f}" + (f" [{100 * low:.2f}, {100 * high:.2f}]" if n > 1 else ""))
+        cells = [pct(*mean_ci(v[metric].values())[:3], ".2f") for metric in ("primary", "final")]
         d = result["paired"].get(name)
         diff = ["", "", "", "", ""] if d is None else [
-            f"{pts(d['primary']['mean'])} [{pts(d['primary']['ci95'][0])}, {pts(d['primary']['ci95'][1])}]",
-            f"{100 * d['primary']['sd']:.2f}", f"{100 * d['primary']['detectable']:.2f}",
-            f"{pts(d['final']['mean'])} [{pts(d['final']['ci95'][0])}, {pts(d['final']['ci95'][1])}]",
-            f"{100 * d['final']['detectable']:.2f}"]
+            pct(d["primary"]["mean"], *d["primary"]["ci95"], "+.2f"), pct(d["primary"]["sd"], spec=".2f"),
+            pct(d["primary"]["detectable"], spec=".2f"), pct(d["final"]["mean"], *d["final"]["ci95"], "+.2f"),
+            pct(d["final"]["detectable"], spec=".2f")]
         zero_share = f"{100 * np.mean(list(v['zero_advantage'].values())):.1f}%"
         lines.append(f"| {name} | {len(v['primary'])} | " + " | ".join(cells + diff + [zero_share]) + " |")
     return "\n".join(lines) + "\n"
 
 
-# ------------------------------------------------------------------------------------------------ the mechanism
-# experiments/mechanism/PLAN.md: (variant, against, what the difference isolates); "*": the earlier tracker_keeps_up
-# sweep's records (paper_regime/, older code)
-COMPARISONS = [("rpp_g8", "grpo", "group z-score -> batch whitening, at 8 x 8"),
-               ("rpp_g1", "rpp_g8", "8 x 8 -> 64 x 1, batch whitening"),
-               ("spo*", "rpp_g1", "SPO's tracker baseline, sampler and offline values (cross-code)"),
-               ("no_baseline*", "rpp_g1", "SPO's sampler and offline values alone (cross-code)"),
-               ("spo*", "grpo", "the whole gap, today's grpo against the earlier spo (cross-code)"),
-               ("spo*", "grpo*", "the whole gap in the earlier sweep")]
-
-
-def attribution(root=ROOT, seeds=range(5)):
-    """The mechanism sweep's tables (experiments/mechanism/attribution.md): per variant, then per comparison, the
-    held-out avg@2 and exact success at step 600 and their means over the evaluations (logged every 50 steps with
-    equal samples between them: the area under the curve against samples), paired by seed."""
-    def load_finished(variant, seed):
-        run = load(os.path.join(root, "paper_regime" if variant.endswith("*") else "mechanism"),
-                   f"{variant.rstrip('*')}-s{seed}")
-        return run if 600 in run["rows"] else None
-    variants = sorted({v for c in COMPARISONS for v in c[:2]})
-    runs = {v: {s: load_finished(v, s) for s in seeds} for v in variants}
-    at = lambda key: lambda r: r["rows"][600].get(key, float("nan"))  # noqa: E731
-    over = lambda key: lambda r: run_mean(r, key, 0)  # noqa: E731
-    metrics = {"held-out avg@2, step 600": at("eval/accuracy"), "exact, step 600": at("eval/exact"),
-               "exact, mean over evaluations": over("eval/exact"),
-               "avg@2, mean over evaluations": over("eval/accuracy")}
-    lines = ["| variant | seeds | " + " | ".join(metrics) + " | zero-advantage share | all-agree share |",
-             "| --- | --- |" + " --- |" * (len(metrics) + 2)]
-    for v in variants:
-        have = [s for s in seeds if runs[v][s]]
-        cells = []
-        for fn in metrics.values():
-            mean, low, high, n = mean_ci([fn(runs[v][s]) for s in have])
-            cells.append(f"{100 * mean:.1f} [{100 * low:.1f}, {100 * high:.1f}]" if n > 1 else
-                         (f"{100 * mean:.1f}" if n else ""))
-        zero = mean_ci([run_mean(runs[v][s], "signal/zero_advantage") for s in have])[0]
-        agree = mean_ci([run_mean(runs[v][s], "zero_signal/degenerate_groups") for s in have])[0]
-        lines.append(f"| {v} | {','.join(map(str, have))} | " + " | ".join(cells) + f" | {100 * zero:.1f}% | "
-                     + (f"{100 * agree:.1f}% |" if np.isfinite(agree) else "|"))
-    lines += ["", "| difference | isolates | " + " | ".join(metrics) + " | paired sd, step 600 (points) |",
-              "| --- | --- |" + " --- |" * (len(metrics) + 1)]
-    for a, b, what in COMPARISONS:
-        cells = []
-        for fn in metrics.values():
-            d = paired_difference({s: fn(runs[a][s]) for s in seeds if runs[a][s]},
-                                  {s: fn(runs[b][s]) for s in seeds if runs[b][s]})
-            cells.append(f"{100 * d[0]:+.1f} [{100 * d[1]:+.1f}, {100 * d[2]:+.1f}] (n {d[3]})" if d[3] else "")
-        first = metrics["held-out avg@2, step 600"]
-        d = [first(runs[a][s]) - first(runs[b][s]) for s in seeds if runs[a][s] and runs[b][s]]
-        sd = f"{100 * np.std(d, ddof=1):.2f}" if len(d) > 1 else ""
-        lines.append(f"| {a} - {b} | {what} | " + " | ".join(cells) + f" | {sd} |")
-    return "\n".join(lines)
-
-
 # ------------------------------------------------------------------------------------------------ the checks
-def _pct(mean, low, high, *_, sign="+"):
-    return f"{100 * mean:{sign}.2f} [{100 * low:{sign}.2f}, {100 * high:{sign}.2f}]"
-
 
 def probe_bias(run, after=50, learning=(0.1, 0.9)):
     """(largest |bias| of v(x) against the exact p(x) over the probes after `after`; the largest |mean v - p| over
@@ -370,7 +302,7 @@ def checks(root=ROOT):
     # 1. the paper's variance cut: SPO's raw-advantage variance against its no-baseline ablation (r itself)
     cut = [1 - run_mean(run("calibrated", f"spo-s{s}"), "signal/adv_var_raw")
            / run_mean(run("calibrated", f"no_baseline-s{s}"), "signal/adv_var_raw") for s in seeds]
-    out.append(f"| 1. raw-advantage variance cut, spo against no_baseline (%) | {_pct(*mean_ci(cut), sign='')} |")
+    out.append(f"| 1. raw-advantage variance cut, spo against no_baseline (%) | {pct(*mean_ci(cut)[:3], '.2f')} |")
     # 2. the tracker probe per variant and seed: the bias bound (0.05) and the lag on prompts being learned
     for variant in ("spo", "no_baseline", "no_offline", "uniform"):
         cells = [probe_bias(run("calibrated", f"{variant}-s{s}")) for s in seeds]
@@ -386,12 +318,13 @@ def checks(root=ROOT):
             same.append(f"{len(before) - 1} steps {'equal' if equal else 'DIFFER'}")
         out.append(f"| 3. {variant} seeds 0-2 against round 2 (logged values but wall-clock times, probes) | "
                    + ", ".join(same) + " |")
-    # 4. the mechanism sweep's contrasts at step 600 (attribution()'s, to two decimals): point estimates, intervals
+    # 4. the mechanism sweep's contrasts at step 600 (experiments/mechanism/attribution.md's, to two decimals)
     folders = {"grpo": "mechanism", "rpp_g8": "mechanism", "rpp_g1": "mechanism", "spo": "paper_regime"}
     acc = {v: {s: run(folder, f"{v}-s{s}")["rows"][600]["eval/accuracy"] for s in seeds}
            for v, folder in folders.items()}
     for a, b in (("rpp_g8", "grpo"), ("rpp_g1", "rpp_g8"), ("spo", "rpp_g1")):
-        out.append(f"| 4. {a} - {b}, avg@2 at step 600 (points) | {_pct(*paired_difference(acc[a], acc[b]))} |")
+        diff = pct(*paired_difference(acc[a], acc[b])[:3], "+.2f")
+        out.append(f"| 4. {a} - {b}, avg@2 at step 600 (points) | {diff} |")
     # 5. PPO-clip in the calibration's learning-rate scans
     for name in record_names(os.path.join(cal, "scans")):
         clip = [row["policy/clip_fraction"] for row in read_run(os.path.join(cal, "scans", name))["rows"].values()
@@ -406,10 +339,11 @@ def checks(root=ROOT):
         out.append(f"| 6. grpo-s{s}: first step whose rewards, lengths or accuracy differ | {first} |")
     # 7. SPO's near-zero advantages at the paper's threshold (Fig. 3a)
     zero = [run_mean(run("calibrated", f"spo-s{s}"), "zero_signal/abs_adv_le_0.02") for s in seeds]
-    out.append(f"| 7. spo: share of samples with abs(A) <= 0.02 (%) | {_pct(*mean_ci(zero), sign='')} |")
+    out.append(f"| 7. spo: share of samples with abs(A) <= 0.02 (%) | {pct(*mean_ci(zero)[:3], '.2f')} |")
     # 8. prioritised sampling at the last evaluation: the preregistered analysis's secondary metric
     d = analyse(cal, "spo", 46592)["paired"]["uniform"]["final"]
-    out.append(f"| 8. uniform - spo, exact success at the last evaluation (points) | {_pct(d['mean'], *d['ci95'])} |")
+    diff = pct(d["mean"], *d["ci95"], "+.2f")
+    out.append(f"| 8. uniform - spo, exact success at the last evaluation (points) | {diff} |")
     return "\n".join(out)
 
 
@@ -427,14 +361,13 @@ def main(argv=None):
     a.add_argument("sd", type=float, help="the paired sd, a fraction (0.004 = 0.4 points)")
     a.add_argument("--effect", type=float, default=0.01, help="the effect to detect (0.01: 1 point)")
     sub.add_parser("checks", help="the numbers docs/experiments.md's checks cite, from the records")
-    sub.add_parser("attribution", help="the mechanism sweep's tables (experiments/mechanism/attribution.md)")
     args = p.parse_args(argv)
     if args.what == "power":
         n = seeds_for(args.effect, args.sd)
         print(f"paired sd {100 * args.sd:.2f} points: {n or 'more than 30'} seeds detect {100 * args.effect:.1f} "
               f"points with 80% power" + (f" (detectable with {n}: {100 * detectable(args.sd, n):.2f})" if n else ""))
-    elif args.what in ("checks", "attribution"):
-        print(checks() if args.what == "checks" else attribution())
+    elif args.what == "checks":
+        print(checks())
     else:
         if not os.path.isdir(args.out):
             raise SystemExit(f"error: {args.out}: not a sweep directory")

@@ -1,34 +1,25 @@
 """The paper's Table 1 on one node, in one command: offline values, training, evaluation of the base and the trained
-model on the five benchmarks, and the table with the paper's numbers beside ours.
+model on the five benchmarks, and the table with the paper's numbers beside ours (docs/scale.md: time and disk).
 
     python -m tasks.paper prepare --out data/paper               # the six datasets from hub names, once
     python -m experiments.paper --data data/paper --out runs/paper --model Qwen/Qwen3-8B --nproc 8
     python -m experiments.paper --data data/paper --out runs/paper_grpo --model Qwen/Qwen3-8B --nproc 8 --algo grpo
     python -m experiments.paper --dry_run --out /tmp/paper_dry  # every stage on this CPU in minutes (the toy)
 
-Stages, each a program a user could run by hand (the command is the first line of its log, OUT/logs/<stage>.log):
-  values     offline_values.py: v0 of every training prompt under the base model (SPO only)  OUT/values.json
-  train      spo.py with the paper's settings (Appendix D; SETTINGS below)                    OUT/train/
-  eval_base  eval.py on the base model: the table's first row                                  OUT/eval_base/
-  eval       eval.py on the trained model's last checkpoint                                     OUT/eval/
-  table      maj@n and avg@n per benchmark and their unweighted mean, as Table 1, with the paper's rows
-             above ours                                                                          OUT/table.md
-Resumable at every stage: a rerun of the same command skips a stage whose output is complete and continues the
-training (spo.py --resume, exact) and the offline values (offline_values.py resumes by itself). Flags after `--`
-go to spo.py (e.g. `-- --steps 300 --seed 1`). maj@n is the bootstrap expectation of a majority vote over n
-samples (eval.py's maj@n_boot_mean): the paper's maj@32 values are not multiples of 1/30 on 30-problem sets, so
-they are an expectation too. The dry run (dry_run_data) exercises every stage; its numbers mean nothing.
+Stages, each a program a user could run by hand (the command heads its log, OUT/logs/<stage>.log): values
+(offline_values.py, SPO only: OUT/values.json), train (spo.py with SETTINGS below: OUT/train/), eval_base and eval
+(eval.py on the base model and on the last checkpoint: OUT/eval_base/, OUT/eval/), table (OUT/table.md). A rerun
+of the same command skips finished stages and resumes the others. Flags after `--` go to spo.py. maj@n is eval.py's
+bootstrap expectation of the vote: the paper's maj@32 values are not multiples of 1/30 on 30-problem sets, so they
+are an expectation too. The dry run's numbers mean nothing.
 """
 import argparse
 import json
 import os
-import shlex
-import shutil
-import subprocess
 import sys
 import time
 
-from experiments.sweep import ROOT, error_lines, free_port, run_state
+from experiments.sweep import error_lines, launch, run_logged, run_state, start_flags
 
 # (file stem of the prepared data: tasks/paper.py's names, the paper's column name), in Table 1's order
 TRAIN = "dapo_math_17k_en"
@@ -95,24 +86,13 @@ def data_files(folder):
     return find(TRAIN), {stem: find(stem) for stem, _ in BENCHMARKS}
 
 
-def launch(nproc, program, flags):
-    """The command of one stage: a plain python process for one rank (no rendezvous to wait for), else torchrun."""
-    if nproc == 1:
-        return [sys.executable, program, *flags]
-    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
-            program, *flags]
-
-
 def run_stage(name, cmd, out):
     """Run one stage with its output in OUT/logs/<name>.log; a failure stops the pipeline with its error lines."""
     log_path = os.path.join(out, "logs", f"{name}.log")
     print(f"{name}: running (log: {log_path})", flush=True)
     t0 = time.time()
-    with open(log_path, "w") as log:
-        log.write("$ " + shlex.join(cmd) + "\n")
-        log.flush()
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
-        code = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+    code = run_logged(cmd, log_path, env)
     if code != 0:
         lines = "\n".join("  " + line for line in error_lines(log_path, tail=5))
         raise SystemExit(f"error: stage {name} failed (exit {code}); rerun the same command to continue. Its log "
@@ -186,13 +166,10 @@ def main(argv=None):
     flags += ["--offline_values", values] if args.algo == "spo" else []
     import spo
     state = run_state(run_dir, spo.parse_args(flags).steps)
-    if state == "restart":  # died before its first checkpoint: nothing to continue from
-        shutil.rmtree(run_dir)
     if state == "finished":
         print(f"train: done ({run_dir}), skipped", flush=True)
     else:
-        where = ["--resume", run_dir] if state == "resume" else ["--run_dir", run_dir]
-        run_stage("train", launch(args.nproc, "spo.py", flags + where), args.out)
+        run_stage("train", launch(args.nproc, "spo.py", flags + start_flags(run_dir, state)), args.out)
     # 3. evaluation of the base model and of the trained one, on the five benchmarks
     from machinery.checkpoint import latest_step
     trained = os.path.join(run_dir, "checkpoints", f"step_{latest_step(run_dir):06d}", "model")

@@ -1,18 +1,6 @@
-"""The plots of a sweep or of any spo.py run directories, as PNG files (matplotlib, Agg backend: no display).
-
-Each plot groups runs (a variant's seeds in a sweep; one run per group otherwise) and draws the group's mean over
-runs with a 95% t-interval band over runs (no band for a single run):
-  1. accuracy.png: held-out accuracy against generated samples (`sampling/generated` summed), so variants are
-     compared at equal budgets, not equal steps;
-  2. zero_signal.png: Fig. 3a, the share of samples without signal: all-equal groups for group estimators; for
-     SPO |A| <= 0.02 (solid) and <= 1e-4 (dashed) of the raw advantage r - v (not for `--baseline none`);
-  3. adv_variance.png: Fig. 3b, the variance of the raw advantage, and for group estimators over the samples that
-     carry signal (dashed: "GRPO effective");
-  4. tracker_probe.png (runs with `--probe_every`): the MAE of v(x) against the success rate measured with fresh
-     samples, beside the error the measurement's own noise leaves (dotted), and the last probe's calibration;
-  5. rho.png: rho over revisited prompts, the median with the p10-p90 band (means over runs of spo.py's per-step
-     quantiles), and the shares pinned at rho_min (solid) and rho_max (dashed).
-Per-step curves (2, 3, 5) are trailing means over SMOOTH steps; a plot without data in any run is skipped (named).
+"""The plots of a sweep or of any spo.py run directories, as PNG files (matplotlib, Agg backend: no display): each
+plot draws a group's (a variant's seeds, or one run) mean with a 95% t-interval band over its runs. What each of
+the five shows: docs/experiments.md ("What a sweep does", Plots). A plot without data in any run is skipped (named).
 
     python -m experiments.sweep plot runs/spo-1 runs/grpo-1 experiments/calibrated --out plots  # a sweep: by variant
 """
@@ -121,12 +109,8 @@ def plot_rho(groups, colors, ax_q, ax_clip):
     ax_clip.set(xlabel="step", ylabel="revisits at the clip bound (%)", title="rho pinned at rho_min / rho_max")
 
 
-def _has(groups, test):
-    return any(test(run) for runs in groups.values() for run in runs)
-
-
 def make_plots(groups, out_dir):
-    """groups: {name: [read_run(...), ...]}. Writes the PNGs that have data into out_dir; returns
+    """groups: {name: [read_run(...), ...]}. Writes the PNGs whose first panel has data into out_dir; returns
     ({plot: path}, [names of the plots skipped for lack of data])."""
     import matplotlib
     matplotlib.use("Agg")
@@ -134,22 +118,16 @@ def make_plots(groups, out_dir):
     os.makedirs(out_dir, exist_ok=True)
     palette = plt.get_cmap("tab10" if len(groups) <= 10 else "tab20")
     colors = {name: palette(i % palette.N) for i, name in enumerate(groups)}
-
-    def any_row(key):
-        return _has(groups, lambda r: any(key in row for row in r["rows"].values()))
-    plots = {"accuracy": (any_row("eval/accuracy"), 1, plot_accuracy),
-             "zero_signal": (any_row("zero_signal/degenerate_groups") or any_row("zero_signal/abs_adv_le_0.02"), 1,
-                             plot_zero_signal),
-             "adv_variance": (any_row("signal/adv_var_raw"), 1, plot_adv_variance),
-             "tracker_probe": (_has(groups, lambda r: bool(r["probe"])), 2, plot_probe),
-             "rho": (any_row("tracker/rho_p50"), 2, plot_rho)}
+    plots = {"accuracy": (1, plot_accuracy), "zero_signal": (1, plot_zero_signal),
+             "adv_variance": (1, plot_adv_variance), "tracker_probe": (2, plot_probe), "rho": (2, plot_rho)}
     written, skipped = {}, []
-    for name, (has_data, panels, draw) in plots.items():
-        if not has_data:
-            skipped.append(name)
-            continue
+    for name, (panels, draw) in plots.items():
         fig, axes = plt.subplots(1, panels, figsize=(6.5 * panels, 4.5), squeeze=False)
         draw(groups, colors, *axes[0])
+        if not axes[0][0].has_data():  # no run logged what this plot draws
+            plt.close(fig)
+            skipped.append(name)
+            continue
         for ax in axes[0]:
             if ax.get_legend_handles_labels()[0]:
                 ax.legend(fontsize=7)

@@ -1,15 +1,9 @@
-"""Is a toy setting in the paper's regime, and can SPO's tracker keep up in it? Measured from runs or records.
-
-1. The calibration targets (issue 41), from an SPO and a GRPO run of one seed, each beside the paper's value (PAPER
-and targets() below). p(x) is the exact success probability at the training temperature on the training pool
-(machinery/metrics.py:pool_statistics, logged at every held-out evaluation on the toy).
-
-2. The tracker's regime, from a run's probe (--probe_every): with forgetting factor rho the tracker remembers about
-1 / (1 - rho) visits, and if p(x) moves by delta between two visits an exponential average lags a steady drift by
-about -delta * rho / (1 - rho): what matters is the policy's change per visit of a prompt. Per interval between two
-probes: delta = mean change of p (the exact one where logged) / mean visits between; lag = -delta * rho / (1 - rho).
-The bounds: |bias| <= 0.05 at every probe, and MAE <= 1.5 x the MAE of an unbiased tracker with N_eff samples
-(probe/mae_unbiased, machinery/metrics.py:probe_stats).
+"""Is a toy setting in the paper's regime, and can SPO's tracker keep up in it? Measured from runs or records:
+the calibration targets (issue 41) from an SPO and a GRPO run of one seed, each beside the paper's value (PAPER,
+targets()); and the tracker's lag from a run's probe (--probe_every): per interval between two probes, the change
+of p(x) per visit of a prompt, delta, and the lag a steady drift leaves an exponential average with forgetting
+factor rho, -delta rho / (1 - rho), beside the bounds (docs/experiments.md, "What decides whether a tracker keeps
+up").
 
     python -m experiments.regime targets experiments/calibrated/round2      # one column per seed of spo and grpo
     python -m experiments.regime probe RUN_DIR [RUN_DIR ...] [--brief]      # --brief: one row per run, then misses

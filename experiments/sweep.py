@@ -1,23 +1,10 @@
 """Sweeps: spo.py for a list of variants x seeds at an equal budget, resumable, with one summary and the plots.
 
-Why: one seed of an RL run on the toy moves the held-out accuracy by a few points, so comparing variants needs
-several seeds and paired differences (analysis.py). This runs the grid, one torchrun at a time, and writes:
-
-  OUT/runs/<variant>-s<seed>/      spo.py run directories
-  OUT/records.tar.gz               every finished run's config.json, metrics.jsonl, probe.jsonl (one archive: commit
-                                   it); the summary reads a run's record where the run is absent
-  OUT/logs/<variant>-s<seed>.log   everything the run printed (its latest attempt)
-  OUT/sweep.json                   per run: variant, seed, command, status, exit code, seconds, error lines
-  OUT/summary.json, summary.md     per variant and evaluation step the held-out accuracy, mean and 95% t-interval
-                                   over the seeds that finished, and the paired difference to --reference
-  OUT/plots/*.png                  the five plots of plots.py
-
-Equal budget: every variant generates --batch_size responses per step for the same --steps (the probe's and the
-evaluation's samples are measurements, not counted); the summary checks it from each run's `sampling/generated`.
-Resume: rerun the same command. A run whose latest checkpoint is at its last step is skipped; one with an earlier
-checkpoint continues from it (spo.py --resume, exact); one that never reached a checkpoint starts again. A failed
-run (non-zero exit) is reported on the console, in sweep.json and in summary.md, left out of every mean, and tried
-again by the next invocation. The tracker probe (--probe_every) runs on the SPO variants only.
+One seed of an RL run on the toy moves the held-out accuracy by a few points, so comparing variants needs several
+seeds and paired differences (analysis.py). This runs the grid, one torchrun at a time, into OUT/runs/NAME (NAME:
+<variant>-s<seed>), OUT/logs/NAME.log and OUT/sweep.json, packs each finished run's logs into OUT/records.tar.gz
+(commit it) and writes OUT/summary.{json,md} and OUT/plots/ (plots.py). docs/experiments.md ("Sweeps") says what
+each file holds, how the budget is checked, and how a rerun resumes, skips and retries runs.
 
     python -m experiments.sweep --variants spo:0-4 grpo:0-4 rloo dr_grpo --seeds 0-2 --out experiments/mine
     python -m experiments.sweep --summary_only --out experiments/toy  # summary and plots again (runs or records)
@@ -37,8 +24,8 @@ import time
 
 import numpy as np
 
-from experiments.analysis import (archive, eval_curve, mean_ci, paired_difference, prediction_interval, read_run,
-                                  read_sweep, record_names, sweep_runs, write_archive)
+from experiments.analysis import (archive, eval_curve, mean_ci, paired_difference, pct, prediction_interval,
+                                  read_run, read_sweep, record_names, sweep_runs, write_archive)
 from experiments.plots import groups_from_paths, make_plots
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: spo.py runs from there
@@ -115,6 +102,13 @@ def run_state(run_dir, steps_wanted, record_dir=None):
     return "finished" if latest == steps == steps_wanted else "resume"
 
 
+def start_flags(run_dir, state):
+    """spo.py's flags that continue a run_state() (deleting a run that died before its first checkpoint)."""
+    if state == "restart":
+        shutil.rmtree(run_dir)
+    return ["--resume", run_dir] if state == "resume" else ["--run_dir", run_dir]
+
+
 @functools.cache
 def steps_of(flags):
     """The --steps a run with these spo.py flags trains for: spo.py's own parser decides (its default, or a
@@ -124,9 +118,8 @@ def steps_of(flags):
 
 
 def write_record(run_dir, record_dir):
-    """A finished run's record, NAME/{config.json, metrics.jsonl, probe.jsonl} (no checkpoints) in its sweep's one
-    archive OUT/records.tar.gz (record_dir: OUT/records/NAME), replacing an older record of NAME: small enough to
-    commit, so the sweep's summary, plots and resume work on a machine without the runs."""
+    """A finished run's logs (no checkpoints) as NAME/ in its sweep's one archive (record_dir OUT/records/NAME: in
+    OUT/records.tar.gz), replacing an older record of NAME: committed, it stands in for the run elsewhere."""
     path, name = os.path.dirname(record_dir) + ".tar.gz", os.path.basename(record_dir)
     members = {k: v for k, v in archive(path).items() if not k.startswith(name + "/")}
     for log in ("config.json", "metrics.jsonl", "probe.jsonl"):
@@ -142,6 +135,22 @@ def free_port():
         return s.getsockname()[1]
 
 
+def launch(nproc, program, flags):
+    """The command of one program: a plain python process for one rank (no rendezvous to wait for), else torchrun."""
+    if nproc == 1:
+        return [sys.executable, program, *flags]
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
+            program, *flags]
+
+
+def run_logged(cmd, log_path, env=None):
+    """Run cmd from the repository, everything it prints in log_path after the command itself; its exit code."""
+    with open(log_path, "w") as log:
+        log.write("$ " + shlex.join(cmd) + "\n")
+        log.flush()
+        return subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
+
+
 def error_lines(log_path, tail=30):
     """What a failed run said: its `error:` lines (spo.py's one-line refusals), else the exception lines of a
     traceback (torchrun's own ChildFailedError report left out), else the last lines of its log."""
@@ -154,16 +163,13 @@ def error_lines(log_path, tail=30):
 
 
 def acquire_lock(out):
-    """One sweep per --out at a time (two would run the same runs); a lock whose process is gone is taken over."""
+    """One sweep per --out at a time (two would run the same runs); the lock names its host and process."""
     lock = os.path.join(out, ".sweep.lock")
-    if os.path.exists(lock):
-        try:
-            os.kill(int(open(lock).read().split()[1]), 0)
-            raise SystemExit(f"error: {out} is in use by another sweep ({lock}); if it is gone, delete the lock")
-        except (ProcessLookupError, ValueError, IndexError):
-            pass
-    with open(lock, "w") as f:
-        f.write(f"{socket.gethostname()} {os.getpid()}\n")
+    try:
+        with open(lock, "x") as f:
+            f.write(f"{socket.gethostname()} {os.getpid()}\n")
+    except FileExistsError:
+        raise SystemExit(f"error: {out} is in use by another sweep ({lock}); if it is gone, delete the lock") from None
     return lock
 
 
@@ -174,60 +180,44 @@ def save_json(path, obj):
 
 
 def run_sweep(args, extra):
-    from tqdm import tqdm
     runs = plan(args, extra)
     os.makedirs(os.path.join(args.out, "logs"), exist_ok=True)
     lock = acquire_lock(args.out)
     sweep_path = os.path.join(args.out, "sweep.json")
     sweep = json.load(open(sweep_path)) if os.path.exists(sweep_path) else {"runs": {}}
     sweep["reference"] = args.reference
-    todo = []
-    for name, variant, seed, flags in runs:
-        run_dir, record_dir = os.path.join(args.out, "runs", name), os.path.join(args.out, "records", name)
-        wanted = steps_of(tuple(flags))
-        state = run_state(run_dir, wanted, record_dir)
-        entry = sweep["runs"].setdefault(name, {})
-        entry.update(name=name, variant=variant, seed=seed, flags=flags)
-        if state == "finished":
-            entry["status"] = "finished"
-            if os.path.isdir(run_dir) and name not in record_names(os.path.dirname(record_dir)):
-                write_record(run_dir, record_dir)
-            print(f"{name}: finished, skipped", flush=True)
-        else:
-            todo.append((name, flags, run_dir, record_dir, state))
-    save_json(sweep_path, sweep)
+    for name, variant, seed, flags in runs:  # all of the plan first: a sweep cut short shows what it did not run
+        sweep["runs"].setdefault(name, {}).update(name=name, variant=variant, seed=seed, flags=flags)
     failed = []
     try:
-        bar = tqdm(todo, desc="runs", unit="run", dynamic_ncols=True)
-        for name, flags, run_dir, record_dir, state in bar:
-            bar.set_postfix_str(name)
-            if state == "restart":  # died before its first checkpoint: nothing to continue from
-                shutil.rmtree(run_dir)
-            where = ["--resume", run_dir] if state == "resume" else ["--run_dir", run_dir]
-            seed = sweep["runs"][name]["seed"]
-            cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}",
-                   f"--master_port={free_port()}", "spo.py", *flags, "--seed", str(seed), *where]
+        for k, (name, _, seed, flags) in enumerate(runs, 1):
+            run_dir, record_dir = os.path.join(args.out, "runs", name), os.path.join(args.out, "records", name)
+            entry, state = sweep["runs"][name], run_state(run_dir, steps_of(tuple(flags)), record_dir)
+            if state == "finished":
+                entry["status"] = "finished"
+                if os.path.isdir(run_dir) and name not in record_names(os.path.dirname(record_dir)):
+                    write_record(run_dir, record_dir)
+                print(f"{name}: finished, skipped", flush=True)
+                continue
+            print(f"{name}: running, {k} of {len(runs)} ({state})", flush=True)
+            cmd = launch(args.nproc, "spo.py", [*flags, "--seed", str(seed), *start_flags(run_dir, state)])
             log_path = os.path.join(args.out, "logs", f"{name}.log")
             t0 = time.time()
-            with open(log_path, "w") as log:
-                log.write("$ " + shlex.join(cmd) + "\n")
-                log.flush()
-                code = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
-            entry = sweep["runs"][name]
+            code = run_logged(cmd, log_path)
             entry.update(command=cmd, returncode=code, seconds=round(time.time() - t0, 1),
                          log=os.path.relpath(log_path, args.out), resumed=state == "resume")
             if code == 0 and run_state(run_dir, steps_of(tuple(flags))) == "finished":
                 write_record(run_dir, record_dir)
                 entry.update(status="finished", error=None)
-                bar.write(f"{name}: finished in {entry['seconds']:.0f} s")
+                print(f"{name}: finished in {entry['seconds']:.0f} s", flush=True)
             else:
                 entry.update(status="failed", error=error_lines(log_path))
                 failed.append(name)
-                bar.write(f"{name}: FAILED (exit {code}), left out of the summary: {entry['error'][-1]} "
-                          f"(log: {log_path})")
+                print(f"{name}: FAILED (exit {code}), left out of the summary: {entry['error'][-1]} "
+                      f"(log: {log_path})", flush=True)
             save_json(sweep_path, sweep)
-        bar.close()
     finally:
+        save_json(sweep_path, sweep)
         os.remove(lock)
     write_summary(args.out, sweep, only={name for name, *_ in runs})
     if failed:
@@ -273,12 +263,6 @@ def summarize(out, sweep, only=None):
     return summary
 
 
-def _pct(mean, low, high):
-    if not np.isfinite(mean):
-        return ""
-    return f"{100 * mean:.1f}" + (f" [{100 * low:.1f}, {100 * high:.1f}]" if np.isfinite(low) else "")
-
-
 def markdown(summary):
     """summary.md: held-out accuracy per variant and evaluation step, paired differences, budgets, failed runs."""
     ref, variants = summary["reference"], summary["variants"]
@@ -298,7 +282,7 @@ def markdown(summary):
                             ("\n## A single run's range (95% prediction interval over seeds)\n", "accuracy_pi95")):
         lines += [title, header]
         for name, v in variants.items():
-            cells = [_pct(c["accuracy_mean"], *c[interval]) if (c := v["steps"].get(str(s))) else "" for s in steps]
+            cells = [pct(c["accuracy_mean"], *c[interval]) if (c := v["steps"].get(str(s))) else "" for s in steps]
             used = f"{len(v['seeds_used'])}"
             if interval == "accuracy_ci95":  # the first table says which seeds are missing, and why
                 used += ((f" ({len(v['seeds_failed'])} failed)" if v["seeds_failed"] else "")
@@ -311,7 +295,7 @@ def markdown(summary):
                 continue
             diffs = [v["steps"].get(str(s), {}).get("paired_diff") for s in steps]
             n = max((d["n"] for d in diffs if d), default=0)
-            lines.append(f"| {name} | {n} | " + " | ".join(_pct(d["mean"], *d["ci95"]) if d else "" for d in diffs)
+            lines.append(f"| {name} | {n} | " + " | ".join(pct(d["mean"], *d["ci95"]) if d else "" for d in diffs)
                          + " |")
     if summary["failed"]:
         lines += ["\n## Failed runs (left out of every mean)\n", "| run | exit | error | log |", "|---|---|---|---|"]
