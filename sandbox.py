@@ -182,10 +182,8 @@ def _probe() -> Isolation:
     """The isolation every run gets. There is no weaker fallback: a snippet that could read the host's files (the
     data and its answers, the run directory, the user's home) or write them, or reach the trainer's keys, is not a
     sandbox."""
-    # Found on the sandbox's own PATH, with sbin: a user's PATH often lacks it (Debian's default for non-root).
-    missing = [tool for tool in ("prlimit", "unshare", "mount", "pivot_root") if shutil.which(tool, path=_PATH) is None]
-    if missing:
-        raise SandboxUnavailable(f"sandbox: --tools needs {', '.join(missing)} (util-linux), not found in {_PATH}")
+    if shutil.which("unshare", path=_PATH) is None:  # the sandbox's own PATH: a user's may lack sbin (Debian's)
+        raise SandboxUnavailable(f"sandbox: --tools needs unshare (util-linux), not found in {_PATH}")
     if seccomp_program() is None:
         raise SandboxUnavailable(f"sandbox: --tools needs a seccomp filter, which we have for x86_64 and aarch64 only "
                                  f"(this is {os.uname().machine})")
