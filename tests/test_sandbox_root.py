@@ -1,4 +1,4 @@
-"""A snippet's own root (machinery/isolation.py:_root_setup): it holds the system's and the interpreter's dirs,
+"""A snippet's own root (machinery/isolation.py:_root_steps): it holds the system's and the interpreter's dirs,
 read-only, and nothing else of the host (the repository, the data and their answers, run directories, homes);
 without root the snippet cannot write or undo that either; a machine that cannot give it refuses --tools in one
 line.
@@ -74,7 +74,7 @@ def test_a_machine_without_the_tools_for_a_private_root_refuses_tools_in_one_lin
     proc = subprocess.run([PYTHON, "-c", "import sandbox; sandbox._PATH = '/nonexistent'\n"
                                          "from rollout import make_tools; make_tools(True, 8, 1, 30, 1024, 256)"],
                           env=ENV, cwd=ROOT, capture_output=True, text=True)
-    assert proc.returncode == 2 and proc.stderr.startswith("error: --tools: sandbox: --tools needs prlimit"), proc
+    assert proc.returncode == 2 and proc.stderr.startswith("error: --tools: sandbox: --tools needs unshare"), proc
     assert proc.stderr.count("\n") == 1
 
 
