@@ -11,10 +11,10 @@ as a SandboxResult.
         results = pool.map(codes)                   # in order; futures via pool.submit(code)
 
 How a run is isolated (machinery/isolation.py, `isolation()` checks once that this machine allows it; if not,
-SandboxUnavailable and --tools refuses to start in one line; there is no weaker fallback): prlimit's limits, its own
-network, pid, IPC and mount namespaces with a root of its own (only the system's and the interpreter's dirs, read
-only), a fresh session keyring, a seccomp filter against Unix sockets, keyrings, memfds and SysV IPC, a dedicated
-uid as root or a user namespace of no one otherwise.
+SandboxUnavailable and --tools refuses to start in one line; there is no weaker fallback): its own network, pid,
+IPC and mount namespaces with a root of its own (only the system's and the interpreter's dirs, read only), rlimits,
+a fresh session keyring, a seccomp filter against Unix sockets, keyrings, memfds and SysV IPC, a dedicated uid as
+root or a user namespace of no one otherwise.
 
 Plus `python -I`, a scrubbed environment (nothing of ours), stdin closed; output capped while it arrives (first
 and last halves kept); at the wall-clock limit every process of the run is SIGKILLed and hunted down.
@@ -214,8 +214,7 @@ def run_code(code: str, timeout_s: float = 30.0, memory_mb: int = 1024, max_outp
     if timeout_s <= 0 or memory_mb <= 0 or max_output_bytes <= 0 or max_processes <= 0:
         raise ValueError("run_code: timeout_s, memory_mb, max_output_bytes and max_processes must be > 0")
     limits = {"as": memory_mb << 20, "cpu": cpu_time_s or int(timeout_s) + 1, "nofile": max_open_files,
-              "fsize": max_file_bytes, "core": 0}
-    limits["nproc"] = max_processes
+              "fsize": max_file_bytes, "core": 0, "nproc": max_processes}
     return _run(code, isolation(), timeout_s, max_output_bytes, limits)
 
 

@@ -1,16 +1,15 @@
-"""Stands in for bubblewrap or nsjail (no wheel here): util-linux's prlimit, unshare, mount and pivot_root, composed.
+"""Stands in for bubblewrap or nsjail (no wheel here): util-linux's unshare, then a launcher of ours (syscalls).
 
 The command line that isolates one snippet run of sandbox.py, and what it needs from the host (a dedicated uid as
 root, the dirs a snippet may read). sandbox.py runs the command, reads its output and kills what is left;
 `sandbox.isolation()` checks once that this machine allows it (if not, SandboxUnavailable and --tools refuses to
-start in one line; there is no weaker fallback). Each run costs about 1.5x a run without its own root
-(docs/benchmarks.md: the sandbox). How a run is built:
-  prlimit   memory (RLIMIT_AS), CPU seconds, processes (as root), open files, file size, no core dumps.
+start in one line; there is no weaker fallback). The plan is made once per process; every run builds it afresh:
   unshare   network namespace (a downed loopback: no network, no abstract Unix socket of the host), pid namespace
             (all of the run dies with it), IPC namespace (POSIX message queues; SysV IPC is refused), and
-            a mount namespace with a root of its own (_root_setup): fresh size-capped tmpfs on /tmp, /var/tmp,
+            a mount namespace with a root of its own (_root_steps): fresh size-capped tmpfs on /tmp, /var/tmp,
             /dev/shm, /run/lock (all it may write), the system's and the interpreter's dirs read-only, then
             pivot_root: the repository, the data and their answers, the run directory, homes are not there.
+  limits    memory (RLIMIT_AS), CPU seconds, processes, open files, file size, no core dumps.
   seccomp   a fresh empty session keyring, then a filter fails socket(AF_UNIX), datagram socketpair(AF_UNIX),
             io_uring_setup, add_key, keyctl, request_key, memfd_create, memfd_secret and other ABIs' syscalls with
             EPERM (multiprocessing and asyncio still work: they use stream pairs and /dev/shm).
@@ -104,21 +103,20 @@ def _mount_points_under(directory: str) -> list[str]:
 
 @functools.cache
 def _root_steps(scratch_bytes: int) -> tuple:
-    """The launcher's steps (as root of the run's mount namespace) that build the snippet's root and enter it."""
-    root, bind = _mount_point(), 0x1000  # MS_BIND
+    """The launcher's steps (as root of the run's mount namespace) that build the snippet's root, in order; a mount
+    makes its mount point if missing."""
+    root, bind, recursive = _mount_point(), 0x1000, 0x5000  # MS_BIND, MS_BIND | MS_REC
     links = [d for d in visible_dirs() if d in _SYSTEM_DIRS and os.path.islink(d)]  # /bin -> usr/bin
-    steps = [("mount", "tmpfs", root, "tmpfs", 0, "size=1m,mode=755")]
-    for d in _SCRATCH_DIRS:  # first: a venv under /tmp goes on its tmpfs
-        steps += [("mkdir", root + d), ("mount", "tmpfs", root + d, "tmpfs", 0, f"size={scratch_bytes},mode=1777")]
+    steps = [("mount", "tmpfs", root, "tmpfs", 0, "size=1m,mode=755"), ("mkdir", root + "/dev"), ("mkdir", root + "/.old")]
+    # The scratch dirs first: a venv under /tmp goes on its tmpfs.
+    steps += [("mount", "tmpfs", root + d, "tmpfs", 0, f"size={scratch_bytes},mode=1777") for d in _SCRATCH_DIRS]
     for d in (d for d in visible_dirs() if d not in links):  # read-only, each submount too
-        steps += [("mkdir", root + d), ("mount", d, root + d, None, bind | 0x4000, None)]  # MS_REC
+        steps += [("mount", d, root + d, None, recursive, None)]
         steps += [("readonly", root + p) for p in _mount_points_under(d)]
-    steps += [("symlink", os.readlink(d), root + d) for d in links]
+    steps += [("symlink", os.readlink(d), root + d) for d in links] + [("symlink", "/proc/self/fd", root + "/dev/fd")]
     for d in (f"/dev/{n}" for n in _DEVICES if os.path.exists(f"/dev/{n}")):
-        steps += [("mkdir", root + "/dev"), ("file", root + d), ("mount", d, root + d, None, bind, None)]
-    steps += [("mkdir", root + "/proc"), ("mount", "/proc", root + "/proc", None, bind | 0x4000, None),
-              ("mkdir", root + "/dev"), ("symlink", "/proc/self/fd", root + "/dev/fd"), ("enter", root)]
-    return tuple(steps)
+        steps += [("file", root + d), ("mount", d, root + d, None, bind, None)]
+    return tuple(steps + [("mount", "/proc", root + "/proc", None, recursive, None), ("enter", root)])
 
 
 # Between the namespaces and the snippet (argv: its plan, marshalled, in hex; then the snippet's command), as root of
@@ -133,19 +131,20 @@ def check(result, what):
     if result < 0:
         sys.exit(f"sandbox: cannot {what}: {os.strerror(ctypes.get_errno())}")
 def mount(source, target, fstype, flags, data):
+    if not os.path.lexists(target):
+        os.makedirs(target)
     check(libc.mount(*(s and os.fsencode(s) for s in (source, target, fstype)), flags, data and data.encode()),
           f"mount {target}")
 def readonly(target):  # a bind remount sets every flag: keep those a user namespace may not clear (nosuid, nodev...)
     mount(None, target, None, 0x1020 | 1 | os.statvfs(target).f_flag & 14, None)  # REMOUNT | BIND | RDONLY
 def enter(root):
     os.chdir(root)
-    os.mkdir(".old")
     check(libc.syscall(plan["pivot_root"], b".", b".old"), "pivot_root")
     check(libc.umount2(b"/.old", 2), "detach the host's root")  # MNT_DETACH
     readonly("/")
     os.chdir("/tmp")
-ops = {"mount": mount, "readonly": readonly, "enter": enter, "mkdir": lambda p: os.makedirs(p, exist_ok=True),
-       "file": lambda p: os.close(os.open(p, os.O_CREAT)), "symlink": os.symlink}
+ops = {"mount": mount, "readonly": readonly, "enter": enter, "mkdir": os.mkdir, "symlink": os.symlink,
+       "file": lambda p: os.close(os.open(p, os.O_CREAT))}
 for op, *args in plan["root"]:
     ops[op](*args)
 if libc.syscall(plan["keyctl"], 1, None) < 0 and ctypes.get_errno() != errno.ENOSYS:  # JOIN_SESSION_KEYRING, NULL
@@ -166,16 +165,12 @@ os.execv(sys.argv[2], sys.argv[2:])  # PR_SET_NO_NEW_PRIVS, then PR_SET_SECCOMP 
 """
 
 
-def _per_namespace_nproc() -> bool:
-    release = re.match(r"(\d+)\.(\d+)", os.uname().release)
-    return bool(release) and (int(release[1]), int(release[2])) >= (5, 14)
-
-
 def command(code: str, iso: Isolation, uid: int | None, limits: dict) -> list[str]:
     """unshare -> sh -> the launcher (root, keyring, limits, identity, seccomp) -> python -I -c code."""
     # Before Linux 5.14, RLIMIT_NPROC counts all the user's processes (the trainer's threads too), even inside the
     # snippet's own user namespace: without root it is not set there.
-    limits = {k: v for k, v in limits.items() if k != "nproc" or iso.dedicated_uid or _per_namespace_nproc()}
+    old = tuple(int(n) for n in re.findall(r"\d+", os.uname().release)[:2]) < (5, 14)
+    limits = {k: v for k, v in limits.items() if k != "nproc" or iso.dedicated_uid or not old}
     plan = {"root": _root_steps(limits["fsize"]), "limits": limits, "uid": uid, "seccomp": seccomp_program(),
             "keyctl": SYSCALLS["keyctl"], "pivot_root": SYSCALLS["pivot_root"]}
     argv = ["unshare", "--mount", "--net", "--pid", "--ipc", "--fork", "--kill-child", "--mount-proc"]

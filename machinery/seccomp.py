@@ -14,8 +14,7 @@ caller set; Python's multiprocessing uses POSIX shm in /dev/shm, a size-capped t
 import os
 import struct
 
-# The syscall numbers the filter and the launcher need differ between the two ABIs (io_uring_setup, memfd_secret
-# are the same).
+# The syscall numbers that the filter and machinery/isolation.py's launcher need, for each ABI.
 _AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
 _SYSCALL_NR = {"x86_64": {"socket": 41, "socketpair": 53, "add_key": 248, "request_key": 249, "keyctl": 250,
                           "memfd_create": 319, "shmget": 29, "semget": 64, "msgget": 68, "io_uring_setup": 425,
