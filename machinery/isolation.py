@@ -6,7 +6,7 @@ root, the dirs a snippet may read). sandbox.py runs the command, reads its outpu
 start in one line; there is no weaker fallback). The plan is made once per process; every run builds it afresh:
   unshare   network namespace (a downed loopback: no network, no abstract Unix socket of the host), pid namespace
             (all of the run dies with it), IPC namespace (POSIX message queues; SysV IPC is refused), and
-            a mount namespace with a root of its own (_root_steps): fresh size-capped tmpfs on /tmp, /var/tmp,
+            a mount namespace with a root of its own (_root_setup): fresh size-capped tmpfs on /tmp, /var/tmp,
             /dev/shm, /run/lock (all it may write), the system's and the interpreter's dirs read-only, then
             pivot_root: the repository, the data and their answers, the run directory, homes are not there.
   limits    memory (RLIMIT_AS), CPU seconds, processes, open files, file size, no core dumps.
@@ -102,7 +102,7 @@ def _mount_points_under(directory: str) -> list[str]:
 
 
 @functools.cache
-def _root_steps(scratch_bytes: int) -> tuple:
+def _root_setup(scratch_bytes: int) -> tuple:
     """The launcher's steps (as root of the run's mount namespace) that build the snippet's root, in order; a mount
     makes its mount point if missing."""
     root, bind, recursive = _mount_point(), 0x1000, 0x5000  # MS_BIND, MS_BIND | MS_REC
@@ -171,7 +171,7 @@ def command(code: str, iso: Isolation, uid: int | None, limits: dict) -> list[st
     # snippet's own user namespace: without root it is not set there.
     old = tuple(int(n) for n in re.findall(r"\d+", os.uname().release)[:2]) < (5, 14)
     limits = {k: v for k, v in limits.items() if k != "nproc" or iso.dedicated_uid or not old}
-    plan = {"root": _root_steps(limits["fsize"]), "limits": limits, "uid": uid, "seccomp": seccomp_program(),
+    plan = {"root": _root_setup(limits["fsize"]), "limits": limits, "uid": uid, "seccomp": seccomp_program(),
             "keyctl": SYSCALLS["keyctl"], "pivot_root": SYSCALLS["pivot_root"]}
     argv = ["unshare", "--mount", "--net", "--pid", "--ipc", "--fork", "--kill-child", "--mount-proc"]
     argv += [] if iso.dedicated_uid else ["--user", "--map-root-user"]

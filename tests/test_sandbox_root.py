@@ -1,4 +1,4 @@
-"""A snippet's own root (machinery/isolation.py:_root_steps): it holds the system's and the interpreter's dirs,
+"""A snippet's own root (machinery/isolation.py:_root_setup): it holds the system's and the interpreter's dirs,
 read-only, and nothing else of the host (the repository, the data and their answers, run directories, homes);
 without root the snippet cannot write or undo that either; a machine that cannot give it refuses --tools in one
 line.
