@@ -107,7 +107,7 @@ def _root_setup(scratch_bytes: int) -> tuple:
     makes its mount point if missing."""
     root, bind, recursive = _mount_point(), 0x1000, 0x5000  # MS_BIND, MS_BIND | MS_REC
     links = [d for d in visible_dirs() if d in _SYSTEM_DIRS and os.path.islink(d)]  # /bin -> usr/bin
-    steps = [("mount", "tmpfs", root, "tmpfs", 0, "size=1m,mode=755"), ("mkdir", root + "/dev"), ("mkdir", root + "/.old")]
+    steps = [("mount", "tmpfs", root, "tmpfs", 0, "size=1m,mode=755"), ("mkdir", root + "/dev")]
     # The scratch dirs first: a venv under /tmp goes on its tmpfs.
     steps += [("mount", "tmpfs", root + d, "tmpfs", 0, f"size={scratch_bytes},mode=1777") for d in _SCRATCH_DIRS]
     for d in (d for d in visible_dirs() if d not in links):  # read-only, each submount too
@@ -139,8 +139,8 @@ def readonly(target):  # a bind remount sets every flag: keep those a user names
     mount(None, target, None, 0x1020 | 1 | os.statvfs(target).f_flag & 14, None)  # REMOUNT | BIND | RDONLY
 def enter(root):
     os.chdir(root)
-    check(libc.syscall(plan["pivot_root"], b".", b".old"), "pivot_root")
-    check(libc.umount2(b"/.old", 2), "detach the host's root")  # MNT_DETACH
+    check(libc.syscall(plan["pivot_root"], b".", b"."), "pivot_root")  # the host's root now lies over ours:
+    check(libc.umount2(b".", 2), "detach the host's root")  # MNT_DETACH (pivot_root(2)'s own recipe)
     readonly("/")
     os.chdir("/tmp")
 ops = {"mount": mount, "readonly": readonly, "enter": enter, "mkdir": os.mkdir, "symlink": os.symlink,
