@@ -123,7 +123,7 @@ def _root_setup(scratch_bytes: int) -> tuple:
 # the run's mount namespace: builds the snippet's root and enters it (after pivot_root nothing of the host's tree
 # stays reachable, not even through /proc/1/root), joins a fresh empty session keyring (a kernel without keyrings has
 # nothing to leak: ENOSYS), sets the limits, takes the snippet's identity, installs the seccomp filter and execs.
-# Syscalls rather than mount(8) and friends: a process per step was most of a run's cost. Only built-in imports.
+# Syscalls rather than mount(8) and friends: a process per step was most of a run's cost. Few, light imports.
 LAUNCHER = """import ctypes, errno, marshal, os, resource, sys
 plan, libc = marshal.loads(bytes.fromhex(sys.argv[1])), ctypes.CDLL(None, use_errno=True)
 libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
