@@ -11,10 +11,10 @@ as a SandboxResult.
         results = pool.map(codes)                   # in order; futures via pool.submit(code)
 
 How a run is isolated (machinery/isolation.py, `isolation()` checks once that this machine allows it; if not,
-SandboxUnavailable and --tools refuses to start in one line; there is no weaker fallback): prlimit's limits, its own
-network, pid, IPC and mount namespaces with a root of its own (only the system's and the interpreter's dirs, read
-only), a fresh session keyring, a seccomp filter against Unix sockets, keyrings, memfds and SysV IPC, a dedicated
-uid as root or a user namespace of no one otherwise.
+SandboxUnavailable and --tools refuses to start in one line; there is no weaker fallback): its own network, pid,
+IPC and mount namespaces with a root of its own (only the system's and the interpreter's dirs, read only), rlimits,
+a fresh session keyring, a seccomp filter against Unix sockets, keyrings, memfds and SysV IPC, a dedicated uid as
+root or a user namespace of no one otherwise.
 
 Plus `python -I`, a scrubbed environment (nothing of ours), stdin closed; output capped while it arrives (first
 and last halves kept); at the wall-clock limit every process of the run is SIGKILLed and hunted down.
@@ -182,10 +182,8 @@ def _probe() -> Isolation:
     """The isolation every run gets. There is no weaker fallback: a snippet that could read the host's files (the
     data and its answers, the run directory, the user's home) or write them, or reach the trainer's keys, is not a
     sandbox."""
-    # Found on the sandbox's own PATH, with sbin: a user's PATH often lacks it (Debian's default for non-root).
-    missing = [tool for tool in ("prlimit", "unshare", "mount", "pivot_root") if shutil.which(tool, path=_PATH) is None]
-    if missing:
-        raise SandboxUnavailable(f"sandbox: --tools needs {', '.join(missing)} (util-linux), not found in {_PATH}")
+    if shutil.which("unshare", path=_PATH) is None:  # the sandbox's own PATH: a user's may lack sbin (Debian's)
+        raise SandboxUnavailable(f"sandbox: --tools needs unshare (util-linux), not found in {_PATH}")
     if seccomp_program() is None:
         raise SandboxUnavailable(f"sandbox: --tools needs a seccomp filter, which we have for x86_64 and aarch64 only "
                                  f"(this is {os.uname().machine})")
@@ -216,8 +214,7 @@ def run_code(code: str, timeout_s: float = 30.0, memory_mb: int = 1024, max_outp
     if timeout_s <= 0 or memory_mb <= 0 or max_output_bytes <= 0 or max_processes <= 0:
         raise ValueError("run_code: timeout_s, memory_mb, max_output_bytes and max_processes must be > 0")
     limits = {"as": memory_mb << 20, "cpu": cpu_time_s or int(timeout_s) + 1, "nofile": max_open_files,
-              "fsize": max_file_bytes, "core": 0}
-    limits["nproc"] = max_processes
+              "fsize": max_file_bytes, "core": 0, "nproc": max_processes}
     return _run(code, isolation(), timeout_s, max_output_bytes, limits)
 
 

@@ -1,16 +1,15 @@
-"""Stands in for bubblewrap or nsjail (no wheel here): util-linux's prlimit, unshare, mount and pivot_root, composed.
+"""Stands in for bubblewrap or nsjail (no wheel here): util-linux's unshare, then a launcher of ours (syscalls).
 
 The command line that isolates one snippet run of sandbox.py, and what it needs from the host (a dedicated uid as
 root, the dirs a snippet may read). sandbox.py runs the command, reads its output and kills what is left;
 `sandbox.isolation()` checks once that this machine allows it (if not, SandboxUnavailable and --tools refuses to
-start in one line; there is no weaker fallback). Each run costs about 1.5x a run without its own root
-(docs/benchmarks.md: the sandbox). How a run is built:
-  prlimit   memory (RLIMIT_AS), CPU seconds, processes (as root), open files, file size, no core dumps.
+start in one line; there is no weaker fallback). The plan is made once per process; every run builds it afresh:
   unshare   network namespace (a downed loopback: no network, no abstract Unix socket of the host), pid namespace
             (all of the run dies with it), IPC namespace (POSIX message queues; SysV IPC is refused), and
             a mount namespace with a root of its own (_root_setup): fresh size-capped tmpfs on /tmp, /var/tmp,
             /dev/shm, /run/lock (all it may write), the system's and the interpreter's dirs read-only, then
             pivot_root: the repository, the data and their answers, the run directory, homes are not there.
+  limits    memory (RLIMIT_AS), CPU seconds, processes, open files, file size, no core dumps.
   seccomp   a fresh empty session keyring, then a filter fails socket(AF_UNIX), datagram socketpair(AF_UNIX),
             io_uring_setup, add_key, keyctl, request_key, memfd_create, memfd_secret and other ABIs' syscalls with
             EPERM (multiprocessing and asyncio still work: they use stream pairs and /dev/shm).
@@ -21,15 +20,15 @@ start in one line; there is no weaker fallback). Each run costs about 1.5x a run
 import atexit
 import contextlib
 import functools
+import marshal
 import os
 import re
-import shlex
 import stat
 import sys
 import tempfile
 from dataclasses import dataclass
 
-from machinery.seccomp import KEYCTL, LAUNCHER, seccomp_program
+from machinery.seccomp import SYSCALLS, seccomp_program
 
 UID_BASE, UID_SLOTS = 60000, 256  # dedicated uids for runs; outside normal user ranges, inside 16 bits
 _LOCK_DIR = "/run/spo_sandbox_uids"  # only root claims uids, and only root can write /run: no one can plant files here
@@ -103,57 +102,80 @@ def _mount_points_under(directory: str) -> list[str]:
 
 
 @functools.cache
-def _root_setup(scratch_bytes: int) -> str:
-    """Shell commands (as root of the run's mount namespace) that build the snippet's root and enter it; after
-    pivot_root nothing of the host's tree stays reachable, not even through /proc/1/root."""
-    q, root = shlex.quote, _mount_point()
+def _root_setup(scratch_bytes: int) -> tuple:
+    """The launcher's steps (as root of the run's mount namespace) that build the snippet's root, in order; a mount
+    makes its mount point if missing."""
+    root, bind, recursive = _mount_point(), 0x1000, 0x5000  # MS_BIND, MS_BIND | MS_REC
     links = [d for d in visible_dirs() if d in _SYSTEM_DIRS and os.path.islink(d)]  # /bin -> usr/bin
-    dirs = [d for d in visible_dirs() if d not in links]
-    first = [d for d in dirs if not any(_under(d, s) for s in _SCRATCH_DIRS)]  # a venv under /tmp: after its tmpfs
-    devices = [f"/dev/{n}" for n in _DEVICES if os.path.exists(f"/dev/{n}")]
-    # Few processes: each command here is a fork and exec on every tool call.
-    cmds = [f"mount -t tmpfs -o size=1m,mode=755 tmpfs {q(root)}", f"cd {q(root)}",
-            "mkdir -p " + " ".join(q(root + d) for d in (*_SCRATCH_DIRS, *first, "/proc", "/dev", "/.old"))]
-    cmds += [f"mount -t tmpfs -o size={scratch_bytes},mode=1777 tmpfs {q(root + d)}" for d in _SCRATCH_DIRS]
-    if later := [d for d in dirs if d not in first]:
-        cmds.append("mkdir -p " + " ".join(q(root + d) for d in later))
-    for d in dirs:  # read-only, each submount too (bind,ro remounts the top one only)
-        cmds.append(f"mount --rbind -o ro {q(d)} {q(root + d)}")
-        cmds += [f"mount -o remount,bind,ro {q(root + p)}" for p in _mount_points_under(d)[1:]]
-    if links:
-        cmds.append("cp -P " + " ".join(q(d) for d in links) + f" {q(root)}/")
-    cmds += [f": > {q(root + d)}; mount --bind {d} {q(root + d)}" for d in devices]
-    cmds += [f"mount --rbind /proc {q(root)}/proc", f"ln -s /proc/self/fd {q(root)}/dev/fd", "pivot_root . .old",
-             "umount -l /.old", "mount -o remount,bind,ro /", "cd /tmp"]
-    return "; ".join(cmds) + "; "
+    steps = [("mount", "tmpfs", root, "tmpfs", 0, "size=1m,mode=755"), ("mkdir", root + "/dev")]
+    # The scratch dirs first: a venv under /tmp goes on its tmpfs.
+    steps += [("mount", "tmpfs", root + d, "tmpfs", 0, f"size={scratch_bytes},mode=1777") for d in _SCRATCH_DIRS]
+    for d in (d for d in visible_dirs() if d not in links):  # read-only, each submount too
+        steps += [("mount", d, root + d, None, recursive, None)]
+        steps += [("readonly", root + p) for p in _mount_points_under(d)]
+    steps += [("symlink", os.readlink(d), root + d) for d in links] + [("symlink", "/proc/self/fd", root + "/dev/fd")]
+    for d in (f"/dev/{n}" for n in _DEVICES if os.path.exists(f"/dev/{n}")):
+        steps += [("file", root + d), ("mount", d, root + d, None, bind, None)]
+    return tuple(steps + [("mount", "/proc", root + "/proc", None, recursive, None), ("enter", root)])
 
 
-def _per_namespace_nproc() -> bool:
-    release = re.match(r"(\d+)\.(\d+)", os.uname().release)
-    return bool(release) and (int(release[1]), int(release[2])) >= (5, 14)
+# Between the namespaces and the snippet (argv: its plan, marshalled, in hex; then the snippet's command), as root of
+# the run's mount namespace: builds the snippet's root and enters it (after pivot_root nothing of the host's tree
+# stays reachable, not even through /proc/1/root), joins a fresh empty session keyring (a kernel without keyrings has
+# nothing to leak: ENOSYS), sets the limits, takes the snippet's identity, installs the seccomp filter and execs.
+# Syscalls rather than mount(8) and friends: a process per step was most of a run's cost. Few, light imports.
+LAUNCHER = """import ctypes, errno, marshal, os, resource, sys
+plan, libc = marshal.loads(bytes.fromhex(sys.argv[1])), ctypes.CDLL(None, use_errno=True)
+libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
+def check(result, what):
+    if result < 0:
+        sys.exit(f"sandbox: cannot {what}: {os.strerror(ctypes.get_errno())}")
+def mount(source, target, fstype, flags, data):
+    if not os.path.lexists(target):
+        os.makedirs(target)
+    check(libc.mount(*(s and os.fsencode(s) for s in (source, target, fstype)), flags, data and data.encode()),
+          f"mount {target}")
+def readonly(target):  # a bind remount sets every flag: keep those a user namespace may not clear (nosuid, nodev...)
+    mount(None, target, None, 0x1020 | 1 | os.statvfs(target).f_flag & 14, None)  # REMOUNT | BIND | RDONLY
+def enter(root):
+    os.chdir(root)
+    check(libc.syscall(plan["pivot_root"], b".", b"."), "pivot_root")  # the host's root now lies over ours:
+    check(libc.umount2(b".", 2), "detach the host's root")  # MNT_DETACH (pivot_root(2)'s own recipe)
+    readonly("/")
+    os.chdir("/tmp")
+ops = {"mount": mount, "readonly": readonly, "enter": enter, "mkdir": os.mkdir, "symlink": os.symlink,
+       "file": lambda p: os.close(os.open(p, os.O_CREAT))}
+for op, *args in plan["root"]:
+    ops[op](*args)
+if libc.syscall(plan["keyctl"], 1, None) < 0 and ctypes.get_errno() != errno.ENOSYS:  # JOIN_SESSION_KEYRING, NULL
+    check(-1, "leave the session keyring")
+if plan["uid"] is None:  # a nested user namespace of no one: no capability, so the mounts cannot be undone
+    check(libc.unshare(0x10000000), "make a user namespace")  # CLONE_NEWUSER
+for name, value in plan["limits"].items():  # without root, in the snippet's namespace: nproc counts only its own
+    resource.setrlimit(getattr(resource, "RLIMIT_" + name.upper()), (value, value))
+if plan["uid"] is not None:  # no capability left, and none to gain (no_new_privs below)
+    os.setgroups([])
+    os.setresgid(plan["uid"], plan["uid"], plan["uid"])
+    os.setresuid(plan["uid"], plan["uid"], plan["uid"])
+class Fprog(ctypes.Structure):  # struct sock_fprog
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_char_p)]
+fprog = Fprog(len(plan["seccomp"]) // 8, plan["seccomp"])
+check(libc.prctl(38, 1, 0, 0, 0) or libc.prctl(22, 2, ctypes.byref(fprog), 0, 0), "install the seccomp filter")
+os.execv(sys.argv[2], sys.argv[2:])  # PR_SET_NO_NEW_PRIVS, then PR_SET_SECCOMP with SECCOMP_MODE_FILTER
+"""
 
 
 def command(code: str, iso: Isolation, uid: int | None, limits: dict) -> list[str]:
-    """prlimit -> unshare -> sh: the new root -> the launcher (a fresh keyring, seccomp) -> setpriv (root) or a user
-    namespace of no one (otherwise) -> python -I -c code."""
-    # Without root, RLIMIT_NPROC counts all the user's processes (the trainer's threads too) outside the snippet's
-    # own user namespace: it is set inside it, where (Linux 5.14+) it counts the snippet's processes only.
-    outer = {k: v for k, v in limits.items() if k != "nproc" or iso.dedicated_uid}
-    argv = ["prlimit", *(f"--{name}={value}" for name, value in outer.items()), "--"]
-    argv += ["unshare", "--mount", "--net", "--pid", "--ipc", "--fork", "--kill-child", "--mount-proc"]
+    """unshare -> sh -> the launcher (root, keyring, limits, identity, seccomp) -> python -I -c code."""
+    # Before Linux 5.14, RLIMIT_NPROC counts all the user's processes (the trainer's threads too), even inside the
+    # snippet's own user namespace: without root it is not set there.
+    old = tuple(int(n) for n in re.findall(r"\d+", os.uname().release)[:2]) < (5, 14)
+    limits = {k: v for k, v in limits.items() if k != "nproc" or iso.dedicated_uid or not old}
+    plan = {"root": _root_setup(limits["fsize"]), "limits": limits, "uid": uid, "seccomp": seccomp_program(),
+            "keyctl": SYSCALLS["keyctl"], "pivot_root": SYSCALLS["pivot_root"]}
+    argv = ["unshare", "--mount", "--net", "--pid", "--ipc", "--fork", "--kill-child", "--mount-proc"]
     argv += [] if iso.dedicated_uid else ["--user", "--map-root-user"]
-    # The shell stays pid 1 of the namespace (no exec), so python keeps ordinary signal
-    # semantics and orphans get reaped; when the shell exits, the kernel kills the namespace.
-    argv += ["sh", "-c", f'set -e; {_root_setup(limits["fsize"])}"$@"', "sh"]
-    argv += [sys.executable, "-I", "-S", "-c", LAUNCHER, seccomp_program().hex(), str(KEYCTL)]
-    if iso.dedicated_uid:
-        # setpriv resolves the interpreter path before its capabilities go; afterwards the snippet has
-        # no capabilities and cannot gain any.
-        argv += ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--no-new-privs"]
-    else:
-        # A nested user namespace that maps no one: the snippet holds no capability at all, so it cannot undo
-        # its mounts (made by the namespace above), and an unmapped uid cannot make namespaces of its own.
-        argv += ["unshare", "--user"]
-        if "nproc" in limits and _per_namespace_nproc():
-            argv += ["prlimit", f"--nproc={limits['nproc']}", "--"]
+    # The shell stays pid 1 of the namespace (it forks, not execs: a command follows), so python keeps ordinary
+    # signal semantics and orphans get reaped; when the shell exits, the kernel kills the namespace.
+    argv += ["sh", "-c", '"$@"; exit $?', "sh", sys.executable, "-I", "-S", "-c", LAUNCHER, marshal.dumps(plan).hex()]
     return argv + [sys.executable, "-I", "-c", code]

@@ -1,7 +1,7 @@
 """Stands in for libseccomp (a C library, no wheel here): the filter in readable Python, tested (tests/test_sandbox).
 
 A seccomp filter for sandbox.py: a classic-BPF program, built here in readable Python, that makes a few system
-calls fail with EPERM, and the short launcher that installs it before exec'ing the rest of a command.
+calls fail with EPERM; machinery/isolation.py's launcher installs it just before the snippet's exec.
 
 Why each call is refused is in machinery/isolation.py's docstring (the `seccomp` step): AF_UNIX sockets (the
 network namespace does not cover path sockets), datagram socketpairs (they can sendto() any path), io_uring (it
@@ -10,25 +10,21 @@ namespaced, so a snippet could read or plant keys of the trainer's session or of
 refuses them for this reason), memory that no limit counts (memfd_create and memfd_secret, bounded only by the
 file-size limit per memfd; SysV shm, message queues and semaphores, whose limits the kernel lets only a privileged
 caller set; Python's multiprocessing uses POSIX shm in /dev/shm, a size-capped tmpfs), every syscall of another ABI.
-The launcher also leaves the caller's session keyring for a fresh empty one, so not even the names of the trainer's
-keys show in /proc/keys.
-
-    argv = [sys.executable, "-I", "-S", "-c", LAUNCHER, seccomp_program().hex(), str(KEYCTL), *command]
 """
 import os
 import struct
 
-# The syscall numbers the filter needs differ between the two ABIs (io_uring_setup and memfd_secret are the same).
+# The syscall numbers that the filter and machinery/isolation.py's launcher need, for each ABI.
 _AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
 _SYSCALL_NR = {"x86_64": {"socket": 41, "socketpair": 53, "add_key": 248, "request_key": 249, "keyctl": 250,
                           "memfd_create": 319, "shmget": 29, "semget": 64, "msgget": 68, "io_uring_setup": 425,
-                          "memfd_secret": 447},
+                          "memfd_secret": 447, "pivot_root": 155},
                "aarch64": {"socket": 198, "socketpair": 199, "add_key": 217, "request_key": 218, "keyctl": 219,
                            "memfd_create": 279, "shmget": 194, "semget": 190, "msgget": 186, "io_uring_setup": 425,
-                           "memfd_secret": 447}}
+                           "memfd_secret": 447, "pivot_root": 41}}
 _REFUSED = ("add_key", "request_key", "keyctl", "memfd_create", "memfd_secret", "shmget", "semget", "msgget",
             "io_uring_setup")
-KEYCTL = _SYSCALL_NR.get(os.uname().machine, {}).get("keyctl", -1)  # for the launcher's own call
+SYSCALLS = _SYSCALL_NR.get(os.uname().machine, {})  # for the launcher's own calls
 
 
 def seccomp_program() -> bytes | None:
@@ -62,19 +58,3 @@ def seccomp_program() -> bytes | None:
 
     return b"".join(struct.pack("=HBBI", code, jump(jt, i), jump(jf, i), k) for i, (code, k, jt, jf) in enumerate(ops))
 
-
-# Joins a fresh anonymous session keyring (keyctl(KEYCTL_JOIN_SESSION_KEYRING, NULL), syscall number argv[2]; a
-# kernel without keyrings has nothing to leak: ENOSYS), installs the filter given in hex, then execs the rest of its
-# argv. It runs just before setpriv (or the nested user namespace); the filter holds for every later exec and fork,
-# and no_new_privs (which seccomp requires of the unprivileged) is what setpriv sets anyway.
-LAUNCHER = """import ctypes, errno, os, sys
-class Fprog(ctypes.Structure):  # struct sock_fprog
-    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_char_p)]
-program = bytes.fromhex(sys.argv[1])
-fprog, libc = Fprog(len(program) // 8, program), ctypes.CDLL(None, use_errno=True)
-if libc.syscall(int(sys.argv[2]), 1, None) < 0 and ctypes.get_errno() != errno.ENOSYS:
-    sys.exit("sandbox: cannot leave the session keyring: " + os.strerror(ctypes.get_errno()))
-if libc.prctl(38, 1, 0, 0, 0) or libc.prctl(22, 2, ctypes.byref(fprog), 0, 0):  # NO_NEW_PRIVS; SECCOMP, FILTER
-    sys.exit("sandbox: cannot install the seccomp filter: " + os.strerror(ctypes.get_errno()))
-os.execvp(sys.argv[3], sys.argv[3:])
-"""

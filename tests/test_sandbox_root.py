@@ -74,7 +74,7 @@ def test_a_machine_without_the_tools_for_a_private_root_refuses_tools_in_one_lin
     proc = subprocess.run([PYTHON, "-c", "import sandbox; sandbox._PATH = '/nonexistent'\n"
                                          "from rollout import make_tools; make_tools(True, 8, 1, 30, 1024, 256)"],
                           env=ENV, cwd=ROOT, capture_output=True, text=True)
-    assert proc.returncode == 2 and proc.stderr.startswith("error: --tools: sandbox: --tools needs prlimit"), proc
+    assert proc.returncode == 2 and proc.stderr.startswith("error: --tools: sandbox: --tools needs unshare"), proc
     assert proc.stderr.count("\n") == 1
 
 
