@@ -14,7 +14,7 @@ prompt has, and a wrong partial sum makes a wrong answer that RL can learn away.
 plain toy (tasks/toy.py's functions). Built deterministically on one kind of CPU, shipped in tasks/built/toy_think:
 
     python -m tasks.thinking --toy_dir tasks/built/toy_think
-    torchrun --nproc_per_node=2 spo.py --toy_dir tasks/built/toy_think
+    torchrun --nproc_per_node=2 spo.py --toy_dir tasks/built/toy_think --max_response_len 64  # (the toys: 32)
 
 toy.json's "recipe" tells tasks/toy.py:ensure_toy to rebuild and check such a folder with this module. The exact
 metric (--eval_reference auto) is off here: any trace ending in the right box is correct, not one response.

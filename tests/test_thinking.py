@@ -78,6 +78,7 @@ def test_spo_trains_on_the_thinking_toy_without_the_plain_toys_exact_metric(tmp_
     run = tmp_path / "run"
     ok(torchrun(2, "spo.py", "--toy_dir", SHIPPED, "--run_dir", str(run), "--steps", "2", "--batch_size", "16",
                 "--train_prompts", "32", "--eval_every", "2", "--eval_max_prompts", "16", "--eval_samples", "2",
-                "--offline_values", "none"))
+                "--offline_values", "none", "--max_response_len", "64"))
     rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
     assert rows and "eval/accuracy" in rows[-1] and not any("eval/exact" in r for r in rows)
+    assert all(r["response/truncated"] < 0.5 for r in rows if "response/truncated" in r)  # the budget fits a trace
