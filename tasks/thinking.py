@@ -16,7 +16,7 @@ plain toy (tasks/toy.py's functions). Built deterministically on one kind of CPU
     python -m tasks.thinking --toy_dir tasks/built/toy_think
     torchrun --nproc_per_node=2 spo.py --toy_dir tasks/built/toy_think --max_response_len 64  # (the toys: 32)
 
-toy.json's "recipe" tells tasks/toy.py:ensure_toy to rebuild and check such a folder with this module. The exact
+toy.json's "recipe" tells tasks/toy.py:ensure_toy to check such a folder, never to rebuild it as its own. The exact
 metric (--eval_reference auto) is off here: any trace ending in the right box is correct, not one response.
 """
 import argparse
@@ -28,7 +28,7 @@ import torch
 
 from tasks.toy import build_atomically, encode_segments, response_logprob, warm_started
 
-THINK_VERSION = 1  # bump when the recipe below changes, so built thinking toys are rebuilt
+THINK_VERSION = 1  # bump when the recipe below changes, and rebuild the shipped folder
 RECIPE = "thinking"  # toy.json's "recipe" for this module's toys
 
 
