@@ -40,7 +40,7 @@ from hf_engine import add_engine_flags, start_engine, start_program
 from rollout import TOOL_INSTRUCTION, add_budget_flag, add_tool_flags, make_tools, response_budget
 from probes import ProbeSettings, add_eval_flags, evaluations, exact_metric, exact_template
 from sampler import PromptSampler, priority_weights
-from tasks import toy
+from tasks import thinking, toy
 from tracker import ValueTracker
 
 # D_half per divergence measure: the authors' 0.06 for mean |l|; k3's agrees with it mid-window (docs/algorithm.md)
@@ -325,8 +325,8 @@ def start(args):
     args.run_dir = open_run_dir(args.resume or args.run_dir, resumed=bool(args.resume), algo=args.algo,
                                 program="spo.py")
     on_toy = args.train is None  # on the toy, 'auto' offline values are built here
-    args.eval_reference = exact_template(args.eval_reference, on_toy and not args.tools, args.eval_top_p,
-                                         args.eval_top_k)  # auto: the toy's only correct response
+    args.eval_reference = exact_template(args.eval_reference, on_toy and not args.tools and not thinking.is_thinking(
+        args.toy_dir), args.eval_top_p, args.eval_top_k)  # auto: the toy's only correct response (not a thinking toy)
     args.toy_dir, args.model, args.train, args.test = toy.fill_in(args.toy_dir, args.tools, args.model, args.train,
                                                                   "train", args.test)
     tools = make_tools(args.tools, args.max_turns, args.sandbox_workers, args.sandbox_timeout, args.sandbox_memory_mb,

@@ -229,7 +229,8 @@ def ensure_toy(toy_dir=None, tools=False):
     toy_dir = toy_dir or default_toy_dir(tools)
     version, build, what = (TOOL_TOY_VERSION, build_tool_toy, "tool toy") if tools else (TOY_VERSION, build_toy, "toy")
     marker = os.path.join(toy_dir, "toy.json")
-    if not (os.path.exists(marker) and json.load(open(marker)).get("version") == version):
+    info = json.load(open(marker)) if os.path.exists(marker) else {}
+    if "recipe" not in info and info.get("version") != version:  # (another recipe: thinking.py)
         print(f"building the {what} into {toy_dir}/ (first use, about {3 if tools else 2} minutes)", flush=True)
         info = build(toy_dir)
         print(f"{what} built: base test accuracy at temperature 1.0 = {info['test_accuracy_t1']:.1%}"

@@ -1,0 +1,84 @@
+"""The thinking toy (tasks/thinking.py): its worked sums score as the verifier reads them, its build is deterministic,
+and spo.py takes the shipped folder as a thinking toy (checked, never rebuilt as the plain toy, no exact metric).
+
+    .venv/bin/python -m pytest tests/test_thinking.py -q
+"""
+import json
+import os
+import re
+
+import numpy as np
+import pytest
+
+from common import ok, one_thread, torchrun
+from reward import boxed_reward
+from tasks import thinking, toy
+
+SHIPPED = os.path.join(toy.BUILT, "toy_think")
+SUMS = [(347, 586), (999, 999), (100, 100), (505, 495), (123, 876)]  # carries, a fourth digit, none, a chain
+
+
+def text(pieces):
+    assert [trained for _, trained in pieces] == [True]
+    return pieces[0][0]
+
+
+@pytest.mark.parametrize("a,b", SUMS)
+def test_a_correct_worked_sum_scores_1_and_a_wrong_box_0(a, b):
+    right = text(thinking.thinking_response(a, b))
+    assert right.count("\n") == 3 and boxed_reward(right, str(a + b)) == 1
+    wrong = right.replace(f"\\boxed{{{a + b}}}", f"\\boxed{{{a + b + 1}}}")
+    assert wrong != right and boxed_reward(wrong, str(a + b)) == 0
+
+
+def test_a_noisy_worked_sum_boxes_what_its_lines_say():
+    """Noise lands in the partial sums; the carries and the box follow the lines as written, right or wrong."""
+    rng, wrong = np.random.default_rng(0), 0
+    for _ in range(200):
+        a, b = (int(n) for n in rng.integers(100, 1000, size=2))
+        response = text(thinking.thinking_response(a, b, rng, noise=0.5))
+        lines, carry = re.findall(r"(\d)\+(\d)\+(\d)=(\d+)\n", response), 0
+        for (x, y, c, s), digit_a, digit_b in zip(lines, str(a)[::-1], str(b)[::-1]):
+            assert (x, y, int(c)) == (digit_a, digit_b, carry)
+            carry = int(s) // 10
+        box = sum(int(s) % 10 * 10 ** k for k, (*_, s) in enumerate(lines)) + carry * 1000
+        assert len(lines) == 3 and response.endswith(f"\\boxed{{{box}}}")
+        wrong += box != a + b
+    assert 0 < wrong < 200
+
+
+def test_the_build_is_deterministic_in_its_data_and_model(tmp_path):
+    with one_thread():
+        infos = [thinking.build_thinking_toy(str(tmp_path / d), n_train=100, n_test=20, steps=3) for d in "ab"]
+    for name in ("train.parquet", "test.parquet", "model/model.safetensors"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+    assert infos[0] == {**infos[1], "warm_start_seconds": infos[0]["warm_start_seconds"]}
+    assert infos[0]["recipe"] == thinking.RECIPE and thinking.is_thinking(str(tmp_path / "a"))
+
+
+def test_a_built_thinking_toy_is_checked_not_rebuilt_as_the_plain_toy(tmp_path, monkeypatch):
+    """Even when the plain toy's recipe moves on (its version bumped), a thinking toy is its own recipe's."""
+    with one_thread():
+        thinking.build_thinking_toy(str(tmp_path / "t"), n_train=100, n_test=20, steps=3)
+    before = (tmp_path / "t" / "toy.json").read_text()
+    monkeypatch.setattr(toy, "TOY_VERSION", toy.TOY_VERSION + 1)
+    monkeypatch.setattr(toy, "build_toy", lambda *a, **k: pytest.fail("rebuilt as the plain toy"))
+    assert toy.ensure_toy(str(tmp_path / "t"))[0] == str(tmp_path / "t" / "model")
+    assert (tmp_path / "t" / "toy.json").read_text() == before
+
+
+def test_the_shipped_thinking_toy_is_the_bytes_its_checksums_name():
+    assert thinking.is_thinking(SHIPPED) and toy.checksum_error(SHIPPED) is None
+    info = json.load(open(os.path.join(SHIPPED, "toy.json")))
+    assert info["version"] == thinking.THINK_VERSION and 25 <= info["response_tokens_mean"] <= 60
+
+
+@pytest.mark.slow
+def test_spo_trains_on_the_thinking_toy_without_the_plain_toys_exact_metric(tmp_path):
+    run = tmp_path / "run"
+    ok(torchrun(2, "spo.py", "--toy_dir", SHIPPED, "--run_dir", str(run), "--steps", "2", "--batch_size", "16",
+                "--train_prompts", "32", "--eval_every", "2", "--eval_max_prompts", "16", "--eval_samples", "2",
+                "--offline_values", "none", "--max_response_len", "64"))
+    rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    assert rows and "eval/accuracy" in rows[-1] and not any("eval/exact" in r for r in rows)
+    assert all(r["response/truncated"] < 0.5 for r in rows if "response/truncated" in r)  # the budget fits a trace
