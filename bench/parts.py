@@ -137,53 +137,6 @@ def bench_steps(steps=40, warmup=5, nproc=2, batch_size=64, group_size=8):
     return rows
 
 
-def bench_eval(toy_dir=None, n_problems=100, n=8, max_tokens=32, repeats=3):
-    """Tokens per second of probes.sample_and_score against raw LLM.generate on the same requests (its overhead)."""
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from tasks import toy
-    from machinery import trainer
-    from probes import EVAL_DEFAULTS, request_seeds, sample_and_score
-    from rollout import Engine
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-    rank, world, device = trainer.setup_distributed()
-    model, _, test = toy.ensure_toy(toy_dir)
-    data = load_dataset(test, load_tokenizer(model), 256, False)[:n_problems]
-    engine = Engine(model, seed=0, max_model_len=256 + max_tokens, device=device)
-    sampling = {k: EVAL_DEFAULTS[k] for k in ("temperature", "top_p", "top_k")}
-    seeds = np.concatenate([request_seeds(0, key, n) for key in data.keys])
-    prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in data.prompt_ids for _ in range(n)]
-
-    def ours():
-        samples, rollouts = sample_and_score(engine, data, n, 0, max_tokens=max_tokens, rank=0, world=1, **sampling)
-        return sum(len(r.response_ids) for rs in rollouts.values() for r in rs)
-
-    def raw(logprobs):
-        params = [SamplingParams(max_tokens=max_tokens, seed=int(s), logprobs=logprobs, **sampling) for s in seeds]
-        return sum(len(o.outputs[0].token_ids) for o in engine.llm.generate(prompts, params, use_tqdm=False))
-
-    runs = {"vllm LLM.generate": lambda: raw(None), "vllm LLM.generate + logprobs": lambda: raw(0),
-            "probes.sample_and_score": ours}
-    for f in runs.values():
-        f()  # warm-up
-    best = {}
-    for name, f in runs.items():
-        rates = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            tokens = f()
-            rates.append((tokens / (time.perf_counter() - t0), tokens))
-        best[name] = max(rates)
-        print(f"{name:32s} {best[name][0]:9.0f} tokens/s  ({best[name][1]} tokens, {n_problems} x {n} requests, "
-              f"best of {repeats})", flush=True)
-    ours_rate = best["probes.sample_and_score"][0]
-    print(f"overhead (time ratio): sample_and_score / LLM.generate = {best['vllm LLM.generate'][0] / ours_rate:.2f}x, "
-          f"sample_and_score / LLM.generate with log-probs = "
-          f"{best['vllm LLM.generate + logprobs'][0] / ours_rate:.2f}x", flush=True)
-    engine.shutdown()
-    return best
-
-
 def bench_tools(toy_dir=None, n_prompts=256, max_tokens=160, workers=4, repeats=2):
     """Policy tokens per second of Engine.generate on the tool toy, tools on against off (same prompts, seeds,
     budget); best of `repeats`. Counts only tokens the model generated: interpreter tokens are not throughput."""
@@ -218,69 +171,6 @@ def bench_tools(toy_dir=None, n_prompts=256, max_tokens=160, workers=4, repeats=
     return best
 
 
-# ------------------------------------------------------------------------------------------------ log-prob memory
-def _peak_rss_bytes(run):
-    """Peak resident memory added while `run()` executes: /proc's high-water mark, reset just before."""
-    import re
-
-    def status(field):
-        return 1024 * int(re.search(rf"{field}:\s+(\d+)", open("/proc/self/status").read()).group(1))
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM to the current resident size
-    before = status("VmRSS")
-    run()
-    return status("VmHWM") - before
-
-
-def _logprob_memory_worker(path, grad, vocab, seq_len, prompt_len):
-    """One measurement in a fresh process (what one path freed must not flatter the other): peak memory of the
-    log-prob pass over one sequence, Qwen3's vocabulary and untied head on a one-layer, width-64 backbone."""
-    import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-    from machinery import trainer
-    torch.manual_seed(0)
-    config = Qwen3Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=32, tie_word_embeddings=False,
-                         max_position_embeddings=seq_len)
-    model = trainer.attach_logprob_forward(trainer.prepare_for_training(Qwen3ForCausalLM(config), False))
-    ids = torch.randint(0, vocab, (1, seq_len))
-    mask = torch.zeros(1, seq_len - 1)
-    mask[:, prompt_len - 1:] = 1  # the positions that predict response tokens
-
-    def plain():  # the computation response_logprobs replaced: every position's full-vocabulary log-softmax
-        logp = torch.log_softmax(model(input_ids=ids, use_cache=False).logits[:, :-1].float(), -1)  # (1, T-1, V)
-        token = logp.gather(-1, ids[:, 1:, None]).squeeze(-1)
-        if grad:
-            (token * mask).sum().backward()
-        else:
-            return token, -(logp.exp() * logp).sum(-1)
-
-    def chunked():
-        token, entropy = trainer.token_logprobs(model, ids, mask, 1.0, with_entropy=not grad)
-        if grad:
-            token.sum().backward()
-    with torch.set_grad_enabled(grad):
-        print(json.dumps({"peak_bytes": _peak_rss_bytes(plain if path == "plain" else chunked)}))
-
-
-def bench_logprob_memory(vocab=151_936, seq_len=4096, prompt_len=512):
-    """Peak memory of the log-prob pass, chunked response-only (trainer.token_logprobs) against the plain
-    full-vocabulary log-softmax, without gradients (old log-probs and entropy) and with (the PPO update)."""
-    ratios = {}
-    for grad in (False, True):
-        peak = {}
-        for path in ("plain", "chunked"):
-            out = subprocess.run([sys.executable, "-m", "bench.parts", "_logprob_memory", path, str(int(grad)),
-                                  str(vocab), str(seq_len), str(prompt_len)], check=True, capture_output=True,
-                                 text=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}).stdout
-            peak[path] = json.loads(out.strip().splitlines()[-1])["peak_bytes"]
-        ratios[grad] = peak["chunked"] / peak["plain"]
-        print(f"{'with' if grad else 'without'} gradients: plain {peak['plain'] / 2**30:.2f} GiB, chunked "
-              f"{peak['chunked'] / 2**30:.2f} GiB, ratio {ratios[grad]:.3f}  (V = {vocab}, T = {seq_len}, "
-              f"{seq_len - prompt_len} response tokens)", flush=True)
-    return ratios
-
-
 def main(argv=None):
     """`python -m bench [NAME ...]`: the benchmarks named (default: all), each printed as it ends."""
     parser = argparse.ArgumentParser(prog="python -m bench",
@@ -293,18 +183,12 @@ def main(argv=None):
     args = parser.parse_args(argv)
     for name in args.which:
         print(f"\n== {name}", flush=True)
-        if name in ("eval", "tools") and len(args.which) > 1:  # one engine (and process group) per process
+        if name == "tools" and len(args.which) > 1:  # its engine (and process group) in a process of its own
             subprocess.run([sys.executable, "-m", "bench", name], check=True, cwd=ROOT)
             continue
         {"tracker": lambda: bench_tracker_sampler(args.sizes),
          "steps": lambda: [bench_steps(nproc=n) for n in args.ranks], "sandbox": bench_sandbox,
-         "eval": bench_eval, "tools": bench_tools, "logprobs": bench_logprob_memory}[name]()
+         "tools": bench_tools}[name]()
 
 
-BENCHMARKS = ("tracker", "logprobs", "steps", "sandbox", "eval", "tools")
-
-if __name__ == "__main__":  # the worker process; run the benchmarks through `python -m bench`
-    if sys.argv[1:2] == ["_logprob_memory"]:
-        _logprob_memory_worker(sys.argv[2], bool(int(sys.argv[3])), *map(int, sys.argv[4:7]))
-    else:
-        sys.exit("run `python -m bench` (this file holds the benchmarks of the project's parts)")
+BENCHMARKS = ("tracker", "steps", "sandbox", "tools")
