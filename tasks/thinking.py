@@ -45,44 +45,51 @@ def make_problems(seed, n_train, n_test):
     return pairs[:n_train], pairs[n_train:]
 
 
-def thinking_response(a, b, rng=None, noise=0.0):
+def thinking_response(a, b, rng=None, noise=0.0, order=None, score_order=True):
     """The worked sum as (text, in the loss) pieces; with rng, a column's sum is written off by 1 or 2 with
-    probability noise (noise / 3 where the column does not carry) and the lines after it, and the box, follow."""
-    lines, carry, answer = [], 0, 0
+    probability noise (noise / 3 where the column does not carry) and the lines after it, and the box, follow.
+    order (a numpy Generator): each line's three terms in a random order, a choice that never decides the reward;
+    score_order=False leaves those choices out of the loss (to score the sums given the order)."""
+    pieces, carry, answer = [], 0, 0
     for k, (x, y) in enumerate(zip(reversed(str(a)), reversed(str(b)))):
         s = int(x) + int(y) + carry
         if rng is not None and rng.random() < (noise if s >= 10 else noise / 3):
             s = max(0, s + int(rng.choice([-2, -1, 1, 2])))
-        lines.append(f"{x}+{y}+{carry}={s}\n")
+        terms = [x, y, str(carry)]
+        if order is not None:
+            order.shuffle(terms)
+        pieces += [(f"{terms[0]}+{terms[1]}+", score_order), (f"{terms[2]}={s}\n", True)]
         carry, answer = s // 10, answer + (s % 10) * 10 ** k
-    return [("".join(lines) + f"\\boxed{{{answer + carry * 10 ** len(lines)}}}", True)]
+    return pieces + [(f"\\boxed{{{answer + carry * 10 ** (len(pieces) // 2)}}}", True)]
 
 
 @torch.no_grad()
-def correct_trace_probability(model, tokenizer, problems):
-    """Per problem, the exact probability at temperature 1.0 of the correct worked sum: a lower bound of the
-    success probability (a trace with errors that cancel also ends in the right box)."""
-    out = []
+def correct_trace_probability(model, tokenizer, problems, shuffle=False):
+    """Per problem, the exact probability at temperature 1.0 of the correct worked sum (shuffle: of its sums and
+    box given one random order of the terms): a lower bound of the success probability (a trace with errors that
+    cancel also ends in the right box)."""
+    out, order = [], np.random.default_rng(1) if shuffle else None
     for i in range(0, len(problems), 256):
         chunk = problems[i: i + 256]
         ids, mask = encode_segments(tokenizer, [f"{a}+{b}=" for a, b in chunk],
-                                    [thinking_response(a, b) for a, b in chunk])
+                                    [thinking_response(a, b, order=order, score_order=False) for a, b in chunk])
         out.append(response_logprob(model, ids, mask).exp())
     return torch.cat(out).numpy()
 
 
-def build_thinking_toy(toy_dir, seed=0, n_train=2000, n_test=500, steps=600, lr=3e-3, batch_size=64, noise=0.3):
+def build_thinking_toy(toy_dir, seed=0, n_train=2000, n_test=500, steps=600, lr=3e-3, batch_size=64, noise=0.3,
+                       shuffle=False):
     """Build the thinking toy into toy_dir atomically (tasks/toy.py:build_atomically)."""
     def build(tmp):
         train, test = make_problems(seed, n_train, n_test)
         model, tokenizer, loss, seconds = warm_started(
             tmp, train, test, "+", seed, steps, lr, batch_size,
-            lambda a, b, rng: thinking_response(a, b, rng, noise))
-        p_test = correct_trace_probability(model, tokenizer, test)
-        p_train = correct_trace_probability(model, tokenizer, train)
-        tokens = np.mean([len(tokenizer.encode(thinking_response(a, b)[0][0])) + 1 for a, b in test])
+            lambda a, b, rng: thinking_response(a, b, rng, noise, order=rng if shuffle else None))
+        p_test = correct_trace_probability(model, tokenizer, test, shuffle)
+        p_train = correct_trace_probability(model, tokenizer, train, shuffle)
+        tokens = np.mean([sum(len(tokenizer.encode(t)) for t, _ in thinking_response(a, b)) + 1 for a, b in test])
         return {"recipe": RECIPE, "version": THINK_VERSION, "seed": seed, "n_train": n_train, "n_test": n_test,
-                "steps": steps, "lr": lr, "noise": noise, "final_sft_loss": loss,
+                "steps": steps, "lr": lr, "noise": noise, "shuffle": shuffle, "final_sft_loss": loss,
                 "warm_start_seconds": round(seconds, 1), "response_tokens_mean": float(tokens),
                 "test_accuracy_t1": float(p_test.mean()),  # of the correct trace: a lower bound
                 "train_correct_trace_histogram": np.histogram(p_train, bins=np.linspace(0, 1, 11))[0].tolist()}
@@ -95,5 +102,7 @@ if __name__ == "__main__":
     parser.add_argument("--seed", type=int, default=0, help="seed of the data split and the warm start")
     parser.add_argument("--steps", type=int, default=600, help="warm-start optimiser steps")
     parser.add_argument("--noise", type=float, default=0.3, help="rate of wrong partial sums in carrying columns")
+    parser.add_argument("--shuffle", action="store_true", help="each line's terms in a random order")
     args = parser.parse_args()
-    print(json.dumps(build_thinking_toy(args.toy_dir, seed=args.seed, steps=args.steps, noise=args.noise), indent=1))
+    print(json.dumps(build_thinking_toy(args.toy_dir, seed=args.seed, steps=args.steps, noise=args.noise,
+                                        shuffle=args.shuffle), indent=1))

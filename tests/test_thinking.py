@@ -19,8 +19,8 @@ SUMS = [(347, 586), (999, 999), (100, 100), (505, 495), (123, 876)]  # carries, 
 
 
 def text(pieces):
-    assert [trained for _, trained in pieces] == [True]
-    return pieces[0][0]
+    assert all(trained for _, trained in pieces)
+    return "".join(piece for piece, _ in pieces)
 
 
 @pytest.mark.parametrize("a,b", SUMS)
@@ -45,6 +45,22 @@ def test_a_noisy_worked_sum_boxes_what_its_lines_say():
         assert len(lines) == 3 and response.endswith(f"\\boxed{{{box}}}")
         wrong += box != a + b
     assert 0 < wrong < 200
+
+
+def test_shuffled_terms_change_the_order_never_the_sums_or_the_reward():
+    """--shuffle: each line's three terms in a random order (a choice the reward never sees); score_order=False
+    leaves exactly those choices out of the loss."""
+    rng, orders = np.random.default_rng(0), set()
+    for a, b in SUMS * 20:
+        pieces = thinking.thinking_response(a, b, order=rng, score_order=False)
+        response = "".join(piece for piece, _ in pieces)
+        assert boxed_reward(response, str(a + b)) == 1
+        assert [trained for _, trained in pieces] == [False, True] * 3 + [True]
+        lines = re.findall(r"(\d)\+(\d)\+(\d)=(\d+)\n", response)
+        plain = re.findall(r"(\d)\+(\d)\+(\d)=(\d+)\n", text(thinking.thinking_response(a, b)))
+        assert [(sorted(t[:3]), t[3]) for t in lines] == [(sorted(t[:3]), t[3]) for t in plain]
+        orders.add(lines[0][:3])
+    assert len(orders) > len(SUMS)  # the orders vary
 
 
 def test_the_build_is_deterministic_in_its_data_and_model(tmp_path):
