@@ -18,7 +18,6 @@ import time
 
 import numpy as np
 
-from bench.parts import _peak_rss_bytes
 from machinery.errors import fail
 
 
@@ -243,6 +242,17 @@ def _step(policy, optimizer, phase, batch, state, advantage, loss_fn, max_tokens
         return state["old"]
     return trainer.ppo_update(policy, optimizer, batch, state["old"]["batch"], advantage, loss_fn, ppo_steps=1,
                               micro_batch_size=64, temperature=1.0, grad_clip=1.0, max_tokens=max_tokens)
+
+
+def _peak_rss_bytes(run):
+    """Peak resident memory added while `run()` executes (the CPU's peak): /proc's high-water mark, reset first."""
+    def status(field):
+        return 1024 * int(re.search(rf"{field}:\s+(\d+)", open("/proc/self/status").read()).group(1))
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current resident size
+    before = status("VmRSS")
+    run()
+    return status("VmHWM") - before
 
 
 def _run_setting(path, device, setting, batches, advantages, loss_fn, rows, say):
