@@ -236,7 +236,8 @@ def ensure_toy(toy_dir=None, tools=False):
         info = build_toy(toy_dir)
         print(f"toy built: base test accuracy at temperature 1.0 = {info['test_accuracy_t1']:.1%}", flush=True)
     if not os.path.exists(os.path.join(toy_dir, CHECKSUMS)):
-        fail(f"{toy_dir}: not a built toy (no {CHECKSUMS})", once=True)
+        fail(f"{toy_dir}: a toy without its {CHECKSUMS}" + ("" if tools else f"; rebuild it with `python -m tasks.toy "
+             f"--toy_dir {toy_dir}`"), once=True)
     if error := checksum_error(toy_dir, tools):
         fail(error, once=True)
     return os.path.join(toy_dir, "model"), os.path.join(toy_dir, "train.parquet"), os.path.join(toy_dir, "test.parquet")

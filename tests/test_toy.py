@@ -80,6 +80,17 @@ def test_a_damaged_toy_stops_spo_with_one_line(damage, tmp_path):
     assert f"python -m tasks.toy --toy_dir {os.path.relpath(copy, ROOT)}" in lines[0]
 
 
+def test_a_damaged_tool_toy_is_restored_from_git_not_rebuilt(tmp_path):
+    """The tool toy's recipe is not in the tree (it ships built): its one line names git, not a rebuild."""
+    from tasks import toy
+    copy = tmp_path / "toy_tools"
+    shutil.copytree(toy.default_toy_dir(tools=True), copy)
+    (copy / "toy.json").write_text("{}")
+    error = toy.checksum_error(str(copy), tools=True)
+    assert error.startswith(f"{copy / 'toy.json'}: checksum mismatch") and "git checkout" in error
+    assert "rebuild" not in error and "rebuild" in toy.checksum_error(str(copy))
+
+
 def test_the_range_the_last_line_shows_is_the_readmes():
     """spo.py's last line puts a default run's held-out accuracy beside toy.DEFAULT_RUN_RANGE: the README's range."""
     import os
