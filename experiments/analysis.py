@@ -282,7 +282,6 @@ def main(argv=None):
     a.add_argument("--reference", default="spo", help="the variant paired differences are taken against")
     a.add_argument("--budget", type=float, default=None, help="generated samples to average over (default: the "
                    "smallest total of any run)")
-    a.add_argument("--json", default=None, help="also write the result here")
     a = sub.add_parser("power", help="the seeds that detect --effect with 80%% power for a paired sd")
     a.add_argument("sd", type=float, help="the paired sd, a fraction (0.004 = 0.4 points)")
     a.add_argument("--effect", type=float, default=0.01, help="the effect to detect (0.01: 1 point)")
@@ -294,11 +293,7 @@ def main(argv=None):
     else:
         if not os.path.isdir(args.out):
             raise SystemExit(f"error: {args.out}: not a sweep directory")
-        result = analyse(args.out, args.reference, args.budget)
-        print(primary_markdown(result))
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(result, f, indent=1)
+        print(primary_markdown(analyse(args.out, args.reference, args.budget)))
 
 
 if __name__ == "__main__":
