@@ -1,6 +1,6 @@
 """How the notebook's numbers are computed: statistics over seeds, reading the records, the preregistered primary
-metric and its power, and the checks docs/experiments.md cites. The regime targets and the tracker's lag:
-regime.py; figures: plots.py; running a sweep: sweep.py.
+metric and its power. The regime targets and the tracker's lag: regime.py; figures: plots.py; running a sweep:
+sweep.py.
 
 Records: a folder of runs D/NAME/ may be packed as one archive D.tar.gz of NAME/config.json, NAME/metrics.jsonl and
 NAME/probe.jsonl; read_run(D/NAME) reads either. Intervals are over training seeds only: every seed starts from the
@@ -8,7 +8,6 @@ same model and pool and is evaluated on the same test set.
 
     python -m experiments.analysis primary experiments/calibrated --reference spo --budget 46592
     python -m experiments.analysis power 0.0057          # the seeds for 1 point at a paired sd of 0.57 points
-    python -m experiments.analysis checks                # the numbers docs/experiments.md's checks cite
 """
 import functools
 import gzip
@@ -274,79 +273,6 @@ def primary_markdown(result):
     return "\n".join(lines) + "\n"
 
 
-# ------------------------------------------------------------------------------------------------ the checks
-
-def probe_bias(run, after=50, learning=(0.1, 0.9)):
-    """(largest |bias| of v(x) against the exact p(x) over the probes after `after`; the largest |mean v - p| over
-    the probed prompts still being learned, learning[0] < p < learning[1], at those probes: the tracker's lag)."""
-    probes = [p for step, p in sorted(run["probe"].items()) if step > after]
-    lags = []
-    for p in probes:
-        exact, value = np.asarray(p["exact"]), np.asarray(p["value"])
-        inside = (exact > learning[0]) & (exact < learning[1])
-        lags.append(abs(float(np.mean(value[inside] - exact[inside]))) if inside.any() else 0.0)
-    return max(abs(p["probe/bias_exact"]) for p in probes), max(lags)
-
-
-def comparable(rows):
-    """Training's logged values per step without the wall-clock ones (times, throughput, peak memory)."""
-    return {s: {k: v for k, v in row.items() if not k.startswith(("time", "throughput", "memory/"))}
-            for s, row in rows.items()}
-
-
-def checks(root=ROOT):
-    """The numbers docs/experiments.md cites for the eight corrections of issue 52, from the records (markdown)."""
-    cal, seeds = os.path.join(root, "calibrated"), range(5)
-    run = functools.lru_cache(maxsize=None)(lambda folder, name: load(os.path.join(root, folder), name))
-    out = ["| check | measured |", "| --- | --- |"]
-    # 1. the paper's variance cut: SPO's raw-advantage variance against its no-baseline ablation (r itself)
-    cut = [1 - run_mean(run("calibrated", f"spo-s{s}"), "signal/adv_var_raw")
-           / run_mean(run("calibrated", f"no_baseline-s{s}"), "signal/adv_var_raw") for s in seeds]
-    out.append(f"| 1. raw-advantage variance cut, spo against no_baseline (%) | {pct(*mean_ci(cut)[:3], '.2f')} |")
-    # 2. the tracker probe per variant and seed: the bias bound (0.05) and the lag on prompts being learned
-    for variant in ("spo", "no_baseline", "no_offline", "uniform"):
-        cells = [probe_bias(run("calibrated", f"{variant}-s{s}")) for s in seeds]
-        out.append(f"| 2. {variant}: max abs(bias) after step 50 (lag where 0.1 < p < 0.9), seeds 0-4 | "
-                   + ", ".join(f"{b:.3f}{'' if b <= 0.05 else ' (miss)'} ({lag:.2f})" for b, lag in cells) + " |")
-    # 3. the sweep's spo and grpo seeds 0-2 against calibration round 2's runs of the same seeds
-    for variant in ("spo", "grpo"):
-        same = []
-        for s in range(3):  # round 2 ran 300 steps; the sweep's grpo trains on to 364: round 2's steps compared
-            new, old = run("calibrated", f"{variant}-s{s}"), run("calibrated/round2", f"{variant}-s{s}")
-            rows, before = comparable(new["rows"]), comparable(old["rows"])
-            equal = {step: rows.get(step) for step in before} == before and new["probe"] == old["probe"]
-            same.append(f"{len(before) - 1} steps {'equal' if equal else 'DIFFER'}")
-        out.append(f"| 3. {variant} seeds 0-2 against round 2 (logged values but wall-clock times, probes) | "
-                   + ", ".join(same) + " |")
-    # 4. the mechanism sweep's contrasts at step 600 (experiments/mechanism/attribution.md's, to two decimals)
-    folders = {"grpo": "mechanism", "rpp_g8": "mechanism", "rpp_g1": "mechanism", "spo": "paper_regime"}
-    acc = {v: {s: run(folder, f"{v}-s{s}")["rows"][600]["eval/accuracy"] for s in seeds}
-           for v, folder in folders.items()}
-    for a, b in (("rpp_g8", "grpo"), ("rpp_g1", "rpp_g8"), ("spo", "rpp_g1")):
-        diff = pct(*paired_difference(acc[a], acc[b])[:3], "+.2f")
-        out.append(f"| 4. {a} - {b}, avg@2 at step 600 (points) | {diff} |")
-    # 5. PPO-clip in the calibration's learning-rate scans
-    for name in record_names(os.path.join(cal, "scans")):
-        clip = [row["policy/clip_fraction"] for row in read_run(os.path.join(cal, "scans", name))["rows"].values()
-                if "policy/clip_fraction" in row]
-        out.append(f"| 5. scan {name}: steps where clipping fired | {sum(c > 0 for c in clip)} of {len(clip)} |")
-    # 6. the mechanism sweep's grpo against the earlier sweep's: the first step a sampled token moved
-    for s in seeds:
-        a, b = run("mechanism", f"grpo-s{s}")["rows"], run("paper_regime", f"grpo-s{s}")["rows"]
-        moved = [st for st in sorted(a) for k in ("reward/mean", "response/length_mean", "eval/accuracy")
-                 if a[st].get(k) != b.get(st, {}).get(k)]
-        first = moved[0] if moved else "none"
-        out.append(f"| 6. grpo-s{s}: first step whose rewards, lengths or accuracy differ | {first} |")
-    # 7. SPO's near-zero advantages at the paper's threshold (Fig. 3a)
-    zero = [run_mean(run("calibrated", f"spo-s{s}"), "zero_signal/abs_adv_le_0.02") for s in seeds]
-    out.append(f"| 7. spo: share of samples with abs(A) <= 0.02 (%) | {pct(*mean_ci(zero)[:3], '.2f')} |")
-    # 8. prioritised sampling at the last evaluation: the preregistered analysis's secondary metric
-    d = analyse(cal, "spo", 46592)["paired"]["uniform"]["final"]
-    diff = pct(d["mean"], *d["ci95"], "+.2f")
-    out.append(f"| 8. uniform - spo, exact success at the last evaluation (points) | {diff} |")
-    return "\n".join(out)
-
-
 def main(argv=None):
     import argparse
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -356,26 +282,18 @@ def main(argv=None):
     a.add_argument("--reference", default="spo", help="the variant paired differences are taken against")
     a.add_argument("--budget", type=float, default=None, help="generated samples to average over (default: the "
                    "smallest total of any run)")
-    a.add_argument("--json", default=None, help="also write the result here")
     a = sub.add_parser("power", help="the seeds that detect --effect with 80%% power for a paired sd")
     a.add_argument("sd", type=float, help="the paired sd, a fraction (0.004 = 0.4 points)")
     a.add_argument("--effect", type=float, default=0.01, help="the effect to detect (0.01: 1 point)")
-    sub.add_parser("checks", help="the numbers docs/experiments.md's checks cite, from the records")
     args = p.parse_args(argv)
     if args.what == "power":
         n = seeds_for(args.effect, args.sd)
         print(f"paired sd {100 * args.sd:.2f} points: {n or 'more than 30'} seeds detect {100 * args.effect:.1f} "
               f"points with 80% power" + (f" (detectable with {n}: {100 * detectable(args.sd, n):.2f})" if n else ""))
-    elif args.what == "checks":
-        print(checks())
     else:
         if not os.path.isdir(args.out):
             raise SystemExit(f"error: {args.out}: not a sweep directory")
-        result = analyse(args.out, args.reference, args.budget)
-        print(primary_markdown(result))
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(result, f, indent=1)
+        print(primary_markdown(analyse(args.out, args.reference, args.budget)))
 
 
 if __name__ == "__main__":

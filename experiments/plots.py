@@ -1,14 +1,12 @@
-"""The plots of a sweep or of any spo.py run directories, as PNG files (matplotlib, Agg backend: no display): each
-plot draws a group's (a variant's seeds, or one run) mean with a 95% t-interval band over its runs. What each of
-the five shows: docs/experiments.md ("What a sweep does", Plots). A plot without data in any run is skipped (named).
-
-    python -m experiments.sweep plot runs/spo-1 runs/grpo-1 experiments/calibrated --out plots  # a sweep: by variant
+"""The plots of a sweep, as PNG files (matplotlib, Agg backend: no display): each plot draws a variant's mean with a
+95% t-interval band over its seeds. What each of the five shows: docs/experiments.md ("What a sweep does", Plots).
+A plot without data in any run is skipped (named). A single run draws its own plot: run.png (machinery/metrics.py).
 """
 import os
 
 import numpy as np
 
-from experiments.analysis import eval_curve, mean_ci, read_run, record_names, sweep_runs
+from experiments.analysis import eval_curve, mean_ci
 
 SMOOTH = 10  # steps in the trailing mean of per-step curves (one step is 64 samples: noisy)
 
@@ -138,16 +136,3 @@ def make_plots(groups, out_dir):
         plt.close(fig)
         written[name] = path
     return written, skipped
-
-
-def groups_from_paths(paths):
-    """Command-line paths to groups: a sweep directory (it holds sweep.json or records) gives one group per variant
-    (its finished runs, as its summary counts them); any other directory is one run, its own group."""
-    groups = {}
-    for path in paths:
-        path = path.rstrip("/")
-        if os.path.exists(os.path.join(path, "sweep.json")) or record_names(os.path.join(path, "records")):
-            groups.update({variant: list(runs.values()) for variant, runs in sweep_runs(path).items()})
-        else:
-            groups[os.path.basename(path)] = [read_run(path)]
-    return groups

@@ -8,7 +8,6 @@ each file holds, how the budget is checked, and how a rerun resumes, skips and r
 
     python -m experiments.sweep --variants spo:0-4 grpo:0-4 rloo dr_grpo --seeds 0-2 --out experiments/mine
     python -m experiments.sweep --summary_only --out experiments/toy  # summary and plots again (runs or records)
-    python -m experiments.sweep plot RUN_DIR [RUN_DIR ...] --out plots  # the plots for any spo.py run directories
 """
 import argparse
 import functools
@@ -26,7 +25,7 @@ import numpy as np
 
 from experiments.analysis import (archive, eval_curve, mean_ci, paired_difference, pct, prediction_interval,
                                   read_run, read_sweep, record_names, sweep_runs, write_archive)
-from experiments.plots import groups_from_paths, make_plots
+from experiments.plots import make_plots
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: spo.py runs from there
 
@@ -323,15 +322,6 @@ def write_summary(out, sweep, only=None):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["plot"]:
-        p = argparse.ArgumentParser(prog="python -m experiments.sweep plot", description="the plots of spo.py run "
-                                    "directories (a sweep directory: one group per variant)")
-        p.add_argument("paths", nargs="+", help="spo.py run directories, or a sweep's --out")
-        p.add_argument("--out", default="plots", help="where the PNG files go")
-        a = p.parse_args(argv[1:])
-        written, skipped = make_plots(groups_from_paths(a.paths), a.out)
-        print("\n".join(written.values()) + (f"\nno data for: {', '.join(skipped)}" if skipped else ""))
-        return 0
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[:argv.index("--")] if "--" in argv else argv
     p = argparse.ArgumentParser(description="spo.py over variants x seeds; flags after -- go to every run")

@@ -2,8 +2,8 @@
 here is special to SPO: it is what a real user brings, train / test parquet files in the verl schema used for DAPO
 and a Hugging Face model directory (Qwen3 config, hidden 128, 4 layers, char-level vocabulary: about 0.8M
 parameters), warm-started on "a+b=" with 30% of the answers given one wrong digit: without that noise the model is
-as good sampled at temperature 1.0 as greedy and RL has little to sharpen (docs/experiments.md). The tool toy is the
-same model on "a*b=" with a Python tool.
+as good sampled at temperature 1.0 as greedy and RL has little to sharpen (docs/experiments.md). The tool toy (shipped
+built, its recipe at commit 2d63bad) is the same model on "a*b=" with a Python tool.
 
 The toys ship built in tasks/built/ (toy/, toy_tools/): a build is deterministic only on one kind of CPU (800
 warm-start steps amplify float differences), so the bytes ship, listed in each folder's SHA256SUMS (the tool toy's
@@ -138,8 +138,7 @@ def noisy_answer(a, b, rng, noise):
     return "".join(answer)
 
 
-def warm_started(tmp, train, test, op, seed, steps, lr, batch_size, response,
-                 lr_factor=lambda s: min(1.0, (s + 1) / 20)):
+def warm_started(tmp, train, test, op, seed, steps, lr, batch_size, response):
     """A toy's data, tokenizer and model written into tmp, the model warm-started on response(a, b, rng)."""
     for split, problems in (("train", train), ("test", test)):
         write_parquet(f"{tmp}/{split}.parquet", problems, split, op)
@@ -147,7 +146,7 @@ def warm_started(tmp, train, test, op, seed, steps, lr, batch_size, response,
     model = build_model(tokenizer, seed)
     t0, rng = time.time(), np.random.default_rng(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20))
     model.train()
     for _ in range(steps):
         batch = [train[j] for j in rng.integers(len(train), size=batch_size)]
@@ -196,10 +195,12 @@ def checksum_error(toy_dir, tools=False):
         if found != digest:
             here = os.path.relpath(toy_dir)
             shipped = os.path.abspath(toy_dir).startswith(BUILT)
-            restore = f"restore it with `git checkout -- {here}`, or " if shipped else ""
-            return (f"{path}: {'missing' if found is None else 'checksum mismatch'} against {CHECKSUMS}: {restore}"
-                    f"rebuild it with `python -m tasks.toy --toy_dir {here}{' --tools' if tools else ''}` (on "
-                    f"another kind of CPU a rebuild gives other bytes and other numbers)")
+            how = [f"restore it with `git checkout -- {here}`"] if shipped or tools else []
+            if not tools:  # (the tool toy's recipe is not here: it ships built)
+                how.append(f"rebuild it with `python -m tasks.toy --toy_dir {here}` (on another kind of CPU a rebuild "
+                           "gives other bytes and other numbers)")
+            problem = "missing" if found is None else "checksum mismatch"
+            return f"{path}: {problem} against {CHECKSUMS}: {', or '.join(how)}"
     return None
 
 
@@ -223,21 +224,20 @@ def build_toy(toy_dir, seed=0, n_train=2000, n_test=500, steps=800, lr=3e-3, bat
 
 
 def ensure_toy(toy_dir=None, tools=False):
-    """(model_dir, train, test) of the toy (tools: the tool toy), built first where unfinished or of an older
-    recipe; a finished one must match its SHA256SUMS (one line and exit 2 if not)."""
+    """(model_dir, train, test) of the toy (tools: the tool toy), the plain toy built first where unfinished or of
+    an older recipe; a finished one must match its SHA256SUMS (one line and exit 2 if not). The tool toy ships
+    built only: its recipe is at commit 2d63bad (docs/tools.md)."""
     from machinery.errors import fail
     toy_dir = toy_dir or default_toy_dir(tools)
-    version, build, what = (TOOL_TOY_VERSION, build_tool_toy, "tool toy") if tools else (TOY_VERSION, build_toy, "toy")
     marker = os.path.join(toy_dir, "toy.json")
     info = json.load(open(marker)) if os.path.exists(marker) else {}
-    if "recipe" not in info and info.get("version") != version:  # (another recipe: thinking.py)
-        print(f"building the {what} into {toy_dir}/ (first use, about {3 if tools else 2} minutes)", flush=True)
-        info = build(toy_dir)
-        print(f"{what} built: base test accuracy at temperature 1.0 = {info['test_accuracy_t1']:.1%}"
-              + (f", tool use {info['test_tool_use_t1']:.1%}" if tools else ""), flush=True)
+    if not tools and "recipe" not in info and info.get("version") != TOY_VERSION:  # (another recipe: thinking.py)
+        print(f"building the toy into {toy_dir}/ (first use, about 2 minutes)", flush=True)
+        info = build_toy(toy_dir)
+        print(f"toy built: base test accuracy at temperature 1.0 = {info['test_accuracy_t1']:.1%}", flush=True)
     if not os.path.exists(os.path.join(toy_dir, CHECKSUMS)):
-        fail(f"{toy_dir}: a built toy without its {CHECKSUMS} (made before the toys were checked); rebuild it with "
-             f"`python -m tasks.toy --toy_dir {toy_dir}{' --tools' if tools else ''}`", once=True)
+        fail(f"{toy_dir}: a toy without its {CHECKSUMS}" + ("" if tools else f"; rebuild it with `python -m tasks.toy "
+             f"--toy_dir {toy_dir}`"), once=True)
     if error := checksum_error(toy_dir, tools):
         fail(error, once=True)
     return os.path.join(toy_dir, "model"), os.path.join(toy_dir, "train.parquet"), os.path.join(toy_dir, "test.parquet")
@@ -274,90 +274,12 @@ def fill_in(toy_dir, tools, model, data, split, test=None):
     return toy_dir, model or toy_model, data or {"train": train_path, "test": test_path}[split], test or test_path
 
 
-# ------------------------------------------------------------------------------------------------ the tool toy
-# The tiny model cannot multiply in its head, but it can write `print(a*b)` and copy the interpreter's answer. The
-# warm start mixes tool traces, some with a mistyped operand, with direct guesses, so the base model calls the tool
-# only some of the time and gets the code right only part of the time: RL can raise both.
-TOOL_TOY_VERSION = 2
-
-
-def make_tool_problems(seed, n_train, n_test):
-    """Disjoint train / test sets of distinct (a, b): a of 2 or 3 digits, b of 2 (both of 3 digits needed twice the
-    warm-start steps: copying them is what the tiny model learns slowest)."""
-    rng = np.random.default_rng(seed)
-    digits = np.stack([rng.integers(2, 4, size=4 * (n_train + n_test)), np.full(4 * (n_train + n_test), 2)], 1)
-    operands = rng.integers(10 ** (digits - 1), 10 ** digits)  # (N, 2)
-    _, first = np.unique(operands[:, 0] * 1000 + operands[:, 1], return_index=True)
-    pairs = operands[np.sort(first)][: n_train + n_test]  # distinct pairs, in draw order
-    pairs = [(int(a), int(b)) for a, b in pairs]
-    return pairs[:n_train], pairs[n_train:]
-
-
-def tool_trace(a, b):
-    """A tool-use response as rollout.py's loop produces it, the interpreter output out of the loss."""
-    return [(f"<code>\n```python\nprint({a}*{b})\n```\n</code>", True),
-            (f"<interpreter>\n{a * b}\n</interpreter>\n\n", False), *boxed(a * b)]
-
-
-def typo(n, rng):
-    digits = list(str(n))
-    k = rng.integers(len(digits))
-    digits[k] = str(rng.integers(1 if k == 0 else 0, 10))
-    return int("".join(digits))
-
-
-def noisy_tool_response(a, b, rng, tool_fraction, typo_rate):
-    if rng.random() >= tool_fraction:
-        return boxed(a * b)  # the true product: the model cannot learn it, only guess
-    if rng.random() < typo_rate:
-        a, b = (typo(a, rng), b) if rng.random() < 0.5 else (a, typo(b, rng))
-    return tool_trace(a, b)
-
-
-@torch.no_grad()
-def tool_success_probability(model, tokenizer, problems):
-    """Per problem, exact probabilities at temperature 1.0 of (the correct tool trace, the correct direct
-    answer, starting with a tool call); another correct program than `print(a*b)` is not counted."""
-    prompts = [f"{a}*{b}=" for a, b in problems]
-    out = []
-    for responses in ([tool_trace(a, b) for a, b in problems], [boxed(a * b) for a, b in problems]):
-        ids, mask = encode_segments(tokenizer, prompts, responses)
-        out.append(response_logprob(model, ids, mask).exp().numpy())
-    ids, mask = encode_segments(tokenizer, prompts, [[("<code>", True)]] * len(problems), end_of_turn=False)
-    out.append(response_logprob(model, ids, mask).exp().numpy())
-    return out
-
-
-def build_tool_toy(toy_dir, seed=0, n_train=2000, n_test=500, steps=700, lr=4e-3, batch_size=32,
-                   tool_fraction=0.5, typo_rate=0.3):
-    """The learning rate decays to a tenth over the last 30% of the steps, so the end point does not depend on
-    where an oscillation stops (docs/experiments.md)."""
-    def build(tmp):
-        train, test = make_tool_problems(seed, n_train, n_test)
-        model, tokenizer, loss, seconds = warm_started(
-            tmp, train, test, "*", seed, steps, lr, batch_size,
-            lambda a, b, rng: noisy_tool_response(a, b, rng, tool_fraction, typo_rate),
-            lambda s: min((s + 1) / 20, 1.0, 0.1 + 0.9 * (steps - s) / (0.3 * steps)))
-        p_tool, p_direct, p_call = tool_success_probability(model, tokenizer, test)
-        return {"version": TOOL_TOY_VERSION, "task": "a*b with a python tool", "seed": seed, "n_train": n_train,
-                "n_test": n_test, "steps": steps, "lr": lr, "tool_fraction": tool_fraction, "typo_rate": typo_rate,
-                "final_sft_loss": loss, "warm_start_seconds": round(seconds, 1),
-                "test_accuracy_t1": float((p_tool + p_direct).mean()), "test_tool_use_t1": float(p_call.mean()),
-                "test_direct_accuracy_t1": float(p_direct.mean())}
-    return build_atomically(toy_dir, build)
-
-
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--toy_dir", default=None, help="where to build the toy (default: the shipped one)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the data split and the warm start")
-    parser.add_argument("--steps", type=int, default=None, help="warm-start optimiser steps (800; tools: 700)")
+    parser.add_argument("--steps", type=int, default=800, help="warm-start optimiser steps")
     parser.add_argument("--noise", type=float, default=0.3, help="share of warm-start answers with a wrong digit")
-    parser.add_argument("--tools", action="store_true", help="build the tool toy (a*b with python) instead")
     args = parser.parse_args()
-    toy_dir = args.toy_dir or default_toy_dir(args.tools)
-    if args.tools:
-        info = build_tool_toy(toy_dir, seed=args.seed, steps=args.steps or 700)
-    else:
-        info = build_toy(toy_dir, seed=args.seed, steps=args.steps or 800, noise=args.noise)
+    info = build_toy(args.toy_dir or default_toy_dir(), seed=args.seed, steps=args.steps, noise=args.noise)
     print(json.dumps(info, indent=1))

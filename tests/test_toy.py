@@ -1,6 +1,5 @@
 """The built-in toys (tasks/toy.py): the shipped toys are the bytes their SHA256SUMS name and loading checks them, a
-build is deterministic for a seed, in the verl schema, and the tool toy's traces keep the interpreter text out of
-the loss.
+build is deterministic for a seed, in the verl schema, and a tool trace keeps the interpreter text out of the loss.
 
     .venv/bin/python -m pytest tests/test_toy.py -q
 """
@@ -32,18 +31,14 @@ def test_toy_is_deterministic_and_in_the_verl_schema(small_toy, tmp_path):
     assert load_prompts(small_toy["train"]).n_rows == 200
 
 
-def test_tool_toy_is_deterministic_with_a_masked_interpreter(tmp_path):
-    from tasks import toy
-    with one_thread():
-        infos = [toy.build_tool_toy(str(tmp_path / d), n_train=100, n_test=20, steps=3) for d in ("a", "b")]
-    same = [open(tmp_path / d / "model" / "model.safetensors", "rb").read() for d in ("a", "b")]
-    assert same[0] == same[1] and infos[0]["test_accuracy_t1"] == infos[1]["test_accuracy_t1"]
-    rows = pq.read_table(tmp_path / "a" / "train.parquet").to_pylist()
-    a, b = map(int, rows[0]["prompt"][0]["content"].rstrip("=").split("*"))
-    assert rows[0]["reward_model"]["ground_truth"] == str(a * b) and 10 <= a <= 999 and 10 <= b <= 999
+def test_a_tool_trace_keeps_the_interpreter_text_out_of_the_loss():
+    """The tool toy's warm start (recipe at 2d63bad) trained on such traces: the interpreter's output is context."""
     from transformers import AutoTokenizer
-    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "a" / "model")
-    ids, mask = toy.encode_segments(tokenizer, ["12*34="], [toy.tool_trace(12, 34)])
+    from tasks import toy
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(toy.default_toy_dir(tools=True), "model"))
+    trace = [("<code>\n```python\nprint(12*34)\n```\n</code>", True), ("<interpreter>\n408\n</interpreter>\n\n", False),
+             *toy.boxed(408)]
+    ids, mask = toy.encode_segments(tokenizer, ["12*34="], [trace])
     text = tokenizer.decode(ids[0][mask[0] == 0])
     assert "<interpreter>\n408\n</interpreter>\n\n" in text and "print(12*34)" not in text
     assert tokenizer.decode(ids[0][mask[0] == 1]) == "<code>\n```python\nprint(12*34)\n```\n</code>\\boxed{408}" \
@@ -83,6 +78,17 @@ def test_a_damaged_toy_stops_spo_with_one_line(damage, tmp_path):
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
     assert lines[0].startswith(f"error: {weights}: {'missing' if damage == 'remove' else 'checksum mismatch'}")
     assert f"python -m tasks.toy --toy_dir {os.path.relpath(copy, ROOT)}" in lines[0]
+
+
+def test_a_damaged_tool_toy_is_restored_from_git_not_rebuilt(tmp_path):
+    """The tool toy's recipe is not in the tree (it ships built): its one line names git, not a rebuild."""
+    from tasks import toy
+    copy = tmp_path / "toy_tools"
+    shutil.copytree(toy.default_toy_dir(tools=True), copy)
+    (copy / "toy.json").write_text("{}")
+    error = toy.checksum_error(str(copy), tools=True)
+    assert error.startswith(f"{copy / 'toy.json'}: checksum mismatch") and "git checkout" in error
+    assert "rebuild" not in error and "rebuild" in toy.checksum_error(str(copy))
 
 
 def test_the_range_the_last_line_shows_is_the_readmes():
