@@ -10,10 +10,13 @@ off those lines:
 The warm start's noise lands in the written partial sums, where a person errs: a column that carries is written
 wrong (off by 1 or 2) with probability `noise`, one that does not with noise / 3, and everything after follows
 from what was written. So the uncertain tokens are spread over the reasoning, success depends on the carries a
-prompt has, and a wrong partial sum makes a wrong answer that RL can learn away. Same tokenizer and model as the
-plain toy (tasks/toy.py's functions). Built deterministically on one kind of CPU, shipped in tasks/built/toy_think:
+prompt has, and a wrong partial sum makes a wrong answer that RL can learn away. With --shuffle (the shipped
+build) each line's three terms come in a random order (`6+0+7=13`): uncertainty on every prompt that never decides
+the reward, as a long chain's wording is, which narrows D's spread over prompts (docs/experiments.md). Same
+tokenizer and model as the plain toy (tasks/toy.py's functions). Built deterministically on one kind of CPU,
+shipped in tasks/built/toy_think:
 
-    python -m tasks.thinking --toy_dir tasks/built/toy_think
+    python -m tasks.thinking --toy_dir tasks/built/toy_think --shuffle
     torchrun --nproc_per_node=2 spo.py --toy_dir tasks/built/toy_think --max_response_len 64  # (the toys: 32)
 
 toy.json's "recipe" tells tasks/toy.py:ensure_toy to check such a folder, never to rebuild it as its own. The exact
