@@ -321,6 +321,7 @@ def start(args):
         resumed = checkpoint.resumed_config(args.resume, values, BUILT_IN, toy.BUILT)  # running nothing it names
         args = argparse.Namespace(**{**vars(args), **resumed, "given": given})
     variants.check_flags(vars(args), world)  # one clear line for a bad flag or combination
+    thinking.check_budget(args.toy_dir, args.max_response_len)  # a worked sum must fit
     args.bf16 = devices.use_bf16(args.bf16, device.type == "cuda")  # auto: on GPU only; "on" needs bf16 units
     args.run_dir = open_run_dir(args.resume or args.run_dir, resumed=bool(args.resume), algo=args.algo,
                                 program="spo.py")

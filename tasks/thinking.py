@@ -41,6 +41,17 @@ def is_thinking(toy_dir):
     return os.path.exists(marker) and json.load(open(marker)).get("recipe") == RECIPE
 
 
+LONGEST_TRACE = 40  # tokens of the longest correct trace, end of turn included (999+999)
+
+
+def check_budget(toy_dir, max_response_len):
+    """One line (exit 2) where a thinking toy's budget cannot hold a correct trace: every response cut, reward 0."""
+    if is_thinking(toy_dir) and max_response_len < LONGEST_TRACE:
+        from machinery.errors import fail
+        fail(f"--max_response_len {max_response_len}: the thinking toy {toy_dir} needs at least {LONGEST_TRACE} "
+             f"tokens for a worked sum (64 fits every trace)", once=True)
+
+
 def make_problems(seed, n_train, n_test):
     """Disjoint train / test sets of (a, b), both of three digits."""
     pairs = np.random.default_rng(seed).choice(900 * 900, n_train + n_test, replace=False)

@@ -83,6 +83,16 @@ def test_a_built_thinking_toy_is_checked_not_rebuilt_as_the_plain_toy(tmp_path, 
     assert (tmp_path / "t" / "toy.json").read_text() == before
 
 
+def test_a_budget_too_short_for_a_worked_sum_is_one_line(capsys):
+    longest = max(len(text(thinking.thinking_response(a, b))) + 1 for a in range(100, 1000, 7) for b in (999, 905))
+    assert longest == thinking.LONGEST_TRACE  # (one token a character, and the end of turn)
+    thinking.check_budget(SHIPPED, thinking.LONGEST_TRACE)  # fits
+    thinking.check_budget(str(toy.BUILT) + "/toy", 8)  # the plain toy: not this check's
+    with pytest.raises(SystemExit) as stop:
+        thinking.check_budget(SHIPPED, 32)
+    assert stop.value.code == 2 and "--max_response_len 32" in capsys.readouterr().err
+
+
 def test_the_shipped_thinking_toy_is_the_bytes_its_checksums_name():
     assert thinking.is_thinking(SHIPPED) and toy.checksum_error(SHIPPED) is None
     info = json.load(open(os.path.join(SHIPPED, "toy.json")))
