@@ -41,15 +41,12 @@ def is_thinking(toy_dir):
     return os.path.exists(marker) and json.load(open(marker)).get("recipe") == RECIPE
 
 
-LONGEST_TRACE = 40  # tokens of the longest correct trace, end of turn included (999+999)
-
-
 def check_budget(toy_dir, max_response_len):
     """One line (exit 2) where a thinking toy's budget cannot hold a correct trace: every response cut, reward 0."""
     if is_thinking(toy_dir) and max_response_len < LONGEST_TRACE:
         from machinery.errors import fail
         fail(f"--max_response_len {max_response_len}: the thinking toy {toy_dir} needs at least {LONGEST_TRACE} "
-             f"tokens for a worked sum (64 fits every trace)", once=True)
+             f"tokens for a worked sum (docs/experiments.md's runs use 64)", once=True)
 
 
 def make_problems(seed, n_train, n_test):
@@ -75,6 +72,10 @@ def thinking_response(a, b, rng=None, noise=0.0, order=None, score_order=True):
         pieces += [(f"{terms[0]}+{terms[1]}+", score_order), (f"{terms[2]}={s}\n", True)]
         carry, answer = s // 10, answer + (s % 10) * 10 ** k
     return pieces + [(f"\\boxed{{{answer + carry * 10 ** (len(pieces) // 2)}}}", True)]
+
+
+# Tokens of the longest trace (one a character, plus the end of turn): four-digit box, two-digit sums.
+LONGEST_TRACE = sum(len(piece) for piece, _ in thinking_response(999, 999)) + 1
 
 
 @torch.no_grad()
