@@ -72,12 +72,18 @@ NON_NEGATIVE = ("lr", "tis", "clip_low", "clip_high", "sampling_eps")
 # calibrated: the toy set to the paper's measured statistics (experiments/calibrated/calibration.md): the sharper
 # warm start (5% noisy answers: prompts mastered and unsolved), a pool of 1,024 of which 12.5% is drawn per step,
 # 37.5 samples per prompt, 8 optimiser steps per rollout batch, sampling at 0.5; two targets it misses are there.
+# thinking: the toy whose responses think (tasks/thinking.py), set where SPO's adaptive forgetting and PPO-clip act
+# (experiments/forgetting/calibration.md): all 64 prompts drawn at every step, so that D(x) spans one rollout batch.
 SHARP_TOY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tasks", "built", "toy_sharp")
+THINK_TOY = os.path.join(os.path.dirname(SHARP_TOY), "toy_think")
 PRESETS = {"tracker_keeps_up": {"train_prompts": 128, "lr": 1.5e-5, "n0": 16, "steps": 600, "eval_every": 50,
                                 "probe_every": 50, "probe_prompts": 128, "probe_samples": 32},
            "calibrated": {"toy_dir": SHARP_TOY, "train_prompts": 1024, "batch_size": 128, "ppo_steps": 8,
                           "lr": 3e-7, "temperature": 0.5, "eval_temperature": 0.5, "steps": 300, "eval_every": 25,
-                          "probe_every": 25, "probe_prompts": 128, "probe_samples": 16}}
+                          "probe_every": 25, "probe_prompts": 128, "probe_samples": 16},
+           "thinking": {"toy_dir": THINK_TOY, "max_response_len": 64, "train_prompts": 64, "batch_size": 64,
+                        "ppo_steps": 8, "lr": 4e-5, "steps": 100, "eval_every": 25, "probe_every": 25,
+                        "probe_prompts": 64, "probe_samples": 16}}
 
 
 def preset_values(preset, given, algo):

@@ -202,12 +202,12 @@ def offline_samples(config, pool):
     return config.get("n0", 0) * pool if config.get("algo") == "spo" and config.get("offline_values") != "none" else 0
 
 
-def exact_curve(run, pool):
-    """[(generated samples, eval/exact)] at the run's evaluations, the offline values' samples counted first (spent
-    at the base model's value, step 0's): the primary metric's curve."""
+def exact_curve(run, pool, key="eval/exact"):
+    """[(generated samples, key)] at the run's evaluations, the offline values' samples counted first (spent at the
+    base model's value, step 0's): the primary metric's curve."""
     offline = float(offline_samples(run["config"], pool))
     curve = [(generated + offline if step > 0 else 0.0, exact)
-             for step, (generated, exact) in sorted(eval_curve(run, "eval/exact").items())]
+             for step, (generated, exact) in sorted(eval_curve(run, key).items())]
     if curve and len(curve) > 1 and offline:
         curve.insert(1, (offline, curve[0][1]))  # the budget v0 spent: flat
     return curve
@@ -223,15 +223,16 @@ def area_mean(curve, budget):
     return float(np.sum((grid[1:] - grid[:-1]) * (values[1:] + values[:-1]) / 2) / budget)
 
 
-def analyse(out, reference, budget=None):
-    """The preregistered analysis: primary metric = exact success averaged over an equal budget of generated
-    samples (offline values counted); secondary = exact success at the last evaluation; each paired with
+def analyse(out, reference, budget=None, key="eval/exact"):
+    """The preregistered analysis: primary metric = exact success (key: or another evaluation's metric, where no
+    exact success exists) averaged over an equal budget of generated samples (offline values counted); secondary =
+    the same at the last evaluation; each paired with
     `reference` by seed, with its sd and the difference its seeds detect at 80% power; Fig. 3a's zero-advantage
     share. {"budget", "reference", "variants": {name: {metric: {seed: v}}}, "paired": {name: {metric: {...}}}}."""
     runs = {(variant, seed): run for variant, seeds in sweep_runs(out).items() for seed, run in seeds.items()}
-    curves = {key: exact_curve(run, pool_size(run["config"])) for key, run in runs.items()}
+    curves = {name: exact_curve(run, pool_size(run["config"]), key) for name, run in runs.items()}
     if not curves or not all(curves.values()):
-        raise SystemExit(f"error: {out}: no finished run with eval/exact")
+        raise SystemExit(f"error: {out}: no finished run with {key}")
     budget = budget or min(curve[-1][0] for curve in curves.values())
     variants = {}
     for (variant, seed), curve in sorted(curves.items()):
@@ -250,12 +251,13 @@ def analyse(out, reference, budget=None):
             sd = float(np.std(diffs, ddof=1)) if n > 1 else float("nan")
             paired[name][metric] = {"mean": mean, "ci95": [low, high], "n": n, "sd": sd,
                                     "detectable": detectable(sd, n)}
-    return {"budget": budget, "reference": reference, "variants": variants, "paired": paired}
+    return {"budget": budget, "reference": reference, "variants": variants, "paired": paired, "key": key}
 
 
 def primary_markdown(result):
-    lines = [f"Primary metric: held-out exact success averaged over {result['budget']:.0f} generated samples "
-             f"(offline values counted); secondary: exact success at the last evaluation. Mean [95% t-interval] "
+    lines = [f"Primary metric: held-out `{result.get('key', 'eval/exact')}` averaged over {result['budget']:.0f} "
+             f"generated samples (offline values counted); secondary: the same at the last evaluation. Mean [95% "
+             f"t-interval] "
              f"over seeds (training randomness only: same model, pool and test set), %; paired difference to "
              f"`{result['reference']}` in points, its sd and the smallest difference its seeds detect with 80% power; "
              f"zero-advantage: the share of training samples with no signal (Fig. 3a), mean over steps and seeds.\n",
@@ -282,6 +284,8 @@ def main(argv=None):
     a.add_argument("--reference", default="spo", help="the variant paired differences are taken against")
     a.add_argument("--budget", type=float, default=None, help="generated samples to average over (default: the "
                    "smallest total of any run)")
+    a.add_argument("--metric", default="eval/exact", help="the evaluation's metric (eval/accuracy: avg@n where no "
+                   "exact success exists)")
     a = sub.add_parser("power", help="the seeds that detect --effect with 80%% power for a paired sd")
     a.add_argument("sd", type=float, help="the paired sd, a fraction (0.004 = 0.4 points)")
     a.add_argument("--effect", type=float, default=0.01, help="the effect to detect (0.01: 1 point)")
@@ -293,7 +297,7 @@ def main(argv=None):
     else:
         if not os.path.isdir(args.out):
             raise SystemExit(f"error: {args.out}: not a sweep directory")
-        print(primary_markdown(analyse(args.out, args.reference, args.budget)))
+        print(primary_markdown(analyse(args.out, args.reference, args.budget, args.metric)))
 
 
 if __name__ == "__main__":
