@@ -50,3 +50,23 @@ def test_rho_one_means_an_unbounded_memory_not_a_division_error(tmp_path):
                                                        (10, [0.4, 0.6], [0.3, 0.5], [10, 10])], rho=1.0))
     (interval,) = r["intervals"]
     assert interval["memory"] == float("inf") and interval["lag"] == float("-inf")
+
+
+def test_targets_weigh_the_window_by_revisits_and_take_the_lag_on_prompts_being_learned(tmp_path):
+    """Two steps with revisits: 10% of the batch with rho strictly inside its window, then 90% of a batch 3 times as
+    revisited: 0.1 x 1/4 + 0.9 x 3/4 = 0.7. The lag is read only where 0.1 < p < 0.9 (the p = 0.95 prompt's
+    larger miss is not a lag), and only after step 20."""
+    from experiments.analysis import read_run
+    run_dir = write_run(tmp_path / "run", [(0, [0.5, 0.95], [0.0, 0.0], [0, 0]),
+                                           (30, [0.5, 0.95], [0.4, 0.6], [10, 10])])
+    with open(tmp_path / "run" / "config.json", "w") as f:
+        json.dump({"batch_size": 8, "group_size": 1, "train_prompts": 16, "train": ""}, f)
+    with open(tmp_path / "run" / "metrics.jsonl", "a") as f:
+        for step, share, at_min, at_max in ((31, 0.25, 0.5, 0.4), (32, 0.75, 0.05, 0.05)):
+            f.write(json.dumps({"step": step, "tracker/revisit_share": share, "tracker/rho_at_min": at_min,
+                                "tracker/rho_at_max": at_max, "tracker/divergence_revisit_mean": 0.01,
+                                "policy/clip_fraction": 0.001, "time": step}) + "\n")
+    m = regime.measure(read_run(run_dir), after=20)
+    assert abs(m["window"] - 0.7) < 1e-12
+    assert abs(m["lag"] - 0.1) < 1e-12 and abs(m["bias"] - 0.225) < 1e-12  # bias: mean of -0.1 and -0.35
+    assert m["mastered"] == (0.5, 0.5) and m["samples"] == 8 * 32 / 16
