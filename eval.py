@@ -190,7 +190,7 @@ def parse_args(argv=None):
     g = p.add_argument_group("output and engine")
     g.add_argument("--out_dir", default="eval_out", help="<benchmark>.samples.jsonl, summary.json, summary.md")
     g.add_argument("--n_boot", type=int, default=1000, help="bootstrap resamples for maj@n mean and std")
-    add_engine_flags(g, gpu_share=0.9)  # --engine, --gpu_memory_utilization (an engine alone), --engine_compile
+    add_engine_flags(g, gpu_share=0.9)  # --engine, --gpu_memory_utilization (an engine alone), --compile
     add_tool_flags(p)
     args = p.parse_args(argv)
     args.max_response_len = response_budget(args.max_response_len, args.tools)
@@ -241,7 +241,7 @@ def main(argv=None):
                        args.max_tool_output_chars, {**{path: "data" for path in args.data}, args.out_dir: "out_dir"})
     engine = start_engine(args.engine, source, seed=args.seed, max_model_len=longest, device=device,
                           gpu_memory_utilization=args.gpu_memory_utilization,
-                          engine_compile=args.engine_compile)
+                          engine_compile=args.compile)
     n = args.n_samples
     ks = sorted({2 ** i for i in range(n.bit_length())} | {n})  # pass@1, 2, 4, ... and pass@n
     summaries = {}

@@ -17,7 +17,7 @@ GREEDY_BELOW = 1e-5  # temperatures below this sample greedily (vLLM's _SAMPLING
 
 
 def start_engine(kind, model_path, engine_compile="auto", **settings):
-    """The engine `kind` ("vllm" or "hf") with rollout.Engine's settings and --engine_compile; here, the one file
+    """The engine `kind` ("vllm" or "hf") with rollout.Engine's settings and --compile; here, the one file
     that knows both (rollout.py cannot import this one back)."""
     compile_model = None if engine_compile == "auto" else engine_compile == "on"
     return (Engine if kind == "vllm" else HFEngine)(model_path, compile_model=compile_model, **settings)
@@ -50,8 +50,9 @@ def add_engine_flags(p, gpu_share):
                    help="rollout engine: vllm, hf (transformers, where vLLM cannot run: slower, no vLLM-only "
                         "setting applies) or auto (vllm where it imports, else hf)")
     p.add_argument("--gpu_memory_utilization", type=float, default=gpu_share, help="vLLM's share of each GPU (0-1)")
-    p.add_argument("--engine_compile", choices=["auto", "on", "off"], default="auto",
-                   help="torch.compile vLLM's model (auto: on GPU only; on CPU it costs start-up: docs/benchmarks.md)")
+    p.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
+                   help="torch.compile vLLM's model (auto: on GPU only; on CPU it costs start-up) and, with on, "
+                        "each of the trainer's decoder layers (docs/benchmarks.md)")
 
 
 def choose_engine(choice, is_main):

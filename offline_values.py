@@ -35,7 +35,7 @@ def parse_args(argv=None):
     g = p.add_argument_group("run and engine")
     g.add_argument("--chunk_prompts", type=int, default=64, help="prompts per generate call and partial flush")
     g.add_argument("--max_chunks", type=int, default=None, help="debugging: stop after N chunks per rank")
-    add_engine_flags(g, gpu_share=0.9)  # --engine, --gpu_memory_utilization (an engine alone), --engine_compile
+    add_engine_flags(g, gpu_share=0.9)  # --engine, --gpu_memory_utilization (an engine alone), --compile
     add_tool_flags(p)
     args = p.parse_args(argv)
     args.max_response_len = response_budget(args.max_response_len, args.tools)
@@ -87,7 +87,7 @@ def main(argv=None):
     engine = start_engine(args.engine, args.model, seed=args.seed, device=device, temperature=args.temperature,
                           max_model_len=args.max_prompt_len + args.max_response_len,
                           gpu_memory_utilization=args.gpu_memory_utilization,
-                          engine_compile=args.engine_compile)
+                          engine_compile=args.compile)
     estimate_offline_values(engine, data, args.out, header=header, chunk_prompts=args.chunk_prompts,
                             max_chunks=args.max_chunks, tools=tools, reward_timeout=args.reward_timeout, **sampling)
     if tools:

@@ -300,7 +300,7 @@ def parse_args(argv=None):
     add_logging_flags(g)  # --wandb, and --log_every (hidden)
     g = p.add_argument_group("machinery: memory, micro-batches, engine")
     devices.add_trainer_flags(g)  # micro-batches, gradient checkpointing, FSDP2 units, bf16, the estimate's override
-    add_engine_flags(g, gpu_share=0.5)  # --engine, --gpu_memory_utilization, --engine_compile
+    add_engine_flags(g, gpu_share=0.5)  # --engine, --gpu_memory_utilization, --compile
     args = p.parse_args(argv)
     args.given = checkpoint.given_flags(p, argv)  # --resume accepts changes to some only
     vars(args).update(variants.preset_values(args.preset, args.given, args.algo))  # --preset: defaults for the rest
@@ -362,12 +362,12 @@ def build_policy_and_engine(args, world, device, data, is_main):
         ignore=args.ignore_memory_estimate)
     state = checkpoint.load_checkpoint(args.resume, world, data.keys) if args.resume else None
     model_path = state["model_dir"] if state else args.model
-    policy, optimizer = trainer.build_policy(model_path, device, args.lr, WEIGHT_DECAY, checkpointing,
-                                             layer_units, args.bf16 == "on")
+    policy, optimizer = trainer.build_policy(model_path, device, args.lr, WEIGHT_DECAY, checkpointing, layer_units,
+                                             args.bf16 == "on", args.compile == "on")
     check_disk(args.run_dir, policy, export_bytes_per_parameter=2 if on_gpu else 4)
     engine = start_engine(args.engine, model_path, seed=args.seed, device=device, temperature=args.temperature,
                           max_model_len=args.max_prompt_len + args.max_response_len,
-                          gpu_memory_utilization=args.gpu_memory_utilization, engine_compile=args.engine_compile,
+                          gpu_memory_utilization=args.gpu_memory_utilization, engine_compile=args.compile,
                           bf16=args.bf16 == "on")
     if state:
         checkpoint.restore_training_state(policy, optimizer, state["shards"])

@@ -246,7 +246,7 @@ def vllm_runners(run_root, steps=2):
     for runner, flag in {"V1": "0", "V2": "1"}.items():  # VLLM_USE_V2_MODEL_RUNNER (unset: V2 where supported)
         rows, _ = _spo(os.path.join(run_root, f"runner_{runner}"),
                        ["--steps", str(steps), "--eval_every", "0", "--save_every", "0", "--offline_values", "none",
-                        "--engine_compile", "off", "--log_every", "1"], 600,
+                        "--compile", "off", "--log_every", "1"], 600,
                        env={"VLLM_USE_V2_MODEL_RUNNER": flag})  # vLLM refuses expandable segments
         if rows:
             rows = [row for step, row in rows.items() if step]

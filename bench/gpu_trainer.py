@@ -143,23 +143,25 @@ def profile_step(run, on_gpu, top=8):
 
 
 def _settings(config, max_tokens, on_gpu, world, longest):
-    """The settings run side by side, (label, tokens per update micro-batch, checkpointing, layer units): before
-    this project's GPU work (max_tokens, checkpointing, per-layer units), the new defaults (memory.auto_budget; on
-    a CPU the same tokens), and 32k tokens where the estimate fits them. The new defaults run last (the profile,
-    the attention kernel and the fp32 comparison use that policy)."""
+    """The settings run side by side, (label, tokens per update micro-batch, checkpointing, layer units, compiled
+    layers): before this project's GPU work (max_tokens, checkpointing, per-layer units), the new defaults
+    (memory.auto_budget; on a CPU the same tokens; on a GPU with compiled layers, --compile on, then eager),
+    and 32k tokens where the estimate fits them. The new defaults run last (the profile, the attention kernel and
+    the fp32 comparison use that policy)."""
     from machinery import device as devices, memory
-    old = (f"old: {max_tokens} tokens, checkpointing, layer units", max_tokens, True, True)
+    old = (f"old: {max_tokens} tokens, checkpointing, layer units", max_tokens, True, True, False)
     units = devices.use_layer_units("auto", on_gpu, world)
     if not on_gpu:
-        return [old, (f"new: {max_tokens} tokens, checkpointing off, one unit", max_tokens, False, False)]
+        return [old, (f"new: {max_tokens} tokens, checkpointing off, one unit", max_tokens, False, False, False)]
     shape, have = memory.model_shape(None, config), memory.available_per_rank(True, world)
     common = dict(world=world, on_gpu=True, layer_units=units, gpu_bytes=have, engine=False, max_sequence_len=longest)
     tokens, ckpt, why = memory.auto_budget(shape, have, "auto", "auto", **common)
     big = memory.auto_budget(shape, have, 32768, "auto", **common)
     fits = memory.fitting_tokens(shape, have, **{k: v for k, v in common.items() if k != "max_sequence_len"},
                                  gradient_checkpointing=big[1]) >= 32768
-    return [old, *[("32k tokens, checkpointing " + ("on" if big[1] else "off"), 32768, big[1], units)] * fits,
-            (f"new defaults: {tokens} tokens ({why}), {'layer units' if units else 'one unit'}", tokens, ckpt, units)]
+    new = f"new defaults: {tokens} tokens ({why}), {'layer units' if units else 'one unit'}"
+    return [old, *[("32k tokens, checkpointing " + ("on" if big[1] else "off"), 32768, big[1], units, False)] * fits,
+            (new + ", compiled layers", tokens, ckpt, units, True), (new + ", eager", tokens, ckpt, units, False)]
 
 
 def bench_gpu(shape="1.7b", prompts=8, samples=8, prompt_lens=(64, 512), response_lens=(200, 900), rounds=3,
@@ -262,12 +264,13 @@ def _run_setting(path, device, setting, batches, advantages, loss_fn, rows, say)
     import gc
     import torch
     from machinery import trainer
-    label, tokens, checkpointing, units = setting
+    label, tokens, checkpointing, units, compiled = setting
     gc.collect()
     torch.cuda.empty_cache() if device.type == "cuda" else None
     t0 = time.time()
     policy, optimizer = trainer.build_policy(path, device, lr=1e-6, weight_decay=0.01,
-                                             gradient_checkpointing=checkpointing, layer_units=units)
+                                             gradient_checkpointing=checkpointing, layer_units=units,
+                                             compile_layers=compiled)
     say(f"== {label}: build_policy (load + FSDP2) {time.time() - t0:.1f} s")
     on_gpu, timings = device.type == "cuda", []
     for batch, advantage in zip(batches, advantages):  # nothing runs before the first round
@@ -304,7 +307,7 @@ def _in_use():
 def _report(setting, out, config, lengths, heads, peak_tflops, on_gpu, world, max_tokens, say):
     """One setting's lines: the packing of round 1 (the first setting only), then per pass the seconds, MFU, HFU,
     peak memory, and the profiled PPO step's device-busy share and blocking syncs per micro-batch."""
-    label, tokens, checkpointing, _ = setting
+    label, tokens, checkpointing, *_ = setting
     timings, profiled = out["timings"], out["profiled"]
     rounds = len(timings)
     if tokens == max_tokens and label.startswith("old"):

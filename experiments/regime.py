@@ -103,7 +103,7 @@ def sweep_report(out, after=20):
         lines.append(f"| {name} | {paper} | " + " | ".join(cells) + f" | {sum(c[i][3] for c in columns)} of "
                      f"{len(seeds)} |")
     lines += ["", f"| variant | seeds | bias, mean after step {after} | largest abs(bias) | lag on prompts being "
-              "learned, mean | largest abs(lag) | D inside rho's window |", "| --- | --- | --- | --- | --- | --- | --- |"]
+              "learned, mean | largest abs(lag) | D inside rho's window |", "|---" * 7 + "|"]
     for variant in sorted({n.rsplit("-s", 1)[0] for n in names}):
         runs = [measure(load(out, n), after) for n in names if n.rsplit("-s", 1)[0] == variant]
         if all(np.isnan(m["bias"]) for m in runs):

@@ -23,7 +23,7 @@ from machinery.untrusted import LOCATIONS, foreign_values, nested, read_config, 
 RESUME_MAY_CHANGE = {"steps", "resume", "run_dir", "log_every", "eval_every", "save_every", "wandb",
                      "micro_batch_size", "max_tokens_per_micro_batch", "gpu_memory_utilization", "sandbox_workers",
                      "given", "probe_every", "probe_prompts", "probe_samples", "gradient_checkpointing", "fsdp_units",
-                     "ignore_memory_estimate", "engine_compile", "eval_reference"}
+                     "ignore_memory_estimate", "compile", "eval_reference"}
 
 
 def resumed_settings(saved, given):

@@ -83,9 +83,9 @@ def test_end_to_end_grpo_two_ranks(small_toy, tmp_path):
 
 @pytest.mark.slow
 def test_a_compiled_engine_takes_every_weight_push(small_toy, tmp_path):
-    """--engine_compile on (vLLM's torch.compile on CPU): its CPU kernels hold repacked copies of the weights,
+    """--compile on (vLLM's torch.compile on CPU): its CPU kernels hold repacked copies of the weights,
     and each push must still reach them: the trainer's and vLLM's log-probs of the sampled tokens agree."""
-    ok(torchrun(2, *toy_args(small_toy, tmp_path, "--steps", "3", "--engine_compile", "on", "--eval_every", "0")))
+    ok(torchrun(2, *toy_args(small_toy, tmp_path, "--steps", "3", "--compile", "on", "--eval_every", "0")))
     rows = _metrics(tmp_path)
     assert any(r["policy/grad_norm"] > 0 for r in rows[:-1])  # a push brought changed weights before a step
     assert all(r["policy/logprob_gap_max"] < 1e-3 for r in rows)

@@ -54,6 +54,27 @@ def test_two_rank_fsdp2_gradients_and_normalisation_equal_one_process(small_toy,
 
 
 @pytest.mark.slow
+def test_compiled_decoder_layers_give_the_eager_step(small_toy, tmp_path):
+    """--compile on (each decoder layer torch.compile'd before FSDP2, inductor on this CPU): the same SGD step and
+    old log-probs as eager, to float32 rounding (the fused kernels sum in another order)."""
+    out = {}
+    for run in ("model", "compiled"):
+        ok(torchrun(2, "tests/test_trainer.py", "grad_worker", str(tmp_path / f"{run}.pt"), small_toy["model"], "none",
+                    run))
+        out[run] = torch.load(tmp_path / f"{run}.pt", weights_only=False)
+    assert all(out["compiled"]["compiled"]) and not any(out["model"]["compiled"])  # nn.Module.compile really ran
+    worst = 0.0
+    for name, p in out["model"]["params"].items():
+        step = p - out["model"]["before"][name]
+        compiled_step = out["compiled"]["params"][name] - out["model"]["before"][name]
+        assert step.norm() > 0, name  # the step moved every tensor, so the comparison means something
+        worst = max(worst, float((compiled_step - step).norm() / step.norm()))
+    assert worst < 1e-3, worst  # each tensor's step within 0.1% of its size (a wrong kernel: off by ~1)
+    for got, expected in zip(out["compiled"]["old"], out["model"]["old"], strict=True):
+        np.testing.assert_allclose(got, expected, atol=1e-4, rtol=0)
+
+
+@pytest.mark.slow
 def test_vllm_logprobs_match_trainer_after_weight_push(small_toy, tmp_path):
     ok(torchrun(1, "tests/test_trainer.py", "push_worker", str(tmp_path / "push.pt"), small_toy["model"]))
     result = torch.load(tmp_path / "push.pt", weights_only=False)
@@ -252,7 +273,7 @@ def grad_worker(out, model_path, max_tokens, units):
     from torch.distributed.tensor import DTensor
     max_tokens = None if max_tokens == "none" else int(max_tokens)
     build = functools.partial(trainer.build_policy, model_path, lr=1.0, weight_decay=0.0,
-                              layer_units=units == "layers")
+                              layer_units=units == "layers", compile_layers=units == "compiled")
     rank, world, device = trainer.setup_distributed()
     policy, _ = build(device)
     optimizer = torch.optim.SGD(policy.parameters(), lr=1.0)
@@ -288,7 +309,8 @@ def grad_worker(out, model_path, max_tokens, units):
     if rank == 0:
         torch.save({"params": params, "before": before, "raw_advantage": advantage, "normalised": normalised,
                     "micro_batches": micro_batches, "old": old_all, "entropy": entropy / world,
-                    "clip": clip}, out)
+                    "clip": clip, "compiled": [getattr(layer, "_compiled_call_impl", None) is not None
+                                               for layer in policy.model.layers]}, out)
     end_worker()
 
 
