@@ -3,8 +3,9 @@ no wheel; a GPU machine without vLLM), on a plain Hugging Face model and a short
 and the start-up the three programs share, which picks one engine or the other (start_program, start_engine).
 
 It decodes through rollout.py's `run_trajectories` and, as vLLM does, samples each row from its own seed (the same
-prompt and seed give the same sample whatever else is in the batch) and returns processed log-probs. No continuous
-batching, paged KV cache, CUDA graphs or sleep mode: it is for where vLLM is absent.
+prompt and seed give the same sample whatever else is in the batch) and returns processed log-probs. On a GPU its
+one-token step runs under CUDA graphs over transformers' StaticCache; no continuous batching, paged KV cache or sleep
+mode: it is for where vLLM is absent.
 """
 import os
 
@@ -103,50 +104,14 @@ def exponential_noise(seeds, step, vocab):
     return -torch.log((z.double() + 0.5) / 2 ** 32)  # uniform on (0, 1), never 0 or 1
 
 
-def preallocated_cache(length, padded):
-    """A transformers Cache whose layers hold `length` positions in storage allocated once, written in place: nothing
-    is copied per token (DynamicCache concatenates: quadratic in the length)."""
-    from transformers.cache_utils import Cache, DynamicLayer
-
-    class PreallocatedLayer(DynamicLayer):
-        # transformers' mask code reads is_compileable as "storage of a fixed size": a decode step then builds its
-        # attention mask rather than first asking the device whether it could skip it (a host sync per token).
-        # Without padding there is no mask to ask about: False lets SDPA run causal, with GQA, no repeat_kv copy.
-        is_compileable = padded
-
-        def lazy_initialization(self, key_states, value_states):
-            rows, heads = key_states.shape[:2]  # the KV heads: fewer than the query heads under GQA
-            self.key_store = key_states.new_empty((rows, heads, length, key_states.shape[-1]))
-            self.value_store = value_states.new_empty((rows, heads, length, value_states.shape[-1]))
-            self.dtype, self.device, self.filled, self.is_initialized = key_states.dtype, key_states.device, 0, True
-
-        def update(self, key_states, value_states, *args, **kwargs):
-            if not self.is_initialized:
-                self.lazy_initialization(key_states, value_states)
-            rows, start, end = key_states.shape[0], self.filled, self.filled + key_states.shape[-2]
-            self.key_store[:rows, :, start:end] = key_states
-            self.value_store[:rows, :, start:end] = value_states
-            self.keys, self.values, self.filled = self.key_store[:rows, :, :end], self.value_store[:rows, :, :end], end
-            return self.keys, self.values
-
-        def get_seq_length(self):
-            return self.filled if self.is_initialized else 0
-
-        def batch_select_indices(self, indices):
-            # the rows kept move to the front of the same storage: the next update writes and reads the first ones
-            for store in (self.key_store, self.value_store):
-                store[:len(indices), :, :self.filled] = store[indices, :, :self.filled]
-
-    return Cache(layer_class_to_replicate=PreallocatedLayer)
-
-
 class HFEngine:
     """rollout.Engine's interface on transformers, on its own copy of the policy."""
 
     def __init__(self, model_path, *, seed, max_model_len, device, temperature=1.0, gpu_memory_utilization=None,
                  compile_model=None, bf16=None):
-        """seed (every request has its own), gpu_memory_utilization and compile_model (vLLM's): unused."""
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        """seed (every request has its own) and gpu_memory_utilization (vLLM's): unused. compile_model: the
+        one-token decode step under torch.compile's CUDA graphs (None: on CUDA only)."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer, CompileConfig
         self.device, self.on_gpu = device, device.type == "cuda"
         self.temperature, self.max_model_len = temperature, max_model_len
         bf16 = self.on_gpu if bf16 is None else bf16
@@ -157,10 +122,10 @@ class HFEngine:
         self.end_ids = ({self.tokenizer.eos_token_id} | set(eos if isinstance(eos, list) else [eos])) - {None}
         self.pad_id = self.tokenizer.pad_token_id or 0  # any id: padding is masked
         self.params = dict(self.model.named_parameters(remove_duplicate=False))  # tied weights under both names
-        # The preallocated cache's layers are attention layers (a sliding window's mask drops what lies beyond it);
-        # a model with others (linear attention) keeps transformers' own cache.
-        kinds = set(getattr(self.model.config.get_text_config(), "layer_types", None) or ())
-        self.preallocate = kinds <= {"full_attention", "sliding_attention"}
+        # transformers' own compiled call, as its generate() makes one over a static cache (mode="reduce-overhead":
+        # CUDA graphs); dynamic shapes: one compile for every batch and cache size (else three, then dynamic anyway)
+        self.compiled = self.on_gpu if compile_model is None else compile_model
+        self.decode_step = self.model.get_compiled_call(CompileConfig(dynamic=True)) if self.compiled else self.model
         self.requests_sent = 0
 
     def generate(self, prompt_ids, seeds, *, max_tokens, temperature=None, top_p=1.0, top_k=-1, stop=None,
@@ -190,11 +155,12 @@ class HFEngine:
 
     @torch.inference_mode()
     def decode_segments(self, requests, temperature, top_k, top_p, stop):
-        """Decode {request id: (ids, room, seed)} as one left-padded batch, each row to its end."""
+        """Decode {request id: (ids, room, seed)} as one left-padded batch, each row to its end, in transformers'
+        StaticCache (allocated once, written in place): the prefill eager, each later token through decode_step."""
+        from transformers import StaticCache
         names, device = list(requests), self.device
         prompts = [requests[n][0] for n in names]
         width = max(len(p) for p in prompts)
-        padded = min(len(p) for p in prompts) < width  # else no mask at all: SDPA's causal kernels, as before
         length = width + max(requests[n][1] for n in names)  # the most any row can reach: the cache's size
         ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)  # (B, P)
         mask = torch.ones((len(prompts), length), dtype=torch.bool)  # (B, L): False on the left padding
@@ -203,40 +169,34 @@ class HFEngine:
             mask[b, :width - len(p)] = False
         ids, mask = ids.to(device), mask.to(device)
         positions = (mask[:, :width].cumsum(-1) - 1).clamp(min=0)  # (B, P): each row counts from its first token
-        seeds = torch.tensor([requests[n][2] for n in names], device=device)  # (B,), compacted with the rows
-        from transformers import DynamicCache
-        cache = preallocated_cache(length, padded) if self.preallocate else DynamicCache(config=self.model.config)
-        rows = list(range(len(names)))  # the requests still decoding, in batch order
+        seeds = torch.tensor([requests[n][2] for n in names], device=device)  # (B,)
+        cache = StaticCache(config=self.model.config, max_cache_len=length)
+        rows = list(range(len(names)))  # the request in each batch row; None once it has ended
         out = [([], []) for _ in names]  # per request: sampled ids, their log-probs
-        ended, columns = [], width  # columns: the positions the cache holds after this step's forward
-        while rows:
-            attend = mask[:, :columns] if padded else None
-            logits = self.model(input_ids=ids, attention_mask=attend, position_ids=positions, past_key_values=cache,
-                                use_cache=True, logits_to_keep=1).logits[:, -1].float()  # (b, V)
+        ended, forward, step = [], self.model, 0
+        while len(ended) < len(names):
+            logits = forward(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                             use_cache=True, logits_to_keep=1).logits[:, -1].float()  # (b, V)
             logp = processed_logprobs(logits, temperature, top_k, top_p)  # (b, V)
             if temperature < GREEDY_BELOW:
                 chosen = logits.argmax(-1)  # (b,)
             else:  # p / q with q ~ Exp(1) from the row's own seed: its argmax is a sample of p (vLLM's way)
-                chosen = (logp.exp().double() / exponential_noise(seeds, columns - width, logp.shape[-1])).argmax(-1)
+                chosen = (logp.exp().double() / exponential_noise(seeds, step, logp.shape[-1])).argmax(-1)
             picked = torch.stack([chosen.double(), logp.gather(-1, chosen[:, None])[:, 0].double()])  # (2, b)
             tokens, chosen_logp = picked.tolist()  # the step's one host sync (the ids are exact in fp64)
-            keep = []
-            for k, (r, token, lp) in enumerate(zip(rows, tokens, chosen_logp)):
-                out[r][0].append(int(token))
-                out[r][1].append(lp)
-                end = self.segment_end(out[r][0], requests[names[r]][1], stop)
-                if end is None:
-                    keep.append(k)
-                else:
-                    ended.append((names[r], Segment(out[r][0], out[r][1], *end)))
-            if len(keep) < len(rows):  # ended rows leave the batch and the KV cache
-                index = torch.tensor(keep, dtype=torch.long, device=device)
-                cache.batch_select_indices(index)
+            for k, r in enumerate(rows):
+                if r is not None:
+                    out[r][0].append(int(tokens[k]))
+                    out[r][1].append(chosen_logp[k])
+                    if (end := self.segment_end(out[r][0], requests[names[r]][1], stop)) is not None:
+                        ended.append((names[r], Segment(out[r][0], out[r][1], *end)))
+                        rows[k] = None
+            if None in rows and not self.compiled:  # CUDA graphs keep the batch's shape: ended rows decode on, unread
+                index = torch.tensor([k for k, r in enumerate(rows) if r is not None], dtype=torch.long, device=device)
+                cache.reorder_cache(index)  # ended rows leave the batch and the KV cache
                 mask, positions, chosen, seeds = mask[index], positions[index], chosen[index], seeds[index]
-                rows = [rows[k] for k in keep]
-            ids = chosen[:, None]  # (b, 1): the next step feeds only the new token
-            positions = positions[:, -1:] + 1
-            columns += 1
+                rows = [r for r in rows if r is not None]
+            ids, positions, forward, step = chosen[:, None], positions[:, -1:] + 1, self.decode_step, step + 1
         return ended
 
     def segment_end(self, ids, room, stop):

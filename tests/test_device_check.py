@@ -104,6 +104,7 @@ def test_the_loop_part_trains_checkpoints_and_resumes_exactly_at_the_floor():
                      r"step 1's grad norm (\S+)", out)
     assert qwen and float(qwen.group(1)) > 0 and float(qwen.group(3)) < 1e-5, out  # noise never ends early
     assert float(qwen.group(4)) > 0, out  # random v0: step 1 moves the weights and the moments the resume restores
+    assert len(re.findall(r"decode, 4 rows x 16 tokens, (compile off|auto): [\d.]+ ms a token", out)) == 2, out
     assert len(re.findall(r"spo\.py .*: \d+ s of its 900 s budget", out)) == 5, out
     for said in ("two fresh runs", "stopped at step 1 and --resume'd"):
         gap = re.search(rf"{said}.*: largest difference of a training metric (\S+), of an fp32 weight after step 2 "

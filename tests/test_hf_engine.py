@@ -138,7 +138,7 @@ def test_the_tool_loop_runs_on_the_hf_engine(scripted_model):
     assert (loop.turns, loop.tool_calls, loop.finish_reason) == (3, 2, "length") and loop.text.endswith(CODE_STOP)
 
 
-# ---- the decode loop's costs: one KV cache storage, one host sync a token, today's numbers
+# ---- the decode loop's costs: one KV cache storage, one host sync a token; today's samples
 SHIPPED_TOY = "tasks/built/toy/model"
 
 
@@ -157,10 +157,11 @@ def _each_step(engine, record):
                                               with_kwargs=True)
 
 
-def test_the_kv_cache_is_allocated_once_and_written_in_place(shipped):
-    """Every step's keys and values, in every layer, are views of the same storage (DynamicCache concatenates a
-    new tensor each token), through rows leaving the batch."""
+def test_the_kv_cache_is_allocated_once_and_written_in_place(shipped, monkeypatch):
+    """As under CUDA graphs (the batch keeps its shape; the step eager here), every step's keys and values, in every
+    layer, are the same storage (DynamicCache concatenates a new tensor each token), through rows ending."""
     engine, prompts = shipped
+    monkeypatch.setattr(engine, "compiled", True)
     pointers = []
     hook = _each_step(engine, lambda cache: pointers.append(
         [(layer.keys.data_ptr(), layer.values.data_ptr()) for layer in cache.layers]))
@@ -176,9 +177,11 @@ def test_the_kv_cache_is_allocated_once_and_written_in_place(shipped):
 def test_each_decoded_token_costs_at_most_one_host_sync(shipped, monkeypatch):
     """A host sync on a GPU: a scalar read (item, bool, a comparison in an `if`: seen here as dispatched ops) or a
     copy to the host (.tolist, .numpy, .cpu: counted as calls). The first step (the prefill) may check its padding
-    on the host; each later step reads its tokens once."""
+    on the host; each later step reads its tokens once. The batch as on a GPU (compiled: ended rows stay; with
+    compile off, transformers' reorder_cache reads each layer's length where rows leave)."""
     from torch.utils._python_dispatch import TorchDispatchMode
     engine, prompts = shipped
+    monkeypatch.setattr(engine, "compiled", True)
     syncs = [0]
 
     class Scalars(TorchDispatchMode):
@@ -202,26 +205,8 @@ def test_each_decoded_token_costs_at_most_one_host_sync(shipped, monkeypatch):
     assert len(per_step) > 5 and per_step.max() <= 1, per_step.tolist()
 
 
-def test_equal_length_prompts_decode_without_any_attention_mask(shipped):
-    """No row padded: no step hands attention a mask (a mask forces repeat_kv and rules out flash/GQA kernels);
-    padded rows still get one at every step."""
-    engine, prompts = shipped
-    masks = []
-    hook = engine.model.model.layers[0].self_attn.register_forward_pre_hook(
-        lambda m, args, kwargs: masks.append(kwargs.get("attention_mask") is not None), with_kwargs=True)
-    try:
-        with one_thread():
-            engine.generate([prompts[0]] * 3, range(3), max_tokens=8, temperature=1.5)
-            unpadded, masks[:] = list(masks), []
-            engine.generate(prompts[:3], range(3), max_tokens=8, temperature=1.5)
-    finally:
-        hook.remove()
-    assert len(unpadded) > 3 and not any(unpadded), unpadded
-    assert len(masks) > 3 and all(masks[1:]), masks
-
-
 class TodaysEngine(HFEngine):
-    """The decode loop as it was before the preallocated cache (DynamicCache, a sample per row, the same counter-based
+    """The decode loop as it was before a fixed-size cache (DynamicCache, a sample per row, the same counter-based
     noise): the reference."""
 
     @torch.inference_mode()
@@ -270,20 +255,25 @@ class TodaysEngine(HFEngine):
         return ended
 
 
-def test_the_samples_are_todays_to_the_bit(shipped):
-    """Prompts of different lengths, sampled (with top-k, top-p), a stop string, greedy: the same tokens, log-probs
-    (exactly), texts and ends as the reference loop."""
+def test_the_samples_are_todays_whether_ended_rows_leave_the_batch_or_stay(shipped, monkeypatch):
+    """Prompts of different lengths, sampled (with top-k, top-p), a stop string, greedy: the same tokens, texts and
+    ends as the reference loop, log-probs to rounding (its attention spans the filled positions, the static cache's
+    all of them), whether ended rows leave the batch (compile off) or stay in it (as under CUDA graphs)."""
     engine, prompts = shipped
     today = TodaysEngine(SHIPPED_TOY, seed=0, max_model_len=288, device=torch.device("cpu"))
     settings = [SAMPLED, {"temperature": 1.5, "stop": ["}"]}, {"temperature": 0.0, "stop": ["{", "zz"]}]
+    runs = [(kw, equal) for kw in settings for equal in (False, True)] + [(SAMPLED, "alone")]
     with one_thread():
-        for kw in settings:
-            ours, theirs = (e.generate(prompts, range(len(prompts)), max_tokens=32, **kw) for e in (engine, today))
-            assert [(r.response_ids, r.logprobs, r.text, r.finish_reason) for r in ours] == [
-                (r.response_ids, r.logprobs, r.text, r.finish_reason) for r in theirs], kw
-        for equal in (prompts[:1], [prompts[0]] * 3):  # no padding: no mask at all
-            alone = [e.generate(equal, [3] * len(equal), max_tokens=32, **SAMPLED) for e in (engine, today)]
-            assert [(r.response_ids, r.logprobs) for r in alone[0]] == [(r.response_ids, r.logprobs) for r in alone[1]]
+        for kw, equal in runs:  # equal: no row padded
+            batch = prompts[:1] if equal == "alone" else [prompts[0]] * 3 if equal else prompts
+            theirs = today.generate(batch, range(len(batch)), max_tokens=32, **kw)
+            for compiled in (False, True):
+                monkeypatch.setattr(engine, "compiled", compiled)
+                ours = engine.generate(batch, range(len(batch)), max_tokens=32, **kw)
+                assert [(r.response_ids, r.text, r.finish_reason) for r in ours] == [
+                    (r.response_ids, r.text, r.finish_reason) for r in theirs], (kw, equal, compiled)
+                np.testing.assert_allclose(np.concatenate([r.logprobs for r in ours]),
+                                           np.concatenate([r.logprobs for r in theirs]), rtol=0, atol=1e-5)
 
 
 # ---- beside vLLM (a world of one), and training with it (two ranks)
