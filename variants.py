@@ -66,14 +66,9 @@ POSITIVE = ("temperature", "eval_temperature", "d_half", "grad_clip", "gpu_memor
 NON_NEGATIVE = ("lr", "tis", "clip_low", "clip_high", "sampling_eps")
 
 
-# Named defaults (spo.py --preset), each chosen by measurement (docs/experiments.md). tracker_keeps_up (paper_regime
-# before; its sweep's folder keeps that name): the toy where default SPO's tracker keeps up, few prompts revisited
-# often (300 visits each) while the policy moves slowly per visit; in no other respect measured the paper's regime.
-# calibrated: the toy set to the paper's measured statistics (experiments/calibrated/calibration.md): the sharper
-# warm start (5% noisy answers: prompts mastered and unsolved), a pool of 1,024 of which 12.5% is drawn per step,
-# 37.5 samples per prompt, 8 optimiser steps per rollout batch, sampling at 0.5; two targets it misses are there.
-# thinking: the toy whose responses think (tasks/thinking.py), set where SPO's adaptive forgetting and PPO-clip act
-# (experiments/forgetting/calibration.md): all 64 prompts drawn at every step, so that D(x) spans one rollout batch.
+# Named defaults (spo.py --preset), each chosen by measurement (docs/flags.md says what each is for and where it was
+# measured): tracker_keeps_up, the toy where default SPO's tracker keeps up; calibrated, the sharper toy set to the
+# paper's measured statistics; thinking, the toy whose responses think, where adaptive forgetting and PPO-clip act.
 SHARP_TOY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tasks", "built", "toy_sharp")
 THINK_TOY = os.path.join(os.path.dirname(SHARP_TOY), "toy_think")
 PRESETS = {"tracker_keeps_up": {"train_prompts": 128, "lr": 1.5e-5, "n0": 16, "steps": 600, "eval_every": 50,

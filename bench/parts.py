@@ -15,7 +15,6 @@ import numpy as np
 
 from sampler import PromptSampler, priority_weights
 from sandbox import SandboxPool, isolation, run_code
-from machinery.data import load_dataset, load_tokenizer
 from tracker import ValueTracker
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: programs run from there
@@ -137,40 +136,6 @@ def bench_steps(steps=40, warmup=5, nproc=2, batch_size=64, group_size=8):
     return rows
 
 
-def bench_tools(toy_dir=None, n_prompts=256, max_tokens=160, workers=4, repeats=2):
-    """Policy tokens per second of Engine.generate on the tool toy, tools on against off (same prompts, seeds,
-    budget); best of `repeats`. Counts only tokens the model generated: interpreter tokens are not throughput."""
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from tasks import toy
-    from machinery import trainer
-    from rollout import Engine, Tools
-    _, _, device = trainer.setup_distributed()
-    model, _, test = toy.ensure_toy(toy_dir, tools=True)
-    data = load_dataset(test, load_tokenizer(model), 64, False)[:n_prompts]
-    engine = Engine(model, seed=0, max_model_len=64 + max_tokens, device=device)
-    seeds = np.random.SeedSequence([0, 7]).generate_state(len(data.keys))
-    with SandboxPool(workers=workers) as pool:
-        runs = {"no tools": None, f"tools ({workers} sandbox workers)": Tools(pool)}
-        engine.generate(data.prompt_ids[:16], seeds[:16], max_tokens=max_tokens)  # warm-up
-        best = {}
-        for name, tools in runs.items():
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                rollouts = engine.generate(data.prompt_ids, seeds, max_tokens=max_tokens, tools=tools)
-                seconds = time.perf_counter() - t0
-                policy = sum(sum(r.response_mask) for r in rollouts)
-                row = (policy / seconds, policy, sum(len(r.response_ids) for r in rollouts) - policy,
-                       sum(r.tool_calls for r in rollouts), seconds)
-                best[name] = max(best.get(name, row), row)
-            rate, policy, tool_tokens, calls, seconds = best[name]
-            print(f"{name:28s} {rate:8.0f} policy tokens/s  ({policy} policy + {tool_tokens} interpreter tokens, "
-                  f"{calls} tool calls, {seconds:.2f} s, {len(rollouts)} prompts, best of {repeats})", flush=True)
-    names = list(runs)
-    print(f"tools / no tools (policy tokens per second): {best[names[1]][0] / best[names[0]][0]:.2f}x", flush=True)
-    engine.shutdown()
-    return best
-
-
 def main(argv=None):
     """`python -m bench [NAME ...]`: the benchmarks named (default: all), each printed as it ends."""
     parser = argparse.ArgumentParser(prog="python -m bench",
@@ -183,12 +148,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     for name in args.which:
         print(f"\n== {name}", flush=True)
-        if name == "tools" and len(args.which) > 1:  # its engine (and process group) in a process of its own
-            subprocess.run([sys.executable, "-m", "bench", name], check=True, cwd=ROOT)
-            continue
         {"tracker": lambda: bench_tracker_sampler(args.sizes),
-         "steps": lambda: [bench_steps(nproc=n) for n in args.ranks], "sandbox": bench_sandbox,
-         "tools": bench_tools}[name]()
+         "steps": lambda: [bench_steps(nproc=n) for n in args.ranks], "sandbox": bench_sandbox}[name]()
 
 
-BENCHMARKS = ("tracker", "steps", "sandbox", "tools")
+BENCHMARKS = ("tracker", "steps", "sandbox")

@@ -66,8 +66,7 @@ def targets(spo, grpo, after=20):
          f"SPO {pct(spo['drawn'])}, GRPO {pct(grpo['drawn'])}", max(spo["drawn"], grpo["drawn"]) <= 0.15),
         ("samples per prompt over the run", PAPER["samples"], f"{spo['samples']:.0f}", 20 <= spo["samples"] <= 60),
         ("GRPO's all-agree share (first -> last tenth of the run)", PAPER["all_agree"],
-         " -> ".join(map(pct, grpo["all_agree"])), grpo["all_agree"][0] >= 0.6 < grpo["all_agree"][1] >
-         grpo["all_agree"][0]),
+         " -> ".join(map(pct, grpo["all_agree"])), 0.6 <= grpo["all_agree"][0] < grpo["all_agree"][1]),
         ("mastered prompts, p(x) >= 0.9 (SPO's probe: first -> last)", PAPER["mastered"],
          " -> ".join(map(pct, spo["mastered"])), spo["mastered"][1] > spo["mastered"][0]),
         ("share of reward variance between prompts (SPO's probe, mean)", PAPER["between"], f"{spo['between']:.2f}",
@@ -80,9 +79,8 @@ def targets(spo, grpo, after=20):
          spo["bias"] <= BIAS_BOUND),
         (f"its largest lag on prompts with {LEARNING[0]} < p < {LEARNING[1]}", PAPER["bias"], f"{spo['lag']:.3f}",
          spo["lag"] <= BIAS_BOUND),
-        ("success still rising at the end (last evaluation minus the one before)", PAPER["rising"],
-         f"SPO {100 * spo['rising']:+.1f}, GRPO {100 * grpo['rising']:+.1f} points", min(spo["rising"],
-                                                                                        grpo["rising"]) > 0),
+        ("success still rising at the end (last evaluation minus the one before, points)", PAPER["rising"],
+         f"SPO {100 * spo['rising']:+.1f}, GRPO {100 * grpo['rising']:+.1f}", min(spo['rising'], grpo['rising']) > 0),
         ("minutes per run on this machine", "-", f"SPO {spo['minutes']:.1f}, GRPO {grpo['minutes']:.1f}",
          max(spo["minutes"], grpo["minutes"]) <= 20)]
 
