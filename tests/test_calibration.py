@@ -83,3 +83,18 @@ def test_the_analysis_of_the_committed_sweep_records_pairs_by_seed_and_counts_gr
     assert result["paired"]["grpo"]["primary"]["n"] == len(spo_seeds)
     assert min(result["variants"]["grpo"]["zero_advantage"].values()) > 0.3
     assert max(result["variants"]["spo"]["zero_advantage"].values()) < 0.01
+
+
+def test_the_forgetting_sweeps_primary_reads_the_sampled_accuracy_and_counts_the_offline_samples():
+    """The thinking toy has no exact success (many traces are correct): analyse() refuses the default key there and
+    averages eval/accuracy when asked; SPO's curve starts 512 samples late (n0 8 x 64 prompts spent on v0), GRPO's
+    does not, so at the same step SPO's point sits further right."""
+    from experiments.analysis import analyse, exact_curve, load, pool_size
+    out = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments", "forgetting")
+    with pytest.raises(SystemExit, match="eval/exact"):
+        analyse(out, "spo")
+    result = analyse(out, "spo", key="eval/accuracy")
+    assert result["budget"] == 6400 and set(result["variants"]["grpo"]["primary"]) == set(range(10, 15))
+    spo, grpo = (exact_curve(load(out, f"{v}-s10"), 64, "eval/accuracy") for v in ("spo", "grpo"))
+    assert spo[1] == (512.0, spo[0][1]) and spo[2][0] == grpo[1][0] + 512 == 25 * 64 + 512
+    assert pool_size(load(out, "spo-s10")["config"]) == 64
