@@ -43,7 +43,8 @@ def measure(run, after=20):
         p, n = p_of(probe), probe.get("n_samples", 1)
         noise = 0 if key == "exact" else np.mean(p * (1 - p)) / max(n - 1, 1)
         return (np.var(p) - noise) / (np.mean(p) * (1 - np.mean(p)))
-    accuracy = col("eval/exact") if len(col("eval/exact")) else col("eval/accuracy")
+    accuracy, times = col("eval/exact"), col("time")
+    accuracy = accuracy if len(accuracy) else col("eval/accuracy")  # the sampled avg@n where no exact success
     return {"drawn": config["batch_size"] / config["group_size"] / pool, "samples": config["batch_size"] * steps / pool,
             "all_agree": (np.mean(agree[:tenth]), np.mean(agree[-tenth:])) if len(agree) else (nan, nan),
             "mastered": tuple(np.mean(p_of(p) >= 0.9) for p in (probes[0], probes[-1])) if probes else (nan, nan),
@@ -55,7 +56,7 @@ def measure(run, after=20):
             "bias_mean": float(np.mean([p["probe/bias"] for p in late])) if late else nan,
             "lag": float(np.max(np.abs(lag))) if lag else nan, "lag_mean": float(np.mean(lag)) if lag else nan,
             "rising": float(accuracy[-1] - accuracy[-2]) if len(accuracy) > 1 else nan,
-            "minutes": float(np.ptp(col("time"))) / 60 if len(col("time")) > 1 else nan}
+            "minutes": float(np.ptp(times)) / 60 if len(times) > 1 else nan}
 
 
 def targets(spo, grpo, after=20):
