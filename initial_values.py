@@ -68,6 +68,7 @@ class TrainingV0:
     train: str
     toy_dir: str
     train_prompts: int
+    pool_seed: int
     temperature: float
     max_response_len: int
     truncated_reward: str
@@ -256,7 +257,7 @@ def claim_toy_values(run: TrainingV0, on_toy, run_dir):
     if not (on_toy and run.offline_values == "auto"):
         return run
     from machinery.run_dir import shared_output
-    path = toy_values_path(run.toy_dir, run.n0, run.seed, run.settings(), run.train_prompts)
+    path = toy_values_path(run.toy_dir, run.n0, run.seed, run.settings(), run.train_prompts, run.pool_seed)
     return replace(run, offline_values=shared_output(path, run_dir, "spo.py", "the toy's offline values"))
 
 
@@ -271,7 +272,7 @@ def init_tracker(tracker, run: TrainingV0, engine, data, on_toy, is_main):
     it, with the run's own engine and settings: they match by construction), or the uninformed prior."""
     path = run.offline_values
     if on_toy and path == "auto":  # (spo.py's start has settled it: claim_toy_values)
-        path = toy_values_path(run.toy_dir, run.n0, run.seed, run.settings(), run.train_prompts)
+        path = toy_values_path(run.toy_dir, run.n0, run.seed, run.settings(), run.train_prompts, run.pool_seed)
     if on_toy and path != "none" and not os.path.exists(path):
         estimate_offline_values(engine, data, path, n0=run.n0, temperature=run.temperature,
                                 max_tokens=run.max_response_len, seed=run.seed,
@@ -297,10 +298,10 @@ def add_v0_flags(p):
                    "samples: (s+0.5)/(n+1) (kt, the authors') or s/n (mean, the paper's)")
 
 
-def toy_values_path(toy_dir, n0, seed, v0_settings, train_prompts=0):
+def toy_values_path(toy_dir, n0, seed, v0_settings, train_prompts=0, pool_seed=-1):
     """Where the toy's offline values for these settings (and --train_prompts subset) are cached."""
     digest = hashlib.sha1(json.dumps(v0_settings, sort_keys=True).encode()).hexdigest()[:8]
-    subset = f"_p{train_prompts}" if train_prompts else ""
+    subset = (f"_p{train_prompts}" + (f"d{pool_seed}" if pool_seed >= 0 else "")) if train_prompts else ""
     name = f"offline_values_n{n0}_seed{seed}_len{v0_settings['max_tokens']}{subset}_{digest}.json"
     return os.path.join(toy_dir, name)
 

@@ -259,7 +259,8 @@ def parse_args(argv=None):
     p.add_argument("--test", default=None, help="held-out prompts, a parquet or JSONL file (default: the toy's)")
     p.add_argument("--toy_dir", default=None, help=argparse.SUPPRESS)
     p.add_argument("--max_prompt_len", type=int, default=256, help="token limit; longer prompts left out")
-    p.add_argument("--train_prompts", type=int, default=0, help=argparse.SUPPRESS)  # the first N only (sweeps)
+    p.add_argument("--train_prompts", type=int, default=0, help=argparse.SUPPRESS)  # the first N only (sweeps),
+    p.add_argument("--pool_seed", type=int, default=-1, help=argparse.SUPPRESS)  # or N drawn by this seed
     p.add_argument("--preset", choices=sorted(variants.PRESETS), default=None, help="named defaults (variants.PRESETS)")
     add_budget_flag(p)  # --max_response_len, shared with eval.py and offline_values.py
     p.add_argument("--algo", choices=["spo", "reinforce_pp", *variants.GROUP_ALGOS], default="spo",
@@ -338,6 +339,7 @@ def start(args):
     tokenizer = load_tokenizer(args.model)
     data, test = load_train_and_test(tokenizer, args.train, args.test, system_prompt=system_prompt,
                                      max_prompt_len=args.max_prompt_len, train_prompts=args.train_prompts,
+                                     pool_seed=args.pool_seed,
                                      test_prompts=args.eval_max_prompts, verbose=rank == 0,
                                      min_prompts=math.ceil(args.oversample * args.batch_size / world / args.group_size)
                                      * world)

@@ -16,13 +16,46 @@ import numpy as np
 from experiments.analysis import load, mean_ci, pool_size, read_run, record_names
 
 BIAS_BOUND, MAE_RATIO_BOUND = 0.05, 1.5
-PAPER = {"drawn": "7-15% (1,024-2,048 of ~14k)", "samples": "~22-36", "all_agree": "~60% rising past 80%",
-         "mastered": "many, growing", "between": "~0.5 (a 'nearly 50%' cut)", "clip": "0.1-2% (8 mini-batches)",
-         "window": "adaptive by design (>= 50% asked)", "bias": "tracks (premise; 0.05 asked)", "rising": "rising"}
+PAPER = {"between": "~0.6-0.8 (all-agree 60-80% under a Beta model)", "all_agree": "~60% rising past 80%",
+         "ends": "many mastered, some unsolved", "pool": "7-15% of ~14k drawn; ~22-36 samples a prompt",
+         "window": "adaptive by design", "lag": "- (forgetting's channel)", "rising": "rising"}
 LEARNING = (0.1, 0.9)  # a probed prompt still being learned: p strictly between these
+GROUP = 8  # GRPO's group size: the all-agree share a probe predicts is of groups of this many
 
 
-def measure(run, after=20):
+def between_share(p, n):
+    """Var_x p(x) over the total reward variance from a probe's sampled success p of n samples a prompt, the
+    binomial noise's share taken out."""
+    p = np.asarray(p, np.float64)
+    return (np.var(p) - np.mean(p * (1 - p)) / max(n - 1, 1)) / (np.mean(p) * (1 - np.mean(p)))
+
+
+def between_share_free(v0, p, n0, smoothing):
+    """The same without a noise model: the covariance over prompts of two independent estimates of p(x) at step 0,
+    the tracker's v0 (n0 offline samples, kt: (s + 0.5) / (n0 + 1), which scales the covariance by n0 / (n0 + 1))
+    and the probe's success, over the reward variance."""
+    v0, p = np.asarray(v0, np.float64), np.asarray(p, np.float64)
+    scale = (n0 + 1) / n0 if smoothing == "kt" else 1.0
+    return float(np.mean((v0 - v0.mean()) * (p - p.mean())) * scale / (np.mean(p) * (1 - np.mean(p))))
+
+
+def all_agree_estimate(p, n, group=GROUP):
+    """The share of groups of `group` samples that would all agree, unbiased from n >= group samples a prompt with
+    success share p: (C(s, G) + C(n - s, G)) / C(n, G), s = p n, averaged over prompts."""
+    from math import comb
+    s = np.rint(np.asarray(p, np.float64) * n).astype(int)
+    return float(np.mean([(comb(k, group) + comb(n - k, group)) / comb(n, group) for k in s]))
+
+
+def lag_share(probe, key="success"):
+    """The reward variance the tracker's prompt-specific lag adds to the advantage after Eq. 9's batch centring:
+    Var_x (v(x) - p(x)) less the probe's sampling noise, over the reward variance m (1 - m)."""
+    p, v, n = np.asarray(probe[key], np.float64), np.asarray(probe["value"], np.float64), probe.get("n_samples", 1)
+    noise = 0 if key == "exact" else np.mean(p * (1 - p)) / max(n - 1, 1)
+    return float((np.var(v - p) - noise) / (np.mean(p) * (1 - np.mean(p))))
+
+
+def measure(run, after=20, lag_by=100):
     """{quantity: value} of one run (read_run's; nan where the run did not log it). p(x) is the probe's exact
     probability where it logged one, else its sampled success (which leaves sampling noise in the lag)."""
     config, rows = run["config"], [run["rows"][s] for s in sorted(run["rows"])]
@@ -31,27 +64,32 @@ def measure(run, after=20):
     agree, tenth = col("zero_signal/degenerate_groups"), max(1, steps // 10)
     revisits = [r for r in rows if r.get("tracker/revisit_share", 0) > 0]
     weights = col("tracker/revisit_share", revisits)
-    inside = 1 - col("tracker/rho_at_min", revisits) - col("tracker/rho_at_max", revisits)
+    share = lambda key: float(np.sum(col(key, revisits) * weights) / np.sum(weights)) if revisits else nan  # noqa
     probes = [run["probe"][s] for s in sorted(run["probe"])]
     key = "exact" if probes and all("exact" in p for p in probes) else "success"
     p_of = lambda probe: np.asarray(probe[key], np.float64)  # noqa: E731
     late = [p for p in probes if p["step"] > after]
     lag = [np.mean((np.asarray(p["value"]) - p_of(p))[(p_of(p) > LEARNING[0]) & (p_of(p) < LEARNING[1])])
            for p in late if ((p_of(p) > LEARNING[0]) & (p_of(p) < LEARNING[1])).any()]
-
-    def between(probe):  # Var_x p(x) over the total reward variance; the sampling noise's share taken out
-        p, n = p_of(probe), probe.get("n_samples", 1)
-        noise = 0 if key == "exact" else np.mean(p * (1 - p)) / max(n - 1, 1)
-        return (np.var(p) - noise) / (np.mean(p) * (1 - np.mean(p)))
+    first, n = (probes[0], probes[0].get("n_samples", 1)) if probes else (None, 1)
+    by = [p for p in probes if 0 < p["step"] <= lag_by]
     accuracy, times = col("eval/exact"), col("time")
     accuracy = accuracy if len(accuracy) else col("eval/accuracy")  # the sampled avg@n where no exact success
+    at_min, at_max = share("tracker/rho_at_min"), share("tracker/rho_at_max")
     return {"drawn": config["batch_size"] / config["group_size"] / pool, "samples": config["batch_size"] * steps / pool,
+            "pool": pool, "batch": config["batch_size"], "steps": steps,
             "all_agree": (np.mean(agree[:tenth]), np.mean(agree[-tenth:])) if len(agree) else (nan, nan),
+            "all_agree_probe": all_agree_estimate(p_of(first), n) if first and n >= GROUP else nan,
             "mastered": tuple(np.mean(p_of(p) >= 0.9) for p in (probes[0], probes[-1])) if probes else (nan, nan),
-            "between": float(np.mean([between(p) for p in probes])) if probes else nan,
+            "unsolved": tuple(np.mean(p_of(p) <= 0.1) for p in (probes[0], probes[-1])) if probes else (nan, nan),
+            "between": float(between_share(p_of(first), n)) if first else nan,
+            "between_free": between_share_free(first["value"], p_of(first), config.get("n0", 8),
+                                               config.get("init_smoothing", "kt")) if first and first["step"] == 0
+            and config.get("offline_values") != "none" else nan,
             "clip": float(np.mean(col("policy/clip_fraction"))),
-            "window": float(np.sum(inside * weights) / np.sum(weights)) if revisits else nan,
+            "window": 1 - at_min - at_max, "at_min": at_min, "at_max": at_max,
             "d_mean": float(np.mean(col("tracker/divergence_revisit_mean", revisits))) if revisits else nan,
+            "lag_share": (by[-1]["step"], lag_share(by[-1], key)) if by else (nan, nan),
             "bias": float(np.max(np.abs([p["probe/bias"] for p in late]))) if late else nan,
             "bias_mean": float(np.mean([p["probe/bias"] for p in late])) if late else nan,
             "lag": float(np.max(np.abs(lag))) if lag else nan, "lag_mean": float(np.mean(lag)) if lag else nan,
@@ -59,31 +97,35 @@ def measure(run, after=20):
             "minutes": float(np.ptp(times)) / 60 if len(times) > 1 else nan}
 
 
-def targets(spo, grpo, after=20):
-    """[(target, paper value, measured text, met: bool)] from measure() of an SPO run and a GRPO run."""
+def targets(spo, grpo, rho_none=None):
+    """[(target, paper value, measured text, met: bool)]: the mixed preset's eight, from measure() of an SPO run, a
+    GRPO run and (for the manipulation check) an SPO run without forgetting (--rho none)."""
     pct = lambda x: f"{100 * x:.0f}%"  # noqa: E731
+    lag_none = rho_none["lag_share"] if rho_none else (float("nan"),) * 2
+    ratio = lag_none[1] / spo["lag_share"][1] if spo["lag_share"][1] > 0 else float("nan")
     return [
-        ("prompts drawn per step (share of the pool)", PAPER["drawn"],
-         f"SPO {pct(spo['drawn'])}, GRPO {pct(grpo['drawn'])}", max(spo["drawn"], grpo["drawn"]) <= 0.15),
-        ("samples per prompt over the run", PAPER["samples"], f"{spo['samples']:.0f}", 20 <= spo["samples"] <= 60),
-        ("GRPO's all-agree share (first -> last tenth of the run)", PAPER["all_agree"],
-         " -> ".join(map(pct, grpo["all_agree"])), 0.6 <= grpo["all_agree"][0] < grpo["all_agree"][1]),
-        ("mastered prompts, p(x) >= 0.9 (SPO's probe: first -> last)", PAPER["mastered"],
-         " -> ".join(map(pct, spo["mastered"])), spo["mastered"][1] > spo["mastered"][0]),
-        ("share of reward variance between prompts (SPO's probe, mean)", PAPER["between"], f"{spo['between']:.2f}",
-         spo["between"] >= 0.5),
-        ("PPO-clip clip fraction (mean over steps)", PAPER["clip"], f"SPO {spo['clip']:.2%}, GRPO {grpo['clip']:.2%}",
-         0.001 <= spo["clip"] <= 0.02),
-        ("SPO revisits with D inside rho's window (D's mean)", PAPER["window"],
-         f"{pct(spo['window'])} ({spo['d_mean']:.4f})", spo["window"] >= 0.5),
-        (f"SPO tracker's largest abs(bias) after step {after}", PAPER["bias"], f"{spo['bias']:.3f}",
-         spo["bias"] <= BIAS_BOUND),
-        (f"its largest lag on prompts with {LEARNING[0]} < p < {LEARNING[1]}", PAPER["bias"], f"{spo['lag']:.3f}",
-         spo["lag"] <= BIAS_BOUND),
-        ("success still rising at the end (last evaluation minus the one before, points)", PAPER["rising"],
+        ("between-prompt share of reward variance at step 0: noise-free (v0 x probe covariance); probe less "
+         "binomial noise", PAPER["between"], f"{spo['between_free']:.2f}; {spo['between']:.2f}",
+         spo["between_free"] >= 0.4),
+        ("GRPO's all-agree groups, first -> last tenth (SPO's step-0 probe predicts)", PAPER["all_agree"],
+         " -> ".join(map(pct, grpo["all_agree"])) + f" ({pct(spo['all_agree_probe'])})",
+         0.5 <= grpo["all_agree"][0] < grpo["all_agree"][1]),
+        ("pool prompts mastered (p >= 0.9); unsolved (p <= 0.1): step 0 -> last probe", PAPER["ends"],
+         " -> ".join(map(pct, spo["mastered"])) + "; " + " -> ".join(map(pct, spo["unsolved"])),
+         spo["mastered"][0] >= 0.2 and spo["unsolved"][0] >= 0.15),
+        ("pool, batch, steps (share drawn a step; samples a prompt)", PAPER["pool"],
+         f"{spo['pool']}, {spo['batch']}, {spo['steps']} ({pct(spo['drawn'])}; {spo['samples']:.1f})",
+         (spo["pool"], spo["batch"], spo["steps"]) == (512, 64, 300)),
+        ("SPO revisits with D inside rho's window (at rho_min; at rho_max; D's mean; clip fraction)", PAPER["window"],
+         f"{pct(spo['window'])} ({pct(spo['at_min'])}; {pct(spo['at_max'])}; {spo['d_mean']:.4f}; "
+         f"{spo['clip']:.2%})", spo["window"] >= 0.4),
+        ("reward variance the lag adds after Eq. 9's centring, by step 100: rho none / spo (ratio)", PAPER["lag"],
+         f"{lag_none[1]:.1%} / {spo['lag_share'][1]:.1%} ({ratio:.1f}x, step {spo['lag_share'][0]})",
+         ratio >= 3),
+        ("held-out accuracy still rising at the end (last evaluation minus the one before, points)", PAPER["rising"],
          f"SPO {100 * spo['rising']:+.1f}, GRPO {100 * grpo['rising']:+.1f}", min(spo['rising'], grpo['rising']) > 0),
-        ("minutes per run on this machine", "-", f"SPO {spo['minutes']:.1f}, GRPO {grpo['minutes']:.1f}",
-         max(spo["minutes"], grpo["minutes"]) <= 20)]
+        ("minutes a run on this machine", "-", f"SPO {spo['minutes']:.1f}, GRPO {grpo['minutes']:.1f}",
+         max(spo["minutes"], grpo["minutes"]) <= 12)]
 
 
 def sweep_report(out, after=20):
@@ -93,7 +135,8 @@ def sweep_report(out, after=20):
     seeds = sorted(int(n[5:]) for n in names if n.startswith("spo-s") and f"grpo-s{n[5:]}" in names)
     if not seeds:
         raise SystemExit(f"error: {out}: no seed with both an spo and a grpo run")
-    columns = [targets(measure(load(out, f"spo-s{s}"), after), measure(load(out, f"grpo-s{s}"), after), after)
+    none = lambda s: measure(load(out, f"rho_none-s{s}"), after) if f"rho_none-s{s}" in names else None  # noqa
+    columns = [targets(measure(load(out, f"spo-s{s}"), after), measure(load(out, f"grpo-s{s}"), after), none(s))
                for s in seeds]
     lines = ["| target | the paper | " + " | ".join(f"seed {s}" for s in seeds) + " | seeds met |",
              "| --- | --- | " + "--- | " * len(seeds) + "--- |"]

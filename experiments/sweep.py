@@ -81,7 +81,8 @@ def plan(args, extra):
         if flag_value(flags, "--algo", "spo") == "spo" and args.probe_every:
             flags += ["--probe_every", str(args.probe_every), "--probe_prompts", str(args.probe_prompts),
                       "--probe_samples", str(args.probe_samples)]
-        runs += [(f"{name}-s{seed}", name, seed, flags) for seed in parse_seeds(seeds or args.seeds)]
+        runs += [(f"{name}-s{seed}", name, seed, flags + ["--pool_seed", str(seed)] * args.pool_per_seed)
+                 for seed in parse_seeds(seeds or args.seeds)]
     return sorted(runs, key=lambda run: run[2])  # seed by seed: a sweep cut short still has whole, paired seeds
 
 
@@ -335,6 +336,8 @@ def main(argv=None):
     p.add_argument("--probe_every", type=int, default=10, help="SPO variants: tracker probe period (0: off)")
     p.add_argument("--probe_prompts", type=int, default=64, help="SPO variants: prompts the probe follows")
     p.add_argument("--probe_samples", type=int, default=16, help="SPO variants: fresh samples per probed prompt")
+    p.add_argument("--pool_per_seed", action="store_true", help="each seed's --train_prompts pool drawn by the "
+                   "seed (--pool_seed), the same for every variant: intervals that cover the pool too")
     p.add_argument("--summary_only", action="store_true", help="run nothing: summary and plots of what is there")
     args = p.parse_args(argv)
     if args.summary_only:

@@ -9,6 +9,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from machinery.errors import fail
 
 
@@ -342,10 +344,15 @@ def load_dataset(path, tokenizer, max_prompt_len, verbose, system_prompt=None):
 
 
 def load_train_and_test(tokenizer, train, test, *, max_prompt_len, train_prompts, test_prompts, min_prompts,
-                        system_prompt, verbose):
+                        system_prompt, verbose, pool_seed=-1):
+    """The training prompts (the first train_prompts, or with pool_seed >= 0 that many drawn by it, kept in file
+    order) and the held-out ones."""
     data = load_dataset(train, tokenizer, max_prompt_len, verbose, system_prompt)
     if train_prompts > len(data.keys):
         fail(f"--train_prompts {train_prompts}: --train {train} has only {len(data.keys)} prompts", once=True)
+    if train_prompts and pool_seed >= 0:
+        pick = np.sort(np.random.default_rng(pool_seed).choice(len(data.keys), train_prompts, replace=False))
+        data = Dataset(*([column[i] for i in pick] for column in (data.keys, data.prompt_ids, data.answers)))
     data = data[: train_prompts or None]
     if len(data.keys) < min_prompts:
         fail(f"--train {train}: {len(data.keys)} prompts, fewer than the {min_prompts} distinct prompts each step "

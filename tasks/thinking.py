@@ -41,12 +41,19 @@ def is_thinking(toy_dir):
     return os.path.exists(marker) and json.load(open(marker)).get("recipe") == RECIPE
 
 
+def longest_trace(digits=3):
+    """Tokens of the longest trace of operands of `digits` digits (one a character, plus the end of turn)."""
+    return sum(len(piece) for piece, _ in thinking_response(10 ** digits - 1, 10 ** digits - 1)) + 1
+
+
 def check_budget(toy_dir, max_response_len):
     """One line (exit 2) where a thinking toy's budget cannot hold a correct trace: every response cut, reward 0."""
-    if is_thinking(toy_dir) and max_response_len < LONGEST_TRACE:
-        from machinery.errors import fail
-        fail(f"--max_response_len {max_response_len}: the thinking toy {toy_dir} needs at least {LONGEST_TRACE} "
-             f"tokens for a worked sum (docs/experiments.md's runs use 64)", once=True)
+    if is_thinking(toy_dir):
+        longest = longest_trace(json.load(open(os.path.join(toy_dir, "toy.json"))).get("max_digits", 3))
+        if max_response_len < longest:
+            from machinery.errors import fail
+            fail(f"--max_response_len {max_response_len}: the thinking toy {toy_dir} needs at least {longest} "
+                 f"tokens for a worked sum (docs/experiments.md's runs use 64)", once=True)
 
 
 def make_problems(seed, n_train, n_test):
@@ -56,15 +63,17 @@ def make_problems(seed, n_train, n_test):
     return pairs[:n_train], pairs[n_train:]
 
 
-def thinking_response(a, b, rng=None, noise=0.0, order=None, score_order=True):
-    """The worked sum as (text, in the loss) pieces; with rng, a column's sum is written off by 1 or 2 with
-    probability noise (noise / 3 where the column does not carry) and the lines after it, and the box, follow.
+def thinking_response(a, b, rng=None, noise=0.0, order=None, score_order=True, plain_noise=None):
+    """The worked sum as (text, in the loss) pieces, one line per column of the longer operand (the shorter one's
+    missing digits written 0); with rng, a column's sum is written off by 1 or 2 with probability noise
+    (plain_noise, by default noise / 3, where the column does not carry) and the lines after it, and the box, follow.
     order (a numpy Generator): each line's three terms in a random order, a choice that never decides the reward;
     score_order=False leaves those choices out of the loss (to score the sums given the order)."""
-    pieces, carry, answer = [], 0, 0
-    for k, (x, y) in enumerate(zip(reversed(str(a)), reversed(str(b)))):
+    pieces, carry, answer, width = [], 0, 0, max(len(str(a)), len(str(b)))
+    plain_noise = noise / 3 if plain_noise is None else plain_noise
+    for k, (x, y) in enumerate(zip(reversed(str(a).zfill(width)), reversed(str(b).zfill(width)))):
         s = int(x) + int(y) + carry
-        if rng is not None and rng.random() < (noise if s >= 10 else noise / 3):
+        if rng is not None and rng.random() < (noise if s >= 10 else plain_noise):
             s = max(0, s + int(rng.choice([-2, -1, 1, 2])))
         terms = [x, y, str(carry)]
         if order is not None:
@@ -74,8 +83,7 @@ def thinking_response(a, b, rng=None, noise=0.0, order=None, score_order=True):
     return pieces + [(f"\\boxed{{{answer + carry * 10 ** (len(pieces) // 2)}}}", True)]
 
 
-# Tokens of the longest trace (one a character, plus the end of turn): four-digit box, two-digit sums.
-LONGEST_TRACE = sum(len(piece) for piece, _ in thinking_response(999, 999)) + 1
+LONGEST_TRACE = longest_trace(3)  # the three-digit toy's: four-digit box, two-digit sums
 
 
 @torch.no_grad()
@@ -90,6 +98,66 @@ def correct_trace_probability(model, tokenizer, problems, shuffle=False):
                                     [thinking_response(a, b, order=order, score_order=False) for a, b in chunk])
         out.append(response_logprob(model, ids, mask).exp())
     return torch.cat(out).numpy()
+
+
+# The mixed toy's strata by columns (the longer operand's digits): a share of the train and test sets each; sums of
+# more than MIXED_SEEN columns never appear in the warm start, so they start unsolved.
+MIXED_SHARES, MIXED_SEEN = {1: 0.02, 2: 0.30, 3: 0.25, 4: 0.25, 5: 0.18}, 4
+
+
+def columns(a, b):
+    return max(len(str(a)), len(str(b)))
+
+
+def make_mixed_problems(seed, n_train, n_test, shares=MIXED_SHARES):
+    """Disjoint train / test sets of (a, b) stratified by columns L: in a stratum, one operand has L digits and the
+    other 1 to L (either first), each set shuffled."""
+    rng, train, test = np.random.default_rng(seed), [], []
+    low = lambda digits: 0 if digits == 1 else 10 ** (digits - 1)  # noqa: E731
+    for width, share in shares.items():
+        n, drawn = round(n_train * share), {}
+        while len(drawn) < n + round(n_test * share):
+            other = int(rng.integers(1, width + 1))
+            pair = int(rng.integers(low(width), 10 ** width)), int(rng.integers(low(other), 10 ** other))
+            drawn[pair[::-1] if rng.random() < 0.5 else pair] = None
+        train, test = train + list(drawn)[:n], test + list(drawn)[n:]
+    return [train[i] for i in rng.permutation(len(train))], [test[i] for i in rng.permutation(len(test))]
+
+
+def difficulty_profile(p, problems, samples=8):
+    """What decides whether SPO's parts can act, from per-prompt success p: per stratum of columns its mean, the
+    shares mastered (p >= 0.9) and unsolved (p <= 0.1); the between-prompt share of reward variance Var(p) / (m (1 -
+    m)); the chance a group of `samples` all agree, E[p^G + (1 - p)^G]."""
+    p, width = np.asarray(p, np.float64), np.array([columns(a, b) for a, b in problems])
+    strata = {int(w): {"n": int((width == w).sum()), "mean": float(p[width == w].mean()),
+                       "mastered": float((p[width == w] >= 0.9).mean()), "unsolved": float((p[width == w] <= 0.1).mean())}
+              for w in np.unique(width)}
+    m = p.mean()
+    return {"mean": float(m), "mastered": float((p >= 0.9).mean()), "unsolved": float((p <= 0.1).mean()),
+            "between_share": float(p.var() / (m * (1 - m))), "all_agree": float(np.mean(p ** samples + (1 - p) ** samples)),
+            "strata": strata}
+
+
+def build_mixed_toy(toy_dir, seed=0, n_train=3000, n_test=500, steps=1200, lr=3e-3, batch_size=64, noise=0.3,
+                    plain_noise=0.01):
+    """The mixed-difficulty thinking toy (shuffled terms): 1 to 5 columns, warm-started on up to MIXED_SEEN."""
+    def build(tmp):
+        train, test = make_mixed_problems(seed, n_train, n_test)
+        model, tokenizer, loss, seconds = warm_started(
+            tmp, train, test, "+", seed, steps, lr, batch_size,
+            lambda a, b, rng: thinking_response(a, b, rng, noise, order=rng, plain_noise=plain_noise),
+            warm=[pair for pair in train if columns(*pair) <= MIXED_SEEN])
+        p_train = correct_trace_probability(model, tokenizer, train, shuffle=True)
+        p_test = correct_trace_probability(model, tokenizer, test, shuffle=True)
+        tokens = np.mean([sum(len(tokenizer.encode(t)) for t, _ in thinking_response(a, b)) + 1 for a, b in test])
+        return {"recipe": RECIPE, "version": THINK_VERSION, "mixed": True, "max_digits": max(MIXED_SHARES),
+                "seen_columns": MIXED_SEEN, "shares": MIXED_SHARES, "seed": seed, "n_train": n_train,
+                "n_test": n_test, "steps": steps, "lr": lr, "noise": noise, "plain_noise": plain_noise,
+                "shuffle": True, "final_sft_loss": loss, "warm_start_seconds": round(seconds, 1),
+                "response_tokens_mean": float(tokens), "test_accuracy_t1": float(p_test.mean()),
+                # of the correct trace (a lower bound of success): the difficulty the screen starts from
+                "train_profile": difficulty_profile(p_train, train), "test_profile": difficulty_profile(p_test, test)}
+    return build_atomically(toy_dir, build)
 
 
 def build_thinking_toy(toy_dir, seed=0, n_train=2000, n_test=500, steps=600, lr=3e-3, batch_size=64, noise=0.3,
@@ -115,9 +183,17 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--toy_dir", default="tasks/built/toy_think", help="where to build the toy")
     parser.add_argument("--seed", type=int, default=0, help="seed of the data split and the warm start")
-    parser.add_argument("--steps", type=int, default=600, help="warm-start optimiser steps")
-    parser.add_argument("--noise", type=float, default=0.3, help="rate of wrong partial sums in carrying columns")
+    parser.add_argument("--steps", type=int, default=None, help="warm-start optimiser steps (default 600)")
+    parser.add_argument("--noise", type=float, default=None, help="rate of wrong partial sums in carrying columns "
+                        "(default 0.3)")
     parser.add_argument("--shuffle", action="store_true", help="each line's terms in a random order")
+    parser.add_argument("--mixed", action="store_true", help="the mixed-difficulty toy (1 to 5 columns, shuffled; "
+                        "its own defaults for --steps and --noise unless given)")
     args = parser.parse_args()
-    print(json.dumps(build_thinking_toy(args.toy_dir, seed=args.seed, steps=args.steps, noise=args.noise,
-                                        shuffle=args.shuffle), indent=1))
+    if args.mixed:
+        given = {k: v for k, v in (("steps", args.steps), ("noise", args.noise)) if v is not None}
+        info = build_mixed_toy(args.toy_dir, seed=args.seed, **given)
+    else:
+        info = build_thinking_toy(args.toy_dir, seed=args.seed, steps=args.steps or 600, noise=args.noise or 0.3,
+                                  shuffle=args.shuffle)
+    print(json.dumps(info, indent=1))

@@ -138,8 +138,10 @@ def noisy_answer(a, b, rng, noise):
     return "".join(answer)
 
 
-def warm_started(tmp, train, test, op, seed, steps, lr, batch_size, response):
-    """A toy's data, tokenizer and model written into tmp, the model warm-started on response(a, b, rng)."""
+def warm_started(tmp, train, test, op, seed, steps, lr, batch_size, response, warm=None):
+    """A toy's data, tokenizer and model written into tmp, the model warm-started on response(a, b, rng) for the
+    problems of `warm` (by default all of train)."""
+    warm = train if warm is None else warm
     for split, problems in (("train", train), ("test", test)):
         write_parquet(f"{tmp}/{split}.parquet", problems, split, op)
     tokenizer = build_tokenizer(f"{tmp}/model")
@@ -149,7 +151,7 @@ def warm_started(tmp, train, test, op, seed, steps, lr, batch_size, response):
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20))
     model.train()
     for _ in range(steps):
-        batch = [train[j] for j in rng.integers(len(train), size=batch_size)]
+        batch = [warm[j] for j in rng.integers(len(warm), size=batch_size)]
         ids, mask = encode_segments(tokenizer, [f"{a}{op}{b}=" for a, b in batch],
                                     [response(a, b, rng) for a, b in batch])
         loss = -response_logprob(model, ids, mask).sum() / mask[:, 1:].sum()

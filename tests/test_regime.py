@@ -70,3 +70,28 @@ def test_targets_weigh_the_window_by_revisits_and_take_the_lag_on_prompts_being_
     assert abs(m["window"] - 0.7) < 1e-12
     assert abs(m["lag"] - 0.1) < 1e-12 and abs(m["bias"] - 0.225) < 1e-12  # bias: mean of -0.1 and -0.35
     assert m["mastered"] == (0.5, 0.5) and m["samples"] == 8 * 32 / 16
+
+
+def test_the_between_share_two_independent_estimates_give_needs_no_noise_model():
+    """v0 = (s + 0.5) / (n0 + 1) from n0 offline samples and the probe's success are independent estimates of p(x):
+    their covariance is Var p scaled by n0 / (n0 + 1), whatever the samples' noise."""
+    import numpy as np
+    p = np.array([0.0, 0.25, 0.5, 1.0, 1.0])
+    v0 = (8 * p + 0.5) / 9
+    expected = p.var() / (p.mean() * (1 - p.mean()))
+    assert abs(regime.between_share_free(v0, p, 8, "kt") - expected) < 1e-12
+    assert abs(regime.between_share_free(p, p, 8, "mean") - expected) < 1e-12
+
+
+def test_all_agree_from_a_probe_is_the_hypergeometric_chance_a_group_agrees():
+    assert regime.all_agree_estimate([1.0, 0.0], 16) == 1.0
+    assert abs(regime.all_agree_estimate([0.5], 16) - 2 / 12870) < 1e-15  # C(8, 8) twice over C(16, 8)
+    assert abs(regime.all_agree_estimate([7 / 16], 16) - 9 / 12870) < 1e-15  # 9 failures: C(9, 8) = 9 groups
+
+
+def test_the_lag_share_is_what_centring_leaves_a_prompt_specific_lag():
+    """A lag common to every prompt is centred away (Eq. 9); one that differs by prompt adds its variance."""
+    common = {"exact": [0.2, 0.4, 0.6, 0.8], "value": [0.1, 0.3, 0.5, 0.7]}
+    assert abs(regime.lag_share(common, "exact")) < 1e-12
+    specific = {"exact": [0.2, 0.4, 0.6, 0.8], "value": [0.1, 0.5, 0.5, 0.9]}
+    assert abs(regime.lag_share(specific, "exact") - 0.01 / 0.25) < 1e-12

@@ -87,6 +87,13 @@ def test_plan_seeds_probe_and_owned_flags():
     assert sweep.plan(args, extra) == [("mine-s0", "mine", 0, ["--lr", "1e-3", "--algo", "rloo"])]
 
 
+def test_pool_per_seed_gives_every_variant_of_a_seed_that_seeds_pool():
+    args, extra = args_for("--variants", "spo", "grpo", "--seeds", "3-4", "--pool_per_seed", "--probe_every", "0",
+                           "--out", "x")
+    runs = {name: flags for name, _, _, flags in sweep.plan(args, extra)}
+    assert runs["spo-s3"] == ["--pool_seed", "3"] and runs["grpo-s4"] == ["--algo", "grpo", "--pool_seed", "4"]
+
+
 # ------------------------------------------------------------------------------------------------ hand-written runs
 def fake_run(run_dir, accuracy, steps=4, generated=16, checkpoint=None, metrics=None):
     """A run directory as spo.py leaves it: config.json, metrics.jsonl (accuracy: {step: value} at evaluation

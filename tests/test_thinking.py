@@ -108,3 +108,52 @@ def test_spo_trains_on_the_thinking_toy_without_the_plain_toys_exact_metric(tmp_
     rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
     assert rows and "eval/accuracy" in rows[-1] and not any("eval/exact" in r for r in rows)
     assert all(r["response/truncated"] < 0.5 for r in rows if "response/truncated" in r)  # the budget fits a trace
+
+
+# ---------------------------------------------------------------------------------------------- the mixed toy
+MIXED = os.path.join(toy.BUILT, "toy_mixed")
+
+
+@pytest.mark.parametrize("a,b", [(7, 48512), (99999, 1), (5, 5), (1234, 98765)])
+def test_a_mixed_sum_works_every_column_of_the_longer_operand(a, b):
+    """Unequal lengths: the shorter operand's missing digits are written 0, one line per column, and the box is
+    the sum."""
+    right = text(thinking.thinking_response(a, b))
+    assert right.count("\n") == max(len(str(a)), len(str(b))) and boxed_reward(right, str(a + b)) == 1
+
+
+def test_mixed_problems_are_disjoint_and_stratified_by_columns():
+    train, test = thinking.make_mixed_problems(0, 1000, 200)
+    assert not set(train) & set(test) and len(set(train)) == 1000 and len(set(test)) == 200
+    for problems, n in ((train, 1000), (test, 200)):
+        widths = [thinking.columns(a, b) for a, b in problems]
+        assert {w: widths.count(w) for w in set(widths)} == {w: round(n * s) for w, s in
+                                                             thinking.MIXED_SHARES.items()}
+    assert thinking.make_mixed_problems(0, 1000, 200) == (train, test) != thinking.make_mixed_problems(1, 1000, 200)
+
+
+def test_the_shipped_mixed_toy_holds_its_strata_and_the_warm_start_never_saw_five_columns():
+    """Its files are the bytes SHA256SUMS names; both sets have each stratum's share; the profile its build measured
+    starts the short sums mastered and the unseen five-column sums unsolved."""
+    import pyarrow.parquet as pq
+    assert thinking.is_thinking(MIXED) and toy.checksum_error(MIXED) is None
+    info = json.load(open(os.path.join(MIXED, "toy.json")))
+    for split in ("train", "test"):
+        rows = pq.read_table(os.path.join(MIXED, f"{split}.parquet")).to_pylist()
+        widths = [max(map(len, r["prompt"][0]["content"][:-1].split("+"))) for r in rows]
+        assert {w: widths.count(w) for w in set(widths)} == {int(w): round(info[f"n_{split}"] * s)
+                                                             for w, s in info["shares"].items()}
+    strata = info["train_profile"]["strata"]
+    assert strata["5"]["mean"] <= 0.1 and strata["2"]["mastered"] > strata["4"]["mastered"]
+    thinking.check_budget(MIXED, thinking.longest_trace(5))  # fits
+    with pytest.raises(SystemExit):
+        thinking.check_budget(MIXED, thinking.LONGEST_TRACE)  # the three-digit toy's budget does not
+
+
+def test_difficulty_profile_counts_the_ends_and_the_between_share():
+    problems = [(1, 2), (3, 4), (10, 20), (12345, 1)]
+    profile = thinking.difficulty_profile([1.0, 0.9, 0.5, 0.0], problems, samples=2)
+    assert profile["mastered"] == 0.5 and profile["unsolved"] == 0.25 and profile["strata"][1]["n"] == 2
+    m, var = 0.6, ((0.4 ** 2 + 0.3 ** 2 + 0.1 ** 2 + 0.6 ** 2) / 4)
+    assert abs(profile["between_share"] - var / (m * (1 - m))) < 1e-12
+    assert abs(profile["all_agree"] - (1 + 0.82 + 0.5 + 1) / 4) < 1e-12
