@@ -31,7 +31,8 @@ def measure(run, after=20):
     agree, tenth = col("zero_signal/degenerate_groups"), max(1, steps // 10)
     revisits = [r for r in rows if r.get("tracker/revisit_share", 0) > 0]
     weights = col("tracker/revisit_share", revisits)
-    inside = 1 - col("tracker/rho_at_min", revisits) - col("tracker/rho_at_max", revisits)
+    share = lambda k: float(np.sum(col(k, revisits) * weights) / np.sum(weights)) if revisits else nan  # noqa: E731
+    above, below = share("tracker/rho_at_min"), share("tracker/rho_at_max")  # D above the window: rho at rho_min
     probes = [run["probe"][s] for s in sorted(run["probe"])]
     key = "exact" if probes and all("exact" in p for p in probes) else "success"
     p_of = lambda probe: np.asarray(probe[key], np.float64)  # noqa: E731
@@ -43,6 +44,11 @@ def measure(run, after=20):
         p, n = p_of(probe), probe.get("n_samples", 1)
         noise = 0 if key == "exact" else np.mean(p * (1 - p)) / max(n - 1, 1)
         return (np.var(p) - noise) / (np.mean(p) * (1 - np.mean(p)))
+
+    def lag_share(probe):  # the variance the lag v - p adds to the advantage once Eq. 9 centres the batch (its mean
+        p, n = p_of(probe), probe.get("n_samples", 1)  # over the prompts removed), over the reward noise E[p(1-p)]
+        noise = 0 if key == "exact" else np.mean(p * (1 - p)) / max(n - 1, 1)  # the sampled p's own variance
+        return (np.var(np.asarray(probe["value"]) - p) - noise) / (np.mean(p * (1 - p)) + noise)
     accuracy, times = col("eval/exact"), col("time")
     accuracy = accuracy if len(accuracy) else col("eval/accuracy")  # the sampled avg@n where no exact success
     return {"drawn": config["batch_size"] / config["group_size"] / pool, "samples": config["batch_size"] * steps / pool,
@@ -50,7 +56,8 @@ def measure(run, after=20):
             "mastered": tuple(np.mean(p_of(p) >= 0.9) for p in (probes[0], probes[-1])) if probes else (nan, nan),
             "between": float(np.mean([between(p) for p in probes])) if probes else nan,
             "clip": float(np.mean(col("policy/clip_fraction"))),
-            "window": float(np.sum(inside * weights) / np.sum(weights)) if revisits else nan,
+            "window": 1 - above - below, "above": above, "below": below,
+            "lag_share": float(np.mean([lag_share(p) for p in late])) if late else nan,
             "d_mean": float(np.mean(col("tracker/divergence_revisit_mean", revisits))) if revisits else nan,
             "bias": float(np.max(np.abs([p["probe/bias"] for p in late]))) if late else nan,
             "bias_mean": float(np.mean([p["probe/bias"] for p in late])) if late else nan,
@@ -102,14 +109,15 @@ def sweep_report(out, after=20):
         lines.append(f"| {name} | {paper} | " + " | ".join(cells) + f" | {sum(c[i][3] for c in columns)} of "
                      f"{len(seeds)} |")
     lines += ["", f"| variant | seeds | bias, mean after step {after} | largest abs(bias) | lag on prompts being "
-              "learned, mean | largest abs(lag) | D inside rho's window |", "|---" * 7 + "|"]
+              "learned, mean | largest abs(lag) | D inside rho's window | above it | below it | the lag's "
+              "variance after centring / the reward noise |", "|---" * 10 + "|"]
     for variant in sorted({n.rsplit("-s", 1)[0] for n in names}):
         runs = [measure(load(out, n), after) for n in names if n.rsplit("-s", 1)[0] == variant]
         if all(np.isnan(m["bias"]) for m in runs):
             continue  # no probe: a group estimator
         cell = lambda k: "{:+.3f} [{:+.3f}, {:+.3f}]".format(*mean_ci([m[k] for m in runs])[:3])  # noqa: E731
-        lines.append(f"| {variant} | {len(runs)} | " + " | ".join(cell(k) for k in ("bias_mean", "bias", "lag_mean",
-                                                                                       "lag", "window")) + " |")
+        lines.append(f"| {variant} | {len(runs)} | " + " | ".join(cell(k) for k in (
+            "bias_mean", "bias", "lag_mean", "lag", "window", "above", "below", "lag_share")) + " |")
     return "\n".join(lines)
 
 
