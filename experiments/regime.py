@@ -45,10 +45,13 @@ def measure(run, after=20):
         noise = 0 if key == "exact" else np.mean(p * (1 - p)) / max(n - 1, 1)
         return (np.var(p) - noise) / (np.mean(p) * (1 - np.mean(p)))
 
-    def lag_share(probe):  # the variance the lag v - p adds to the advantage once Eq. 9 centres the batch (its mean
-        p, n = p_of(probe), probe.get("n_samples", 1)  # over the prompts removed), over the reward noise E[p(1-p)]
+    # Eq. 9 centres the advantages r - v over the batch: the lag v - p that all prompts share goes (shared: its
+    # square), its prompt-specific part adds Var_x(v - p); each over the reward noise an exact baseline leaves
+    def lag_share(probe, shared=False):
+        p, n = p_of(probe), probe.get("n_samples", 1)
         noise = 0 if key == "exact" else np.mean(p * (1 - p)) / max(n - 1, 1)  # the sampled p's own variance
-        return (np.var(np.asarray(probe["value"]) - p) - noise) / (np.mean(p * (1 - p)) + noise)
+        lag = np.asarray(probe["value"]) - p
+        return (np.mean(lag) ** 2 if shared else np.var(lag) - noise) / (np.mean(p * (1 - p)) + noise)
     accuracy, times = col("eval/exact"), col("time")
     accuracy = accuracy if len(accuracy) else col("eval/accuracy")  # the sampled avg@n where no exact success
     return {"drawn": config["batch_size"] / config["group_size"] / pool, "samples": config["batch_size"] * steps / pool,
@@ -58,6 +61,7 @@ def measure(run, after=20):
             "clip": float(np.mean(col("policy/clip_fraction"))),
             "window": 1 - above - below, "above": above, "below": below,
             "lag_share": float(np.mean([lag_share(p) for p in late])) if late else nan,
+            "lag_shared": float(np.mean([lag_share(p, True) for p in late])) if late else nan,
             "d_mean": float(np.mean(col("tracker/divergence_revisit_mean", revisits))) if revisits else nan,
             "bias": float(np.max(np.abs([p["probe/bias"] for p in late]))) if late else nan,
             "bias_mean": float(np.mean([p["probe/bias"] for p in late])) if late else nan,
@@ -110,14 +114,15 @@ def sweep_report(out, after=20):
                      f"{len(seeds)} |")
     lines += ["", f"| variant | seeds | bias, mean after step {after} | largest abs(bias) | lag on prompts being "
               "learned, mean | largest abs(lag) | D inside rho's window | above it | below it | the lag's "
-              "variance after centring / the reward noise |", "|---" * 10 + "|"]
+              "variance after centring / the reward noise | its shared part, squared / the reward noise |",
+              "|---" * 11 + "|"]
     for variant in sorted({n.rsplit("-s", 1)[0] for n in names}):
         runs = [measure(load(out, n), after) for n in names if n.rsplit("-s", 1)[0] == variant]
         if all(np.isnan(m["bias"]) for m in runs):
             continue  # no probe: a group estimator
         cell = lambda k: "{:+.3f} [{:+.3f}, {:+.3f}]".format(*mean_ci([m[k] for m in runs])[:3])  # noqa: E731
         lines.append(f"| {variant} | {len(runs)} | " + " | ".join(cell(k) for k in (
-            "bias_mean", "bias", "lag_mean", "lag", "window", "above", "below", "lag_share")) + " |")
+            "bias_mean", "bias", "lag_mean", "lag", "window", "above", "below", "lag_share", "lag_shared")) + " |")
     return "\n".join(lines)
 
 
