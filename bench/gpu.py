@@ -1,7 +1,8 @@
 """The device check: spo.py's GPU path, measured with only torch and transformers (a GPU machine may lack vLLM).
 
-Two commands, each planned to fit one command of a GPU lease with time left to rerun one (docs/benchmarks.md: what
-to run, how long it takes, what each number means). "tiny" shapes run both on a CPU (tests/test_device_check.py).
+Two commands of at most 6 minutes each, so both fit 15 minutes of GPU time with one rerun to spare
+(docs/benchmarks.md: what to run, how long it takes, what each number means). "tiny" shapes run both on a CPU
+(tests/test_device_check.py).
 (a) `--part trainer` (bench/gpu_trainer.py): the trainer alone on packed, shared-prompt micro-batches of a Qwen3
 shape, its first round timed apart from the rest.
 (b) `--part loop` (here): spo.py `--engine hf` on the toy (the engine, the evaluation and the weight push work),
@@ -308,7 +309,7 @@ def main(argv=None):
         bench_gpu(args.shape, args.prompts, args.samples, args.prompt_lens, args.response_lens, args.rounds,
                   args.max_tokens_per_micro_batch, peak_tflops=args.peak_tflops, profile=args.profile == "on")
         return
-    # a `timeout` or a lease's end: the spo.py running (in a process group of its own) killed, the directory removed
+    # a `timeout` or the GPU time running out: the spo.py running (its own process group) killed, the directory removed
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     with tempfile.TemporaryDirectory() as root:
         if args.part == "loop":

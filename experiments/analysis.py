@@ -223,14 +223,15 @@ def area_mean(curve, budget):
     return float(np.sum((grid[1:] - grid[:-1]) * (values[1:] + values[:-1]) / 2) / budget)
 
 
-def analyse(out, reference, budget=None, key="eval/exact"):
+def analyse(out, reference, budget=None, key="eval/exact", offline=True):
     """The preregistered analysis: primary metric = exact success (key: or another evaluation's metric, where no
     exact success exists) averaged over an equal budget of generated samples (offline values counted); secondary =
     the same at the last evaluation; each paired with
     `reference` by seed, with its sd and the difference its seeds detect at 80% power; Fig. 3a's zero-advantage
-    share. {"budget", "reference", "variants": {name: {metric: {seed: v}}}, "paired": {name: {metric: {...}}}}."""
+    share. offline=False: over training samples only (the offline values' not counted).
+    {"budget", "reference", "variants": {name: {metric: {seed: v}}}, "paired": {name: {metric: {...}}}}."""
     runs = {(variant, seed): run for variant, seeds in sweep_runs(out).items() for seed, run in seeds.items()}
-    curves = {name: exact_curve(run, pool_size(run["config"]), key) for name, run in runs.items()}
+    curves = {name: exact_curve(run, pool_size(run["config"]) if offline else 0, key) for name, run in runs.items()}
     if not curves or not all(curves.values()):
         raise SystemExit(f"error: {out}: no finished run with {key}")
     budget = budget or min(curve[-1][0] for curve in curves.values())
@@ -251,12 +252,14 @@ def analyse(out, reference, budget=None, key="eval/exact"):
             sd = float(np.std(diffs, ddof=1)) if n > 1 else float("nan")
             paired[name][metric] = {"mean": mean, "ci95": [low, high], "n": n, "sd": sd,
                                     "detectable": detectable(sd, n)}
-    return {"budget": budget, "reference": reference, "variants": variants, "paired": paired, "key": key}
+    return {"budget": budget, "reference": reference, "variants": variants, "paired": paired, "key": key,
+            "offline": offline}
 
 
 def primary_markdown(result):
     lines = [f"Primary metric: held-out `{result.get('key', 'eval/exact')}` averaged over {result['budget']:.0f} "
-             f"generated samples (offline values counted); secondary: the same at the last evaluation. Mean [95% "
+             f"generated samples (offline values {'counted' if result.get('offline', True) else 'not counted'}); "
+             f"secondary: the same at the last evaluation. Mean [95% "
              f"t-interval] "
              f"over seeds (training randomness only: same model, pool and test set), %; paired difference to "
              f"`{result['reference']}` in points, its sd and the smallest difference its seeds detect with 80% power; "
@@ -286,6 +289,8 @@ def main(argv=None):
                    "smallest total of any run)")
     a.add_argument("--metric", default="eval/exact", help="the evaluation's metric (eval/accuracy: avg@n where no "
                    "exact success exists)")
+    a.add_argument("--training_samples", action="store_true", help="count training samples only (not the offline "
+                   "values')")
     a = sub.add_parser("power", help="the seeds that detect --effect with 80%% power for a paired sd")
     a.add_argument("sd", type=float, help="the paired sd, a fraction (0.004 = 0.4 points)")
     a.add_argument("--effect", type=float, default=0.01, help="the effect to detect (0.01: 1 point)")
@@ -297,7 +302,8 @@ def main(argv=None):
     else:
         if not os.path.isdir(args.out):
             raise SystemExit(f"error: {args.out}: not a sweep directory")
-        print(primary_markdown(analyse(args.out, args.reference, args.budget, args.metric)))
+        print(primary_markdown(analyse(args.out, args.reference, args.budget, args.metric,
+                                       not args.training_samples)))
 
 
 if __name__ == "__main__":

@@ -47,12 +47,13 @@ def all_agree_estimate(p, n, group=GROUP):
     return float(np.mean([(comb(k, group) + comb(n - k, group)) / comb(n, group) for k in s]))
 
 
-def lag_share(probe, key="success"):
-    """The reward variance the tracker's prompt-specific lag adds to the advantage after Eq. 9's batch centring:
-    Var_x (v(x) - p(x)) less the probe's sampling noise, over the reward variance m (1 - m)."""
+def lag_share(probe, key="success", shared=False):
+    """Eq. 9 centres the advantages r - v over the batch: the lag v - p all prompts share goes (shared: its
+    square), its prompt-specific part adds Var_x (v - p) to the advantage's variance; each over the reward noise an
+    exact baseline leaves, E[p (1 - p)], the probe's sampling noise taken out of both."""
     p, v, n = np.asarray(probe[key], np.float64), np.asarray(probe["value"], np.float64), probe.get("n_samples", 1)
-    noise = 0 if key == "exact" else np.mean(p * (1 - p)) / max(n - 1, 1)
-    return float((np.var(v - p) - noise) / (np.mean(p) * (1 - np.mean(p))))
+    noise = 0 if key == "exact" else np.mean(p * (1 - p)) / max(n - 1, 1)  # the sampled p's own variance
+    return float((np.mean(v - p) ** 2 if shared else np.var(v - p) - noise) / (np.mean(p * (1 - p)) + noise))
 
 
 def measure(run, after=20, lag_by=100):
@@ -72,7 +73,7 @@ def measure(run, after=20, lag_by=100):
     lag = [np.mean((np.asarray(p["value"]) - p_of(p))[(p_of(p) > LEARNING[0]) & (p_of(p) < LEARNING[1])])
            for p in late if ((p_of(p) > LEARNING[0]) & (p_of(p) < LEARNING[1])).any()]
     first, n = (probes[0], probes[0].get("n_samples", 1)) if probes else (None, 1)
-    by = [p for p in probes if 0 < p["step"] <= lag_by]
+    by = [p for p in late if p["step"] <= lag_by]
     accuracy, times = col("eval/exact"), col("time")
     accuracy = accuracy if len(accuracy) else col("eval/accuracy")  # the sampled avg@n where no exact success
     at_min, at_max = share("tracker/rho_at_min"), share("tracker/rho_at_max")
@@ -87,9 +88,11 @@ def measure(run, after=20, lag_by=100):
                                                config.get("init_smoothing", "kt")) if first and first["step"] == 0
             and config.get("offline_values") != "none" else nan,
             "clip": float(np.mean(col("policy/clip_fraction"))),
-            "window": 1 - at_min - at_max, "at_min": at_min, "at_max": at_max,
+            "window": 1 - at_min - at_max, "above": at_min, "below": at_max,  # D above the window: rho at rho_min
             "d_mean": float(np.mean(col("tracker/divergence_revisit_mean", revisits))) if revisits else nan,
-            "lag_share": (by[-1]["step"], lag_share(by[-1], key)) if by else (nan, nan),
+            "lag_by": float(np.mean([lag_share(p, key) for p in by])) if by else nan,
+            "lag_share": float(np.mean([lag_share(p, key) for p in late])) if late else nan,
+            "lag_shared": float(np.mean([lag_share(p, key, True) for p in late])) if late else nan,
             "bias": float(np.max(np.abs([p["probe/bias"] for p in late]))) if late else nan,
             "bias_mean": float(np.mean([p["probe/bias"] for p in late])) if late else nan,
             "lag": float(np.max(np.abs(lag))) if lag else nan, "lag_mean": float(np.mean(lag)) if lag else nan,
@@ -101,8 +104,8 @@ def targets(spo, grpo, rho_none=None):
     """[(target, paper value, measured text, met: bool)]: the mixed preset's eight, from measure() of an SPO run, a
     GRPO run and (for the manipulation check) an SPO run without forgetting (--rho none)."""
     pct = lambda x: f"{100 * x:.0f}%"  # noqa: E731
-    lag_none = rho_none["lag_share"] if rho_none else (float("nan"),) * 2
-    ratio = lag_none[1] / spo["lag_share"][1] if spo["lag_share"][1] > 0 else float("nan")
+    lag_none = rho_none["lag_by"] if rho_none else float("nan")
+    ratio = lag_none / spo["lag_by"] if spo["lag_by"] > 0 else float("nan")
     return [
         ("between-prompt share of reward variance at step 0: noise-free (v0 x probe covariance); probe less "
          "binomial noise", PAPER["between"], f"{spo['between_free']:.2f}; {spo['between']:.2f}",
@@ -117,11 +120,10 @@ def targets(spo, grpo, rho_none=None):
          f"{spo['pool']}, {spo['batch']}, {spo['steps']} ({pct(spo['drawn'])}; {spo['samples']:.1f})",
          (spo["pool"], spo["batch"], spo["steps"]) == (512, 64, 300)),
         ("SPO revisits with D inside rho's window (at rho_min; at rho_max; D's mean; clip fraction)", PAPER["window"],
-         f"{pct(spo['window'])} ({pct(spo['at_min'])}; {pct(spo['at_max'])}; {spo['d_mean']:.4f}; "
+         f"{pct(spo['window'])} ({pct(spo['above'])}; {pct(spo['below'])}; {spo['d_mean']:.4f}; "
          f"{spo['clip']:.2%})", spo["window"] >= 0.4),
-        ("reward variance the lag adds after Eq. 9's centring, by step 100: rho none / spo (ratio)", PAPER["lag"],
-         f"{lag_none[1]:.1%} / {spo['lag_share'][1]:.1%} ({ratio:.1f}x, step {spo['lag_share'][0]})",
-         ratio >= 3),
+        ("reward variance the lag adds after Eq. 9's centring, probes after step 20 to 100: rho none / spo (ratio)",
+         PAPER["lag"], f"{lag_none:.1%} / {spo['lag_by']:.1%} ({ratio:.1f}x)", ratio >= 3),
         ("held-out accuracy still rising at the end (last evaluation minus the one before, points)", PAPER["rising"],
          f"SPO {100 * spo['rising']:+.1f}, GRPO {100 * grpo['rising']:+.1f}", min(spo['rising'], grpo['rising']) > 0),
         ("minutes a run on this machine", "-", f"SPO {spo['minutes']:.1f}, GRPO {grpo['minutes']:.1f}",
@@ -145,14 +147,16 @@ def sweep_report(out, after=20):
         lines.append(f"| {name} | {paper} | " + " | ".join(cells) + f" | {sum(c[i][3] for c in columns)} of "
                      f"{len(seeds)} |")
     lines += ["", f"| variant | seeds | bias, mean after step {after} | largest abs(bias) | lag on prompts being "
-              "learned, mean | largest abs(lag) | D inside rho's window |", "|---" * 7 + "|"]
+              "learned, mean | largest abs(lag) | D inside rho's window | above it | below it | the lag's "
+              "variance after centring / the reward noise | its shared part, squared / the reward noise |",
+              "|---" * 11 + "|"]
     for variant in sorted({n.rsplit("-s", 1)[0] for n in names}):
         runs = [measure(load(out, n), after) for n in names if n.rsplit("-s", 1)[0] == variant]
         if all(np.isnan(m["bias"]) for m in runs):
             continue  # no probe: a group estimator
         cell = lambda k: "{:+.3f} [{:+.3f}, {:+.3f}]".format(*mean_ci([m[k] for m in runs])[:3])  # noqa: E731
-        lines.append(f"| {variant} | {len(runs)} | " + " | ".join(cell(k) for k in ("bias_mean", "bias", "lag_mean",
-                                                                                       "lag", "window")) + " |")
+        lines.append(f"| {variant} | {len(runs)} | " + " | ".join(cell(k) for k in (
+            "bias_mean", "bias", "lag_mean", "lag", "window", "above", "below", "lag_share", "lag_shared")) + " |")
     return "\n".join(lines)
 
 

@@ -172,6 +172,40 @@ def test_the_reference_check_sees_a_missing_name(tmp_path):
     assert not defined(str(path), "A.g") and not defined(str(path), "h")
 
 
+# The project speaks of itself by dates and commits, never of how its work was organised (issue 62). "session" stays
+# free for a process's (start_new_session, "a session of its own", a session keyring) and "lead" for SPO's lead.
+ORGANISATION = re.compile((  # a space stands for any run of blanks, newlines and comment marks
+    r"\bsessions\b|\bsession(?: |-)\d|\b(?:a|one|this|that|next|last|later|earlier|first|second|third|fourth|fifth|"
+    r"sixth|seventh|eighth|helper|lead's) session\b(?! of its own| keyring)|\bissue \d+'s session|\bhelpers? "
+    r"(?:session|agent|was|were|started|waited|delivered|stood)\b|\b(?:budget|compile|decode|GPU) helpers?\b|"
+    r"\bthe lead (?:took|went|merges|merged|adds|added|will)\b|\blent\b|\bleases?\b|\bnot_drawn\b|"
+    r"\bdrawn (?:machine|task|session)|\bclosing note|\bsitting\b|\bsub-?agents?\b"
+).replace(" ", r"[\s#]+"), re.IGNORECASE)
+
+
+def test_no_doc_or_code_narrates_how_the_work_was_organised():
+    """Every tracked .md and .py outside tests/ (the tests quote such lines as data) is free of session, helper,
+    lead and lent-machine talk: say what changed, measured or was decided, by date and commit."""
+    found = []
+    for f in tracked_files():
+        if f.endswith((".md", ".py")) and not f.startswith("tests/"):
+            text = open(os.path.join(ROOT, f), encoding="utf-8").read()
+            found += [f"{f}:{text.count(chr(10), 0, m.start()) + 1}: {m.group(0)!r}"
+                      for m in ORGANISATION.finditer(text)]
+    assert "spo.py" in tracked_files() and found == [], found
+
+
+def test_the_organisation_check_sees_narration_and_passes_a_process_session():
+    for line in ("No GPU was lent (status: not_drawn).", "Issue 52's session ran the screen.", "a screen (session 4)",
+                 "Two helpers were\n# started at 16:26.", "LOG.md#2026-12-05-session-2", "the lead took its task over",
+                 "sixth session", "measured this session", "the budget helper's cuts", "several sessions"):
+        assert ORGANISATION.search(line), line
+    for line in ("start_new_session=True", "a verifier runs in a session of its own", "the trainer's session keyring",
+                 "joins a fresh empty session keyring", "SPO's lead over GRPO", "prompts drawn per step", "os.setsid()",
+                 "a release of vLLM", "an eager helper"):
+        assert not ORGANISATION.search(line), line
+
+
 # ------------------------------------------------------------------------------------------------ docs drift
 def test_docs_flags_give_the_presets_variants_sets():
     """docs/flags.md's --preset row states each preset's values as `--flag value` and the probe's clause."""
