@@ -92,6 +92,8 @@ def test_all_agree_from_a_probe_is_the_hypergeometric_chance_a_group_agrees():
 def test_the_lag_share_is_what_centring_leaves_a_prompt_specific_lag():
     """A lag common to every prompt is centred away (Eq. 9); one that differs by prompt adds its variance."""
     common = {"exact": [0.2, 0.4, 0.6, 0.8], "value": [0.1, 0.3, 0.5, 0.7]}
+    noise = (0.16 + 0.24 + 0.24 + 0.16) / 4  # E[p (1 - p)]: what an exact baseline leaves
     assert abs(regime.lag_share(common, "exact")) < 1e-12
+    assert abs(regime.lag_share(common, "exact", shared=True) - 0.01 / noise) < 1e-12
     specific = {"exact": [0.2, 0.4, 0.6, 0.8], "value": [0.1, 0.5, 0.5, 0.9]}
-    assert abs(regime.lag_share(specific, "exact") - 0.01 / 0.25) < 1e-12
+    assert abs(regime.lag_share(specific, "exact") - 0.01 / noise) < 1e-12
