@@ -129,13 +129,12 @@ def difficulty_profile(p, problems, samples=8):
     shares mastered (p >= 0.9) and unsolved (p <= 0.1); the between-prompt share of reward variance Var(p) / (m (1 -
     m)); the chance a group of `samples` all agree, E[p^G + (1 - p)^G]."""
     p, width = np.asarray(p, np.float64), np.array([columns(a, b) for a, b in problems])
-    strata = {int(w): {"n": int((width == w).sum()), "mean": float(p[width == w].mean()),
-                       "mastered": float((p[width == w] >= 0.9).mean()), "unsolved": float((p[width == w] <= 0.1).mean())}
+    ends = lambda q: {"mastered": float((q >= 0.9).mean()), "unsolved": float((q <= 0.1).mean())}  # noqa: E731
+    strata = {int(w): {"n": int((width == w).sum()), "mean": float(p[width == w].mean()), **ends(p[width == w])}
               for w in np.unique(width)}
     m = p.mean()
-    return {"mean": float(m), "mastered": float((p >= 0.9).mean()), "unsolved": float((p <= 0.1).mean()),
-            "between_share": float(p.var() / (m * (1 - m))), "all_agree": float(np.mean(p ** samples + (1 - p) ** samples)),
-            "strata": strata}
+    return {"mean": float(m), **ends(p), "between_share": float(p.var() / (m * (1 - m))),
+            "all_agree": float(np.mean(p ** samples + (1 - p) ** samples)), "strata": strata}
 
 
 def build_mixed_toy(toy_dir, seed=0, n_train=3000, n_test=500, steps=1200, lr=3e-3, batch_size=64, noise=0.3,
