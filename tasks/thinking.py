@@ -63,17 +63,18 @@ def make_problems(seed, n_train, n_test):
     return pairs[:n_train], pairs[n_train:]
 
 
-def thinking_response(a, b, rng=None, noise=0.0, order=None, score_order=True, plain_noise=None):
+def thinking_response(a, b, rng=None, noise=0.0, order=None, score_order=True, plain_noise=None, careful=0):
     """The worked sum as (text, in the loss) pieces, one line per column of the longer operand (the shorter one's
     missing digits written 0); with rng, a column's sum is written off by 1 or 2 with probability noise
-    (plain_noise, by default noise / 3, where the column does not carry) and the lines after it, and the box, follow.
+    (plain_noise, by default noise / 3, where the column does not carry, or is one of the first `careful` columns)
+    and the lines after it, and the box, follow.
     order (a numpy Generator): each line's three terms in a random order, a choice that never decides the reward;
     score_order=False leaves those choices out of the loss (to score the sums given the order)."""
     pieces, carry, answer, width = [], 0, 0, max(len(str(a)), len(str(b)))
     plain_noise = noise / 3 if plain_noise is None else plain_noise
     for k, (x, y) in enumerate(zip(reversed(str(a).zfill(width)), reversed(str(b).zfill(width)))):
         s = int(x) + int(y) + carry
-        if rng is not None and rng.random() < (noise if s >= 10 else plain_noise):
+        if rng is not None and rng.random() < (noise if s >= 10 and k >= careful else plain_noise):
             s = max(0, s + int(rng.choice([-2, -1, 1, 2])))
         terms = [x, y, str(carry)]
         if order is not None:
@@ -137,14 +138,16 @@ def difficulty_profile(p, problems, samples=8):
             "all_agree": float(np.mean(p ** samples + (1 - p) ** samples)), "strata": strata}
 
 
-def build_mixed_toy(toy_dir, seed=0, n_train=3000, n_test=500, steps=1200, lr=3e-3, batch_size=64, noise=0.3,
-                    plain_noise=0.01):
-    """The mixed-difficulty thinking toy (shuffled terms): 1 to 5 columns, warm-started on up to MIXED_SEEN."""
+def build_mixed_toy(toy_dir, seed=0, n_train=3000, n_test=500, steps=1200, lr=3e-3, batch_size=64, noise=0.5,
+                    plain_noise=0.005, careful=2):
+    """The mixed-difficulty thinking toy (shuffled terms): 1 to 5 columns, warm-started on up to MIXED_SEEN, its
+    partial sums wrong mostly where a column from the third on carries: short sums mastered, long ones with
+    several carries hard, and the unseen five-column ones unsolved."""
     def build(tmp):
         train, test = make_mixed_problems(seed, n_train, n_test)
         model, tokenizer, loss, seconds = warm_started(
             tmp, train, test, "+", seed, steps, lr, batch_size,
-            lambda a, b, rng: thinking_response(a, b, rng, noise, order=rng, plain_noise=plain_noise),
+            lambda a, b, rng: thinking_response(a, b, rng, noise, order=rng, plain_noise=plain_noise, careful=careful),
             warm=[pair for pair in train if columns(*pair) <= MIXED_SEEN])
         p_train = correct_trace_probability(model, tokenizer, train, shuffle=True)
         p_test = correct_trace_probability(model, tokenizer, test, shuffle=True)
@@ -152,7 +155,7 @@ def build_mixed_toy(toy_dir, seed=0, n_train=3000, n_test=500, steps=1200, lr=3e
         return {"recipe": RECIPE, "version": THINK_VERSION, "mixed": True, "max_digits": max(MIXED_SHARES),
                 "seen_columns": MIXED_SEEN, "shares": MIXED_SHARES, "seed": seed, "n_train": n_train,
                 "n_test": n_test, "steps": steps, "lr": lr, "noise": noise, "plain_noise": plain_noise,
-                "shuffle": True, "final_sft_loss": loss, "warm_start_seconds": round(seconds, 1),
+                "careful": careful, "shuffle": True, "final_sft_loss": loss, "warm_start_seconds": round(seconds, 1),
                 "response_tokens_mean": float(tokens), "test_accuracy_t1": float(p_test.mean()),
                 # of the correct trace (a lower bound of success): the difficulty the screen starts from
                 "train_profile": difficulty_profile(p_train, train), "test_profile": difficulty_profile(p_test, test)}
