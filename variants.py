@@ -68,9 +68,11 @@ NON_NEGATIVE = ("lr", "tis", "clip_low", "clip_high", "sampling_eps")
 
 # Named defaults (spo.py --preset), each chosen by measurement (docs/flags.md says what each is for and where it was
 # measured): tracker_keeps_up, the toy where default SPO's tracker keeps up; calibrated, the sharper toy set to the
-# paper's measured statistics; thinking, the toy whose responses think, where adaptive forgetting and PPO-clip act.
+# paper's measured statistics; thinking, the toy whose responses think, where adaptive forgetting and PPO-clip act;
+# mixed, the thinking toy of mixed difficulty, where the between-prompt share and D's window are both the paper's.
 SHARP_TOY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tasks", "built", "toy_sharp")
 THINK_TOY = os.path.join(os.path.dirname(SHARP_TOY), "toy_think")
+MIXED_TOY = os.path.join(os.path.dirname(SHARP_TOY), "toy_mixed")
 PRESETS = {"tracker_keeps_up": {"train_prompts": 128, "lr": 1.5e-5, "n0": 16, "steps": 600, "eval_every": 50,
                                 "probe_every": 50, "probe_prompts": 128, "probe_samples": 32},
            "calibrated": {"toy_dir": SHARP_TOY, "train_prompts": 1024, "batch_size": 128, "ppo_steps": 8,
@@ -78,7 +80,10 @@ PRESETS = {"tracker_keeps_up": {"train_prompts": 128, "lr": 1.5e-5, "n0": 16, "s
                           "probe_every": 25, "probe_prompts": 128, "probe_samples": 16},
            "thinking": {"toy_dir": THINK_TOY, "max_response_len": 64, "train_prompts": 64, "batch_size": 64,
                         "ppo_steps": 8, "lr": 4e-5, "steps": 100, "eval_every": 25, "probe_every": 25,
-                        "probe_prompts": 64, "probe_samples": 16}}
+                        "probe_prompts": 64, "probe_samples": 16},
+           "mixed": {"toy_dir": MIXED_TOY, "max_response_len": 64, "train_prompts": 512, "batch_size": 64,
+                     "ppo_steps": 8, "lr": 1e-5, "steps": 300, "eval_every": 50, "eval_samples": 8, "probe_every": 50,
+                     "probe_prompts": 256, "probe_samples": 16}}
 
 
 def preset_values(preset, given, algo):
