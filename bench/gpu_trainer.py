@@ -268,7 +268,7 @@ def _peak_rss_bytes(run):
 def _run_setting(path, device, setting, batches, advantages, loss_fn, rows, say):
     """The rounds at one setting: a policy built for it (the previous one freed), then per round and pass the
     seconds, peak bytes (torch's on a GPU, resident growth on a CPU), bytes in use on the GPU, decoder tokens, the
-    packed rows and the result; then one more PPO step under the profiler (busy share, syncs per micro-batch)."""
+    packed rows and the result; then one more PPO step under the profiler (busy share, syncs per step)."""
     import gc
     import torch
     from machinery import trainer
