@@ -15,6 +15,7 @@ from machinery.console import quiet_vllm
 from rollout import Engine, Segment, run_trajectories, stop_strings
 
 GREEDY_BELOW = 1e-5  # temperatures below this sample greedily (vLLM's _SAMPLING_EPS)
+DECODE_ATTENTION = "spo_decode"  # decode_attention's name in transformers' AttentionInterface
 
 
 def start_engine(kind, model_path, engine_compile="auto", **settings):
@@ -104,6 +105,34 @@ def exponential_noise(seeds, step, vocab):
     return -torch.log((z.double() + 0.5) / 2 ** 32)  # uniform on (0, 1), never 0 or 1
 
 
+def decode_attention(module, query, key, value, attention_mask, **kwargs):
+    """transformers' sdpa, but under a mask (a static cache always has one, for its unwritten positions) each KV
+    head's query heads attend as that many times the query positions: transformers would copy the whole cache once
+    per query head (repeat_kv), as sdpa's kernels take grouped heads only unmasked."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    b, heads, n, d = query.shape
+    groups = heads // key.shape[1]
+    if attention_mask is None or groups == 1:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    out = torch.nn.functional.scaled_dot_product_attention(  # (b, KV heads, groups x n, d)
+        query.reshape(b, key.shape[1], groups * n, d), key, value, attn_mask=attention_mask.repeat(1, 1, groups, 1),
+        scale=kwargs.get("scaling"))
+    return out.view(b, heads, n, d).transpose(1, 2), None  # (b, n, heads, d)
+
+
+def use_decode_attention(model):
+    """decode_attention for the model, with sdpa's masks; a model outside AttentionInterface keeps sdpa."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    AttentionInterface.register(DECODE_ATTENTION, decode_attention)
+    AttentionMaskInterface.register(DECODE_ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    try:
+        model.set_attn_implementation(DECODE_ATTENTION)
+    except (ValueError, AttributeError):
+        pass
+    return model
+
+
 class HFEngine:
     """rollout.Engine's interface on transformers, on its own copy of the policy."""
 
@@ -116,7 +145,8 @@ class HFEngine:
         self.temperature, self.max_model_len = temperature, max_model_len
         bf16 = self.on_gpu if bf16 is None else bf16
         dtype = torch.bfloat16 if bf16 else torch.float32  # as vLLM's, and as the trainer pushes
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
+        self.model = use_decode_attention(AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device))
+        self.model.eval()
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         eos = self.model.generation_config.eos_token_id  # an id, a list of ids, or None
         self.end_ids = ({self.tokenizer.eos_token_id} | set(eos if isinstance(eos, list) else [eos])) - {None}
@@ -126,6 +156,7 @@ class HFEngine:
         # CUDA graphs); dynamic shapes: one compile for every batch and cache size (else three, then dynamic anyway)
         self.compiled = self.on_gpu if compile_model is None else compile_model
         self.decode_step = self.model.get_compiled_call(CompileConfig(dynamic=True)) if self.compiled else self.model
+        self.cache = (None, None)  # compiled: ((rows, length bucket), its StaticCache), reused while the key holds
         self.requests_sent = 0
 
     def generate(self, prompt_ids, seeds, *, max_tokens, temperature=None, top_p=1.0, top_k=-1, stop=None,
@@ -156,12 +187,23 @@ class HFEngine:
     @torch.inference_mode()
     def decode_segments(self, requests, temperature, top_k, top_p, stop):
         """Decode {request id: (ids, room, seed)} as one left-padded batch, each row to its end, in transformers'
-        StaticCache (allocated once, written in place): the prefill eager, each later token through decode_step."""
+        StaticCache (written in place): the prefill eager, each later token through decode_step. Compiled, the
+        cache is kept for the next call of as many rows and the same power-of-two length: CUDA graphs replay only
+        over the addresses they recorded (it stays allocated while the trainer runs)."""
         from transformers import StaticCache
         names, device = list(requests), self.device
         prompts = [requests[n][0] for n in names]
         width = max(len(p) for p in prompts)
-        length = width + max(requests[n][1] for n in names)  # the most any row can reach: the cache's size
+        length = width + max(requests[n][1] for n in names)  # the most any row can reach
+        if self.compiled:
+            length = max(length, min(1 << (length - 1).bit_length(), self.max_model_len))
+            if self.cache[0] != (len(prompts), length):
+                self.cache = None, None  # (the old one freed before the new one is made)
+                self.cache = (len(prompts), length), StaticCache(config=self.model.config, max_cache_len=length)
+            cache = self.cache[1]
+            cache.reset()
+        else:
+            cache = StaticCache(config=self.model.config, max_cache_len=length)
         ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)  # (B, P)
         mask = torch.ones((len(prompts), length), dtype=torch.bool)  # (B, L): False on the left padding
         for b, p in enumerate(prompts):
@@ -170,13 +212,13 @@ class HFEngine:
         ids, mask = ids.to(device), mask.to(device)
         positions = (mask[:, :width].cumsum(-1) - 1).clamp(min=0)  # (B, P): each row counts from its first token
         seeds = torch.tensor([requests[n][2] for n in names], device=device)  # (B,)
-        cache = StaticCache(config=self.model.config, max_cache_len=length)
+        padded = any(len(p) < width for p in prompts)  # else no mask: the prefill runs sdpa causal, unmasked
         rows = list(range(len(names)))  # the request in each batch row; None once it has ended
         out = [([], []) for _ in names]  # per request: sampled ids, their log-probs
         ended, forward, step = [], self.model, 0
         while len(ended) < len(names):
-            logits = forward(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                             use_cache=True, logits_to_keep=1).logits[:, -1].float()  # (b, V)
+            logits = forward(input_ids=ids, attention_mask=mask if padded else None, position_ids=positions,
+                             past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1].float()  # (b, V)
             logp = processed_logprobs(logits, temperature, top_k, top_p)  # (b, V)
             if temperature < GREEDY_BELOW:
                 chosen = logits.argmax(-1)  # (b,)
@@ -193,7 +235,8 @@ class HFEngine:
                         rows[k] = None
             if None in rows and not self.compiled:  # CUDA graphs keep the batch's shape: ended rows decode on, unread
                 index = torch.tensor([k for k, r in enumerate(rows) if r is not None], dtype=torch.long, device=device)
-                cache.reorder_cache(index)  # ended rows leave the batch and the KV cache
+                for layer in cache.layers:  # ended rows leave the KV cache (reorder_cache: a read per layer)
+                    layer.keys, layer.values = layer.keys[index], layer.values[index]
                 mask, positions, chosen, seeds = mask[index], positions[index], chosen[index], seeds[index]
                 rows = [r for r in rows if r is not None]
             ids, positions, forward, step = chosen[:, None], positions[:, -1:] + 1, self.decode_step, step + 1

@@ -252,12 +252,13 @@ class Engine:
                                "of RAM (the programs set 1 when unset)")
         self.temperature = temperature
         self.max_model_len = max_model_len
+        self.dtype = torch.bfloat16 if (self.on_gpu if bf16 is None else bf16) else torch.float32  # pushes too
         self.prefix_caching = self.on_gpu  # on GPU a tool turn's continuation reuses its prompt's KV
         self.llm = LLM(
             model=model_path,
             distributed_executor_backend="external_launcher",  # one in-process engine per torchrun rank
             tensor_parallel_size=1,
-            dtype="bfloat16" if (self.on_gpu if bf16 is None else bf16) else "float32",
+            dtype="bfloat16" if self.dtype == torch.bfloat16 else "float32",
             seed=seed,
             max_model_len=max_model_len,
             enforce_eager=not (self.on_gpu if compile_model is None else compile_model),
@@ -341,9 +342,8 @@ class Engine:
     def push_weights(self, named_tensors):
         """An iterator of (name, full tensor), never None: without weights vLLM reloads the checkpoint from disk."""
         self._wake("weights")  # weights back on the GPU before they are overwritten; the KV cache stays asleep
-        dtype = torch.bfloat16 if self.on_gpu else torch.float32
         self.llm.collective_rpc("reload_weights",
-                                kwargs={"weights_iterator": ((n, t.to(dtype)) for n, t in named_tensors)})
+                                kwargs={"weights_iterator": ((n, t.to(self.dtype)) for n, t in named_tensors)})
         if self.state == "awake" and self.prefix_caching:  # (off on CPU: nothing cached, nothing to forget)
             self.llm.reset_prefix_cache()  # cached KV was computed by the old weights (sleep already cleared it)
 

@@ -1,18 +1,20 @@
 """The device check: spo.py's GPU path, measured with only torch and transformers (a GPU machine may lack vLLM).
 
-Two commands of at most 6 minutes each, so both fit 15 minutes of GPU time with one rerun to spare
-(docs/benchmarks.md: what to run, how long it takes, what each number means). "tiny" shapes run both on a CPU
-(tests/test_device_check.py).
+Two commands, each planned for at most 4 minutes on one H200 with its model's build and compile warm-up, so that
+both, the machine's start and a rerun of one fit 15 minutes of GPU time (docs/benchmarks.md: what to run, what each
+number means, the ranges expected). `--log FILE`: every line unbuffered to the console and to FILE, torch's
+recompiles and CUDA graph records with them (TORCH_LOGS). "tiny" shapes run both on a CPU (tests/test_device_check.py).
 (a) `--part trainer` (bench/gpu_trainer.py): the trainer alone on packed, shared-prompt micro-batches of a Qwen3
-shape, its first round timed apart from the rest.
-(b) `--part loop` (here): spo.py `--engine hf` on the toy (the engine, the evaluation and the weight push work),
-the engine's decode alone eager and compiled (ms a token), then on a random-weight Qwen3 shape twice from scratch
-(their difference: the device's own nondeterminism, the floor) and once stopped halfway and resumed (its
-difference from the first, printed beside the floor); every spo.py run under its own time budget.
+shape, its first round timed apart from the rest: the new defaults first, then the old settings, then compiled.
+(b) `--part loop` (here): spo.py `--engine hf` on the toy (the engine under CUDA graphs, the evaluation, the weight
+push), the engine's decode alone eager and compiled (ms a token, in a child process), then on a random-weight Qwen3
+shape with the engine eager twice from scratch (their difference: the device's own nondeterminism, the floor) and
+once stopped halfway and resumed (its difference from the first, printed beside the floor); every spo.py run under
+its own time budget.
 `--part vllm` (here), where vLLM imports on a GPU: spo.py on the toy under each of vLLM's model runners (V1, V2).
 
-    python -m bench gpu --part trainer    # one GPU: the Qwen3-1.7B shape
-    python -m bench gpu --part loop       # one GPU: the toy, then the Qwen3-0.6B shape
+    python -m bench gpu --part trainer --log $OUT/trainer.log   # one GPU: the Qwen3-1.7B shape
+    python -m bench gpu --part loop --log $OUT/loop.log         # one GPU: the toy, then the Qwen3-0.6B shape
 """
 import argparse
 import importlib.util
@@ -34,10 +36,10 @@ from machinery.errors import fail
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOY_MODEL = os.path.join(REPO, "tasks", "built", "toy", "model")
 SAME_FIELDS = ("reward/", "advantage/", "response/", "policy/", "signal/", "tracker/", "sampling/")  # compared
-# Each spo.py run's time budget in seconds (`--run_budget_s` sets one for all); their sum, with the model's build
-# and the weights' reads, plans part (b) under six minutes. From the first H200 run (docs/benchmarks.md); the toy's
-# +25 s for its engine's compile (CUDA graphs since; not yet timed on a GPU: 44 s cold on a loaded 2-core CPU).
-RUN_BUDGET_S = {"toy": 60, "fresh": 85, "stopped": 70, "resumed": 80}
+# Each spo.py run's time budget in seconds (`--run_budget_s` sets one for all), and the decode's child process's:
+# with the model's build, part (b) within about 4 minutes. From the first H200 run (docs/benchmarks.md): a 0.6B
+# process ~20 s to start and ~20 s a step with the eager decode of then; the toy's budget holds its engine's compile.
+RUN_BUDGET_S = {"toy": 50, "fresh": 50, "stopped": 40, "resumed": 45, "decode": 60}
 
 
 def write_toy_jsonl(folder):
@@ -138,24 +140,26 @@ def _loop_numbers(name, rows, seconds, config, prompt_len, batch, peak_tflops):
           f"{rows[1]['policy/grad_norm']:.2e}", flush=True)
 
 
-def decode_speeds(model, prompts, response_len):
-    """The transformers engine alone on these prompts (a random model: every row runs its full length), in ms a
-    token: compile off (eager, as before CUDA graphs) beside auto (the one-token step under CUDA graphs on a GPU,
-    eager on a CPU); the compiled engine is timed on its second call (the first compiles; each captures its graph
-    once, over its own cache, as every spo.py step does)."""
+def decode_speeds(model, batch, response_len):
+    """The transformers engine alone on the toy's first prompts (a random model: every row runs its full length), in
+    ms a token: compile off beside auto (the one-token step under CUDA graphs on a GPU, eager on a CPU), timed on
+    the third call (the first compiles and records, the second replays over the same cache, as spo.py's steps do).
+    Run as `--part decode` in a child process: its CUDA context and graph pool leave with it."""
     import torch
     from hf_engine import HFEngine
+    from machinery.data import load_dataset, load_tokenizer
+    with tempfile.TemporaryDirectory() as root:
+        prompts = load_dataset(write_toy_jsonl(root)[0], load_tokenizer(TOY_MODEL), 256, False).prompt_ids[:batch]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     for label, compile_model in (("compile off", False), ("auto", None)):
         engine = HFEngine(model, seed=0, max_model_len=max(map(len, prompts)) + response_len, device=device,
                           compile_model=compile_model)
-        for _ in range(1 + engine.compiled):
+        for _ in range(1 + 2 * engine.compiled):
             start = time.time()
             engine.generate(prompts, range(len(prompts)), max_tokens=response_len)
         print(f"decode, {len(prompts)} rows x {response_len} tokens, {label}: "
               f"{1000 * (time.time() - start) / response_len:.1f} ms a token", flush=True)
         del engine
-        torch.cuda.empty_cache()
 
 
 def trained_weights(run_dir, step):
@@ -227,18 +231,24 @@ def whole_loop(root, shape="0.6b", response_len=128, batch=64, steps=2, toy_step
     # gradient checkpointing, chunked log-probs, its token budget per micro-batch) and random v0 (random_values):
     # two fresh runs, then one stopped at a checkpoint halfway and resumed.
     model = random_qwen3(os.path.join(root, f"qwen3-{shape}"), shape, 512 + response_len)
-    decode_speeds(model, prompt_ids[:batch], response_len)
+    try:
+        subprocess.run([sys.executable, "-m", "bench", "gpu", "--part", "decode", "--decode_model", model,
+                        "--loop_batch", str(batch), "--loop_response_len", str(response_len)], cwd=REPO,
+                       timeout=budget["decode"], check=True)
+    except (subprocess.SubprocessError, OSError) as e:
+        print(f"decode speeds failed: {e}", flush=True)
     values = random_values(os.path.join(root, "values.json"), train, response_len, model)
+    # the engine eager here: CUDA graphs ran on the toy and in the decode's child; each process would trace again
     flags = ["--model", model, *common, "--offline_values", values, "--batch_size", str(batch), "--max_response_len",
-             str(response_len), "--max_prompt_len", "64", "--lr", "1e-6", "--eval_every", "0"]
+             str(response_len), "--max_prompt_len", "64", "--lr", "1e-6", "--eval_every", "0", "--compile", "off"]
     runs = {}  # run: (metrics rows, fp32 weights at the end)
     for run in ("fresh_1", "fresh_2"):
         rows, seconds = _spo(os.path.join(root, run), flags + ["--steps", str(steps), "--save_every", "0"],
                              budget["fresh"])
         if rows and not runs:
-            _loop_numbers(f"Qwen3-{shape} shape (random weights), --engine hf, {batch} x {response_len} tokens, "
-                          f"{steps} steps", rows, seconds, AutoConfig.from_pretrained(model), prompt_len, batch,
-                          peak_tflops)
+            _loop_numbers(f"Qwen3-{shape} shape (random weights), --engine hf --compile off, {batch} x "
+                          f"{response_len} tokens, {steps} steps", rows, seconds, AutoConfig.from_pretrained(model),
+                          prompt_len, batch, peak_tflops)
         if rows:
             runs[run] = rows, trained_weights(os.path.join(root, run), steps)
     stopped, half = os.path.join(root, "stopped"), ["--save_every", str(steps // 2)]
@@ -278,11 +288,30 @@ def vllm_runners(run_root, steps=2):
                   f"{max(r['policy/logprob_gap_max'] for r in rows):.2e}", flush=True)
 
 
+def tee(argv, path):
+    """This command again in a child, unbuffered, with TORCH_LOGS=recompiles,cudagraphs: every line to the console and
+    to `path` as it comes (a timeout or the end of the GPU time leaves the file whole up to there). Exits with its code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    at = argv.index("--log")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TORCH_LOGS": "recompiles,cudagraphs"}
+    with open(path, "a") as log, subprocess.Popen([sys.executable, "-m", "bench", "gpu", *argv[:at], *argv[at + 2:]],
+                                                  cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                                  text=True) as proc:
+        for line in proc.stdout:
+            for out in (sys.stdout, log):
+                out.write(line)
+                out.flush()
+    sys.exit(proc.returncode)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m bench gpu", description="the GPU device check, two commands: "
                                      "--part trainer, --part loop (docs/benchmarks.md#the-gpu-device-check)")
-    parser.add_argument("--part", choices=["trainer", "loop", "vllm"], required=True,
-                        help="(a) the trainer path, (b) spo.py's whole loop, or spo.py under vLLM's two model runners")
+    parser.add_argument("--part", choices=["trainer", "loop", "vllm", "decode"], required=True,
+                        help="(a) the trainer path, (b) spo.py's whole loop, or spo.py under vLLM's two model runners "
+                             "(decode: (b)'s child)")
+    parser.add_argument("--log", help="also write every line to this file (TORCH_LOGS=recompiles,cudagraphs)")
+    parser.add_argument("--decode_model", help=argparse.SUPPRESS)  # --part decode's model
     parser.add_argument("--peak_tflops", type=float, default=None,
                         help="the device's dense bf16 peak (default: known for H100, H200, A100, L40S, L4, A10)")
     parser.add_argument("--shape", choices=sorted(QWEN3_SHAPES), default="1.7b", help="(a): the model's shape")
@@ -290,7 +319,7 @@ def main(argv=None):
     parser.add_argument("--samples", type=int, default=8, help="(a): responses per prompt, sharing it")
     for flag, lens in (("--prompt_lens", [64, 512]), ("--response_lens", [200, 900])):
         parser.add_argument(flag, type=int, nargs=2, default=lens, metavar=("LOW", "HIGH"), help="(a): tokens, drawn")
-    parser.add_argument("--rounds", type=int, default=5, help="(a): old log-probs + PPO step, the first timed apart")
+    parser.add_argument("--rounds", type=int, default=3, help="(a): old log-probs + PPO step, the first timed apart")
     parser.add_argument("--max_tokens_per_micro_batch", type=int, default=2048,
                         help="(a): the micro-batch token budget (spo.py's default)")
     parser.add_argument("--profile", choices=["on", "off"], default="on",
@@ -303,8 +332,12 @@ def main(argv=None):
     parser.add_argument("--run_budget_s", type=float, default=None,
                         help="(b): every spo.py run's time budget (default: bench/gpu.py:RUN_BUDGET_S, per run)")
     args = parser.parse_args(argv)
+    if args.log:
+        return tee(argv, args.log)
     if args.part == "loop" and (args.loop_steps < 2 or args.loop_steps % 2):
         fail(f"--loop_steps {args.loop_steps}: give an even number of at least 2 (the resume check stops halfway)")
+    if args.part == "decode":
+        return decode_speeds(args.decode_model, args.loop_batch, args.loop_response_len)
     if args.part == "trainer":
         bench_gpu(args.shape, args.prompts, args.samples, args.prompt_lens, args.response_lens, args.rounds,
                   args.max_tokens_per_micro_batch, peak_tflops=args.peak_tflops, profile=args.profile == "on")

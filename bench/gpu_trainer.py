@@ -2,12 +2,12 @@
 path spo.py runs on a GPU, without vLLM. A random-weight Qwen3 shape loaded by trainer.build_policy, then rounds of
 one old-log-prob pass and one PPO step, each over a fresh batch of responses of random lengths in groups that share
 a prompt, cut and packed by the trainer itself (token-budget micro-batches, batching.packed_row): most micro-batches
-bring attention shapes not met before. The same batches run at the old settings (2048 tokens, checkpointing, layer
-units), at 32k tokens where they fit and at the new defaults (_settings), each with its device-busy share and
-blocking syncs per micro-batch from one profiled PPO step. The first round is timed apart: what is paid once
-(kernels, plans, the allocator's growth). Also which attention kernel runs, the bf16-vs-fp32 log-prob gap. A shape
-that cannot fit is refused in one line. Also Qwen3's shapes, the devices' peaks and the FLOP count that part (b)
-uses.
+bring attention shapes not met before. The same batches run at the new defaults first (eager), then at the old
+settings on today's loops, then with compiled decoder layers (_settings), each with its device-busy share and
+blocking syncs per step from one profiled PPO step. The first round is timed apart: what is paid once (kernels,
+plans, compiles, the allocator's growth). After the new defaults' rounds: a profile of one PPO step, which attention
+kernel runs, the bf16-vs-fp32 log-prob gap. A shape that cannot fit is refused in one line. Also Qwen3's shapes,
+the devices' peaks and the FLOP count that part (b) uses.
 """
 import collections
 import functools
@@ -143,25 +143,22 @@ def profile_step(run, on_gpu, top=8):
 
 
 def _settings(config, max_tokens, on_gpu, world, longest):
-    """The settings run side by side, (label, tokens per update micro-batch, checkpointing, layer units, compiled
-    layers): before this project's GPU work (max_tokens, checkpointing, per-layer units), the new defaults
-    (memory.auto_budget; on a CPU the same tokens; on a GPU with compiled layers, --compile on, then eager),
-    and 32k tokens where the estimate fits them. The new defaults run last (the profile, the attention kernel and
-    the fp32 comparison use that policy)."""
+    """The settings run side by side, most important first: (label, tokens per update micro-batch, checkpointing,
+    layer units, compiled layers): the new defaults (memory.auto_budget; on a CPU max_tokens), eager; the settings
+    of before this project's GPU work (max_tokens, checkpointing, per-layer units) on today's loops, which is not
+    the old code; on a GPU the new defaults with compiled decoder layers (--compile on)."""
     from machinery import device as devices, memory
-    old = (f"old: {max_tokens} tokens, checkpointing, layer units", max_tokens, True, True, False)
+    old = (f"old settings on today's loops (not the old code): {max_tokens} tokens a micro-batch (no-grad pass "
+           f"{2 * max_tokens if on_gpu else max_tokens}), checkpointing, layer units", max_tokens, True, True, False)
     units = devices.use_layer_units("auto", on_gpu, world)
     if not on_gpu:
-        return [old, (f"new: {max_tokens} tokens, checkpointing off, one unit", max_tokens, False, False, False)]
+        return [(f"new defaults: {max_tokens} tokens, checkpointing off, one unit, eager", max_tokens, False, False,
+                 False), old]
     shape, have = memory.model_shape(None, config), memory.available_per_rank(True, world)
-    common = dict(world=world, on_gpu=True, layer_units=units, gpu_bytes=have, engine=False, max_sequence_len=longest)
-    tokens, ckpt, why = memory.auto_budget(shape, have, "auto", "auto", **common)
-    big = memory.auto_budget(shape, have, 32768, "auto", **common)
-    fits = memory.fitting_tokens(shape, have, **{k: v for k, v in common.items() if k != "max_sequence_len"},
-                                 gradient_checkpointing=big[1]) >= 32768
+    tokens, ckpt, why = memory.auto_budget(shape, have, "auto", "auto", world=world, on_gpu=True, layer_units=units,
+                                           gpu_bytes=have, engine=False, max_sequence_len=longest)
     new = f"new defaults: {tokens} tokens ({why}), {'layer units' if units else 'one unit'}"
-    return [old, *[("32k tokens, checkpointing " + ("on" if big[1] else "off"), 32768, big[1], units, False)] * fits,
-            (new + ", compiled layers", tokens, ckpt, units, True), (new + ", eager", tokens, ckpt, units, False)]
+    return [(new + ", eager", tokens, ckpt, units, False), old, (new + ", compiled layers", tokens, ckpt, units, True)]
 
 
 def bench_gpu(shape="1.7b", prompts=8, samples=8, prompt_lens=(64, 512), response_lens=(200, 900), rounds=3,
@@ -170,10 +167,9 @@ def bench_gpu(shape="1.7b", prompts=8, samples=8, prompt_lens=(64, 512), respons
     batches; profile: one more PPO step on two responses of one prompt under torch.profiler at the new defaults,
     after the rounds (profile_step)."""
     import torch
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from transformers import Qwen3Config, Qwen3ForCausalLM
     import spo
-    from machinery import batching, memory, trainer
+    from machinery import memory, trainer
     from machinery.device import prefer_flash_attention
     started, (rank, world, device) = time.time(), trainer.setup_distributed()
     on_gpu = device.type == "cuda"
@@ -205,11 +201,25 @@ def bench_gpu(shape="1.7b", prompts=8, samples=8, prompt_lens=(64, 512), respons
         with torch.device(device):  # every rank its own copy (its own temporary directory), the same weights
             Qwen3ForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
         say(f"Qwen3-{shape} shape, device {name}, world {world}: random init + save {time.time() - t0:.1f} s")
-        for setting in _settings(config, max_tokens, on_gpu, world, longest):
+        for k, setting in enumerate(_settings(config, max_tokens, on_gpu, world, longest)):
             policy = optimizer = None  # (the previous setting's policy freed before the next is built)
             policy, optimizer, out = _run_setting(path, device, setting, batches, advantages, loss_fn, rows, say)
-            _report(setting, out, config, lengths, heads, peak_tflops, on_gpu, world, max_tokens, say)
+            _report(setting, out, config, lengths, heads, peak_tflops, on_gpu, world, k == 0, say)
+            if k == 0:  # the new defaults' policy
+                _checks(policy, optimizer, config, device, batches, advantages, loss_fn, max_tokens, samples,
+                        out, profile, say)
     trainer.packed_row = packed_row
+    say(f"(a) took {time.time() - started:.0f} s after its imports")
+    torch.distributed.destroy_process_group()
+
+
+def _checks(policy, optimizer, config, device, batches, advantages, loss_fn, max_tokens, samples, out, profile, say):
+    """After a setting's rounds: one more PPO step profiled, the attention kernel, the bf16-vs-fp32 log-prob gap."""
+    import torch
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from transformers import Qwen3ForCausalLM
+    from machinery import batching, trainer
+    on_gpu = device.type == "cuda"
     if profile:  # after the rounds (nothing here warms the first), on two responses of one prompt: about 8,000
         state = {}  # profiled host events per layer and micro-batch (more on a GPU), a second to process per 20,000
         _step(policy, optimizer, "old log-probs", batches[-1][:2], state, advantages[-1][:2], loss_fn, max_tokens)
@@ -231,9 +241,7 @@ def bench_gpu(shape="1.7b", prompts=8, samples=8, prompt_lens=(64, 512), respons
     stats = out["timings"][-1]["PPO step"][5]
     say(f"attention: {said}")
     say(f"bf16 vs fp32 log-probs ({samples} responses' tokens, after the rounds): mean |gap| {gap.mean():.2e}, max "
-        f"{gap.max():.2e}; last PPO step's loss {stats['loss']:.4f}, grad norm {stats['grad_norm']:.3f}; "
-        f"(a) took {time.time() - started:.0f} s after its imports")
-    torch.distributed.destroy_process_group()
+        f"{gap.max():.2e}; last PPO step's loss {stats['loss']:.4f}, grad norm {stats['grad_norm']:.3f}")
 
 
 def _step(policy, optimizer, phase, batch, state, advantage, loss_fn, max_tokens):
@@ -260,11 +268,12 @@ def _peak_rss_bytes(run):
 def _run_setting(path, device, setting, batches, advantages, loss_fn, rows, say):
     """The rounds at one setting: a policy built for it (the previous one freed), then per round and pass the
     seconds, peak bytes (torch's on a GPU, resident growth on a CPU), bytes in use on the GPU, decoder tokens, the
-    packed rows and the result; then one more PPO step under the profiler (busy share, syncs per micro-batch)."""
+    packed rows and the result; then one more PPO step under the profiler (busy share, syncs per step)."""
     import gc
     import torch
     from machinery import trainer
     label, tokens, checkpointing, units, compiled = setting
+    rows.clear()
     gc.collect()
     torch.cuda.empty_cache() if device.type == "cuda" else None
     t0 = time.time()
@@ -304,13 +313,13 @@ def _in_use():
     return total - free
 
 
-def _report(setting, out, config, lengths, heads, peak_tflops, on_gpu, world, max_tokens, say):
+def _report(setting, out, config, lengths, heads, peak_tflops, on_gpu, world, first, say):
     """One setting's lines: the packing of round 1 (the first setting only), then per pass the seconds, MFU, HFU,
-    peak memory, and the profiled PPO step's device-busy share and blocking syncs per micro-batch."""
-    label, tokens, checkpointing, *_ = setting
+    peak memory, and the profiled PPO step's device-busy share and blocking syncs."""
+    label, max_tokens, checkpointing, *_ = setting
     timings, profiled = out["timings"], out["profiled"]
     rounds = len(timings)
-    if tokens == max_tokens and label.startswith("old"):
+    if first:
         first = timings[0]["old log-probs"][4]  # one row per micro-batch
         seen = {shape for row in first for shape in row}
         new = {shape for timing in timings[1:] for row in timing["old log-probs"][4] for shape in row} - seen
@@ -335,7 +344,7 @@ def _report(setting, out, config, lengths, heads, peak_tflops, on_gpu, world, ma
                 + (f", MFU {100 * mfu * per_s:.1f}%, HFU {100 * hfu * per_s:.1f}%" if on_gpu else "")
                 + f"  peak memory {max(peak) / 2**30:.2f} GiB"
                 + (f" ({max(in_use) / 2**30:.2f} GiB in use on the device)" if on_gpu else ""))
-    say(f"profiled PPO step ({label}): device busy {100 * profiled['busy']:.0f}% of the wall, blocking syncs per "
-        f"micro-batch {profiled['syncs'] / profiled['micro_batches']:.1f} ({profiled['syncs']} in the step, the "
-        f"optimiser step's included, over {profiled['micro_batches']} micro-batches"
-        + (")" if on_gpu else "; a CPU counts the host reads that would be syncs on a GPU, AdamW's own among them)"))
+    say(f"profiled PPO step ({label}): device busy {100 * profiled['busy']:.0f}% of the wall, blocking syncs "
+        f"{profiled['syncs']} in the step ({profiled['micro_batches']} micro-batches; the loops' own: 0, the rest "
+        "the step's reads and the optimiser's" + (")" if on_gpu else "; a CPU counts the host reads that would be "
+                                                 "syncs on a GPU)"))

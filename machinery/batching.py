@@ -210,6 +210,9 @@ def packed_row(ids, rows, cols):
 PACKED_ATTENTION = "spo_packed"
 
 
+# Eager inside a compiled decoder layer (--compile on): its loop over the layout's calls would make dynamo guard on
+# their count and shapes, a new graph for every micro-batch's layout until the recompile limit sends the layer eager.
+@torch.compiler.disable
 def packed_attention(module, query, key, value, attention_mask, packed_layout=None, sliding_window=None, **kwargs):
     """sdpa over ONE packed row, each sequence over its prefix and its own tokens only; without a layout, or with
     attention sinks, it refuses rather than attend across sequences."""

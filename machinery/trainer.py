@@ -5,6 +5,7 @@ it by the world size (set_gradient_divide_factor(1) would, but fails on gloo).""
 import contextlib
 import datetime
 import functools
+import logging
 import os
 import sys
 
@@ -57,9 +58,8 @@ def build_policy(path, device, lr, weight_decay, gradient_checkpointing=None, la
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.float32)
     on_gpu = device.type == "cuda"
     prepare_for_training(model, on_gpu if gradient_checkpointing is None else gradient_checkpointing)
-    if compile_layers:  # regional compile (torchtitan's order: then FSDP2); off by default until a GPU measures it
-        for layer in model.model.layers:  # fused elementwise kernels, fewer launches; dynamo leaves FSDP2's hooks eager
-            layer.compile()
+    if compile_layers:  # off by default until a GPU measures it
+        compile_decoder_layers(model)
     world = dist.get_world_size()
     mesh = init_device_mesh(device.type, (world,))
     bf16 = on_gpu if bf16 is None else bf16
@@ -81,6 +81,28 @@ def build_policy(path, device, lr, weight_decay, gradient_checkpointing=None, la
     # foreach: on CPU torch defaults to a loop per parameter, each step paying DTensor's dispatch; same numbers
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, foreach=True)
     return model, optimizer
+
+
+class _RecompileLimit(logging.Filter):
+    """dynamo's several-line warning when a compiled layer hits its recompile limit, as one line."""
+
+    def filter(self, record):
+        if not str(record.msg).startswith("torch._dynamo hit config."):
+            return True
+        said = "; ".join(line.strip() for line in record.getMessage().splitlines()[:3])
+        print(f"warning: --compile: {said}; from here that code runs eager", file=sys.stderr, flush=True)
+        return False
+
+
+RECOMPILE_LIMIT = _RecompileLimit()
+
+
+def compile_decoder_layers(model, **options):
+    """Each decoder layer torch.compile'd, before FSDP2 (torchtitan's order; dynamo leaves FSDP2's hooks eager):
+    fused elementwise kernels, fewer launches. A layer past dynamo's recompile limit runs eager: said in one line."""
+    logging.getLogger("torch._dynamo.convert_frame").addFilter(RECOMPILE_LIMIT)
+    for layer in model.model.layers:
+        layer.compile(**options)
 
 
 def prepare_for_training(model, gradient_checkpointing):

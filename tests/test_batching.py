@@ -250,3 +250,47 @@ def test_fp32_gqa_on_a_gpu_repeats_the_key_value_heads_and_the_numbers_stay():
         assert len(repeats) == (calls if window is None else 0)  # both calls here are longer than the window
         for mine, theirs in zip([repeated[0], *repeated[1]], [gqa[0], *gqa[1]]):
             torch.testing.assert_close(mine, theirs, atol=1e-6, rtol=1e-5)  # another sdpa kernel
+
+
+def _replay_layouts(model, rounds, budgets=((4096, False), (2048, True), (32768, False), (16384, True))):
+    """Per round, the frames dynamo has compiled after the trainer's passes over a fresh batch drawn as the device
+    check draws the recorded 1.7B batch (token ids mod the tiny vocabulary), at the old and the new budgets."""
+    import torch
+    from torch._dynamo.utils import counters
+    from bench.gpu_trainer import shared_prompt_batch
+    from machinery import trainer
+    rng, compiled = np.random.default_rng([0, 0]), []
+    for _ in range(rounds):
+        batch = [([t % 64 for t in r.prompt_ids], [t % 64 for t in r.response_ids], [1] * len(r.response_ids))
+                 for r in shared_prompt_batch(rng, 151_936, 8, 8, (64, 512), (200, 900))]
+        for budget, grad in budgets:
+            for group in batching.plan_micro_batches([len(p) + len(r) for p, r, _ in batch], 64, budget):
+                ids, mask = batching.pack([batch[i] for i in group])
+                with torch.set_grad_enabled(grad):
+                    logp, _ = trainer.response_logprobs(model, ids, *mask.nonzero(as_tuple=True), 1.0)
+                    if grad:
+                        logp.sum().backward()
+        compiled.append(dict(counters["frames"]))
+    return compiled
+
+
+def test_compiled_decoder_layers_compile_in_round_1_only_over_the_recorded_layouts(capsys):
+    """--compile on's layers (trainer.compile_decoder_layers; dynamo's eager backend here: its guards and
+    recompiles are the same) over three rounds of micro-batch layouts: every frame compiled in round 1, none after,
+    none refused (packed_attention runs eager inside, so a layout is no guard). With a recompile limit of 1 the
+    same layouts hit it, and the run says so in one line."""
+    import torch
+    from machinery import trainer
+    torch._dynamo.reset()
+    model = _qwen3()
+    trainer.attach_logprob_forward(model)
+    trainer.compile_decoder_layers(model, backend="eager")
+    first, *later = _replay_layouts(model, 3)
+    assert first["ok"] == first["total"] > 0 and all(frames == first for frames in later), (first, later)
+    assert "recompile" not in capsys.readouterr().err
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(recompile_limit=1):
+        _replay_layouts(model, 1, budgets=((2048, True),))
+    said = [line for line in capsys.readouterr().err.splitlines() if "recompile" in line]
+    assert len(said) == 1 and said[0].startswith("warning: --compile: torch._dynamo hit config.recompile_limit (1); "
+                                                 "function: "), said

@@ -1,5 +1,5 @@
 """The device check (bench/gpu.py, bench/gpu_trainer.py; `python -m bench gpu --part trainer` and `--part loop`): the
-two commands a GPU lease runs, here on a CPU with tiny shapes: (a) the trainer path on a Qwen3 shape over packed,
+two commands a GPU run executes, here on a CPU with tiny shapes: (a) the trainer path on a Qwen3 shape over packed,
 variable-length, shared-prompt micro-batches, (b) spo.py's whole loop with the transformers engine (the toy, then a
 random-weight Qwen3 shape run twice from scratch and once stopped halfway and resumed), each spo.py under its own
 time budget; and its refusals.
@@ -37,13 +37,14 @@ def test_the_trainer_part_times_its_first_round_apart_over_packed_shared_prompt_
                         r"host reads of tensor values (\d+)\n((?:  self host time +[\d.]+ ms  x\d+ +\S.*\n){8})",
                         out)  # the top ops: aten ops or autograd nodes
     assert profile and float(profile.group(1)) > 0 and int(profile.group(2)) > 0, out  # (the loss, AdamW's steps)
-    # the old settings and the new side by side, each with its profiled step (on a CPU: no device, busy 0%)
+    # the new defaults first, then the old settings, each with its profiled step (on a CPU: no device, busy 0%)
     sides = re.findall(r"== (old|new)\b.*\n(?:.*\n)*?profiled PPO step \((?:old|new)[^\n]*: device busy \d+% of the "
-                       r"wall, blocking syncs per micro-batch [\d.]+", out)
-    assert sides == ["old", "new"], out
+                       r"wall, blocking syncs (\d+) in the step \((\d+) micro-batches", out)
+    assert [side for side, *_ in sides] == ["new", "old"] and all(int(n) > 0 for _, n, _ in sides), out
+    assert out.index("== new") < out.index("profile of one more PPO step") < out.index("== old"), out
     assert re.search(r"attention: SDPA backends enabled .*; dispatched to aten::_scaled_dot_product_\w+", out), out
     gap_mean, gap_max, grad_norm = map(float, re.search(r"mean \|gap\| (\S+), max (\S+); last PPO step's loss \S+, "
-                                                         r"grad norm ([\d.]+);", out).groups())
+                                                         r"grad norm ([\d.]+)\n", out).groups())
     assert gap_mean <= gap_max < 1e-5 and 0 < grad_norm < float("inf"), out
 
 
@@ -89,22 +90,25 @@ def test_the_device_checks_toy_data_is_the_shipped_toys(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_loop_part_trains_checkpoints_and_resumes_exactly_at_the_floor():
+def test_the_loop_part_trains_checkpoints_and_resumes_exactly_at_the_floor(tmp_path):
     """--part loop on a CPU: the toy learns nothing in 2 steps but must run and evaluate; on the tiny Qwen3 shape the
     engine's log-probs are the trainer's (fp32 both) and, from random v0, step 1 already moves the weights; a CPU is
     deterministic, so the floor (two fresh runs) and the resume's difference are both exactly 0, in the metrics and
     in the fp32 weights."""
+    log = tmp_path / "loop.log"
     proc = ok(python("-m", "bench", "gpu", "--part", "loop", "--loop_shape", "tiny", "--loop_response_len", "16",
-                     "--loop_batch", "4", "--run_budget_s", "900", timeout=3600))  # the GPU's budgets are not a CPU's
+                     "--loop_batch", "4", "--run_budget_s", "900", "--log", str(log),
+                     timeout=3600))  # the GPU's budgets are not a CPU's
     out = proc.stdout
     toy = re.search(r"toy, --engine hf, 2 steps, held-out ([\d.]+)% -> ([\d.]+)%: .* generation (\d+) tokens/s", out)
     assert toy and 0 < float(toy.group(1)) < 40 and int(toy.group(3)) > 0, out
-    qwen = re.search(r"Qwen3-tiny shape \(random weights\), --engine hf, 4 x 16 tokens, 2 steps: .* \(responses "
-                     r"16 tokens\), .* peak memory ([\d.]+) GiB, trainer-vs-engine log-prob gap mean (\S+) max (\S+), "
-                     r"step 1's grad norm (\S+)", out)
+    qwen = re.search(r"Qwen3-tiny shape \(random weights\), --engine hf --compile off, 4 x 16 tokens, 2 steps: .* "
+                     r"\(responses 16 tokens\), .* peak memory ([\d.]+) GiB, trainer-vs-engine log-prob gap mean (\S+) "
+                     r"max (\S+), step 1's grad norm (\S+)", out)
     assert qwen and float(qwen.group(1)) > 0 and float(qwen.group(3)) < 1e-5, out  # noise never ends early
     assert float(qwen.group(4)) > 0, out  # random v0: step 1 moves the weights and the moments the resume restores
     assert len(re.findall(r"decode, 4 rows x 16 tokens, (compile off|auto): [\d.]+ ms a token", out)) == 2, out
+    assert "(b) the whole loop" in open(log).read()  # --log: every line in the file too
     assert len(re.findall(r"spo\.py .*: \d+ s of its 900 s budget", out)) == 5, out
     for said in ("two fresh runs", "stopped at step 1 and --resume'd"):
         gap = re.search(rf"{said}.*: largest difference of a training metric (\S+), of an fp32 weight after step 2 "

@@ -157,31 +157,48 @@ def _each_step(engine, record):
                                               with_kwargs=True)
 
 
-def test_the_kv_cache_is_allocated_once_and_written_in_place(shipped, monkeypatch):
+def test_the_kv_cache_is_written_in_place_and_kept_for_the_next_call_of_its_bucket(shipped, monkeypatch):
     """As under CUDA graphs (the batch keeps its shape; the step eager here), every step's keys and values, in every
-    layer, are the same storage (DynamicCache concatenates a new tensor each token), through rows ending."""
-    engine, prompts = shipped
-    monkeypatch.setattr(engine, "compiled", True)
-    pointers = []
-    hook = _each_step(engine, lambda cache: pointers.append(
-        [(layer.keys.data_ptr(), layer.values.data_ptr()) for layer in cache.layers]))
-    try:
-        with one_thread():
-            out = engine.generate(prompts, range(len(prompts)), max_tokens=32, temperature=1.5)
-    finally:
-        hook.remove()
-    assert len(pointers) > 5 and len({len(r.response_ids) for r in out}) > 1  # rows ended at different steps
-    assert all(p == pointers[0] for p in pointers), "the KV cache was reallocated during the generation"
-
-
-def test_each_decoded_token_costs_at_most_one_host_sync(shipped, monkeypatch):
-    """A host sync on a GPU: a scalar read (item, bool, a comparison in an `if`: seen here as dispatched ops) or a
-    copy to the host (.tolist, .numpy, .cpu: counted as calls). The first step (the prefill) may check its padding
-    on the host; each later step reads its tokens once. The batch as on a GPU (compiled: ended rows stay; with
-    compile off, transformers' reorder_cache reads each layer's length where rows leave)."""
+    layer, are the same storage (DynamicCache concatenates a new tensor each token), through rows ending, and again
+    in the next calls of as many rows whose length rounds to the same power of two (CUDA graphs replay only over
+    the addresses they recorded); other rows get another cache. No step copies a cache's size per query head
+    (repeat_kv: the toy has 2 query heads per KV head)."""
     from torch.utils._python_dispatch import TorchDispatchMode
     engine, prompts = shipped
     monkeypatch.setattr(engine, "compiled", True)
+    pointers, shapes = [], set()
+
+    class Shapes(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            shapes.update(tuple(t.shape[1:]) for t in torch.utils._pytree.tree_leaves(out) if torch.is_tensor(t))
+            return out
+
+    hook = _each_step(engine, lambda cache: pointers[-1].add(
+        tuple((layer.keys.data_ptr(), layer.values.data_ptr(), layer.keys.numel()) for layer in cache.layers)))
+    try:
+        with one_thread(), Shapes():
+            for batch, room in ((prompts, 32), (prompts[1:] + prompts[:1], 40), (prompts[:3], 32)):
+                pointers.append(set())  # each step's storage, per call
+                out = engine.generate(batch, range(len(batch)), max_tokens=room, temperature=1.5)
+    finally:
+        hook.remove()
+    assert len({len(r.response_ids) for r in out}) > 1  # rows ended at different steps
+    assert len(pointers[0]) == 1 and pointers[0] == pointers[1] != pointers[2], "the KV cache was reallocated"
+    config, length = engine.model.config, engine.cache[1].layers[0].keys.shape[2]
+    assert (config.num_key_value_heads, length, config.head_dim) in shapes  # the cache
+    assert (config.num_attention_heads, length, config.head_dim) not in shapes, "the cache copied per query head"
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_each_decoded_token_costs_at_most_one_host_sync(shipped, monkeypatch, compiled):
+    """A host sync on a GPU: a scalar read (item, bool, a comparison in an `if`: seen here as dispatched ops) or a
+    copy to the host (.tolist, .numpy, .cpu: counted as calls). The first step (the prefill) may check its padding
+    on the host; each later step reads its tokens once, whether ended rows stay (compiled, as under CUDA graphs) or
+    leave the batch (compile off; transformers' reorder_cache would read each layer's length)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    engine, prompts = shipped
+    monkeypatch.setattr(engine, "compiled", compiled)
     syncs = [0]
 
     class Scalars(TorchDispatchMode):
@@ -207,7 +224,11 @@ def test_each_decoded_token_costs_at_most_one_host_sync(shipped, monkeypatch):
 
 class TodaysEngine(HFEngine):
     """The decode loop as it was before a fixed-size cache (DynamicCache, a sample per row, the same counter-based
-    noise): the reference."""
+    noise, transformers' sdpa): the reference."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.model.set_attn_implementation("sdpa")
 
     @torch.inference_mode()
     def decode_segments(self, requests, temperature, top_k, top_p, stop):

@@ -80,6 +80,9 @@ def test_vllm_logprobs_match_trainer_after_weight_push(small_toy, tmp_path):
     result = torch.load(tmp_path / "push.pt", weights_only=False)
     assert result["gap_before_push"] > 1e-2  # the update changed the policy: a missed push would show
     assert result["gap_after_push"] < 1e-4
+    # --bf16 off: the push keeps fp32 (a bf16 cast would round these trained weights; 1e-2 steps move them off bf16's)
+    assert result["norm"].dtype == torch.float32 and torch.equal(result["norm"], result["pushed_norm"])
+    assert not torch.equal(result["pushed_norm"], result["pushed_norm"].bfloat16().float())
     assert result["nonfinite_flagged"] and result["nonfinite_left_weights_alone"]
 
 
@@ -420,7 +423,7 @@ def push_worker(out, model_path):
     from rollout import Engine
     rank, world, device = trainer.setup_distributed()
     policy, optimizer = trainer.build_policy(model_path, device, lr=1e-2, weight_decay=0.0)
-    engine = Engine(model_path, seed=0, max_model_len=128, device=device)
+    engine = Engine(model_path, seed=0, max_model_len=128, device=device, bf16=False)  # --bf16 off
     rollouts, advantage = _fixed_batch(90)
     old = trainer.old_logprobs(policy, rollouts, [], 1.0, 8)["batch"]
     for _ in range(3):
@@ -431,12 +434,14 @@ def push_worker(out, model_path):
     engine.push_weights(collectives.full_parameters(policy))
     sampled = engine.generate(prompts, seeds=range(len(prompts)), max_tokens=16)
     gap_after = trainer.old_logprobs(policy, sampled, [], 1.0, 8)["logprob_gap_max"]
+    norm = engine.llm.apply_model(lambda model: model.model.norm.weight.detach().cpu().clone())[0]
+    pushed_norm = dict(collectives.full_parameters(policy))["model.norm.weight"]
     # A non-finite loss is flagged and the step skipped: the weights stay as they were.
     before = {k: v.clone() for k, v in collectives.full_parameters(policy)}
     stats = _update(policy, optimizer, rollouts, old, np.full(len(rollouts), np.nan), micro_batch_size=8,
                     grad_clip=1.0)
     unchanged = all(torch.equal(before[k], v) for k, v in collectives.full_parameters(policy))
-    torch.save({"gap_before_push": gap_before, "gap_after_push": gap_after,
+    torch.save({"gap_before_push": gap_before, "gap_after_push": gap_after, "norm": norm, "pushed_norm": pushed_norm,
                 "nonfinite_flagged": stats["nonfinite"], "nonfinite_left_weights_alone": unchanged}, out)
     engine.shutdown()
 
