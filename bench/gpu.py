@@ -290,7 +290,7 @@ def vllm_runners(run_root, steps=2):
 
 def tee(argv, path):
     """This command again in a child, unbuffered, with TORCH_LOGS=recompiles,cudagraphs: every line to the console and
-    to `path` as it comes (a timeout or the end of the GPU time leaves the file whole up to there). Exits with its code."""
+    to `path` as it comes (a timeout leaves the file whole up to there). Exits with its code."""
     argv = list(sys.argv[1:] if argv is None else argv)
     at = argv.index("--log")
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TORCH_LOGS": "recompiles,cudagraphs"}
