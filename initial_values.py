@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from machinery import collectives
 from machinery.run_dir import atomic_write
+from machinery.untrusted import parse_json, read_file, read_json
 from probes import request_seeds
 from reward import DEFAULT_REWARD, VERIFIER_TIMEOUT_S, rewards
 
@@ -90,23 +91,17 @@ class TrainingV0:
                 "tools": tool_settings(self.tools), "system_prompt": self.system_prompt, **reward_setting(self.reward)}
 
 
+VALUES_FILE = {"header": dict, "prompts": {str: {"scores": [float]}}}  # an offline-values file's shape
+
+
 def read_values_file(path):
     """(header, prompts) of an offline-values file; another shape is one line naming it and what is wrong."""
     from machinery.errors import fail
     try:
-        with open(path) as f:
-            saved = json.load(f)
+        saved = read_json(path, VALUES_FILE)
     except (OSError, ValueError) as e:
-        fail(f"--offline_values {path}: not an offline-values file ({e.__class__.__name__}: {e})")
-    if not isinstance(saved, dict) or not isinstance(saved.get("header"), dict):
-        fail(f"--offline_values {path}: not an offline-values file (no \"header\" object; this program writes them)")
-    prompts = saved.get("prompts")
-    bad = ("\"prompts\" is not an object of prompt keys" if not isinstance(prompts, dict) else
-           next((f"prompt {key} is not an object with \"scores\"" for key, entry in prompts.items()
-                 if not isinstance(entry, dict) or "scores" not in entry), None))
-    if bad:
-        fail(f"--offline_values {path}: not an offline-values file ({bad})")
-    return saved["header"], prompts
+        fail(f"--offline_values {path}: not an offline-values file ({e}; offline_values.py writes them)")
+    return saved["header"], saved["prompts"]
 
 
 def check_values_header(path, wanted, accept_mismatch=False, model=None):
@@ -142,23 +137,22 @@ def read_finished(out_path, header):
     """{prompt key: scores} already in out_path and its partial files; ValueError if made with other settings."""
     done = {}
     for path in ([out_path] if os.path.exists(out_path) else []) + partial_paths(out_path):
-        with open(path) as f:
-            try:
-                if path == out_path:
-                    saved = json.load(f)
-                    theirs, entries = saved["header"], {key: e["scores"] for key, e in saved["prompts"].items()}
-                else:
-                    lines = f.read().split("\n")
-                    theirs, entries = json.loads(lines[0])["header"], {}
-                    for line in lines[1:]:
-                        try:
-                            row = json.loads(line)
-                            entries[row["key"]] = row["scores"]
-                        except (ValueError, KeyError, TypeError):
-                            pass  # an empty line or one cut off by a crash: that prompt is simply redone
-            except (ValueError, KeyError, TypeError, AttributeError):
-                raise ValueError(f"{path}: not an offline-values file (unreadable header); move it away or choose "
-                                 f"another --out") from None
+        try:
+            if path == out_path:
+                saved = read_json(path, VALUES_FILE)
+                theirs, entries = saved["header"], {key: e["scores"] for key, e in saved["prompts"].items()}
+            else:
+                lines = read_file(path).split(b"\n")
+                theirs, entries = parse_json(lines[0], {"header": dict})["header"], {}
+                for line in lines[1:]:
+                    try:
+                        row = parse_json(line, {"key": str, "scores": [float]})
+                        entries[row["key"]] = row["scores"]
+                    except ValueError:
+                        pass  # an empty line or one cut off by a crash: that prompt is simply redone
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{path}: not an offline-values file ({e}); move it away or choose another --out") \
+                from None
         theirs = {k: v for k, v in theirs.items() if k != "created"}
         if theirs != header:
             diff = "; ".join(f"{k}: {theirs.get(k)!r} there, {header.get(k)!r} now" for k in sorted({*theirs, *header})

@@ -109,6 +109,27 @@ def numeric_match(text: str, ground_truth: str) -> float:
 CHILD_PRELUDE = r"""
 import json, os, signal, sys
 signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's: this child ends when the trainer ends it
+if sys.platform == "linux":  # a keeper: the code runs in its child, and whatever that starts ends with the keeper
+    import contextlib, ctypes, select
+    ctypes.CDLL(None).prctl(36, 1)  # PR_SET_CHILD_SUBREAPER: the code's orphans (setsid, double fork) come to us
+    if code := os.fork():
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit())  # stop()
+        watch = select.poll()  # (a pidfd is readable when its process has ended)
+        for pid in (os.getppid(), code):  # the trainer (however it ends), the code
+            watch.register(os.pidfd_open(pid), select.POLLIN)
+        with contextlib.suppress(SystemExit):
+            watch.poll()
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        ended = {}  # SIGKILL our children until none is left (a killed one's orphans come to us)
+        while children := [int(p) for p in open(f"/proc/self/task/{os.getpid()}/children").read().split()]:
+            for pid in children:
+                os.kill(pid, signal.SIGKILL)
+            ended.update(os.waitpid(pid, 0) for pid in children)
+        status = os.waitstatus_to_exitcode(ended[code])
+        if status < 0:  # end as the code's process did
+            os.kill(os.getpid(), -status)
+        os._exit(status if status >= 0 else 128 - status)
+    os.setpgid(0, 0)  # a group of its own: an os.killpg of the code's does not reach the keeper
 requests, replies = os.fdopen(os.dup(0)), os.fdopen(os.dup(1), "w")
 os.dup2(2, 1)
 os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
@@ -122,7 +143,8 @@ class _Child:
 
     def __init__(self, code, *args):
         # A session of its own: a verifier that stops its checkers with os.killpg (the usual idiom) stops its own
-        # group, not the training rank's; and stop() ends the checkers it left with it.
+        # group, not the training rank's; its keeper (CHILD_PRELUDE) ends every process it started, at stop() or
+        # when the trainer ends, even one in a session of its own.
         self.process = subprocess.Popen([sys.executable, "-c", code, *args], stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, text=True, start_new_session=True)
         self.replies = queue.SimpleQueue()
@@ -143,10 +165,11 @@ class _Child:
         return self.replies.get(timeout=timeout_s)
 
     def stop(self):
-        """Kill it and every process left in its group, reap it; returns how it ended."""
-        if self.process.returncode is None:  # not reaped: its pid, the group's id, is still ours
+        """Kill it and every process it started (its keeper does, on SIGTERM), reap it; returns how it ended."""
+        if self.process.returncode is None:  # not reaped: its pid (without a keeper: its group's id) is still ours
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, signal.SIGKILL)
+                os.kill(self.process.pid, signal.SIGTERM) if sys.platform == "linux" else \
+                    os.killpg(self.process.pid, signal.SIGKILL)
         code = self.process.wait()
         return f"killed by signal {-code}" if code < 0 else f"exit code {code}"
 

@@ -13,8 +13,9 @@ as a SandboxResult.
 How a run is isolated (machinery/isolation.py, `isolation()` checks once that this machine allows it; if not,
 SandboxUnavailable and --tools refuses to start in one line; there is no weaker fallback): its own network, pid,
 IPC and mount namespaces with a root of its own (only the system's and the interpreter's dirs, read only), rlimits,
-a fresh session keyring, a seccomp filter against Unix sockets, keyrings, memfds and SysV IPC, a dedicated uid as
-root or a user namespace of no one otherwise.
+a fresh session keyring, a seccomp filter against what no namespace covers (machinery/seccomp.py: sockets but
+AF_INET(6), new namespaces, keyrings, memfds, SysV IPC, bpf, perf events), a dedicated uid as root or a user
+namespace of no one otherwise; a parent-death signal ends the run when the caller does, however it ends.
 
 Plus `python -I`, a scrubbed environment (nothing of ours), stdin closed; output capped while it arrives (first
 and last halves kept); at the wall-clock limit every process of the run is SIGKILLed and hunted down.
@@ -22,10 +23,11 @@ and last halves kept); at the wall-clock limit every process of the run is SIGKI
 NOT protected: kernel exploits (not a security boundary: use a VM or gVisor for hostile code); reading the
 bound dirs (/etc, the venv); CPU contention with the trainer; memory beyond max_processes * memory_mb plus the four
 tmpfs dirs (max_file_bytes each) and the kernel's own buffers (pipes, sockets: bounded by max_open_files; a memory
-cgroup would be the fix); without root on Linux before 5.14, a fork bomb up to the user's process limit; snippets of
-a killed caller (RLIMIT_CPU bounds them). Linux only (rollout.make_tools refuses --tools elsewhere).
+cgroup would be the fix); without root on Linux before 5.14, a fork bomb up to the user's process limit. Linux only
+(rollout.make_tools refuses --tools elsewhere).
 """
 import ast
+import contextlib
 import functools
 import os
 import re
@@ -123,10 +125,9 @@ def _run_processes(pgid: int, uid: int | None) -> list[int]:
 def _kill_everything(pgid: int, uid: int | None):
     """SIGKILL the run's process group, then every straggler (setsid daemons, double forks, fork
     bombs: all share the dedicated uid) until none is left. Returns once they are really gone."""
-    try:
-        os.killpg(pgid, signal.SIGKILL)  # first strike: the whole group at once
-    except ProcessLookupError:
-        pass
+    if pgid is not None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGKILL)  # first strike: the whole group at once
     deadline = time.monotonic() + 5.0
     while (pids := _run_processes(pgid, uid)) and time.monotonic() < deadline:
         for pid in pids:
@@ -141,6 +142,10 @@ def _run(code: str, iso: Isolation, timeout_s: float, max_output_bytes: int, lim
     start = time.perf_counter()
     uid, lock_fd = claim_uid() if iso.dedicated_uid else (None, None)
     try:
+        if lock_fd is not None:  # marked while a run uses the uid: a mark found is a killed trainer's run
+            if os.pread(lock_fd, 1, 0):
+                _kill_everything(None, uid)  # (its processes got SIGKILL with it: this is the backstop)
+            os.pwrite(lock_fd, b"1", 0)
         env = {"PATH": _PATH, "HOME": "/tmp", "TMPDIR": "/tmp", "LANG": "C.UTF-8",
                # one BLAS thread: less contention with the trainer, and fewer threads for RLIMIT_NPROC
                "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
@@ -158,6 +163,8 @@ def _run(code: str, iso: Isolation, timeout_s: float, max_output_bytes: int, lim
             if timed_out:
                 _kill_everything(proc.pid, uid)
             proc.wait()
+        if lock_fd is not None:  # nothing of the run is left
+            os.ftruncate(lock_fd, 0)
         stderr = err.text()
         return SandboxResult(
             stdout=out.text(), stderr=stderr, exit_code=proc.returncode, timed_out=timed_out,
@@ -182,8 +189,9 @@ def _probe() -> Isolation:
     """The isolation every run gets. There is no weaker fallback: a snippet that could read the host's files (the
     data and its answers, the run directory, the user's home) or write them, or reach the trainer's keys, is not a
     sandbox."""
-    if shutil.which("unshare", path=_PATH) is None:  # the sandbox's own PATH: a user's may lack sbin (Debian's)
-        raise SandboxUnavailable(f"sandbox: --tools needs unshare (util-linux), not found in {_PATH}")
+    for tool in ("unshare", "setpriv"):  # the sandbox's own PATH: a user's may lack sbin (Debian's)
+        if shutil.which(tool, path=_PATH) is None:
+            raise SandboxUnavailable(f"sandbox: --tools needs {tool} (util-linux), not found in {_PATH}")
     if seccomp_program() is None:
         raise SandboxUnavailable(f"sandbox: --tools needs a seccomp filter, which we have for x86_64 and aarch64 only "
                                  f"(this is {os.uname().machine})")

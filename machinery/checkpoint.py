@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 
 from machinery.errors import fail
-from machinery.untrusted import LOCATIONS, foreign_values, nested, read_config, read_shards_metadata, read_state
+from machinery.untrusted import (LOCATIONS, foreign_values, misfit, nested, open_file, parse_json, read_config,
+                                 read_file, read_json, read_shards_metadata, read_state)
 
 
 # Flags that may differ on --resume: they change how long, what is logged, or how work is split, not the result.
@@ -65,8 +66,7 @@ def resumed_config(run_dir, given, built_in=(), shipped=""):
 
 def latest_step(run_dir):
     try:
-        with open(os.path.join(run_dir, "checkpoints", "latest")) as f:
-            return int(f.read().strip().removeprefix("step_"))
+        return int(read_file(os.path.join(run_dir, "checkpoints", "latest"), 64).strip().removeprefix(b"step_"))
     except (OSError, ValueError):
         return None
 
@@ -148,26 +148,28 @@ def _size(path):
 def _safetensors_problem(path):
     size = _size(path)
     try:
-        with open(path, "rb") as f:
+        with open_file(path) as f:
             n = int.from_bytes(f.read(8), "little")
             if size < 8 or n > size - 8:
                 return f"{path}: {size} bytes, shorter than its header says"
-            header = json.loads(f.read(n))
-        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-    except (OSError, ValueError, TypeError, KeyError, IndexError) as e:
-        return f"{path}: unreadable safetensors header ({e.__class__.__name__})"
+            header = parse_json(f.read(n), {str: dict})
+        header.pop("__metadata__", None)
+        if (where := misfit(header, {str: {"data_offsets": [int]}})) is not None:
+            raise ValueError(f"its JSON has another shape (at {where})")
+        end = max((v["data_offsets"][1] for v in header.values()), default=0)
+    except (OSError, ValueError, IndexError) as e:
+        return f"{path}: unreadable safetensors header ({e})"
     return None if size == 8 + n + end else f"{path}: {size} bytes, its header describes {8 + n + end}"
 
 
 def damaged(path, part=""):
     """The first damaged file under path/part (sizes against manifest.json, then safetensors headers), or None."""
     try:
-        with open(os.path.join(path, MANIFEST)) as f:
-            written = json.load(f)["files"]
+        written = read_json(os.path.join(path, MANIFEST), {"files": {str: int}})["files"]
     except FileNotFoundError:
         return f"{os.path.join(path, MANIFEST)}: missing (the checkpoint's last file: its writing did not finish)"
-    except (OSError, ValueError, KeyError) as e:
-        return f"{os.path.join(path, MANIFEST)}: unreadable ({e.__class__.__name__})"
+    except (OSError, ValueError) as e:
+        return f"{os.path.join(path, MANIFEST)}: unreadable ({e})"
     problems = []
     for name, size in written.items():
         have = _size(os.path.join(path, name)) if name.startswith(part) else size

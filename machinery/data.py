@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from machinery.errors import fail
+from machinery.untrusted import parse_json, read_file, read_json, special
 
 
 PROMPT_COLUMNS = ("prompt", "problem", "question")  # first one present wins
@@ -53,7 +54,7 @@ def read_rows(path: Path) -> tuple[list[dict], list[str]]:
         raise ValueError(f"{path}: unsupported file type '{path.suffix}' (use .parquet, .jsonl or .json)")
     rows, columns = [], []
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_file(path).decode("utf-8")
     except UnicodeDecodeError as e:
         raise ValueError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason}); JSON lines must be UTF-8") from None
     except OSError as e:  # permission denied, a directory, an I/O error: as a parquet file says it
@@ -63,13 +64,9 @@ def read_rows(path: Path) -> tuple[list[dict], list[str]]:
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path} line {line_no}: not JSON lines ({e.msg})") from None
-        except RecursionError:
-            raise ValueError(f"{path} line {line_no}: JSON nested too deeply") from None
-        if not isinstance(row, dict):
-            raise ValueError(f"{path} line {line_no}: each line must be a JSON object")
+            row = parse_json(line, dict)
+        except ValueError as e:  # not JSON, too deep, a lone surrogate, not an object
+            raise ValueError(f"{path} line {line_no}: not a JSON lines row ({e})") from None
         rows.append(row)
         columns += [c for c in row if c not in columns]
     return rows, columns
@@ -107,6 +104,8 @@ def _answer(value, where: str) -> str:
 def load_prompts(path) -> PromptSet:
     """Prompts and answers of a parquet / JSONL file, one key per distinct prompt (the first answer kept)."""
     path = Path(path)
+    if kind := special(path):  # a FIFO would hang the read
+        raise ValueError(f"{path}: {kind}, not a data file")
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such file")
     rows, columns = read_rows(path)
@@ -193,10 +192,10 @@ def weights_disagreement(folder):
     folder = Path(folder)
     index = folder / "model.safetensors.index.json"
     try:
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else \
-            ["model.safetensors"] if (folder / "model.safetensors").is_file() else []
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:  # not JSON, or not {"weight_map": {}}
-        return f"{index.name} is not a weight index ({type(e).__name__})"
+        files = sorted(set(read_json(index, {"weight_map": {str: str}})["weight_map"].values())) if index.is_file() \
+            else ["model.safetensors"] if (folder / "model.safetensors").is_file() else []
+    except (OSError, ValueError) as e:
+        return f"{index.name} is not a weight index ({e})"
     if missing := [name for name in files if not (folder / name).is_file()]:
         return f"{len(missing)} weight files named in {index.name} are missing ({_few(missing)})"
     if not files:
@@ -239,6 +238,15 @@ def check_model_dir(path):
     folder = Path(path)
     if not folder.is_dir():
         return
+    for name in sorted(os.listdir(folder)):  # first: a FIFO would hang a reader, and transformers' errors name no file
+        try:
+            if name.endswith(".json"):
+                read_json(folder / name)
+            elif (kind := special(folder / name)) not in (None, "a directory"):
+                raise ValueError(f"{kind}, not a regular file")
+        except (OSError, ValueError) as e:
+            download = unfinished_download(folder)
+            fail(f"--model {path}: its {name} is unreadable ({e})" + (f"; {download}" if download else ""), once=True)
     needed = {"config.json": ("config.json",), f"weights ({', '.join(WEIGHT_FILES)})": WEIGHT_FILES,
               f"tokenizer files ({', '.join(TOKENIZER_FILES)})": TOKENIZER_FILES}
     for what, names in needed.items():

@@ -10,12 +10,14 @@ start in one line; there is no weaker fallback). The plan is made once per proce
             /dev/shm, /run/lock (all it may write), the system's and the interpreter's dirs read-only, then
             pivot_root: the repository, the data and their answers, the run directory, homes are not there.
   limits    memory (RLIMIT_AS), CPU seconds, processes, open files, file size, no core dumps.
-  seccomp   a fresh empty session keyring, then a filter fails socket(AF_UNIX), datagram socketpair(AF_UNIX),
-            io_uring_setup, add_key, keyctl, request_key, memfd_create, memfd_secret and other ABIs' syscalls with
-            EPERM (multiprocessing and asyncio still work: they use stream pairs and /dev/shm).
+  seccomp   a fresh empty session keyring, then a filter (machinery/seccomp.py) fails what no namespace covers:
+            sockets but AF_INET(6) and NETLINK_ROUTE, new namespaces, keyrings, memfds, SysV IPC, io_uring, bpf,
+            perf events, userfaultfd, other ABIs' syscalls (multiprocessing, asyncio, threads still work).
   identity  as root: a dedicated uid per concurrent run (60000 + slot, flock in a dir only root can write), no
             groups, no_new_privs (RLIMIT_NPROC then stops a fork bomb). Otherwise: a nested user namespace that
             maps no one, so the snippet holds no capability: it cannot undo its mounts or make namespaces.
+  lifetime  setpriv: unshare gets SIGKILL when the thread that started it ends (the trainer killed, even by SIGKILL),
+            and the pid namespace dies with it.
 """
 import atexit
 import contextlib
@@ -173,8 +175,8 @@ def command(code: str, iso: Isolation, uid: int | None, limits: dict) -> list[st
     limits = {k: v for k, v in limits.items() if k != "nproc" or iso.dedicated_uid or not old}
     plan = {"root": _root_setup(limits["fsize"]), "limits": limits, "uid": uid, "seccomp": seccomp_program(),
             "keyctl": SYSCALLS["keyctl"], "pivot_root": SYSCALLS["pivot_root"]}
-    argv = ["unshare", "--mount", "--net", "--pid", "--ipc", "--fork", "--kill-child", "--mount-proc"]
-    argv += [] if iso.dedicated_uid else ["--user", "--map-root-user"]
+    argv = ["setpriv", "--pdeathsig", "KILL", "unshare", "--mount", "--net", "--pid", "--ipc", "--fork",
+            "--kill-child", "--mount-proc"] + ([] if iso.dedicated_uid else ["--user", "--map-root-user"])
     # The shell stays pid 1 of the namespace (it forks, not execs: a command follows), so python keeps ordinary
     # signal semantics and orphans get reaped; when the shell exits, the kernel kills the namespace.
     argv += ["sh", "-c", '"$@"; exit $?', "sh", sys.executable, "-I", "-S", "-c", LAUNCHER, marshal.dumps(plan).hex()]

@@ -10,6 +10,7 @@ import numpy as np
 import torch.distributed as dist
 
 from machinery.collectives import all_gather_np
+from machinery.untrusted import parse_json, read_file
 
 
 def tool_metrics(all_reward, rollouts):
@@ -127,12 +128,17 @@ def signal_metrics(all_raw_advantage, all_advantage, all_reward, group, tol=1e-6
     return m
 
 
-def _row(line):
+def _rows(path):
+    """metrics.jsonl's rows (one a crash cut off, or that lacks its step: dropped) as (line, row)."""
     try:
-        row = json.loads(line)
-        return row if isinstance(row.get("step"), int) else None
-    except (ValueError, AttributeError):
-        return None
+        lines = read_file(path).decode("utf-8", errors="replace").split("\n")
+    except (OSError, ValueError):  # none yet, or not a file (a FIFO would hang the read)
+        return []
+    rows = []
+    for line in lines:
+        with contextlib.suppress(ValueError):
+            rows.append((line + "\n", parse_json(line, {"step": int})))
+    return rows
 
 
 @contextlib.contextmanager
@@ -156,9 +162,7 @@ class Logger:
         os.replace(os.path.join(run_dir, "config.json.tmp"), os.path.join(run_dir, "config.json"))
         path = os.path.join(run_dir, "metrics.jsonl")
         if resume_step is not None and os.path.exists(path):
-            with open(path) as f:  # (a row cut off by the crash that made the resume needed: dropped)
-                kept = [(line.rstrip("\n") + "\n", row) for line in f
-                        if (row := _row(line)) is not None and row["step"] <= resume_step]
+            kept = [(line, row) for line, row in _rows(path) if row["step"] <= resume_step]
             with open(path + ".tmp", "w") as f:
                 f.writelines(line for line, _ in kept)
             os.replace(path + ".tmp", path)
@@ -299,10 +303,7 @@ def plot_run(run_dir):
     """run_dir/run.png, a panel per RUN_PLOT_PANELS key: its path, or None (said in one line), never a failure."""
     path = os.path.join(run_dir, "run.png")
     try:
-        rows = []
-        if os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
-            with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-                rows = sorted((row for line in f if (row := _row(line)) is not None), key=lambda row: row["step"])
+        rows = sorted((row for _, row in _rows(os.path.join(run_dir, "metrics.jsonl"))), key=lambda row: row["step"])
         series = {}  # key -> ([step], [value]), finite numbers only
         for key, _ in RUN_PLOT_PANELS:
             points = [(row["step"], float(row[key])) for row in rows if isinstance(row.get(key), (int, float))
@@ -337,8 +338,7 @@ def plot_run(run_dir):
 
 def run_summary(run_dir, plot, seconds, expected_range=None, test=None):
     """A run's last line: held-out accuracy first and last (beside the README's range), plot, how to evaluate."""
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        evals = [row for row in map(_row, f) if row is not None and "eval/accuracy" in row]
+    evals = [row for _, row in _rows(os.path.join(run_dir, "metrics.jsonl")) if "eval/accuracy" in row]
     held_out = " -> ".join(f"{100 * r['eval/accuracy']:.1f}% (step {r['step']})" for r in evals[:1] + evals[1:][-1:])
     if held_out and expected_range:
         held_out += f"; one default run lands in {expected_range[0]}-{expected_range[1]}% (README)"

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from machinery.checkpoint import MANIFEST, STEP, checkpoint_dirs, damaged, no_checkpoint
 from machinery.errors import fail
+from machinery.untrusted import read_file
 
 
 def default_run_dir(algo):
@@ -127,10 +128,9 @@ def _start_time(pid):
 
 def _lock_owner(lock):
     try:
-        with open(lock) as f:
-            host, pid, *start = f.read().split()
+        host, pid, *start = read_file(lock, 4096).decode().split()
         return host, int(pid), int(start[0]) if start and start[0].isdigit() else None
-    except (OSError, ValueError):
+    except (OSError, ValueError):  # (a FIFO too: its read would wait for ever)
         return None
 
 

@@ -1,26 +1,103 @@
 """What pickle and a config file would otherwise do: a run directory from elsewhere read as data, nothing in it run.
 
-Its pickles are read allowing no code; a value that names code or a place is used only where the command agrees."""
+Its pickles are read allowing no code; a value that names code or a place is used only where the command agrees.
+Every file from outside (data, offline values, a run's files, a checkpoint's headers) is read by read_file, and its
+JSON by parse_json: a FIFO or a device, a file too large, JSON too deep or of another shape is a ValueError saying
+so, which the caller turns into one line naming the file, never a hang or a traceback."""
 import hashlib
 import json
 import os
 import pickle
 import re
+import stat
 
 import torch
 
 from machinery.errors import fail
 
+_KINDS = {stat.S_IFIFO: "a FIFO (named pipe)", stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a character device",
+          stat.S_IFBLK: "a block device", stat.S_IFDIR: "a directory"}
+
+
+def special(path):
+    """What path is when it is there but not a regular file ("a FIFO (named pipe)", "a directory"...), else None."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None
+    return None if stat.S_ISREG(mode) else _KINDS.get(stat.S_IFMT(mode), "a special file")
+
+
+def open_file(path):
+    """A regular file opened to read bytes; ValueError when it is something else (reading a FIFO would wait for a
+    writer, a device might never end), OSError when it cannot be opened."""
+    if kind := special(path):
+        raise ValueError(f"{kind}, not a regular file")
+    return open(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb")  # a FIFO put there since: read as empty, at once
+
+
+def read_file(path, max_bytes=1 << 32):
+    """open_file(path)'s bytes; ValueError also when it holds more than max_bytes."""
+    with open_file(path) as f:
+        if (size := os.fstat(f.fileno()).st_size) > max_bytes:
+            raise ValueError(f"{size} bytes, more than the {max_bytes} such a file may hold")
+        return f.read()
+
+
+def parse_json(data, shape=object, max_depth=64):
+    """JSON from outside, checked: ValueError saying what is wrong: not JSON, nested deeper than max_depth (deeper
+    JSON was a RecursionError), a lone surrogate in a string (no text holds one: no response could match it), or
+    another shape than `shape` (misfit)."""
+    try:
+        value = json.loads(data)
+    except RecursionError:
+        raise ValueError(f"JSON nested deeper than {max_depth}") from None
+    except ValueError as e:
+        raise ValueError(f"not JSON ({e})") from None
+    stack = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > max_depth:
+            raise ValueError(f"JSON nested deeper than {max_depth}")
+        if isinstance(item, str) and not item.isascii():
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(f"a lone surrogate (\\u{ord(item[e.start]):x}) in {item[:60]!r}") from None
+        elif isinstance(item, (dict, list)):
+            stack += [(x, depth + 1) for x in (item if isinstance(item, list) else [*item, *item.values()])]
+    if (where := misfit(value, shape)) is not None:
+        raise ValueError(f"its JSON has another shape (at {where or 'the top level'})")
+    return value
+
+
+def misfit(value, shape, at=""):
+    """Where value departs from shape ("": the top level), or None. A shape is a type (float takes ints too, object
+    anything), [the shape of every item], {str: the shape of every value}, or {key: shape} (those keys at least)."""
+    if isinstance(shape, type):
+        return None if shape is object or type(value) in {float: (int, float)}.get(shape, (shape,)) else at
+    if type(value) is not type(shape):
+        return at
+    parts = (enumerate(value) if isinstance(shape, list) else value.items() if list(shape) == [str] else
+             ((key, value.get(key, misfit)) for key in shape))
+    each = shape[0] if isinstance(shape, list) else shape.get(str)
+    return next((where for key, item in parts if (where := misfit(item, each or shape[key], f"{at}/{key}")) is not
+                 None), None)
+
+
+def read_json(path, shape=object, max_bytes=1 << 32):
+    """parse_json of read_file(path): ValueError or OSError, for the caller to name path."""
+    return parse_json(read_file(path, max_bytes), shape)
+
 
 def read_config(run_dir):
     try:
-        with open(os.path.join(run_dir, "config.json")) as f:
-            config = json.load(f)
-    except (OSError, ValueError) as e:
+        config = read_json(os.path.join(run_dir, "config.json"), {"steps": int})
+    except OSError as e:
         fail(f"--resume {run_dir}: cannot read its config.json ({e})", once=True)
-    if not isinstance(config, dict) or not isinstance(config.get("steps"), int):
+    except ValueError as e:
         fail(f"--resume {run_dir}: its config.json is not a run's configuration (a JSON object of spo.py's flags, "
-             f"with steps); was it edited?", once=True)
+             f"with steps: {e}); was it edited?", once=True)
     return config
 
 

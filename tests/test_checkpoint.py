@@ -389,9 +389,11 @@ if __name__ == "__main__":  # [torchrun] tests/test_checkpoint.py WORKER OUT [AR
     globals()[sys.argv[1]](*sys.argv[2:])
 
 
-@pytest.mark.parametrize("content", ["[1, 2]", '"spo"', '{"lr": 0.1}'])
+@pytest.mark.parametrize("content", ["[1, 2]", '"spo"', '{"lr": 0.1}', '{"steps": true}', "[" * 100000,
+                                     '{"steps": 4, "lr": ' + "[" * 500 + "]" * 500 + "}"])
 def test_a_config_that_parses_but_is_not_a_runs_is_one_line(tmp_path, capsys, content):
-    """A config.json that is a list (or lacks the run's steps) was a traceback on --resume."""
+    """JSON from a file, of any depth or shape: a config.json that is a list (or lacks the run's steps) was a
+    traceback on --resume, and one nested deeply a RecursionError."""
     from machinery import checkpoint
     (tmp_path / "config.json").write_text(content)
     with pytest.raises(SystemExit):

@@ -91,3 +91,38 @@ def test_honest_shards_restore_the_optimisers_settings(tmp_path):
     model, optimizer = _shards(tmp_path / "other", 1e-3)
     checkpoint.restore_training_state(model, optimizer, str(tmp_path / "shards"))
     assert optimizer.param_groups[0]["lr"] == 0.5
+
+
+# A header's JSON, of any depth or shape: valid JSON that is not a safetensors header, and JSON too deep to read.
+HEADERS = {"a list": b"[1, 2]", "a tensor without offsets": b'{"w": {"dtype": "F32"}}',
+           "offsets as strings": b'{"w": {"data_offsets": ["0", "8"]}}',
+           "offsets cut short": b'{"w": {"data_offsets": []}}',
+           "metadata only, of a list": b'{"__metadata__": [1]}', "too deep to parse": b"[" * 100000 + b"]" * 100000,
+           "deep": b'{"w": {"data_offsets": [0, 0], "x": ' + b"[" * 500 + b"]" * 500 + b"}}"}
+
+
+@pytest.mark.parametrize("header", HEADERS)
+def test_a_safetensors_header_of_any_depth_or_shape_names_the_step_and_the_newest_intact_one(saved_run, tmp_path,
+                                                                                            capsys, header):
+    """JSON from a file, of any depth or shape: a model.safetensors whose header is JSON of another shape was an
+    AttributeError or TypeError traceback in --resume and eval.py, and one nested deeply a RecursionError."""
+    from machinery import checkpoint, run_dir
+    run = tmp_path / "run"
+    shutil.copytree(saved_run, run)
+    path = _forge(run, "model/model.safetensors", len(HEADERS[header]).to_bytes(8, "little") + HEADERS[header])
+    err = _one_error(capsys, lambda: checkpoint.load_checkpoint(str(run), 1, ["k0", "k1"]))
+    assert f"({path}: " in err and "the newest intact one is step_000002" in err, err
+    model, _, error = run_dir.checkpoint_model(str(run))  # eval.py's --model
+    assert model is None and f"({path}: " in error and error.endswith("--model " + str(path.parent.parent.parent /
+                                                                                        "step_000002")), error
+
+
+@pytest.mark.parametrize("manifest", ['{"files": [1]}', '{"files": {"state.pt": "9"}}', '"files"', "[" * 100000])
+def test_a_manifest_of_any_depth_or_shape_is_damage_named_in_one_line(saved_run, tmp_path, capsys, manifest):
+    """JSON from a file, of any depth or shape: the manifest that --resume and eval.py check first."""
+    from machinery import checkpoint
+    run = tmp_path / "run"
+    shutil.copytree(saved_run, run)
+    (run / "checkpoints" / "step_000004" / "manifest.json").write_text(manifest)
+    err = _one_error(capsys, lambda: checkpoint.load_checkpoint(str(run), 1, ["k0", "k1"]))
+    assert "manifest.json: unreadable (" in err and "the newest intact one is step_000002" in err, err

@@ -10,6 +10,7 @@ import pyarrow as pa
 import pytest
 
 from common import write_parquet
+from machinery import data
 from machinery.data import load_prompts, prompt_key
 
 ROWS = [("What is 1+1?", "2"), ("What is 2+3?", "5"), ("Name a prime.", "7")]
@@ -126,11 +127,25 @@ def test_an_unreadable_jsonl_file_is_one_line_as_a_parquet_file_is(tmp_path, mon
     path = _write_jsonl(tmp_path / "locked.jsonl", [{"problem": "q", "answer": "1"}])
     path.chmod(0)
     if os.geteuid() == 0:  # root reads it anyway: the error as the kernel would give it to anyone else
-        def denied(self, *args, **kwargs):
+        def denied(*args, **kwargs):
             raise PermissionError(13, "Permission denied")
-        monkeypatch.setattr(type(path), "read_text", denied)
+        monkeypatch.setattr(data, "read_file", denied)
     with pytest.raises(ValueError, match=r"locked\.jsonl: not a readable JSON lines file \(Permission denied\)"):
         load_prompts(path)
+
+
+@pytest.mark.parametrize("row", [r'{"problem": "a \ud800 b", "answer": "1"}', r'{"problem": "a", "answer": "\udfff"}',
+                                 r'{"prompt": [{"role": "user", "content": "x\udc00"}], "answer": "1"}',
+                                 r'{"problem": "a", "answer": "1", "extra\ud83d": 0}'])
+def test_a_lone_surrogate_in_a_json_lines_row_names_the_file_and_line(tmp_path, row):
+    """Lone surrogates in JSON lines: in a prompt it was an error naming neither the file nor the row; in an answer
+    it was accepted though no response (text) can hold it, so none could ever match."""
+    path = tmp_path / "data.jsonl"
+    path.write_text('{"problem": "fine \\ud83d\\ude00", "answer": "1"}\n' + row + "\n")  # a pair is a character
+    with pytest.raises(ValueError, match=r"data\.jsonl line 2: not a JSON lines row \(a lone surrogate \(\\ud"):
+        load_prompts(path)
+    path.write_text('{"problem": "fine \\ud83d\\ude00", "answer": "1"}\n')
+    assert load_prompts(path).messages == [[{"role": "user", "content": "fine \U0001f600"}]]
 
 
 def test_bad_json_line_and_extension(tmp_path):
@@ -139,7 +154,7 @@ def test_bad_json_line_and_extension(tmp_path):
     with pytest.raises(ValueError, match="line 2"):
         load_prompts(path)
     path.write_text('{"problem": "a", "answer": "1"}\n{"problem": ' + "[" * 100000 + "\n")
-    with pytest.raises(ValueError, match="line 2: JSON nested too deeply"):
+    with pytest.raises(ValueError, match="line 2: not a JSON lines row \\(JSON nested deeper than 64\\)"):
         load_prompts(path)
     path.write_text(json.dumps({"problem": "a\u2028b", "answer": "1"}, ensure_ascii=False) + "\n")  # U+2028 as is
     assert load_prompts(path).messages == [[{"role": "user", "content": "a\u2028b"}]]
@@ -187,6 +202,29 @@ def toy_model(tmp_path):
     import shutil
     from tasks import toy
     return shutil.copytree(f"{toy.BUILT}/toy/model", tmp_path / "model")
+
+
+JSON_FILES = ("tokenizer.json", "tokenizer_config.json", "config.json")
+
+
+@pytest.mark.parametrize("name, damage", [(name, damage) for name in JSON_FILES for damage in ("cut", "deep", "fifo")]
+                         + [("model.safetensors", "fifo")])
+def test_a_cut_or_special_json_file_of_a_model_directory_is_named(toy_model, name, damage, capsys):
+    """JSON from a file, of any depth or shape (and special files): a cut tokenizer.json was transformers' line,
+    which names no file; one nested deeply a RecursionError; a FIFO a hang."""
+    from machinery.data import load_tokenizer
+    path = toy_model / name
+    text = path.read_text(errors="replace")
+    path.unlink()
+    if damage == "fifo":
+        os.mkfifo(path)
+    else:
+        path.write_text(text[:len(text) // 2] if damage == "cut" else '{"x": ' + "[" * 100000 + "]" * 100000 + "}")
+    with pytest.raises(SystemExit):
+        load_tokenizer(str(toy_model))
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --model {toy_model}: its {name} is unreadable (") and \
+        {"cut": "not JSON", "deep": "nested deeper", "fifo": "a FIFO"}[damage] in err, err
 
 
 @pytest.mark.parametrize("remove, says", [

@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shutil
+import subprocess
 import sys
 
 import numpy as np
@@ -15,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from common import SNIPPET_TIMEOUT_S, ok, python, toy_args, torchrun, torchrun_nodes, write_parquet
+from common import ENV, ROOT, SNIPPET_TIMEOUT_S, ok, python, toy_args, torchrun, torchrun_nodes, write_parquet
 from machinery import checkpoint
 from machinery.data import prompt_key
 
@@ -391,3 +392,24 @@ def test_eval_cli_with_tools(tool_run):
 
 if __name__ == "__main__":  # torchrun tests/test_end_to_end.py WORKER [spo.py ARGS...]
     globals()[sys.argv[1]](*sys.argv[2:])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("program", ["spo.py --train", "eval.py --data", "offline_values.py --data"])
+def test_bad_input_under_torchrun_is_what_the_readme_says(small_toy, tmp_path, program):
+    """What the README promises about errors, held under torchrun: one `error:` line, the first rank to fail exits 2,
+    and torchrun, which reports any failed worker as 1, exits 1 with that exit code 2 as its summary's root cause;
+    the same command without torchrun exits 2. The input: a FIFO, where a data file is expected."""
+    fifo = tmp_path / "data.jsonl"
+    os.mkfifo(fifo)
+    script, flag = program.split()
+    args = [script, "--model", small_toy["model"], flag, str(fifo), *{"spo.py": ["--run_dir", str(tmp_path / "r")],
+            "offline_values.py": ["--out", str(tmp_path / "v.json")]}.get(script, [])]
+    says = re.compile(rf"^error: .*{re.escape(str(fifo))}: a FIFO \(named pipe\), not a data file$", re.M)
+    proc = torchrun(2, *args, timeout=300)
+    assert proc.returncode == 1 and len(says.findall(proc.stderr)) == 1, proc.stderr[-3000:]
+    root_cause = proc.stderr.partition("Root Cause (first observed failure):")[2]
+    assert re.search(r"^\s*exitcode\s*: 2 ", root_cause, re.M), proc.stderr[-3000:]
+    single = subprocess.run([sys.executable, *args], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    lines = single.stderr.strip().splitlines()
+    assert single.returncode == 2 and len(lines) == 1 and says.match(lines[0]), single.stderr[-3000:]

@@ -206,14 +206,17 @@ def test_bad_scores_in_a_values_file_are_one_line(tmp_path, capsys, scores):
 
 
 @pytest.mark.parametrize("content, says", [
-    ({"header": {}, "prompts": [{"scores": [1]}]}, '"prompts" is not an object of prompt keys'),  # was a traceback
-    ({"header": {}, "prompts": {"k0": [1, 0]}}, 'prompt k0 is not an object with "scores"'),
-    ({"header": [], "prompts": {}}, 'no "header" object'),
-    ([{"header": {}}], 'no "header" object'),
-    ({"prompts": {}}, 'no "header" object'),
+    ({"header": {}, "prompts": [{"scores": [1]}]}, "another shape (at /prompts)"),  # was a traceback
+    ({"header": {}, "prompts": {"k0": [1, 0]}}, "another shape (at /prompts/k0)"),
+    ({"header": {}, "prompts": {"k0": {"scores": [1, "0"]}}}, "another shape (at /prompts/k0/scores/1)"),
+    ({"header": [], "prompts": {}}, "another shape (at /header)"),
+    ([{"header": {}}], "another shape (at the top level)"),
+    ({"prompts": {}}, "another shape (at /header)"),
+    ({"header": {"model": json.loads("[" * 70 + "]" * 70)}, "prompts": {}}, "JSON nested deeper than 64"),
 ])
 def test_a_values_file_that_parses_but_has_another_shape_is_one_line(tmp_path, capsys, content, says):
-    """Both readers (spo.py's header check and the tracker's initialisation) check the file's structure."""
+    """JSON from a file, of any depth or shape: both readers (spo.py's header check and the tracker's initialisation)
+    check the file's structure and depth (machinery/untrusted.py:parse_json)."""
     import initial_values
     from machinery.data import Dataset
     from tracker import ValueTracker

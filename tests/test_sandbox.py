@@ -6,8 +6,12 @@ tests/test_sandbox_isolation.py; the text the tool loop sends in and gets back: 
 
     .venv/bin/python -m pytest tests/test_sandbox.py -q
 """
+import os
 import resource
+import signal
 import subprocess
+import time
+
 import sys
 import threading
 import uuid
@@ -15,8 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from common import SNIPPET_TIMEOUT_S, live_pids_with
+from common import ENV, ROOT, SNIPPET_TIMEOUT_S, live_pids_with
+from machinery import isolation as machinery_isolation
 from sandbox import SandboxPool, format_tool_output, isolation, run_code
+from test_sandbox_root import ordinary_user_argv
 
 
 def test_infinite_loop_times_out():
@@ -141,3 +147,56 @@ def test_bad_arguments_raise_clear_errors():
         run_code("print(1)", timeout_s=0)
     with pytest.raises(ValueError, match="workers"):
         SandboxPool(workers=0)
+
+
+def gone_within(mark, seconds=10.0):
+    deadline = time.monotonic() + seconds
+    while live_pids_with(mark) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return live_pids_with(mark) == []
+
+
+@pytest.mark.parametrize("who", ["as ourselves", "as an ordinary user"])
+@pytest.mark.parametrize("how", ["sleeps, run from a pool", "a daemon, run on the main thread"])
+def test_a_killed_trainers_snippets_end_with_it(who, how, tmp_path):
+    """Processes that outlive their limits: a snippet of a trainer killed by SIGKILL used to sleep on past its time
+    limit (RLIMIT_CPU counts no sleep), keeping its memory and, as root, the uid the next run is given."""
+    if who == "as an ordinary user" and os.geteuid() != 0:
+        pytest.skip("we are an ordinary user already")
+    digits = uuid.uuid4().int % 10**9  # the sleep's seconds are 600.digits, a number no other process uses
+    mark, made = f"600.{digits}", f"'600.' + '{digits}'"  # (made in the snippet: not in the trainer's arguments)
+    snippet = f"import subprocess\nsubprocess.run(['sleep', {made}])" if how.startswith("sleeps") else \
+        f"import subprocess, time\nsubprocess.Popen(['sh', '-c', '(setsid sleep ' + {made} + ' &)'])\ntime.sleep(600)"
+    run = f"sandbox.SandboxPool(2, timeout_s=600).submit({snippet!r})" if "pool" in how else \
+        f"sandbox.run_code({snippet!r}, timeout_s=600)"
+    code = f"import sandbox, time\n{run}\ntime.sleep(600)"
+    argv = [sys.executable, "-c", code] if who == "as ourselves" else ordinary_user_argv(code, tmp_path)
+    trainer = subprocess.Popen(argv, env=ENV, cwd=ROOT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not live_pids_with(mark) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert live_pids_with(mark), "the snippet did not start"
+    finally:
+        trainer.send_signal(signal.SIGKILL)
+        trainer.wait()
+    assert gone_within(mark)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root gives runs dedicated uids")
+def test_what_a_killed_trainers_run_left_under_a_uid_ends_before_the_uid_is_given_again(tmp_path, monkeypatch):
+    """Processes that outlive their limits, the backstop: a run's uid is marked while the run uses it; a run given
+    a marked uid first ends whatever still runs under it."""
+    monkeypatch.setattr(machinery_isolation, "UID_BASE", 60000 + 200 + uuid.uuid4().int % 50)
+    uid, lock_fd = machinery_isolation.claim_uid()
+    os.pwrite(lock_fd, b"1", 0)  # as a trainer killed in the middle of a run leaves it
+    mark = f"600.{uuid.uuid4().int % 10**9}"
+    left = subprocess.Popen(["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "sleep", mark])
+    os.close(lock_fd)
+    try:
+        while not live_pids_with(mark):  # it runs as the uid once it is sleep
+            time.sleep(0.01)
+        assert run_code("print(1)", timeout_s=SNIPPET_TIMEOUT_S).stdout == "1\n"
+        assert left.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        left.kill()

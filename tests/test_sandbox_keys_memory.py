@@ -93,3 +93,74 @@ def test_memfds_and_sysv_shm_cannot_hold_more_than_the_documented_bound():
     assert r.exit_code == 0, r
     held = eval(r.stdout)
     assert "memfd" not in held and "sysv" not in held and held["/dev/shm"] <= 64 and held["/tmp"] <= 64, r
+
+
+# ---- kernel interfaces no namespace covers: socket families, new namespaces, kernel-wide syscalls
+KERNEL = f'''
+import ctypes, os, socket, subprocess, threading
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+def attempt(name, fn):  # fn returns a syscall's result; an fd it made is closed
+    try:
+        result = fn()
+    except OSError as e:
+        result, errno = -1, e.errno
+    else:
+        errno = ctypes.get_errno()
+    if result == 0 and name.startswith("clone"):
+        os._exit(0)  # the child of a clone that worked
+    print(name, "made" if result >= 0 else "refused " + os.strerror(errno), flush=True)
+def sock(*args):
+    return socket.socket(*args).detach()
+def raw(nr, *args):
+    return libc.syscall(nr, *args)
+attempt("vsock stream", lambda: sock(40, socket.SOCK_STREAM))
+attempt("vsock dgram cloexec nonblock", lambda: sock(40, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC | 2048))
+attempt("vsock raw, high bits", lambda: raw({NR["socket"]}, 0x100000028, 1, 0))
+for protocol in (15, 16, 4, 9, 12):  # uevent, generic, sock_diag, audit, netfilter
+    attempt(f"netlink {{protocol}}", lambda: sock(socket.AF_NETLINK, socket.SOCK_RAW, protocol))
+for family in (17, 38, 15, 30, 44, 29, 31, 21, 42, 5):  # packet, alg, key, tipc, xdp, can, bluetooth, rds, ...
+    attempt(f"family {{family}}", lambda: sock(family, socket.SOCK_DGRAM))
+attempt("socketpair seqpacket", lambda: socket.socketpair(type=socket.SOCK_SEQPACKET)[0].detach())
+attempt("socketpair tipc", lambda: raw({NR["socketpair"]}, 30, 2, 0, ctypes.create_string_buffer(8)))
+attempt("unshare user+mount", lambda: libc.unshare(0x10020000))
+attempt("unshare net", lambda: libc.unshare(0x40000000))
+attempt("unshare files", lambda: libc.unshare(0x400))
+attempt("unshare command", lambda: -subprocess.run(["unshare", "--user", "--mount", "true"]).returncode)
+attempt("setns", lambda: libc.setns(os.open("/proc/self/ns/net", os.O_RDONLY), 0))
+for flag in (0x10000000, 0x20000, 0x20000000, 0x40000000, 0x2000000):  # user, mount, pid, net, cgroup
+    attempt(f"clone {{flag:#x}}", lambda: raw({NR["clone"]}, flag | 17, 0, 0, 0, 0))
+attempt("clone3", lambda: raw({NR["clone3"]}, ctypes.create_string_buffer(88), 88))
+attempt("perf_event_open", lambda: raw({NR["perf_event_open"]}, ctypes.create_string_buffer(128), 0, -1, -1, 0))
+attempt("bpf", lambda: raw({NR["bpf"]}, 0, ctypes.create_string_buffer(128), 128))
+attempt("userfaultfd", lambda: raw({NR["userfaultfd"]}, 0))
+attempt("syslog", lambda: raw({NR["syslog"]}, 3, ctypes.create_string_buffer(4096), 4096))
+print("still works:")
+attempt("inet", lambda: sock(socket.AF_INET, socket.SOCK_STREAM))
+attempt("inet6", lambda: sock(socket.AF_INET6, socket.SOCK_DGRAM))
+attempt("route", lambda: sock(socket.AF_NETLINK, socket.SOCK_RAW, 0) and len(socket.if_nameindex()) - 1)
+attempt("pair", lambda: socket.socketpair()[0].detach())
+attempt("clone", lambda: raw({NR["clone"]}, 17, 0, 0, 0, 0))
+thread = threading.Thread(target=lambda: None)
+attempt("thread", lambda: thread.start() or thread.join() or 0)
+attempt("subprocess", lambda: subprocess.run(["true"]).returncode)
+'''
+
+
+@pytest.mark.parametrize("who", ["as ourselves", "as an ordinary user"])
+def test_kernel_interfaces_no_namespace_covers_are_refused(who, tmp_path):
+    """Kernel interfaces not namespaced: a snippet makes no socket but AF_INET(6) and NETLINK_ROUTE (a vsock one
+    shared the VM's port space and reached the hypervisor, a uevent one heard the host's devices), no namespace (as
+    root, a user namespace of its own held every capability there and mounted tmpfs no limit counts: 720 MiB under
+    --sandbox_memory_mb 128), and no bpf, perf events, userfaultfd or kernel log whatever this kernel's sysctls say;
+    clone3 is ENOSYS so that libc falls back to clone, and threads and subprocesses still work."""
+    if who == "as an ordinary user" and os.geteuid() != 0:
+        pytest.skip("we are an ordinary user already")
+    code = f"import sandbox\nr = sandbox.run_code({KERNEL!r}, timeout_s={SNIPPET_TIMEOUT_S})\nprint(r.stdout, r.stderr)"
+    proc = subprocess.run([PYTHON, "-c", code], env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=300) \
+        if who == "as ourselves" else _as_an_ordinary_user(code, tmp_path)
+    refused, works = proc.stdout.split("still works:\n")
+    assert proc.returncode == 0 and refused.count("\n") == 35 and "made" not in refused, proc.stdout
+    assert refused.count("refused Function not implemented") == 1 and "clone3 refused Function" in refused
+    assert works.split("\n")[:7] == [f"{name} made" for name in ("inet", "inet6", "route", "pair", "clone", "thread",
+                                                                   "subprocess")], proc.stdout

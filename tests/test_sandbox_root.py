@@ -89,9 +89,15 @@ USER = 1000  # an ordinary user's uid, for tests run as root
 
 
 def _as_an_ordinary_user(code, hold_dir):
-    """Run python code as uid USER (or as ourselves when we are not root). An interpreter under a dir others
-    cannot enter (/root) is made reachable in a private mount namespace: the dir's child is held aside, a tmpfs
-    (mode 755) covers the dir, the child moves back on it. Nothing changes on the host."""
+    """Run python code as uid USER (or as ourselves when we are not root)."""
+    return subprocess.run(ordinary_user_argv(code, hold_dir), env=ENV, cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+
+
+def ordinary_user_argv(code, hold_dir):
+    """The command that runs python code as uid USER (or as ourselves when we are not root), in the same process.
+    An interpreter under a dir others cannot enter (/root) is made reachable in a private mount namespace: the dir's
+    child is held aside, a tmpfs (mode 755) covers the dir, the child moves back on it. Nothing changes on the host."""
     argv = [PYTHON, "-c", code]
     if os.geteuid() == 0:
         cmds = []
@@ -105,7 +111,7 @@ def _as_an_ordinary_user(code, hold_dir):
                          f"{parent}", f"mkdir -p {child}", f"mount --move {hold} {child}"]
         argv = ["unshare", "--mount", "sh", "-c", f'set -e; {"; ".join(cmds) or ":"}; exec setpriv --reuid={USER} '
                 f'--regid={USER} --clear-groups "$@"', "sh"] + argv
-    return subprocess.run(argv, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    return argv
 
 
 def test_without_root_a_snippet_cannot_write_the_users_files_or_undo_its_mounts(tmp_path):

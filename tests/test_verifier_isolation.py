@@ -12,10 +12,11 @@ import os
 import subprocess
 import sys
 import time
+import uuid
 
 import pytest
 
-from tests.common import ROOT
+from tests.common import ROOT, live_pids_with
 
 from reward import check_reward_flag, reward_and_answer
 
@@ -77,17 +78,67 @@ def test_a_verifier_that_kills_its_process_group_does_not_kill_the_caller(tmp_pa
         f"verifier and return 0"]
 
 
-def test_the_checkers_a_verifier_leaves_are_stopped_with_it(tmp_path):
-    pid_file = tmp_path / "pid"
-    spec = verifier(tmp_path, f"import subprocess\nchecker = subprocess.Popen(['sleep', '600'])\n"
-                              f"open({str(pid_file)!r}, 'w').write(str(checker.pid))\nwhile True:\n    pass")
-    proc = run_caller(f"reward.reward_and_answer('\\\\boxed{{1}}', '1', reward={spec!r}, timeout_s=2)")
-    assert proc.returncode == 2 and "--reward_timeout 2 s" in proc.stderr, proc
-    try:  # gone, or a zombie that only waits for init to reap it
-        state = open(f"/proc/{pid_file.read_text()}/stat").read().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        state = "gone"
-    assert state in ("gone", "Z"), state
+def gone(pid, within_s=10.0):
+    """Whether process pid ends (or is a zombie that only waits for init to reap it) within within_s."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            if open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z":
+                return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+# A verifier's checker, started the ways a verifier might: in its group, in a session of its own, a daemon (double
+# fork, setsid). Each sleeps for SLEEP seconds, a number no other process uses: its mark.
+CHECKERS = {"in its group": "subprocess.Popen(['sleep', SLEEP])",
+            "own session": "subprocess.Popen(['sleep', SLEEP], start_new_session=True)",
+            "daemon": "subprocess.Popen(['sh', '-c', f'(setsid sleep {SLEEP} &)'])"}
+
+
+def checker_verifier(tmp_path, how, then):
+    """(spec, mark, pid file): a verifier that starts a checker `how`, writes its own pid, then runs `then`."""
+    mark, pid = f"600.{uuid.uuid4().int % 10**9}", tmp_path / "pid"
+    return verifier(tmp_path, f"import subprocess\nSLEEP = {mark!r}\n{CHECKERS[how]}\ntime.sleep(0.5)\n"
+                              f"open({str(pid)!r}, 'w').write(str(os.getpid()))\n{then}"), mark, pid
+
+
+@pytest.mark.parametrize("how", CHECKERS)
+def test_the_checkers_a_verifier_leaves_are_stopped_with_it(tmp_path, how):
+    """Processes that outlive their limits: at --reward_timeout the verifier and every checker it started end, even
+    one in a session of its own, which used to hold the trainer's stderr open (`spo.py 2>&1 | tee` never ended)."""
+    spec, mark, pid = checker_verifier(tmp_path, how, "while True:\n    pass")
+    proc = run_caller(f"reward.reward_and_answer('\\\\boxed{{1}}', '1', reward={spec!r}, timeout_s=5)")  # its
+    assert proc.returncode == 2 and "--reward_timeout 5 s" in proc.stderr, proc  # pipes closed: it returned
+    assert gone(int(pid.read_text())) and live_pids_with(mark) == [], how
+
+
+@pytest.mark.parametrize("hangs", [True, False])
+def test_a_killed_trainers_verifier_and_its_checkers_end_with_it(tmp_path, hangs):
+    """Processes that outlive their limits: the trainer killed by SIGKILL (nothing of it runs to clean up), while
+    its verifier hangs or after it returned; its checker in a session of its own ends too."""
+    spec, mark, pid = checker_verifier(tmp_path, "own session", "while True:\n    pass" if hangs else "return 1")
+    trainer = subprocess.Popen([sys.executable, "-c", f"import reward, time\nreward.reward_and_answer("
+                                f"'\\\\boxed{{1}}', '1', reward={spec!r})\ntime.sleep(600)"], cwd=ROOT,
+                               start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not pid.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert live_pids_with(mark), "the checker did not start"
+    finally:
+        trainer.kill()
+        trainer.wait()
+    assert gone(int(pid.read_text())) and gone_all(mark)
+
+
+def gone_all(mark, within_s=10.0):
+    deadline = time.monotonic() + within_s
+    while live_pids_with(mark) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return live_pids_with(mark) == []
 
 
 def test_a_verifier_killed_while_scoring_is_asked_again_in_a_fresh_child(tmp_path):
