@@ -441,17 +441,3 @@ def test_an_interrupted_dataset_download_names_what_is_missing(tmp_path):
     assert why == (f"the download of open-r1/DAPO-Math-17k-Processed into {snapshot} did not finish: README.md (a "
                    f"link to a missing blob), en/ (empty); rerun it with network access")
     assert unfinished_download(tmp_path) is None  # not a cache snapshot
-
-
-def test_a_seeded_pool_is_the_same_for_its_seed_another_for_another_and_in_file_order(toy_model, tmp_path):
-    """--train_prompts N --pool_seed S: N prompts drawn by S (a sweep's intervals then cover the pool), kept in the
-    file's order; without a pool seed, the first N."""
-    from machinery.data import load_tokenizer, load_train_and_test
-    rows = [{"prompt": [{"role": "user", "content": f"{i}+1="}], "answer": str(i + 1)} for i in range(40)]
-    path, tokenizer = _write_jsonl(tmp_path / "p.jsonl", rows), load_tokenizer(str(toy_model))
-    pool = lambda seed: load_train_and_test(tokenizer, path, None, max_prompt_len=64, train_prompts=8,  # noqa
-                                            test_prompts=0, min_prompts=1, system_prompt=None, verbose=False,
-                                            pool_seed=seed)[0].answers
-    assert pool(3) == pool(3) != pool(4) and len(set(pool(3))) == 8
-    assert pool(3) == sorted(pool(3), key=int) and pool(-1) == [str(i + 1) for i in range(8)]
-

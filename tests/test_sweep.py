@@ -87,6 +87,21 @@ def test_plan_seeds_probe_and_owned_flags():
     assert sweep.plan(args, extra) == [("mine-s0", "mine", 0, ["--lr", "1e-3", "--algo", "rloo"])]
 
 
+def test_a_seeded_pool_is_the_same_for_its_seed_another_for_another_and_in_file_order(tmp_path):
+    """--train_prompts N --pool_seed S: N prompts drawn by S (a sweep's intervals then cover the pool), kept in the
+    file's order; without a pool seed, the first N."""
+    from machinery.data import load_tokenizer, load_train_and_test
+    from tasks.toy import BUILT
+    path, tokenizer = tmp_path / "p.jsonl", load_tokenizer(f"{BUILT}/toy/model")
+    path.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"{i}+1="}], "answer": str(i + 1)})
+                            + "\n" for i in range(40)))
+    pool = lambda seed: load_train_and_test(tokenizer, str(path), None, max_prompt_len=64, train_prompts=8,  # noqa
+                                            test_prompts=0, min_prompts=1, system_prompt=None, verbose=False,
+                                            pool_seed=seed)[0].answers
+    assert pool(3) == pool(3) != pool(4) and len(set(pool(3))) == 8
+    assert pool(3) == sorted(pool(3), key=int) and pool(-1) == [str(i + 1) for i in range(8)]
+
+
 def test_pool_per_seed_gives_every_variant_of_a_seed_that_seeds_pool():
     args, extra = args_for("--variants", "spo", "grpo", "--seeds", "3-4", "--pool_per_seed", "--probe_every", "0",
                            "--out", "x")
