@@ -114,6 +114,10 @@ def heldout_metrics(engine, test, settings: ProbeSettings, tools, exact=None):
     metrics = {"eval/accuracy": float(np.mean([correct for _, correct, _ in flat])),
                "eval/unparsed": float(np.mean([answer is None for answer, _, _ in flat])),
                "eval/truncated": float(np.mean([truncated for _, _, truncated in flat]))}
+    if len(set(test.sources or [None])) > 1:  # verl's per-data_source accuracy: a mixed test set's strata
+        for source in sorted(set(test.sources)):
+            metrics[f"eval/accuracy/{source}"] = float(np.mean([correct for problem, s in zip(samples, test.sources)
+                                                                if s == source for _, correct, _ in problem]))
     if tools:
         used = all_reduce_np([sum(r.tool_calls > 0 for rs in rollouts.values() for r in rs)])[0]
         metrics["eval/tool_use"] = used / (len(test.keys) * settings.eval_samples)

@@ -30,6 +30,7 @@ class PromptSet:
     n_rows: int                     # rows in the file
     n_duplicates: int               # rows dropped because their prompt appeared earlier
     n_conflicting: int              # of those, rows whose answer differed from the kept one
+    sources: list = None            # each prompt's data_source (verl's column), None where the file has none
 
 
 def prompt_key(messages: list[dict]) -> str:
@@ -130,7 +131,8 @@ def load_prompts(path) -> PromptSet:
         messages.append(msgs)
         answers.append(answer)
         kept_rows.append(i)
-    return PromptSet(keys, messages, answers, kept_rows, str(path), len(rows), n_duplicates, n_conflicting)
+    sources = [None if (s := rows[i].get("data_source")) is None else str(s) for i in kept_rows]
+    return PromptSet(keys, messages, answers, kept_rows, str(path), len(rows), n_duplicates, n_conflicting, sources)
 
 
 # Without tokenizer files transformers quietly builds an empty tokenizer; without weights a traceback comes later.
@@ -304,9 +306,10 @@ class Dataset:
     keys: list         # stable prompt keys (prompt_key); the tracker is indexed by position in this list
     prompt_ids: list   # token ids of each chat-formatted prompt
     answers: list
+    sources: list = None  # data_source per prompt (held-out accuracy is also logged per source where they differ)
 
     def __getitem__(self, s):
-        return Dataset(self.keys[s], self.prompt_ids[s], self.answers[s])
+        return Dataset(self.keys[s], self.prompt_ids[s], self.answers[s], self.sources and self.sources[s])
 
 
 def with_system(messages, system_prompt):
@@ -348,7 +351,8 @@ def load_dataset(path, tokenizer, max_prompt_len, verbose, system_prompt=None):
                                      if untokenised else "") + ")", flush=True)
     if not keep:
         fail(f"{path}: no prompt fits in --max_prompt_len {max_prompt_len} tokens", once=True)
-    return Dataset([prompts.keys[i] for i in keep], [prompt_ids[i] for i in keep], [prompts.answers[i] for i in keep])
+    return Dataset(*([column[i] for i in keep] for column in (prompts.keys, prompt_ids, prompts.answers,
+                                                               prompts.sources)))
 
 
 def load_train_and_test(tokenizer, train, test, *, max_prompt_len, train_prompts, test_prompts, min_prompts,
@@ -360,7 +364,8 @@ def load_train_and_test(tokenizer, train, test, *, max_prompt_len, train_prompts
         fail(f"--train_prompts {train_prompts}: --train {train} has only {len(data.keys)} prompts", once=True)
     if train_prompts and pool_seed >= 0:
         pick = np.sort(np.random.default_rng(pool_seed).choice(len(data.keys), train_prompts, replace=False))
-        data = Dataset(*([column[i] for i in pick] for column in (data.keys, data.prompt_ids, data.answers)))
+        data = Dataset(*([column[i] for i in pick] for column in (data.keys, data.prompt_ids, data.answers,
+                                                                  data.sources)))
     data = data[: train_prompts or None]
     if len(data.keys) < min_prompts:
         fail(f"--train {train}: {len(data.keys)} prompts, fewer than the {min_prompts} distinct prompts each step "

@@ -21,6 +21,13 @@ shipped in tasks/built/toy_think:
 
 toy.json's "recipe" tells tasks/toy.py:ensure_toy to check such a folder, never to rebuild it as its own. The exact
 metric (--eval_reference auto) is off here: any trace ending in the right box is correct, not one response.
+
+The mixed toy (`--mixed`, shipped in tasks/built/toy_mixed, `spo.py --preset mixed`) is the paper's regime of
+prompts, some mastered, some unsolved: operands of 1 to 5 digits in strata by columns (MIXED_SHARES, the same in
+the train and test sets), the first two columns written nearly without error and a carry from the third on wrong
+half the time, and five-column sums never in the warm start (unsolved at first):
+
+    python -m tasks.thinking --mixed --toy_dir tasks/built/toy_mixed
 """
 import argparse
 import json
@@ -110,6 +117,11 @@ def columns(a, b):
     return max(len(str(a)), len(str(b)))
 
 
+def stratum(a, b):
+    """The mixed toy's data_source: its stratum, by which spo.py's evaluation also logs held-out accuracy."""
+    return f"toy_add_{columns(a, b)}col"
+
+
 def make_mixed_problems(seed, n_train, n_test, shares=MIXED_SHARES):
     """Disjoint train / test sets of (a, b) stratified by columns L: in a stratum, one operand has L digits and the
     other 1 to L (either first), each set shuffled."""
@@ -148,7 +160,7 @@ def build_mixed_toy(toy_dir, seed=0, n_train=3000, n_test=500, steps=1200, lr=3e
         model, tokenizer, loss, seconds = warm_started(
             tmp, train, test, "+", seed, steps, lr, batch_size,
             lambda a, b, rng: thinking_response(a, b, rng, noise, order=rng, plain_noise=plain_noise, careful=careful),
-            warm=[pair for pair in train if columns(*pair) <= MIXED_SEEN])
+            warm=[pair for pair in train if columns(*pair) <= MIXED_SEEN], source=stratum)
         p_train = correct_trace_probability(model, tokenizer, train, shuffle=True)
         p_test = correct_trace_probability(model, tokenizer, test, shuffle=True)
         tokens = np.mean([sum(len(tokenizer.encode(t)) for t, _ in thinking_response(a, b)) + 1 for a, b in test])

@@ -39,14 +39,16 @@ def make_problems(seed, n_train, n_test):
     return list(zip(a[:n_train], b[:n_train])), list(zip(a[n_train:], b[n_train:]))
 
 
-def write_parquet(path, problems, split, op="+"):
+def write_parquet(path, problems, split, op="+", source=None):
     """The verl / DAPO schema: prompt as chat messages, the answer (a+b, or a*b for the tool toy) in
-    reward_model.ground_truth. No tool instruction in the tool toy's prompt: its warm start teaches the format."""
+    reward_model.ground_truth, data_source by source(a, b) where given. No tool instruction in the tool toy's prompt:
+    its warm start teaches the format."""
     import pyarrow as pa  # here: only building a toy writes parquet
     import pyarrow.parquet as pq
     solve = (lambda a, b: a + b) if op == "+" else (lambda a, b: a * b)
     pq.write_table(pa.table({
-        "data_source": ["toy_add" if op == "+" else "toy_mul_tool"] * len(problems),
+        "data_source": [source(a, b) for a, b in problems] if source else
+                       ["toy_add" if op == "+" else "toy_mul_tool"] * len(problems),
         "prompt": [[{"role": "user", "content": f"{a}{op}{b}="}] for a, b in problems],
         "ability": ["math"] * len(problems),
         "reward_model": [{"style": "rule", "ground_truth": str(solve(a, b))} for a, b in problems],
@@ -138,12 +140,12 @@ def noisy_answer(a, b, rng, noise):
     return "".join(answer)
 
 
-def warm_started(tmp, train, test, op, seed, steps, lr, batch_size, response, warm=None):
+def warm_started(tmp, train, test, op, seed, steps, lr, batch_size, response, warm=None, source=None):
     """A toy's data, tokenizer and model written into tmp, the model warm-started on response(a, b, rng) for the
     problems of `warm` (by default all of train)."""
     warm = train if warm is None else warm
     for split, problems in (("train", train), ("test", test)):
-        write_parquet(f"{tmp}/{split}.parquet", problems, split, op)
+        write_parquet(f"{tmp}/{split}.parquet", problems, split, op, source)
     tokenizer = build_tokenizer(f"{tmp}/model")
     model = build_model(tokenizer, seed)
     t0, rng = time.time(), np.random.default_rng(seed)

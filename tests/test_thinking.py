@@ -141,6 +141,7 @@ def test_the_shipped_mixed_toy_holds_its_strata_and_the_warm_start_never_saw_fiv
     for split in ("train", "test"):
         rows = pq.read_table(os.path.join(MIXED, f"{split}.parquet")).to_pylist()
         widths = [max(map(len, r["prompt"][0]["content"][:-1].split("+"))) for r in rows]
+        assert [r["data_source"] for r in rows] == [f"toy_add_{w}col" for w in widths]  # the evaluation's strata
         assert {w: widths.count(w) for w in set(widths)} == {int(w): round(info[f"n_{split}"] * s)
                                                              for w, s in info["shares"].items()}
     strata = info["train_profile"]["strata"]
@@ -157,3 +158,19 @@ def test_difficulty_profile_counts_the_ends_and_the_between_share():
     m, var = 0.6, ((0.4 ** 2 + 0.3 ** 2 + 0.1 ** 2 + 0.6 ** 2) / 4)
     assert abs(profile["between_share"] - var / (m * (1 - m))) < 1e-12
     assert abs(profile["all_agree"] - (1 + 0.82 + 0.5 + 1) / 4) < 1e-12
+
+
+@pytest.mark.slow
+def test_held_out_accuracy_is_also_logged_per_data_source_on_the_mixed_toy(tmp_path):
+    """The mixed test set's data_source is its stratum: each evaluation logs every stratum's accuracy, and they
+    weigh back to the overall one."""
+    run = tmp_path / "run"
+    ok(torchrun(2, "spo.py", "--preset", "mixed", "--run_dir", str(run), "--steps", "1", "--batch_size", "16",
+                "--train_prompts", "32", "--eval_every", "1", "--eval_max_prompts", "100", "--eval_samples", "2",
+                "--offline_values", "none", "--ppo_steps", "1"))
+    row = [json.loads(line) for line in open(run / "metrics.jsonl")][-1]
+    strata = {k.rsplit("/", 1)[1]: v for k, v in row.items() if k.startswith("eval/accuracy/")}
+    import pyarrow.parquet as pq
+    sources = pq.read_table(os.path.join(MIXED, "test.parquet")).column("data_source").to_pylist()[:100]
+    assert set(strata) == set(sources) and strata["toy_add_5col"] <= 0.1
+    assert abs(sum(strata[s] for s in sources) / len(sources) - row["eval/accuracy"]) < 1e-9
