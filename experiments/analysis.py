@@ -81,6 +81,24 @@ def detectable(sd, n):
     return (t975(n - 1) + (T80[n - 2] if n <= 31 else 0.8416)) * sd / np.sqrt(n) if n >= 2 else float("nan")
 
 
+def sign_flip_p(diffs):
+    """Two-sided p of the exact paired sign-flip test: the share of the 2^n assignments of signs to the paired
+    differences whose |sum| is at least the one observed (no normal model; at 8 seeds its smallest p is 1/128)."""
+    d = np.asarray(list(diffs), np.float64)
+    signs = 1 - 2 * ((np.arange(2 ** d.size)[:, None] >> np.arange(d.size)) & 1)  # (2^n, n) of +-1
+    return float(np.mean(np.abs(signs @ d) >= abs(d.sum()) * (1 - 1e-12))) if d.size else float("nan")
+
+
+def holm(p_values):
+    """Holm's step-down adjustment of {contrast: p} over the family (the smallest p times the family's size, the
+    next times one less, ..., kept non-decreasing, at most 1)."""
+    adjusted, running = {}, 0.0
+    for k, name in enumerate(sorted(p_values, key=p_values.get)):
+        running = max(running, min(1.0, (len(p_values) - k) * p_values[name]))
+        adjusted[name] = running
+    return adjusted
+
+
 def seeds_for(effect, sd, most=30):
     """The fewest seeds (at least 2) whose detectable() difference is at most `effect`; None if more than `most`."""
     return next((n for n in range(2, most + 1) if detectable(sd, n) <= effect), None)
@@ -223,12 +241,13 @@ def area_mean(curve, budget):
     return float(np.sum((grid[1:] - grid[:-1]) * (values[1:] + values[:-1]) / 2) / budget)
 
 
-def analyse(out, reference, budget=None, key="eval/exact", offline=True):
+def analyse(out, reference, budget=None, key="eval/exact", offline=True, family=()):
     """The preregistered analysis: primary metric = exact success (key: or another evaluation's metric, where no
     exact success exists) averaged over an equal budget of generated samples (offline values counted); secondary =
     the same at the last evaluation; each paired with
     `reference` by seed, with its sd and the difference its seeds detect at 80% power; Fig. 3a's zero-advantage
-    share. offline=False: over training samples only (the offline values' not counted).
+    share. offline=False: over training samples only (the offline values' not counted). family: the contrasts whose
+    primary p-values (sign-flip) are Holm-adjusted together.
     {"budget", "reference", "variants": {name: {metric: {seed: v}}}, "paired": {name: {metric: {...}}}}."""
     runs = {(variant, seed): run for variant, seeds in sweep_runs(out).items() for seed, run in seeds.items()}
     curves = {name: exact_curve(run, pool_size(run["config"]) if offline else 0, key) for name, run in runs.items()}
@@ -251,9 +270,11 @@ def analyse(out, reference, budget=None, key="eval/exact", offline=True):
             mean, low, high, n = mean_ci(diffs)
             sd = float(np.std(diffs, ddof=1)) if n > 1 else float("nan")
             paired[name][metric] = {"mean": mean, "ci95": [low, high], "n": n, "sd": sd,
-                                    "detectable": detectable(sd, n)}
+                                    "detectable": detectable(sd, n), "p": sign_flip_p(diffs)}
+    for name, p in holm({name: paired[name]["primary"]["p"] for name in family if name in paired}).items():
+        paired[name]["primary"]["p_holm"] = p
     return {"budget": budget, "reference": reference, "variants": variants, "paired": paired, "key": key,
-            "offline": offline}
+            "offline": offline, "family": list(family)}
 
 
 def primary_markdown(result):
@@ -263,9 +284,11 @@ def primary_markdown(result):
              f"t-interval] "
              f"over seeds (training randomness only: same model, pool and test set), %; paired difference to "
              f"`{result['reference']}` in points, its sd and the smallest difference its seeds detect with 80% power; "
-             f"zero-advantage: the share of training samples with no signal (Fig. 3a), mean over steps and seeds.\n",
+             f"zero-advantage: the share of training samples with no signal (Fig. 3a), mean over steps and seeds; p: "
+             f"the exact paired sign-flip test of the primary difference, and Holm's adjustment over the family "
+             f"{', '.join(result.get('family', [])) or '(none named)'}.\n",
              "| variant | seeds | primary | final | primary - ref | sd | detectable | final - ref | detectable | "
-             "zero-advantage |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "zero-advantage | p | Holm p |", "| --- " * 12 + "|"]
     for name, v in result["variants"].items():
         cells = [pct(*mean_ci(v[metric].values())[:3], ".2f") for metric in ("primary", "final")]
         d = result["paired"].get(name)
@@ -274,7 +297,8 @@ def primary_markdown(result):
             pct(d["primary"]["detectable"], spec=".2f"), pct(d["final"]["mean"], *d["final"]["ci95"], "+.2f"),
             pct(d["final"]["detectable"], spec=".2f")]
         zero_share = f"{100 * np.mean(list(v['zero_advantage'].values())):.1f}%"
-        lines.append(f"| {name} | {len(v['primary'])} | " + " | ".join(cells + diff + [zero_share]) + " |")
+        p = [f"{d['primary'][k]:.3f}" if d and k in d["primary"] else "" for k in ("p", "p_holm")]
+        lines.append(f"| {name} | {len(v['primary'])} | " + " | ".join(cells + diff + [zero_share] + p) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -291,6 +315,8 @@ def main(argv=None):
                    "exact success exists)")
     a.add_argument("--training_samples", action="store_true", help="count training samples only (not the offline "
                    "values')")
+    a.add_argument("--family", nargs="*", default=[], help="the preregistered contrasts with --reference whose "
+                   "p-values are Holm-adjusted together")
     a = sub.add_parser("power", help="the seeds that detect --effect with 80%% power for a paired sd")
     a.add_argument("sd", type=float, help="the paired sd, a fraction (0.004 = 0.4 points)")
     a.add_argument("--effect", type=float, default=0.01, help="the effect to detect (0.01: 1 point)")
@@ -303,7 +329,7 @@ def main(argv=None):
         if not os.path.isdir(args.out):
             raise SystemExit(f"error: {args.out}: not a sweep directory")
         print(primary_markdown(analyse(args.out, args.reference, args.budget, args.metric,
-                                       not args.training_samples)))
+                                       not args.training_samples, args.family)))
 
 
 if __name__ == "__main__":

@@ -98,3 +98,12 @@ def test_the_forgetting_sweeps_primary_reads_the_sampled_accuracy_and_counts_the
     spo, grpo = (exact_curve(load(out, f"{v}-s10"), 64, "eval/accuracy") for v in ("spo", "grpo"))
     assert spo[1] == (512.0, spo[0][1]) and spo[2][0] == grpo[1][0] + 512 == 25 * 64 + 512
     assert pool_size(load(out, "spo-s10")["config"]) == 64
+
+
+def test_the_sign_flip_test_counts_sign_assignments_and_holm_steps_down():
+    """Paired differences all of one sign at 8 seeds: only the two all-one-sign assignments reach |sum|, p = 2/256;
+    Holm multiplies the smallest p by the family's size, the next by one less, and never lets p fall."""
+    from experiments.analysis import holm, sign_flip_p
+    assert sign_flip_p([0.01] * 8) == 2 / 256 and sign_flip_p([0.01, -0.01]) == 1.0
+    assert sign_flip_p([0.03, 0.01, -0.01, 0.02]) == 6 / 16  # |sum| 5 or 7 (in 0.01): 3 patterns, each signed +-
+    assert holm({"a": 0.01, "b": 0.04, "c": 0.03, "d": 0.5}) == {"a": 0.04, "c": 0.09, "b": 0.09, "d": 0.5}
