@@ -34,7 +34,7 @@ from machinery.data import check_context, find_model, load_tokenizer, load_train
 from machinery.metrics import (Logger, PromptReach, add_logging_flags, plot_run, run_summary, spo_metrics,
                                step_metrics, timed)
 from machinery.run_dir import check_disk, open_run_dir
-from initial_values import TrainingV0, add_v0_flags, check_values_header, claim_toy_values, init_tracker
+from offline_values import TrainingV0, add_v0_flags, check_values_header, claim_toy_values, init_tracker
 from reward import BUILT_IN, add_reward_flags, rewards
 from hf_engine import add_engine_flags, start_engine, start_program
 from rollout import TOOL_INSTRUCTION, add_budget_flag, add_tool_flags, make_tools, response_budget
@@ -131,7 +131,7 @@ def ppo_clip_token_loss(logprobs, old_logprobs, advantage, mask, clip_low, clip_
     return loss, loss_clipped > loss_unclipped
 
 
-def request_seeds(seed, step, rank, n, round_=0):
+def step_seeds(seed, step, rank, n, round_=0):
     """One engine seed per request, so that ranks, steps and DAPO's refill rounds (round_ > 0) sample differently."""
     return np.random.SeedSequence([seed, 0, step, rank] + [round_] * (round_ > 0)).generate_state(n)
 
@@ -165,7 +165,7 @@ def main(argv=None):
     for step in logger.progress(range(start_step + 1, args.steps + 1), total=args.steps, initial=start_step):
         if args.oversample > 1 or args.dynamic_sampling:  # steps 1-3 with Appendix B's over-sampling or DAPO's refill
             mine, rollouts, reward, sampling, t = variants.oversampled_batch(
-                sampler, generate, score, data, functools.partial(request_seeds, args.seed, step, rank),
+                sampler, generate, score, data, functools.partial(step_seeds, args.seed, step, rank),
                 batch_size=args.batch_size, group=group, rank=rank, world=world, oversample=args.oversample,
                 measure=args.oversample_measure, dynamic=args.dynamic_sampling,
                 reach=reach, gather=all_gather_objects)
@@ -174,7 +174,7 @@ def main(argv=None):
             # 1. B prompts (Eq. 11; GRPO: B/G, G slots each): every rank draws the same batch and takes its slots
             mine = np.repeat(sampler.draw(args.batch_size // group), group)[rank * local: (rank + 1) * local]
             # 2. one response per slot from the engine
-            rollouts = generate([data.prompt_ids[i] for i in mine], request_seeds(args.seed, step, rank, local))
+            rollouts = generate([data.prompt_ids[i] for i in mine], step_seeds(args.seed, step, rank, local))
             t1 = time.time()
             # 3. the verifier's reward of each response
             reward = score(rollouts, [data.answers[i] for i in mine])

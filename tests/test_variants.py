@@ -289,7 +289,7 @@ def test_the_default_offline_values_are_silently_unused_without_a_tracker(algo, 
     tracker never reads them (its tracker stays at the uninformed prior) and never measures them (no engine here:
     estimating them would fail)."""
     from types import SimpleNamespace
-    from initial_values import TrainingV0, toy_values_path
+    from offline_values import TrainingV0, toy_values_path
     data = SimpleNamespace(keys=[f"{k:016x}" for k in range(16)])
 
     def tracker_of(argv):
