@@ -65,6 +65,21 @@ def layer(module):
     return next(i for i, names in enumerate(LAYERS) if top in names)
 
 
+def test_every_top_level_file_beside_the_card_says_why_in_the_design_notes():
+    with open(os.path.join(ROOT, "docs", "design.md")) as f:
+        lines = f.read().splitlines()
+    missing = [name for name in sorted(BESIDE) if not any(line.lstrip().startswith(f"- {name}: ") for line in lines)]
+    assert BESIDE and missing == [], missing
+
+
+def test_the_readme_names_every_shipped_toy():
+    """tasks/built/'s folders, whatever they are, each named in the README's layout as `name/`."""
+    built = os.path.join(ROOT, "tasks", "built")
+    toys = sorted(d for d in os.listdir(built) if os.path.isdir(os.path.join(built, d)))
+    text = layout_sections()["tasks"]
+    assert "toy" in toys and [t for t in toys if not re.search(rf"(?<![\w/]){re.escape(t)}/", text)] == []
+
+
 def test_the_top_level_holds_the_card_and_folders_one_kind_each():
     files = tracked_files()
     top = {f for f in files if "/" not in f and not f.startswith(".")}
