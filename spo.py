@@ -5,15 +5,14 @@ group mean but a persistent per-prompt value tracker v(x) (tracker.py). Algorith
   1. draw B prompts, favouring those whose outcome is uncertain (Eq. 11; sampler.py);
   2. one response per prompt from the colocated engine (rollout.py; GRPO draws B/G prompts and G responses each);
   3. the reward r of each response (reward.py);
-  4. the policy's log-probs before the update, one no-grad pass: PPO's old log-probs of the batch and, for D(x),
-     of the previous response of every prompt this batch revisits;
+  4. old log-probs, one no-grad pass: PPO's of the batch and, for D(x), of revisited prompts' previous responses;
   5. A = r - v(x) with the value read BEFORE this reward (Eq. 8), normalised over the global batch (Eq. 9); D(x)
      sets the forgetting factor rho(x), the tracker absorbs r (Eq. 5), the sampler's weights follow, and this
      response is remembered for the next D(x);
-  6. PPO-clip with clip-higher and dual-clip (Eq. 10), a token mean over the global mini-batch;
-  7. the new weights are pushed into the engine.
-The math is the small pure functions below, each the one that runs. GRPO and its relatives are one flag away
-(variants.py: one branch in step 5, one loss in step 6); machinery/ holds the FSDP2 trainer and the rest.
+  6. PPO-clip with clip-higher and dual-clip (Eq. 10), a token mean over the global mini-batch; 7. the weight push.
+The math is the small pure functions below, each the one that runs; GRPO and its relatives are one flag away
+(variants.py: one branch in step 5, one loss in step 6); machinery/ holds the FSDP2 trainer and the rest. The loop
+marks where Algorithm 1 ends and the bookkeeping (metrics, evaluations, checkpoints) begins.
 
     torchrun --nproc_per_node=2 spo.py                                        # the toy (--algo grpo, --tools, ...)
     torchrun --nproc_per_node=8 spo.py --model Qwen/Qwen3-8B --train dapo.parquet ...      (docs/scale.md)
@@ -28,13 +27,13 @@ import numpy as np
 import torch
 
 import variants
-from machinery import checkpoint, device as devices, memory, trainer, untrusted
+from machinery import checkpoint, device as devices, trainer, untrusted
 from machinery.collectives import all_gather_np, all_gather_objects, all_reduce_np, full_parameters
 from machinery.data import check_context, find_model, load_tokenizer, load_train_and_test
 from machinery.metrics import (Logger, PromptReach, add_logging_flags, plot_run, run_summary, spo_metrics,
                                step_metrics, timed)
 from machinery.run_dir import check_disk, open_run_dir
-from initial_values import TrainingV0, add_v0_flags, check_values_header, claim_toy_values, init_tracker
+from offline_values import TrainingV0, add_v0_flags, check_values_header, claim_toy_values, init_tracker
 from reward import BUILT_IN, add_reward_flags, rewards
 from hf_engine import add_engine_flags, start_engine, start_program
 from rollout import TOOL_INSTRUCTION, add_budget_flag, add_tool_flags, make_tools, response_budget
@@ -115,7 +114,8 @@ def ppo_clip_loss(logprobs, old_logprobs, advantage, mask, clip_low, clip_high, 
         and for A < 0 also at most -A * dual_clip: a huge ratio cannot blow up the loss (dual-clip).
     logprobs, old_logprobs, mask: (B, T); advantage: (B,); weights: 1, or (B, T) per-token factors (--tis, not the
     paper's). Returns (loss, clipped): clipped (B, T) is True where the clip range decided (zero gradient there)."""
-    loss, clipped = ppo_clip_token_loss(logprobs, old_logprobs, advantage, mask, clip_low, clip_high, dual_clip)
+    loss, clipped = ppo_clip_token_loss(logprobs, old_logprobs, advantage, mask, clip_low=clip_low,
+                                         clip_high=clip_high, dual_clip=dual_clip)
     return (loss * mask * weights).sum() / n_tokens, clipped
 
 
@@ -131,67 +131,66 @@ def ppo_clip_token_loss(logprobs, old_logprobs, advantage, mask, clip_low, clip_
     return loss, loss_clipped > loss_unclipped
 
 
-def request_seeds(seed, step, rank, n, round_=0):
+def step_seeds(seed, step, rank, n, round_=0):
     """One engine seed per request, so that ranks, steps and DAPO's refill rounds (round_ > 0) sample differently."""
     return np.random.SeedSequence([seed, 0, step, rank] + [round_] * (round_ > 0)).generate_state(n)
 
 
 # ------------------------------------------------------------------------------------------------ the step loop
 def main(argv=None):
-    args, rank, world, device, tools, on_toy, tokenizer, data, test, v0_settings = start(parse_args(argv))
-    run_dir, is_main, on_gpu, spo = args.run_dir, rank == 0, device.type == "cuda", args.algo == "spo"
-    group = args.group_size  # responses per prompt: 1 for SPO (more: Batch SPO), G for the group estimators
-    local = args.batch_size // world  # responses per rank per step
-    policy, optimizer, engine, state = build_policy_and_engine(args, world, device, data, is_main)
-    tracker, sampler, previous, reach, start_step = per_prompt_state(args, state, engine, data, v0_settings, tools,
-                                                                     on_toy, is_main)
-    logger = Logger(run_dir, vars(args), is_main, args.wandb, start_step if state else None)
-    logger.console(f"{len(data.keys)} training prompts, {len(test.keys) if test else 0} held-out, {world} ranks on "
-                   f"{device.type}; run directory {run_dir}")
+    args, run = start(parse_args(argv))  # every flag final from here on; what the set-up built (Run)
+    rank, world, data, group, spo = run.rank, run.world, run.data, args.group_size, args.algo == "spo"
+    local, started = args.batch_size // world, variants.started_per_rank(args.batch_size, world, group, args.oversample)
+    logger = Logger(args.run_dir, vars(args), rank == 0, args.wandb, run.start_step or None)  # resumed: its step
+    logger.console(f"{len(data.keys)} training prompts, {len(run.test.keys) if run.test else 0} held-out, {world} "
+                   f"ranks on {run.device.type}; run directory {args.run_dir}")
     # Step 6's loss: Eq. 10 (PPO-clip, token mean over the global mini-batch); --loss / --loss_agg swap in another
     loss_fn = functools.partial(ppo_clip_loss, clip_low=args.clip_low, clip_high=args.clip_high, dual_clip=DUAL_CLIP)
     if (args.loss, args.loss_agg) != ("ppo_clip", "token_mean"):
         loss_fn = variants.make_loss(args.loss, args.loss_agg, ppo_clip_token_loss, clip_low=args.clip_low,
                                      clip_high=args.clip_high, dual_clip=DUAL_CLIP,
                                      n_sequences=args.batch_size // args.ppo_steps, max_len=args.max_response_len)
-    generate = functools.partial(engine.generate, max_tokens=args.max_response_len, tools=tools, group_size=group)
+    generate = functools.partial(run.engine.generate, max_tokens=args.max_response_len, tools=run.tools,
+                                 group_size=group, keep_first=local if started > local and not args.oversample_measure
+                                 else None)  # Appendix B: the first B to finish kept, the rest aborted (None)
     score = functools.partial(rewards, think_format=args.think_format, truncated_reward=args.truncated_reward,
                               reward=args.reward, timeout_s=args.reward_timeout)
-    exact = exact_metric(policy, tokenizer, args.eval_reference, args.micro_batch_size,
+    score = functools.partial(variants.score_finished, score) if started > local else score  # aborted: NaN
+    exact = exact_metric(run.policy, run.tokenizer, args.eval_reference, args.micro_batch_size,
                          args.max_tokens_per_micro_batch)  # the exact success probability, where one is known
-    started_at, nonfinite, probe = time.time(), 0, ProbeSettings.pick(vars(args))
-    if start_step == 0 and (before := evaluations(engine, test, data, tracker, probe, tools, 0, exact)):
-        logger.log(0, before)  # held-out accuracy and the tracker probe before training, when asked for
-    for step in logger.progress(range(start_step + 1, args.steps + 1), total=args.steps, initial=start_step):
-        if args.oversample > 1 or args.dynamic_sampling:  # steps 1-3 with Appendix B's over-sampling or DAPO's refill
-            mine, rollouts, reward, sampling, t = variants.oversampled_batch(
-                sampler, generate, score, data, functools.partial(request_seeds, args.seed, step, rank),
-                batch_size=args.batch_size, group=group, rank=rank, world=world, oversample=args.oversample,
-                measure=args.oversample_measure, dynamic=args.dynamic_sampling,
-                reach=reach, gather=all_gather_objects)
-        else:
-            t0 = time.time()
-            # 1. B prompts (Eq. 11; GRPO: B/G, G slots each): every rank draws the same batch and takes its slots
-            mine = np.repeat(sampler.draw(args.batch_size // group), group)[rank * local: (rank + 1) * local]
+    evaluate = functools.partial(evaluations, run.engine, run.test, data, run.tracker, tools=run.tools, exact=exact,
+                                 settings=ProbeSettings.pick(vars(args)))  # held-out accuracy, the probe: when due
+    started_at, nonfinite, on_gpu = time.time(), 0, run.device.type == "cuda"
+    if run.start_step == 0 and (before := evaluate(step=0)):
+        logger.log(0, before)
+    for step in logger.progress(range(run.start_step + 1, args.steps + 1), total=args.steps, initial=run.start_step):
+        t = {}  # each phase's seconds
+        with timed(t, "generate"):
+            # 1. B prompts (Eq. 11; GRPO: B/G prompts, G slots each): every rank draws the same batch, takes its slots
+            mine = np.repeat(run.sampler.draw(started * world // group), group)[rank * started: (rank + 1) * started]
             # 2. one response per slot from the engine
-            rollouts = generate([data.prompt_ids[i] for i in mine], request_seeds(args.seed, step, rank, local))
-            t1 = time.time()
-            # 3. the verifier's reward of each response
+            rollouts = generate([data.prompt_ids[i] for i in mine], step_seeds(args.seed, step, rank, started))
+        with timed(t, "score"):  # 3. the verifier's reward of each response
             reward = score(rollouts, [data.answers[i] for i in mine])
-            t = {"generate": t1 - t0, "score": time.time() - t1}
-            sampling = {"sampling/generated": args.batch_size, "sampling/used": args.batch_size}
+        sampling = {"sampling/generated": args.batch_size, "sampling/used": args.batch_size}
+        if started > local or args.dynamic_sampling:  # Appendix B: the first B to finish; DAPO: refill flat groups
+            mine, rollouts, reward, sampling = variants.resampled(
+                (mine, rollouts, reward), run.sampler, generate, score, data, times=t, batch_size=args.batch_size,
+                group=group, rank=rank, world=world, dynamic=args.dynamic_sampling, reach=run.reach,
+                gather=all_gather_objects, seeds=functools.partial(step_seeds, args.seed, step, rank))
         devices.phase_end(on_gpu, "generate")  # (GPU: device memory in use with vLLM awake)
-        engine.sleep()
+        run.engine.sleep()
         # 4. old log-probs, one no-grad pass: this batch's (PPO's ratio) and SPO's revisited prompts' (for D(x))
-        revisited = [(slot, previous[i]) for slot, i in enumerate(mine) if i in previous and slot % group == 0]
+        revisited = [(slot, run.previous[i]) for slot, i in enumerate(mine) if i in run.previous and slot % group == 0]
         with timed(t, "old_logprobs"):
-            old = trainer.old_logprobs(policy, rollouts,
-                                       [(data.prompt_ids[mine[slot]], p.response_ids, p.mask) for slot, p in revisited],
-                                       args.temperature, args.micro_batch_size, args.max_tokens_per_micro_batch)
+            old = trainer.old_logprobs(run.policy, rollouts, [(data.prompt_ids[mine[slot]], p.response_ids, p.mask)
+                                                              for slot, p in revisited],
+                                       temperature=args.temperature, micro_batch_size=args.micro_batch_size,
+                                       max_tokens=args.max_tokens_per_micro_batch)
         # 5. advantages and the state each algorithm carries to the next step (--adv_norm token: Eq. 9 per token)
         norm_weight = [sum(r.response_mask) for r in rollouts] if args.adv_norm == "token" else None
         if spo:
-            value = tracker.value_at(mine) if args.baseline != "none" else np.zeros(local)  # v_{-1}(x)
+            value = run.tracker.value_at(mine) if args.baseline != "none" else np.zeros(local)  # v_{-1}(x)
             raw_advantage = spo_advantage(reward, value)  # Eq. 8, before the tracker absorbs r
             advantage = global_normalise(raw_advantage, weight=norm_weight)  # Eq. 9
             divergences, revisit = np.zeros(local), np.zeros(local)  # D(x) per slot; 0 on a first visit
@@ -201,81 +200,88 @@ def main(argv=None):
                 revisit[slot: slot + group] = 1.0
             all_index, all_reward, all_divergences, all_revisit, all_raw_advantage = all_gather_np(
                 mine, reward, divergences, revisit, raw_advantage)  # one collective
-            rho = tracker.rho(all_divergences)  # Eq. 5: 2^(-D / D_half), clipped
+            rho = run.tracker.rho(all_divergences)  # Eq. 5: 2^(-D / D_half), clipped
             if args.baseline != "fixed":  # the fixed baseline keeps v0 forever (the A*-PO-like ablation)
-                tracker.update(all_index, all_reward, rho)  # Eq. 5: every rank applies the same update, once
+                run.tracker.update(all_index, all_reward, rho)  # Eq. 5: every rank applies the same update, once
             if args.sampler == "prioritized":  # Eq. 11 for the prompts whose value just changed
                 uniq = np.unique(all_index)
-                sampler.set_weights(priority_weights(tracker.value_at(uniq), tracker.n_eff_at(uniq), args.sampling_eps),
-                                    uniq)
-            remember(previous, all_index, all_gather_objects(  # for D(x) at the next visit: the acting policy's
+                run.sampler.set_weights(priority_weights(run.tracker.value_at(uniq), run.tracker.n_eff_at(uniq),
+                                                         args.sampling_eps, args.sampling_gamma), uniq)
+            remember(run.previous, all_index, all_gather_objects(  # for D(x) at the next visit: the acting policy's
                 [PreviousResponse.of(r, logprobs) for r, logprobs in zip(rollouts, old["batch"])]))
-            algo_metrics = spo_metrics(all_raw_advantage, tracker, all_divergences, rho, all_revisit > 0)
+            algo_metrics = spo_metrics(all_raw_advantage, run.tracker, all_divergences, rho, all_revisit > 0)
         elif args.algo == "reinforce_pp":  # REINFORCE++: no per-prompt baseline, r whitened over the global batch
             raw_advantage, advantage, algo_metrics = reward, global_normalise(reward, weight=norm_weight), {}
         else:  # the group baselines (variants.py): GRPO's z-score, RLOO's leave-one-out mean, Dr. GRPO's mean
             raw_advantage = advantage = variants.GROUP_BASELINES[args.algo](reward, group)
             algo_metrics = {}  # (all-equal groups: in step_metrics, for every estimator with groups)
         # 6. PPO-clip (Eq. 10; or --loss, --loss_agg), `ppo_steps` optimiser steps over the global batch
-        with timed(t, "update"), trainer.learning_check(policy, optimizer, rollouts, old["batch"], advantage,
-                                                        args.temperature, args.micro_batch_size,
-                                                        args.max_tokens_per_micro_batch, on=step == start_step + 1):
-            stats = trainer.ppo_update(policy, optimizer, rollouts, old["batch"], advantage, loss_fn,
-                                       ppo_steps=args.ppo_steps, micro_batch_size=args.micro_batch_size,
-                                       temperature=args.temperature, grad_clip=args.grad_clip, tis=args.tis,
-                                       max_tokens=args.max_tokens_per_micro_batch)
+        with timed(t, "update"):
+            stats = update(run, rollouts, old["batch"], advantage, args, loss_fn=loss_fn,
+                           first=step == run.start_step + 1)
         devices.phase_end(on_gpu, "update")
+        # 7. weight push: the next rollouts come from the updated policy
+        with timed(t, "weight_push"):
+            run.engine.push_weights(full_parameters(run.policy, torch.bfloat16 if args.bf16 == "on" else None))
+        # ---- Algorithm 1 ends here: what follows records the step (metrics, evaluations, checkpoints)
         nonfinite = nonfinite + 1 if stats["nonfinite"] else 0
         if nonfinite >= MAX_NONFINITE:
             raise SystemExit(f"error: {nonfinite} consecutive steps with a non-finite loss at step {step}; "
-                             f"lower --lr or check the data (metrics in {run_dir}/metrics.jsonl)")
-        # 7. weight push: the next rollouts come from the updated policy
-        with timed(t, "weight_push"):
-            engine.push_weights(full_parameters(policy, torch.bfloat16 if args.bf16 == "on" else None))
-        metrics = {**step_metrics(reward, raw_advantage, advantage, rollouts, old, stats, t, group=group,
-                                  tools=tools is not None), **algo_metrics, **sampling, **devices.peak_metrics(on_gpu)}
-        metrics.update(evaluations(engine, test, data, tracker, probe, tools, step, exact))
+                             f"lower --lr or check the data (metrics in {args.run_dir}/metrics.jsonl)")
+        metrics = {**step_metrics(reward, raw_advantage, advantage, rollouts, old, stats=stats, times=t, group=group,
+                                  tools=run.tools is not None), **algo_metrics, **sampling,
+                   **devices.peak_metrics(on_gpu)}
+        metrics.update(evaluate(step=step))
         logger.log(step, metrics, console=(step % args.log_every == 0 or step == args.steps))
         if (args.save_every and step % args.save_every == 0) or step == args.steps:
-            checkpoint.save_checkpoint(run_dir, step, policy, optimizer, tokenizer, world, data.keys,
-                                       tracker.state_dict(), sampler.state_dict(),
-                                       {i: vars(p) for i, p in previous.items()}, vars(args), reach=reach.state_dict(),
-                                       export_dtype=torch.bfloat16 if on_gpu else None)
+            run.save(args.run_dir, step, vars(args), export_dtype=torch.bfloat16 if on_gpu else None)
     logger.close()
-    if tools:
-        tools.pool.close()
-    engine.shutdown()  # also tears down the process group
-    if is_main:  # the last line: held-out before and after (the default run: beside the README's range), what next
-        default_run = on_toy and not set(args.given) - {"run_dir", "seed"}
-        print(run_summary(run_dir, plot_run(run_dir), time.time() - started_at,
+    if run.tools:
+        run.tools.pool.close()
+    run.engine.shutdown()  # also tears down the process group
+    if rank == 0:  # the last line: held-out before and after (the default run: beside the README's range), what next
+        default_run = run.on_toy and not set(args.given) - {"run_dir", "seed"}
+        print(run_summary(args.run_dir, plot_run(args.run_dir), time.time() - started_at,
                           toy.DEFAULT_RUN_RANGE if default_run else None, args.test), flush=True)
+
+
+def update(run, rollouts, old, advantage, args, *, loss_fn, first):
+    """Step 6, and on a run's first step the check that it moved the policy the way the advantages say."""
+    with trainer.learning_check(run.policy, run.optimizer, rollouts, old, advantage, on=first,
+                                temperature=args.temperature, micro_batch_size=args.micro_batch_size,
+                                max_tokens=args.max_tokens_per_micro_batch):
+        return trainer.ppo_update(run.policy, run.optimizer, rollouts, old, advantage, loss_fn=loss_fn,
+                                  ppo_steps=args.ppo_steps, micro_batch_size=args.micro_batch_size,
+                                  temperature=args.temperature, grad_clip=args.grad_clip, tis=args.tis,
+                                  max_tokens=args.max_tokens_per_micro_batch)
 
 
 # ------------------------------------------------------------------------------------------------ set-up
 def parse_args(argv=None):
+    """The flags in the paper's order; a preset's defaults, and what the algorithm alone decides (start: the rest)."""
     p = argparse.ArgumentParser(description="SPO / GRPO training with FSDP2 and a colocated rollout engine")
-    p.add_argument("--model", default=None, help="HF model name or local path (default: the built-in toy)")
-    p.add_argument("--train", default=None, help="training prompts, a parquet or JSONL file (default: the toy's)")
-    p.add_argument("--test", default=None, help="held-out prompts, a parquet or JSONL file (default: the toy's)")
-    p.add_argument("--toy_dir", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--max_prompt_len", type=int, default=256, help="token limit; longer prompts left out")
-    p.add_argument("--train_prompts", type=int, default=0, help=argparse.SUPPRESS)  # the first N only (sweeps),
-    p.add_argument("--pool_seed", type=int, default=-1, help=argparse.SUPPRESS)  # or N drawn by this seed
     p.add_argument("--preset", choices=sorted(variants.PRESETS), default=None, help="named defaults (variants.PRESETS)")
-    add_budget_flag(p)  # --max_response_len, shared with eval.py and offline_values.py
-    p.add_argument("--algo", choices=["spo", "reinforce_pp", *variants.GROUP_ALGOS], default="spo",
+    g = p.add_argument_group("data and model")
+    g.add_argument("--model", default=None, help="HF model name or local path (default: the built-in toy)")
+    g.add_argument("--train", default=None, help="training prompts, a parquet or JSONL file (default: the toy's)")
+    g.add_argument("--test", default=None, help="held-out prompts, a parquet or JSONL file (default: the toy's)")
+    g.add_argument("--toy_dir", default=None, help=argparse.SUPPRESS)
+    g.add_argument("--max_prompt_len", type=int, default=256, help="token limit; longer prompts left out")
+    g.add_argument("--train_prompts", type=int, default=0, help=argparse.SUPPRESS)  # the first N only (sweeps),
+    g.add_argument("--pool_seed", type=int, default=-1, help=argparse.SUPPRESS)  # or N drawn by this seed
+    g = p.add_argument_group("Algorithm 1: sampling and rollout (steps 1-3)")
+    g.add_argument("--batch_size", type=int, default=64, help="responses per step, over all ranks")
+    g.add_argument("--group_size", type=int, default=None, help="responses per prompt (default: spo 1, others 8)")
+    g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of training (and v0)")
+    add_budget_flag(g)  # --max_response_len, shared with eval.py and offline_values.py
+    add_reward_flags(g)  # --reward (the verifier), --truncated_reward, --think_format, --reward_timeout
+    sampling_variants = g  # --dynamic_sampling, --oversample: below, with the losses (variants.py)
+    add_tool_flags(p)  # its own group: --tools, --max_turns, --sandbox_workers, ... (shared with the other programs)
+    g = p.add_argument_group("advantage and tracker (Eq. 5-9)")
+    g.add_argument("--algo", choices=["spo", "reinforce_pp", *variants.GROUP_ALGOS], default="spo",
                    help="advantage estimator (docs/variants.md)")
-    p.add_argument("--batch_size", type=int, default=64, help="responses per step, over all ranks")
-    p.add_argument("--group_size", type=int, default=None, help="responses per prompt (default: spo 1, others 8)")
-    p.add_argument("--steps", type=int, default=150, help="training steps (rollout batches)")
-    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of training (and v0)")
-    add_reward_flags(p)  # --reward (the verifier), --truncated_reward, --think_format, --reward_timeout
-    add_tool_flags(p)  # --tools, --max_turns, --sandbox_workers, ... (shared with eval.py / offline_values.py)
-    g = p.add_argument_group("SPO: tracker and sampler (Eq. 5-11)")
-    add_v0_flags(g)  # --offline_values, --n0, --accept_offline_mismatch, --init_smoothing (Algorithm 2)
     g.add_argument("--baseline", choices=["tracker", "none", "fixed"], default="tracker", help="spo's v(x) (fixed: v0)")
-    g.add_argument("--sampler", choices=["auto", "prioritized", "uniform"], default="auto", help="auto: Eq. 11 for spo")
-    g.add_argument("--sampling_eps", type=float, default=0.05, help="Eq. 11's exploration bonus eps")
+    add_v0_flags(g)  # --offline_values, --n0, --accept_offline_mismatch, --init_smoothing (Algorithm 2)
     g.add_argument("--rho", choices=["kl", "constant", "none"], default="kl", help="rho: 2^(-D/D_half), fixed, 1")
     g.add_argument("--rho_min", type=float, default=0.875, help="lower clip of rho; N0 = 1/(1-rho_min)")
     g.add_argument("--rho_max", type=float, default=0.96, help="upper clip of rho (used on a first visit)")
@@ -283,14 +289,19 @@ def parse_args(argv=None):
     g.add_argument("--d_half", type=float, default=None, help=f"D at which rho halves (default: {D_HALF})")
     g.add_argument("--rho_constant", type=float, default=0.875, help="rho when --rho constant")
     g.add_argument("--adv_norm", choices=["trajectory", "token"], default="trajectory", help="Eq. 9's weights")
-    g = p.add_argument_group("PPO (Eq. 10)")
+    g = p.add_argument_group("policy loss (Eq. 10)")
+    g.add_argument("--clip_low", type=float, default=0.2, help="PPO ratio clip below 1")
+    g.add_argument("--clip_high", type=float, default=0.28, help="PPO ratio clip above 1 (clip-higher)")
+    variants.add_variant_flags(sampling_variants, g)  # --loss, --loss_agg, --tis here
+    g = p.add_argument_group("sampler (Eq. 11)")
+    g.add_argument("--sampler", choices=["auto", "prioritized", "uniform"], default="auto", help="auto: Eq. 11 for spo")
+    g.add_argument("--sampling_eps", type=float, default=0.05, help="Eq. 11's exploration bonus eps")
+    g.add_argument("--sampling_gamma", type=float, default=0.0, help="Eq. 11's N_eff^gamma (0: the arXiv form)")
+    g = p.add_argument_group("training and optimiser")
+    g.add_argument("--steps", type=int, default=150, help="training steps (rollout batches)")
     g.add_argument("--lr", type=float, default=2e-4, help="AdamW learning rate (paper: 1e-6 for Qwen3-8B)")
     g.add_argument("--grad_clip", type=float, default=1.0, help="global gradient 2-norm clip")
     g.add_argument("--ppo_steps", type=int, default=1, help="optimiser steps per rollout batch (paper: 8)")
-    g.add_argument("--clip_low", type=float, default=0.2, help="PPO ratio clip below 1")
-    g.add_argument("--clip_high", type=float, default=0.28, help="PPO ratio clip above 1 (clip-higher)")
-    g = p.add_argument_group("other estimators and losses")
-    variants.add_variant_flags(g)  # --loss, --loss_agg, --dynamic_sampling, --oversample, ...
     g = p.add_argument_group("evaluation and probe")
     add_eval_flags(g)  # --eval_every, --eval_samples, ..., and the tracker probe's
     g = p.add_argument_group("run directory and logging")
@@ -299,7 +310,7 @@ def parse_args(argv=None):
     g.add_argument("--resume", default=None, help="a run directory to continue from its latest checkpoint")
     g.add_argument("--seed", type=int, default=0, help="seeds prompt sampling and generation")
     add_logging_flags(g)  # --wandb, and --log_every (hidden)
-    g = p.add_argument_group("machinery: memory, micro-batches, engine")
+    g = p.add_argument_group("system: memory, micro-batches, engine")
     devices.add_trainer_flags(g)  # micro-batches, gradient checkpointing, FSDP2 units, bf16, the estimate's override
     add_engine_flags(g, gpu_share=0.5)  # --engine, --gpu_memory_utilization, --compile
     args = p.parse_args(argv)
@@ -313,86 +324,76 @@ def parse_args(argv=None):
 
 
 def start(args):
-    """Everything checked before anything heavy starts (start_program: as eval.py and offline_values.py), then a
-    resumed run's own settings, every flag, the run directory (locked), the tools, the model and prompts (the toy's
-    where none are named), and the settings that make offline values v0 valid here (Algorithm 2)."""
-    rank, world, device, args.engine = start_program(args.engine)
-    if args.resume:  # the run's own settings; only some flags may change (checkpoint.RESUME_MAY_CHANGE)
-        given, values = args.given, {f: getattr(args, f) for f in args.given}
-        resumed = checkpoint.resumed_config(args.resume, values, BUILT_IN, toy.BUILT)  # running nothing it names
-        args = argparse.Namespace(**{**vars(args), **resumed, "given": given})
+    """Everything checked before anything heavy starts (start_program: as eval.py and offline_values.py), then the
+    final flags, once, and what the loop needs, new or resumed: (args, checkpoint.Run); nothing changes args after."""
+    rank, world, device, engine = start_program(args.engine)
+    if args.resume:  # the run's own settings (running nothing it names)
+        args = checkpoint.resumed_args(args, BUILT_IN, toy.BUILT)
     variants.check_flags(vars(args), world)  # one clear line for a bad flag or combination
     thinking.check_budget(args.toy_dir, args.max_response_len)  # a worked sum must fit
-    args.bf16 = devices.use_bf16(args.bf16, device.type == "cuda")  # auto: on GPU only; "on" needs bf16 units
-    args.run_dir = open_run_dir(args.resume or args.run_dir, resumed=bool(args.resume), algo=args.algo,
-                                program="spo.py")
-    on_toy = args.train is None  # on the toy, 'auto' offline values are built here
-    args.eval_reference = exact_template(args.eval_reference, on_toy and not args.tools and not thinking.is_thinking(
+    on_gpu, on_toy = device.type == "cuda", args.train is None  # on the toy, 'auto' offline values are built here
+    bf16 = devices.use_bf16(args.bf16, on_gpu)  # auto: on GPU only; "on" needs bf16 units
+    run_dir = open_run_dir(args.resume or args.run_dir, resumed=bool(args.resume), algo=args.algo, program="spo.py")
+    eval_reference = exact_template(args.eval_reference, on_toy and not args.tools and not thinking.is_thinking(
         args.toy_dir), args.eval_top_p, args.eval_top_k)  # auto: the toy's only correct response (not a thinking toy)
-    args.toy_dir, args.model, args.train, args.test = toy.fill_in(args.toy_dir, args.tools, args.model, args.train,
-                                                                  "train", args.test)
+    toy_dir, model, train, test = toy.fill_in(args.toy_dir, args.tools, args.model, args.train, "train", test=args.test)
     tools = make_tools(args.tools, args.max_turns, args.sandbox_workers, args.sandbox_timeout, args.sandbox_memory_mb,
-                       args.max_tool_output_chars, {args.train: "train", args.test: "test", args.run_dir: "run_dir"})
-    args.model = find_model(args.model)  # a hub name without a hub: its cached copy, or one line
-    check_context(args.model, args.max_prompt_len + args.max_response_len, "--max_prompt_len + --max_response_len")
+                       max_tool_output_chars=args.max_tool_output_chars,
+                       private={train: "train", test: "test", run_dir: "run_dir"})
+    model = find_model(model)  # a hub name without a hub: its cached copy, or one line
+    check_context(model, args.max_prompt_len + args.max_response_len, "--max_prompt_len + --max_response_len")
     system_prompt = TOOL_INSTRUCTION if args.tool_instruction else None
-    tokenizer = load_tokenizer(args.model)
-    data, test = load_train_and_test(tokenizer, args.train, args.test, system_prompt=system_prompt,
-                                     max_prompt_len=args.max_prompt_len, train_prompts=args.train_prompts,
-                                     pool_seed=args.pool_seed,
-                                     test_prompts=args.eval_max_prompts, verbose=rank == 0,
-                                     min_prompts=math.ceil(args.oversample * args.batch_size / world / args.group_size)
-                                     * world)
-    args.held_out = untrusted.same_held_out(vars(args), test and test.keys, args.resume)  # --test: by content
-    v0_settings = TrainingV0.pick(vars(args), tools=tools, system_prompt=system_prompt)  # Algorithm 2's, as values
+    tokenizer = load_tokenizer(model)
+    data, test_data = load_train_and_test(
+        tokenizer, train, test, system_prompt=system_prompt, max_prompt_len=args.max_prompt_len,
+        train_prompts=args.train_prompts, pool_seed=args.pool_seed, test_prompts=args.eval_max_prompts,
+        verbose=rank == 0, min_prompts=math.ceil(args.oversample * args.batch_size / world / args.group_size) * world)
+    here = dict(engine=engine, bf16=bf16, run_dir=run_dir, eval_reference=eval_reference, toy_dir=toy_dir, model=model,
+                train=train, test=test, held_out=untrusted.same_held_out(vars(args), test_data and test_data.keys,
+                                                                         args.resume))  # --test: by content
+    v0 = TrainingV0.pick({**vars(args), **here}, tools=tools, system_prompt=system_prompt)  # Algorithm 2's settings
     if args.algo == "spo" and not args.resume and args.offline_values not in ("auto", "none"):
-        check_values_header(args.offline_values, v0_settings.settings(), args.accept_offline_mismatch, args.model)
-    v0_settings = claim_toy_values(v0_settings, on_toy and args.algo == "spo" and not args.resume, args.run_dir)
-    args.offline_values = v0_settings.offline_values  # where the toy's v0 is kept, said before the engine starts
-    return args, rank, world, device, tools, on_toy, tokenizer, data, test, v0_settings
-
-
-def build_policy_and_engine(args, world, device, data, is_main):
-    """The policy (FSDP2), its optimiser and colocated engine once the memory estimate fits, and the checkpoint."""
-    on_gpu = device.type == "cuda"  # (auto: gradient checkpointing and one FSDP2 unit per layer on GPU only)
-    layer_units = devices.use_layer_units(args.fsdp_units, on_gpu, world)
-    args.max_tokens_per_micro_batch, checkpointing = memory.check_rank_memory(  # ('auto' resolved)
-        args.model, world=world, on_gpu=on_gpu, is_main=is_main, batch_size=args.batch_size,
-        micro_batch_size=args.micro_batch_size, max_tokens=args.max_tokens_per_micro_batch,
-        max_sequence_len=args.max_prompt_len + args.max_response_len, layer_units=layer_units,
-        gradient_checkpointing=args.gradient_checkpointing, gpu_memory_utilization=args.gpu_memory_utilization,
-        ignore=args.ignore_memory_estimate)
+        check_values_header(args.offline_values, v0.settings(), args.accept_offline_mismatch, model)
+    v0 = claim_toy_values(v0, on_toy and args.algo == "spo" and not args.resume, run_dir)  # said before the engine
+    max_tokens, checkpointing, layer_units = devices.trainer_plan(vars(args), model, world, on_gpu, rank == 0)
+    args = argparse.Namespace(**{**vars(args), **here, "offline_values": v0.offline_values,
+                                 "max_tokens_per_micro_batch": max_tokens})  # final
+    # the policy, its optimiser and engine, once the memory estimate fits; a resumed run's model and state
     state = checkpoint.load_checkpoint(args.resume, world, data.keys) if args.resume else None
     model_path = state["model_dir"] if state else args.model
-    policy, optimizer = trainer.build_policy(model_path, device, args.lr, WEIGHT_DECAY, checkpointing, layer_units,
-                                             args.bf16 == "on", args.compile == "on")
+    policy, optimizer = trainer.build_policy(model_path, device, lr=args.lr, weight_decay=WEIGHT_DECAY,
+                                             gradient_checkpointing=checkpointing, layer_units=layer_units,
+                                             bf16=args.bf16 == "on", compile_layers=args.compile == "on")
     check_disk(args.run_dir, policy, export_bytes_per_parameter=2 if on_gpu else 4)
     engine = start_engine(args.engine, model_path, seed=args.seed, device=device, temperature=args.temperature,
-                          max_model_len=args.max_prompt_len + args.max_response_len,
-                          gpu_memory_utilization=args.gpu_memory_utilization, engine_compile=args.compile,
-                          bf16=args.bf16 == "on")
+                          max_model_len=args.max_prompt_len + args.max_response_len, bf16=args.bf16 == "on",
+                          gpu_memory_utilization=args.gpu_memory_utilization, engine_compile=args.compile)
     if state:
         checkpoint.restore_training_state(policy, optimizer, state["shards"])
-    return policy, optimizer, engine, state
-
-
-def per_prompt_state(args, state, engine, data, v0_settings, tools, on_toy, is_main):
-    """The state carried across steps, new or from the checkpoint: the tracker (new: from v0, Algorithm 2), the
-    sampler's weights (Eq. 11), each prompt's previous response (D(x)), the prompts reached, the step."""
-    tracker = ValueTracker(len(data.keys), args.rho_min, args.rho_max, args.d_half,
-                           {"constant": args.rho_constant, "none": 1.0}.get(args.rho))
-    sampler = PromptSampler(len(data.keys), seed=args.seed, mode=args.sampler)
-    previous, reach = {}, PromptReach(len(data.keys))  # prompt -> PreviousResponse (SPO only); --oversample's reach
+    # the state carried across steps: the tracker, the sampler's weights (Eq. 11), previous responses, reach
+    tracker = tracker_at_start(args, data, v0, engine, state, on_toy=on_toy, is_main=rank == 0)
+    sampler, reach = PromptSampler(len(data.keys), seed=args.seed, mode=args.sampler), PromptReach(len(data.keys))
     if state:
-        tracker.load_state_dict(state["tracker"])
         sampler.load_state_dict(state["sampler"])
         reach.load_state_dict(state["reach"])
-        previous = {i: PreviousResponse(**fields) for i, fields in state["previous"].items()}
-    elif args.algo == "spo":
-        init_tracker(tracker, v0_settings, engine, data, on_toy, is_main)  # Algorithm 2
     if args.sampler == "prioritized":
-        sampler.set_weights(priority_weights(tracker.value, tracker.n_eff, args.sampling_eps))
-    return tracker, sampler, previous, reach, state["step"] if state else 0
+        sampler.set_weights(priority_weights(tracker.value, tracker.n_eff, args.sampling_eps, args.sampling_gamma))
+    previous = {i: PreviousResponse(**fields) for i, fields in state["previous"].items()} if state else {}
+    return args, checkpoint.Run(rank=rank, world=world, device=device, tools=tools, tokenizer=tokenizer, data=data,
+                                test=test_data, on_toy=on_toy, policy=policy, optimizer=optimizer, engine=engine,
+                                tracker=tracker, sampler=sampler, previous=previous, reach=reach,
+                                start_step=state["step"] if state else 0)
+
+
+def tracker_at_start(args, data, v0, engine, state, *, on_toy, is_main):
+    """The value tracker (Eq. 5-7): the checkpoint's; new, from v0 (Algorithm 2: spo only, the others read none)."""
+    tracker = ValueTracker(len(data.keys), args.rho_min, args.rho_max, args.d_half,
+                           {"constant": args.rho_constant, "none": 1.0}.get(args.rho))
+    if state:
+        tracker.load_state_dict(state["tracker"])
+    elif args.algo == "spo":
+        init_tracker(tracker, v0, engine, data, on_toy=on_toy, is_main=is_main)
+    return tracker
 
 
 if __name__ == "__main__":

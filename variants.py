@@ -35,20 +35,21 @@ AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "token_sum")
 GROUP_ALGOS = ("grpo", "rloo", "dr_grpo")  # need G >= 2 responses per prompt
 
 
-def add_variant_flags(p):
-    """The policy-loss and sampling flags of the family (the estimator is spo.py's --algo and --baseline)."""
+def add_variant_flags(sampling, p):
+    """The family's sampling flags (into `sampling`: steps 1-3) and policy-loss flags (into p; the estimator is
+    spo.py's --algo and --baseline)."""
     p.add_argument("--loss", choices=LOSSES, default="ppo_clip",
                    help="policy loss: PPO-clip (Eq. 10), GSPO's sequence ratio, CISPO's clipped IS weight")
     p.add_argument("--loss_agg", choices=AGGREGATIONS, default="token_mean",
                    help="token mean over the global mini-batch, mean over sequences of their token mean, or "
                         "token sum / (sequences x --max_response_len)")
-    p.add_argument("--dynamic_sampling", action="store_true",
-                   help="DAPO: drop groups whose rewards are all equal and refill (group estimators only)")
-    p.add_argument("--oversample", type=float, default=1.0,
-                   help="start f x B trajectories, train on the first B to finish, abort the rest (Appendix B; "
-                        "group estimators: whole groups); 1: off")
-    p.add_argument("--oversample_measure", action="store_true", help=argparse.SUPPRESS)  # let the rest finish, to log
-    # the kept vs aborted lengths and rewards (docs/variants.md)
+    sampling.add_argument("--dynamic_sampling", action="store_true",
+                          help="DAPO: drop groups whose rewards are all equal and refill (group estimators only)")
+    sampling.add_argument("--oversample", type=float, default=1.0,
+                          help="start f x B trajectories, train on the first B to finish, abort the rest (Appendix "
+                               "B; group estimators: whole groups); 1: off")
+    # let the rest finish, to log the kept vs aborted lengths and rewards (docs/variants.md)
+    sampling.add_argument("--oversample_measure", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--tis", type=float, default=0.0,
                    help="truncated importance sampling against the engine/trainer mismatch: each token's loss times "
                         "min(pi_trainer / pi_engine, C) (verl's, OpenRLHF's form); 0: off (the paper)")
@@ -63,7 +64,7 @@ AT_LEAST = {"batch_size": 1, "group_size": 1, "steps": 1, "max_prompt_len": 1, "
             "probe_every": 0, "probe_prompts": 1, "probe_samples": 1, "train_prompts": 0, "pool_seed": -1, "seed": 0,
             "max_tool_output_chars": 1}
 POSITIVE = ("temperature", "eval_temperature", "d_half", "grad_clip", "gpu_memory_utilization")
-NON_NEGATIVE = ("lr", "tis", "clip_low", "clip_high", "sampling_eps")
+NON_NEGATIVE = ("lr", "tis", "clip_low", "clip_high", "sampling_eps", "sampling_gamma")
 
 
 # Named defaults (spo.py --preset), each chosen by measurement (docs/flags.md says what each is for and where it was
@@ -296,32 +297,44 @@ def first_finished(rollouts, keep, group_size=1):
     return np.repeat(kept, group_size)
 
 
-def oversampled_batch(sampler, generate, score, data, seeds, *, batch_size, group, rank, world, oversample, measure,
-                      dynamic, reach, gather, max_rounds=MAX_SAMPLING_ROUNDS):
-    """Steps 1-3 when asked for over-sampling (Appendix B: start f x B trajectories, train on the first B to
-    finish, abort the rest; measure: let them finish, to log kept vs aborted) or DAPO's dynamic sampling (refill
-    rounds until B/G groups carry signal). seeds(n, round_): the per-request seeds. Returns this rank's (prompt
-    indices, rollouts, rewards), the sampling metrics (generated vs used) and the phases' seconds."""
-    local = batch_size // world
-    started = math.ceil(oversample * local / group) * group  # trajectories started per rank
-    t = {"generate": 0.0, "score": 0.0}
+def started_per_rank(batch_size, world, group, oversample):
+    """Trajectories each rank starts in steps 1-3: B / world, or f times that in whole groups (Appendix B)."""
+    return math.ceil(oversample * (batch_size // world) / group) * group
 
-    def sample(round_):
-        t0 = time.time()
-        mine = np.repeat(sampler.draw(started * world // group), group)[rank * started: (rank + 1) * started]
-        rollouts = generate([data.prompt_ids[i] for i in mine], seeds(started, round_),
-                            keep_first=local if started > local and not measure else None)
-        t1 = time.time()
-        done = np.array([r is not None for r in rollouts])  # aborted: None, its reward NaN
-        reward = np.full(started, np.nan)
-        reward[done] = score([r for r in rollouts if r], [data.answers[i] for i in mine[done]])
-        kept = first_finished(rollouts, local, group) if started > local else done
+
+def score_finished(score, rollouts, answers):
+    """Step 3 under over-sampling: the reward of each finished response; NaN where it was aborted (None)."""
+    done = np.array([r is not None for r in rollouts])
+    reward = np.full(len(rollouts), np.nan)
+    reward[done] = score([r for r in rollouts if r], [a for a, d in zip(answers, done) if d])
+    return reward
+
+
+def resampled(first, sampler, generate, score, data, *, times, seeds, batch_size, group, rank, world, dynamic, reach,
+              gather, max_rounds=MAX_SAMPLING_ROUNDS):
+    """What spo.py trains on after steps 1-3 (first: this rank's prompt indices, rollouts, rewards) when asked for
+    over-sampling (Appendix B: f x B started, the first B to finish kept, the rest aborted; --oversample_measure:
+    let them finish, to log kept vs aborted) or DAPO's dynamic sampling (refill rounds, steps 1-3 again with
+    seeds(n, round_), until B/G groups carry signal; their seconds join `times`). Returns this rank's (prompt indices,
+    rollouts, rewards) and the sampling metrics (generated vs used)."""
+    local, started = batch_size // world, len(first[0])
+
+    def keep(mine, rollouts, reward):
+        kept = first_finished(rollouts, local, group) if started > local else np.ones(started, dtype=bool)
         metrics = oversample_metrics(rollouts, reward, kept, mine, reach) if started > local else {}
-        t["generate"], t["score"] = t["generate"] + t1 - t0, t["score"] + time.time() - t1
         return (mine[kept], [r for r, k in zip(rollouts, kept) if k], reward[kept]), metrics
 
-    batch, metrics = sample(0)
+    def again(round_):
+        t0 = time.time()
+        mine = np.repeat(sampler.draw(started * world // group), group)[rank * started: (rank + 1) * started]
+        rollouts = generate([data.prompt_ids[i] for i in mine], seeds(started, round_))
+        t1 = time.time()
+        reward = score(rollouts, [data.answers[i] for i in mine])
+        times["generate"], times["score"] = times["generate"] + t1 - t0, times["score"] + time.time() - t1
+        return keep(mine, rollouts, reward)[0]
+
+    batch, metrics = keep(*first)
     sampling = {"sampling/generated": started * world, "sampling/used": batch_size, **metrics}
     if dynamic:  # DAPO: drop the groups whose rewards are all equal, refill
-        *batch, sampling = dynamic_sampling(batch, lambda k: sample(k)[0], group, max_rounds, rank, world, gather)
-    return (*batch, sampling, t)
+        *batch, sampling = dynamic_sampling(batch, again, group, max_rounds, rank, world, gather)
+    return (*batch, sampling)

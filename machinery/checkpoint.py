@@ -10,6 +10,7 @@ import json
 import os
 import re
 import shutil
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -62,6 +63,41 @@ def resumed_config(run_dir, given, built_in=(), shipped=""):
         fail(errors[0] + (f" (and {len(errors) - 1} more: {'; '.join(e.split(':')[0] for e in errors[1:])})"
                           if len(errors) > 1 else ""), once=True)
     return {**settings, "resume": run_dir, "run_dir": run_dir}
+
+
+def resumed_args(args, built_in=(), shipped=""):
+    """--resume: the run's own settings over the parsed flags (only RESUME_MAY_CHANGE's may differ), or one line."""
+    given = {f: getattr(args, f) for f in args.given}
+    return argparse.Namespace(**{**vars(args), **resumed_config(args.resume, given, built_in, shipped),
+                                 "given": args.given})
+
+
+@dataclass
+class Run:
+    """What spo.py's start built for its loop, handed over once with the final flags: where this process runs,
+    the task, the policy and its engine, and the state a checkpoint saves and resume restores."""
+    rank: int
+    world: int
+    device: torch.device
+    tools: object  # a rollout.Tools, or None
+    tokenizer: object
+    data: object  # the training prompts (machinery.data.Dataset)
+    test: object  # the held-out prompts, or None
+    on_toy: bool
+    policy: torch.nn.Module  # FSDP2
+    optimizer: torch.optim.Optimizer
+    engine: object  # the colocated rollout engine
+    tracker: object  # tracker.ValueTracker
+    sampler: object  # sampler.PromptSampler
+    previous: dict  # prompt -> spo.PreviousResponse (SPO only)
+    reach: object  # metrics.PromptReach: --oversample's draws per prompt
+    start_step: int  # 0, or the checkpoint's
+
+    def save(self, run_dir, step, config, export_dtype=None):
+        save_checkpoint(run_dir, step, self.policy, self.optimizer, self.tokenizer, self.world, self.data.keys,
+                        self.tracker.state_dict(), self.sampler.state_dict(),
+                        {i: vars(p) for i, p in self.previous.items()}, config, reach=self.reach.state_dict(),
+                        export_dtype=export_dtype)
 
 
 def latest_step(run_dir):

@@ -59,6 +59,20 @@ def add_trainer_flags(p):
 _gpu = {"phases": {}, "peak": 0.0}  # GPU: memory in use at this step's phase ends (phase_end), the largest so far
 
 
+def trainer_plan(flags, model, world, on_gpu, is_main):
+    """spo.py's trainer layout, 'auto' resolved here and by the memory estimate (printed; one line if it will not
+    fit): (tokens per micro-batch, gradient checkpointing, per-layer FSDP2 units)."""
+    from machinery.memory import check_rank_memory
+    layer_units = use_layer_units(flags["fsdp_units"], on_gpu, world)
+    max_tokens, checkpointing = check_rank_memory(
+        model, world=world, on_gpu=on_gpu, is_main=is_main, batch_size=flags["batch_size"],
+        micro_batch_size=flags["micro_batch_size"], max_tokens=flags["max_tokens_per_micro_batch"],
+        max_sequence_len=flags["max_prompt_len"] + flags["max_response_len"], layer_units=layer_units,
+        gradient_checkpointing=flags["gradient_checkpointing"], gpu_memory_utilization=flags["gpu_memory_utilization"],
+        ignore=flags["ignore_memory_estimate"])
+    return max_tokens, checkpointing, layer_units
+
+
 def phase_end(on_gpu, phase):
     """GPU: the memory in use at a phase's end, total - free (max_memory_allocated would miss the CUDA context)."""
     if on_gpu:

@@ -195,13 +195,13 @@ def test_bad_parquet_columns_is_one_line_and_exit_status_2(small_toy, tmp_path):
 
 
 def test_offline_values_for_another_dataset(tmp_path, capsys):
-    import initial_values
+    import offline_values
     from machinery.data import Dataset
     from tracker import ValueTracker
     values = tmp_path / "values.json"
     values.write_text(json.dumps({"header": {}, "prompts": {"0123456789abcdef": {"scores": [1, 0]}}}))
     with pytest.raises(SystemExit):
-        initial_values.init_tracker_from_file(ValueTracker(1), str(values), Dataset(["k0"], [[1]], ["1"]), "kt", False)
+        offline_values.init_tracker_from_file(ValueTracker(1), str(values), Dataset(["k0"], [[1]], ["1"]), "kt", False)
     assert "not in the training set" in capsys.readouterr().err
 
 

@@ -74,13 +74,13 @@ def test_offline_values_interrupted_then_resumed_equals_uninterrupted(small_toy,
 
 @pytest.mark.slow
 def test_tracker_from_offline_file_has_n_eff_n0(small_toy, offline_full):
-    import initial_values
+    import offline_values
     from machinery.data import load_dataset, load_tokenizer
     from tracker import ValueTracker
     tokenizer = load_tokenizer(small_toy["model"])
     data = load_dataset(small_toy["train"], tokenizer, 256, False)[:80]
     tracker = ValueTracker(len(data.keys), rho_min=0.875)
-    initial_values.init_tracker_from_file(tracker, str(offline_full), data, "kt", False)
+    offline_values.init_tracker_from_file(tracker, str(offline_full), data, "kt", False)
     np.testing.assert_allclose(tracker.n_eff, 8.0)  # N0 = 1 / (1 - rho_min)
     scores = json.loads(offline_full.read_text())["prompts"]
     successes = np.array([sum(scores[pid]["scores"]) for pid in data.keys])
@@ -123,7 +123,7 @@ WANTED = {"temperature": 1.0, "top_p": 1.0, "max_tokens": 32, "truncated_reward"
 
 
 def test_values_header_check_names_each_differing_setting(tmp_path, capsys):
-    from initial_values import check_values_header
+    from offline_values import check_values_header
     made = {"temperature": 1.0, "top_p": 1.0, "max_tokens": 32, "truncated_reward": "zero"}
     check_values_header(_values_file(tmp_path / "same.json", **made), WANTED)  # absent think_format: off
     other = _values_file(tmp_path / "other.json", **{**made, "temperature": 0.6, "think_format": True})
@@ -138,7 +138,7 @@ def test_values_header_check_names_each_differing_setting(tmp_path, capsys):
 
 def test_values_made_with_another_verifier_are_refused_like_other_settings(tmp_path, capsys):
     """The header records --reward when it is not the default; a file without it was scored by the default."""
-    from initial_values import check_values_header
+    from offline_values import check_values_header
     made = {"temperature": 1.0, "top_p": 1.0, "max_tokens": 32, "truncated_reward": "zero"}
     check_values_header(_values_file(tmp_path / "default.json", **made), {**WANTED, "reward": "reward:exact_match"})
     numeric = _values_file(tmp_path / "numeric.json", **made, reward="reward:numeric_match")
@@ -152,7 +152,7 @@ def test_values_made_with_another_verifier_are_refused_like_other_settings(tmp_p
 def test_values_measured_on_another_model_are_refused_before_the_tracker_starts(tmp_path, capsys):
     """The header records the model (offline_values.py: its absolute path); the same folder reached another way
     matches, another model is refused (it started that model's tracker without a word)."""
-    from initial_values import check_values_header
+    from offline_values import check_values_header
     model = tmp_path / "model"
     model.mkdir()
     (tmp_path / "link").symlink_to(model)
@@ -169,7 +169,7 @@ def test_the_default_runs_cached_toy_values_keep_their_name():
     """spo.py's default run finds the toy's offline values by a hash of the settings that change v0: --reward
     and --max_response_len must leave the default's settings (and so the cached file) as they were."""
     import spo
-    from initial_values import TrainingV0, run_header, toy_values_path
+    from offline_values import TrainingV0, run_header, toy_values_path
     args = spo.parse_args([])
     assert toy_values_path("toy", 8, 0, TrainingV0.pick(vars(args)).settings()) == \
         "toy/offline_values_n8_seed0_len32_325e71ec.json"
@@ -193,13 +193,13 @@ def test_spo_refuses_offline_values_made_with_other_settings(small_toy, offline_
 @pytest.mark.parametrize("scores", [[0.5, 1], ["x"], [], 3, [[1, 0], [2, 0]]])
 def test_bad_scores_in_a_values_file_are_one_line(tmp_path, capsys, scores):
     """A hand-edited or foreign values file: each prompt's scores must be a non-empty list of 0/1 rewards."""
-    import initial_values
+    import offline_values
     from machinery.data import Dataset
     from tracker import ValueTracker
     path = tmp_path / "values.json"
     path.write_text(json.dumps({"header": {}, "prompts": {"k0": {"scores": [1, 0]}, "k1": {"scores": scores}}}))
     with pytest.raises(SystemExit):
-        initial_values.init_tracker_from_file(ValueTracker(2), str(path), Dataset(["k0", "k1"], [[1], [2]],
+        offline_values.init_tracker_from_file(ValueTracker(2), str(path), Dataset(["k0", "k1"], [[1], [2]],
                                                                                  ["1", "2"]), "kt", False)
     err = capsys.readouterr().err
     assert "values.json" in err and "scores" in err and len(err.strip().splitlines()) == 1
@@ -217,13 +217,13 @@ def test_bad_scores_in_a_values_file_are_one_line(tmp_path, capsys, scores):
 def test_a_values_file_that_parses_but_has_another_shape_is_one_line(tmp_path, capsys, content, says):
     """JSON from a file, of any depth or shape: both readers (spo.py's header check and the tracker's initialisation)
     check the file's structure and depth (machinery/untrusted.py:parse_json)."""
-    import initial_values
+    import offline_values
     from machinery.data import Dataset
     from tracker import ValueTracker
     path = tmp_path / "values.json"
     path.write_text(json.dumps(content))
-    for read in (lambda: initial_values.check_values_header(str(path), WANTED),
-                 lambda: initial_values.init_tracker_from_file(ValueTracker(1), str(path),
+    for read in (lambda: offline_values.check_values_header(str(path), WANTED),
+                 lambda: offline_values.init_tracker_from_file(ValueTracker(1), str(path),
                                                                Dataset(["k0"], [[1]], ["1"]), "kt", False)):
         with pytest.raises(SystemExit):
             read()
@@ -255,7 +255,7 @@ def test_flags_are_one_line_at_start(argv, says, capsys):
 def test_a_full_disk_is_one_line_and_leaves_only_whole_prompts(tmp_path, monkeypatch, capsys, fills_at):
     """The disk fills at the first or the second chunk's flush: one line (it was a traceback), and the partial file
     holds only finished prompts (none: no file), so the same command resumes."""
-    import initial_values
+    import offline_values
     from machinery.data import Dataset
     from rollout import Rollout
 
@@ -271,7 +271,7 @@ def test_a_full_disk_is_one_line_and_leaves_only_whole_prompts(tmp_path, monkeyp
     monkeypatch.setattr(os, "fsync", fsync)
     out = tmp_path / "values.json"
     with pytest.raises(SystemExit):
-        initial_values.estimate_offline_values(Engine(), Dataset(["a", "b"], [[1], [1]], ["4", "4"]), str(out), n0=2,
+        offline_values.estimate_offline_values(Engine(), Dataset(["a", "b"], [[1], [1]], ["4", "4"]), str(out), n0=2,
                                                max_tokens=8, header={}, chunk_prompts=1, progress=False)
     err = capsys.readouterr().err
     assert err.startswith(f"error: {out}.rank0.partial.jsonl: No space left on device while writing") and \
@@ -279,6 +279,6 @@ def test_a_full_disk_is_one_line_and_leaves_only_whole_prompts(tmp_path, monkeyp
     if fills_at == 1:
         assert os.listdir(tmp_path) == []
     else:
-        done = initial_values.read_finished(str(out), initial_values.run_header(
+        done = offline_values.read_finished(str(out), offline_values.run_header(
             {}, n0=2, temperature=1.0, top_p=1.0, max_tokens=8, seed=0, truncated_reward="zero"))
         assert done["a"] == [1.0, 1.0] and not (tmp_path / "values.json.tmp").exists()  # a's chunk was synced

@@ -160,7 +160,7 @@ def test_the_tool_toys_offline_values_ship_for_the_readmes_tools_run():
     """The README's `spo.py --tools` finds the tool toy's v0 shipped (listed in its SHA256SUMS), not 6 minutes of
     sampling before step 1."""
     import spo
-    from initial_values import TrainingV0, toy_values_path
+    from offline_values import TrainingV0, toy_values_path
     from rollout import Tools
     from tasks import toy
     args = spo.parse_args(["--tools"])

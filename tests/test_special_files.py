@@ -16,7 +16,7 @@ from common import ENV, ROOT
 
 # (where the special file goes, relative to a run directory; the call, with RUN and PATH; what it says)
 CASES = {
-    "--offline_values": ("values.json", "import initial_values; initial_values.check_values_header(PATH, {})",
+    "--offline_values": ("values.json", "import offline_values; offline_values.check_values_header(PATH, {})",
                          "error: --offline_values {path}: not an offline-values file ({kind}, not a regular file;"),
     "config.json": ("config.json", "from machinery import checkpoint; checkpoint.read_config(RUN)",
                     "error: --resume {run}: its config.json is not a run's configuration (a JSON object of spo.py's "
@@ -30,7 +30,7 @@ CASES = {
     "the run's lock": (".lock", "from machinery import run_dir; print(run_dir._lock_owner(PATH))", "None"),
     "--train": ("train.jsonl", "from machinery.data import load_prompts; load_prompts(PATH)",
                 "ValueError: {path}: {kind}, not a data file"),
-    "a partial values file": ("v.json.rank0.partial.jsonl", "import initial_values; initial_values.read_finished("
+    "a partial values file": ("v.json.rank0.partial.jsonl", "import offline_values; offline_values.read_finished("
                               "os.path.join(RUN, 'v.json'), {})", "ValueError: {path}: not an offline-values file "
                               "({kind}, not a regular file); move it away or choose another --out"),
 }

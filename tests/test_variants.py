@@ -289,7 +289,7 @@ def test_the_default_offline_values_are_silently_unused_without_a_tracker(algo, 
     tracker never reads them (its tracker stays at the uninformed prior) and never measures them (no engine here:
     estimating them would fail)."""
     from types import SimpleNamespace
-    from initial_values import TrainingV0, toy_values_path
+    from offline_values import TrainingV0, toy_values_path
     data = SimpleNamespace(keys=[f"{k:016x}" for k in range(16)])
 
     def tracker_of(argv):
@@ -299,7 +299,7 @@ def test_the_default_offline_values_are_silently_unused_without_a_tracker(algo, 
         path = toy_values_path(args.toy_dir, args.n0, args.seed, v0_settings.settings())
         with open(path, "w") as f:
             json.dump({"header": {}, "prompts": {key: {"scores": [1] * 8} for key in data.keys}}, f)
-        return spo.per_prompt_state(args, None, None, data, v0_settings, None, True, False)[0]
+        return spo.tracker_at_start(args, data, v0_settings, None, None, on_toy=True, is_main=False)
     assert np.all(tracker_of([]).value > 0.9)  # SPO: v0 = (8 + 0.5) / (8 + 1) from the cached file
     tracker = tracker_of(["--algo", algo])
     assert np.all(tracker.value == 0.5) and np.all(tracker.n_eff == 1.0)
