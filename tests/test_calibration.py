@@ -103,7 +103,10 @@ def test_the_forgetting_sweeps_primary_reads_the_sampled_accuracy_and_counts_the
 def test_the_sign_flip_test_counts_sign_assignments_and_holm_steps_down():
     """Paired differences all of one sign at 8 seeds: only the two all-one-sign assignments reach |sum|, p = 2/256;
     Holm multiplies the smallest p by the family's size, the next by one less, and never lets p fall."""
-    from experiments.analysis import holm, sign_flip_p
+    from experiments.analysis import holm, sign_flip_p, t_test_p
+    z = np.array([1.0, -1.0] * 4)  # mean 0, sd sqrt(8 / 7): c + z has t = c sqrt(7) at 7 degrees of freedom
+    for t, p in ((2.36462, 0.05), (3.49948, 0.01), (1.41492, 0.2)):  # Student's t table, two-sided
+        assert abs(t_test_p(t / np.sqrt(7) + z) - p) < 1e-4, t
     assert sign_flip_p([0.01] * 8) == 2 / 256 and sign_flip_p([0.01, -0.01]) == 1.0
     assert sign_flip_p([0.03, 0.01, -0.01, 0.02]) == 6 / 16  # |sum| 5 or 7 (in 0.01): 3 patterns, each signed +-
     assert holm({"a": 0.01, "b": 0.04, "c": 0.03, "d": 0.5}) == {"a": 0.04, "c": 0.09, "b": 0.09, "d": 0.5}
