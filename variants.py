@@ -83,7 +83,7 @@ PRESETS = {"tracker_keeps_up": {"train_prompts": 128, "lr": 1.5e-5, "n0": 16, "s
                         "ppo_steps": 8, "lr": 4e-5, "steps": 100, "eval_every": 25, "probe_every": 25,
                         "probe_prompts": 64, "probe_samples": 16},
            "mixed": {"toy_dir": MIXED_TOY, "max_response_len": 64, "train_prompts": 512, "batch_size": 64,
-                     "ppo_steps": 8, "lr": 1e-5, "steps": 300, "eval_every": 50, "eval_samples": 8, "probe_every": 50,
+                     "ppo_steps": 8, "lr": 2e-5, "steps": 300, "eval_every": 50, "eval_samples": 8, "probe_every": 50,
                      "probe_prompts": 256, "probe_samples": 16}}
 
 
