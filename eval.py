@@ -171,7 +171,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Evaluate a model or an spo.py checkpoint: avg@n, pass@k, maj@n")
     g = p.add_argument_group("model and data")
     g.add_argument("--model", default=None, help="HF model, or spo.py run / checkpoint dir (default: the toy)")
-    g.add_argument("--data", nargs="+", default=None, help="benchmark files, parquet or JSONL (default: toy test)")
+    g.add_argument("--data", nargs="+", default=None, help="benchmarks: parquet or JSONL files, or hub datasets "
+                   "owner/name[:config][@split] (default: toy test)")
     g.add_argument("--toy_dir", default=None,
                    help="the built-in toy's directory (default: the shipped tasks/built/toy, toy_tools with --tools)")
     g.add_argument("--max_prompt_len", type=int, default=4096, help="longer prompts are left out (counted)")

@@ -346,7 +346,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Offline value estimates v0 for SPO's tracker (Algorithm 2)")
     g = p.add_argument_group("model and data")
     g.add_argument("--model", default=None, help="the INITIAL policy: HF model name or dir (default: the toy)")
-    g.add_argument("--data", default=None, help="training prompts, parquet or JSONL (default: the toy's)")
+    g.add_argument("--data", default=None, help="training prompts: parquet or JSONL, or a hub dataset "
+                   "owner/name[:config][@split] (default: the toy's)")
     g.add_argument("--toy_dir", default=None,
                    help="the built-in toy's directory (default: the shipped tasks/built/toy, toy_tools with --tools)")
     g.add_argument("--out", default="offline_values.json", help="output JSON (partial files go next to it)")

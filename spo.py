@@ -141,7 +141,7 @@ def main(argv=None):
     args, run = start(parse_args(argv))  # every flag final from here on; what the set-up built (Run)
     rank, world, data, group, spo = run.rank, run.world, run.data, args.group_size, args.algo == "spo"
     local, started = args.batch_size // world, variants.started_per_rank(args.batch_size, world, group, args.oversample)
-    logger = Logger(args.run_dir, vars(args), rank == 0, args.wandb, run.start_step or None)  # resumed: its step
+    logger = Logger(args.run_dir, vars(args), rank == 0, args.report_to, run.start_step or None)  # resumed: its step
     logger.console(f"{len(data.keys)} training prompts, {len(run.test.keys) if run.test else 0} held-out, {world} "
                    f"ranks on {run.device.type}; run directory {args.run_dir}")
     # Step 6's loss: Eq. 10 (PPO-clip, token mean over the global mini-batch); --loss / --loss_agg swap in another
@@ -309,7 +309,7 @@ def parse_args(argv=None):
     g.add_argument("--save_every", type=int, default=50, help="checkpoint every N steps (0: only at the end)")
     g.add_argument("--resume", default=None, help="a run directory to continue from its latest checkpoint")
     g.add_argument("--seed", type=int, default=0, help="seeds prompt sampling and generation")
-    add_logging_flags(g)  # --wandb, and --log_every (hidden)
+    add_logging_flags(g)  # --report_to, and --log_every (hidden)
     g = p.add_argument_group("system: memory, micro-batches, engine")
     devices.add_trainer_flags(g)  # micro-batches, gradient checkpointing, FSDP2 units, bf16, the estimate's override
     add_engine_flags(g, gpu_share=0.5)  # --engine, --gpu_memory_utilization, --compile

@@ -1,11 +1,14 @@
-"""On pyarrow and transformers' chat templates (no datasets package): stable prompt keys and one-line file errors.
+"""On pyarrow, huggingface_hub's cache and transformers' chat templates (no datasets package): stable prompt keys and
+one-line file errors; a hub dataset by name (owner/name[:config][@split]) through the hub's parquet export.
 
 A prompt's key is a hash of its chat messages, not its row number: programs and files agree on it."""
 import functools
 import hashlib
 import json
+import glob
 import math
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -102,14 +105,53 @@ def _answer(value, where: str) -> str:
     return str(value).strip()
 
 
+HUB_DATASET = re.compile(r"([\w-][\w.-]*/[\w-][\w.-]*)(?::([\w.-]+))?(?:@([\w.-]+))?")  # owner/name[:config][@split]
+PARQUET_EXPORT = "refs/convert/parquet"  # the hub's own parquet copy of every dataset: <config>/<split>/*.parquet
+
+
+def hub_rows(name):
+    """A hub dataset's rows and columns from its parquet export, through huggingface_hub's cache (what is cached is
+    read without the hub under HF_HUB_OFFLINE=1, or when the hub cannot be reached); config default, split train."""
+    match = HUB_DATASET.fullmatch(name)
+    repo, config, split = match[1], match[2] or "default", match[3] or "train"
+    from huggingface_hub import HfApi, constants, snapshot_download
+    where = dict(repo_id=repo, repo_type="dataset", revision=PARQUET_EXPORT)
+    try:
+        folder = snapshot_download(**where, allow_patterns=f"{config}/{split}/*.parquet")
+    except Exception as e:  # noqa: BLE001 - not on the hub, not cached, gated: none of them is a dataset to read
+        raise FileNotFoundError(f"{name}: no such file, nor a dataset on the hub or in its cache "
+                                f"({constants.HF_HUB_CACHE}): {type(e).__name__}") from None
+    files = sorted(glob.glob(os.path.join(glob.escape(folder), config, split, "*.parquet")))
+    if not files:
+        try:  # the hub names every split; a cache only those it holds
+            listed = HfApi().list_repo_files(**where)
+        except Exception:  # noqa: BLE001 - offline, unreachable
+            listed = [os.path.relpath(f, folder) for f in glob.glob(os.path.join(glob.escape(folder), "*", "*"))]
+        parts = [f.replace(os.sep, "/").split("/") for f in listed]
+        splits = sorted({p[1] for p in parts if len(p) > 1 and p[0] == config})
+        raise ValueError(f"{name}: the dataset {repo} has no split {split!r} in config {config!r} (splits there: "
+                         f"{', '.join(splits) or 'none'}; name one as {repo}" + (f":{match[2]}" if match[2] else "")
+                         + "@SPLIT)")
+    rows, columns = [], []
+    for f in files:  # the export's shards, in order
+        more, names = read_rows(Path(f))
+        rows += more
+        columns += [c for c in names if c not in columns]
+    return rows, columns
+
+
 def load_prompts(path) -> PromptSet:
-    """Prompts and answers of a parquet / JSONL file, one key per distinct prompt (the first answer kept)."""
+    """Prompts and answers of a parquet / JSONL file or a hub dataset, one key per distinct prompt (the first answer
+    kept)."""
     path = Path(path)
     if kind := special(path):  # a FIFO would hang the read
         raise ValueError(f"{path}: {kind}, not a data file")
-    if not path.is_file():
+    if path.is_file():
+        rows, columns = read_rows(path)
+    elif HUB_DATASET.fullmatch(str(path)) and path.suffix not in (".parquet", ".jsonl", ".ndjson", ".json"):
+        rows, columns = hub_rows(str(path))
+    else:
         raise FileNotFoundError(f"{path}: no such file")
-    rows, columns = read_rows(path)
     if not rows:
         raise ValueError(f"{path}: the dataset is empty (no rows)")
     prompt_col = next((c for c in PROMPT_COLUMNS if c in columns), None)

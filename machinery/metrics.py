@@ -1,15 +1,19 @@
-"""On json, tqdm and matplotlib (wandb if asked): the metrics no library knows for SPO (docs/flags.md), and run.png."""
+"""On json, tqdm and matplotlib (--report_to's trackers if asked): the metrics no library knows for SPO (docs/flags.md),
+and run.png."""
 import argparse
 import contextlib
+import importlib.util
 import json
 import os
 import sys
 import time
+import uuid
 
 import numpy as np
 import torch.distributed as dist
 
 from machinery.collectives import all_gather_np
+from machinery.errors import fail
 from machinery.untrusted import parse_json, read_file
 
 
@@ -151,8 +155,8 @@ def timed(seconds, phase):
 class Logger:
     """Rank 0 logs. resume_step: rows after it (steps that will be replayed) are cut from metrics.jsonl."""
 
-    def __init__(self, run_dir, config, is_main, wandb_project=None, resume_step=None):
-        self.is_main, self.bar, self.wandb = is_main, None, None
+    def __init__(self, run_dir, config, is_main, report_to=(), resume_step=None):
+        self.is_main, self.bar, self.trackers = is_main, None, []
         self.config, self.all_equal_steps = config, 0  # steps whose rewards were all equal, so far
         if not is_main:
             return
@@ -168,12 +172,7 @@ class Logger:
             os.replace(path + ".tmp", path)
             self.all_equal_steps = int(sum(row.get("reward/all_equal", 0) for _, row in kept))
         self.file = open(path, "a")
-        if wandb_project:
-            try:
-                import wandb
-                self.wandb = wandb.init(project=wandb_project, config=config, dir=run_dir)
-            except ImportError:
-                print("--wandb: wandb is not installed, skipped", flush=True)
+        self.trackers = open_trackers(run_dir, config, report_to, resume_step)
 
     def progress(self, iterable, total, initial):
         if not self.is_main:
@@ -196,8 +195,8 @@ class Logger:
             self.all_equal_steps = metrics["reward/all_equal_steps"]
         self.file.write(json.dumps({"step": step, "time": time.time(), **metrics}) + "\n")
         self.file.flush()
-        if self.wandb:
-            self.wandb.log(metrics, step=step)
+        for log in self.trackers:
+            log(step, {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
         if self.bar is not None and "reward/mean" in metrics:
             self.bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}")
         if console or (self.bar is None) or "eval/accuracy" in metrics:
@@ -220,6 +219,8 @@ class Logger:
             if self.bar is not None:
                 self.bar.close()
             self.file.close()
+            for log in self.trackers:
+                log(None, None)  # None: close
 
 
 def all_equal_note(step, reward):
@@ -350,6 +351,74 @@ def run_summary(run_dir, plot, seconds, expected_range=None, test=None):
             + (f" --data {os.path.relpath(test)}" if test else ""))
 
 
+# --report_to's trackers: the scalars of metrics.jsonl, live, each in its own viewer (module = pip package)
+TRACKERS = ("tensorboard", "trackio", "wandb")
+TRACKER_IDS = "tracker_ids.json"  # a resumed run continues the same wandb / trackio run: the ids it was given
+
+
+def check_trackers(names):
+    """Each tracker --report_to names is installed, before anything heavy (else one line naming the pip command)."""
+    for name in names:
+        if name != "none" and importlib.util.find_spec(name) is None:
+            fail(f"--report_to {name}: {name} is not installed; pip install {name}", once=True)
+
+
+class _ReportTo(argparse.Action):
+    def __call__(self, parser, namespace, values, option_string=None):
+        check_trackers(values)  # at parse time: before the engine or the model loads
+        setattr(namespace, self.dest, values)
+
+
+def tracker_ids(run_dir, resumed):
+    """The run's ids in run_dir/tracker_ids.json: kept on --resume, new otherwise (written whole, never half)."""
+    path = os.path.join(run_dir, TRACKER_IDS)
+    with contextlib.suppress(OSError, ValueError):
+        ids = json.loads(read_file(path)) if resumed else None
+        if isinstance(ids, dict) and all(isinstance(ids.get(k), str) and ids[k].isalnum() for k in TRACKERS):
+            return ids
+    ids = {name: uuid.uuid4().hex[:16] for name in TRACKERS}
+    with open(path + ".tmp", "w") as f:
+        json.dump(ids, f)
+    os.replace(path + ".tmp", path)
+    return ids
+
+
+def _tensorboard(run_dir, resume_step):
+    from torch.utils.tensorboard import SummaryWriter
+    # purge_step: a reader drops the events a killed run logged past its checkpoint, which the resumed run replays
+    writer = SummaryWriter(os.path.join(run_dir, "tensorboard"), purge_step=None if resume_step is None
+                           else resume_step + 1)
+
+    def log(step, scalars):
+        if scalars is None:
+            return writer.close()
+        for key, value in scalars.items():
+            writer.add_scalar(key, value, step)
+        writer.flush()  # live, and a killed run keeps what it logged
+    return log
+
+
+def open_trackers(run_dir, config, report_to, resume_step):
+    """One log(step, scalars) per tracker (log(None, None) closes it); a resumed run continues its own history:
+    TensorBoard drops the events past the checkpoint (purge_step), wandb and trackio resume their run by its id."""
+    names = [n for n in (report_to or ()) if n != "none"]
+    check_trackers(names)  # --resume takes the trackers from the run's config.json: not checked at parse time
+    ids, logs = tracker_ids(run_dir, resume_step is not None) if names else {}, []
+    project = os.environ.get("WANDB_PROJECT", "spo")  # wandb's own variable; trackio shares it
+    if "tensorboard" in names:
+        logs.append(_tensorboard(run_dir, resume_step))
+    if "wandb" in names:
+        import wandb
+        run = wandb.init(project=project, id=ids["wandb"], resume="allow", config=config, dir=run_dir)
+        logs.append(lambda step, m: run.finish() if m is None else run.log(m, step=step))
+    if "trackio" in names:
+        import trackio
+        trackio.init(project=project, name=ids["trackio"], resume="allow", config=config)
+        logs.append(lambda step, m: trackio.finish() if m is None else trackio.log(m, step=step))
+    return logs
+
+
 def add_logging_flags(p):
-    p.add_argument("--wandb", default=None, help="wandb project name (only if wandb is installed)")
+    p.add_argument("--report_to", nargs="+", choices=("none", *TRACKERS), default=["none"], action=_ReportTo,
+                   help="trackers shown metrics.jsonl's scalars live (wandb, trackio: project $WANDB_PROJECT)")
     p.add_argument("--log_every", type=int, default=10, help=argparse.SUPPRESS)  # the console line every N steps

@@ -62,7 +62,8 @@ def claim_run_dir(run_dir, resume, name):
 
 
 # What a run writes in its directory: a symbolic link at any of these would take writes outside it.
-WRITTEN = {"config.json", "metrics.jsonl", "probe.jsonl", "run.png", "checkpoints", "wandb", ".write_test"}
+WRITTEN = {"config.json", "metrics.jsonl", "probe.jsonl", "run.png", "checkpoints", "wandb", "tensorboard",
+           "tracker_ids.json", ".write_test"}
 
 
 def _linked(run_dir):
@@ -77,8 +78,8 @@ def _linked(run_dir):
 
 
 def _take_over(run_dir, name):
-    files = sorted(f for f in os.listdir(run_dir) if f in ("config.json", "metrics.jsonl", "probe.jsonl",
-                                                           "checkpoints", "wandb") or f.startswith("events.out."))
+    ours = ("config.json", "metrics.jsonl", "probe.jsonl", "checkpoints", "wandb", "tensorboard", "tracker_ids.json")
+    files = sorted(f for f in os.listdir(run_dir) if f in ours or f.startswith("events.out."))
     if files:
         aside = _move_aside(run_dir, files, "earlier_attempt")
         print(f"{name}: --run_dir {run_dir}: the run there saved no checkpoint; starting afresh, its files "

@@ -1,0 +1,73 @@
+"""--report_to: a tracker shows metrics.jsonl's scalars, one history per run even across a kill and --resume; a
+tracker that is not installed is one line before anything heavy; the run's tracker ids survive a resume.
+
+    .venv/bin/python -m pytest tests/test_report_to.py -q
+"""
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from common import ENV, ROOT, ok, toy_args, torchrun
+from machinery.metrics import TRACKER_IDS, tracker_ids
+
+# spo.py with a package made unimportable the way Python spells it (a None in sys.modules: import raises
+# ImportError, find_spec answers None), whether or not it is installed here
+WITHOUT = "import runpy, sys; sys.modules[sys.argv[1]] = None; sys.argv = sys.argv[2:]; runpy.run_path(sys.argv[0], " \
+          "run_name='__main__')"
+
+
+@pytest.mark.parametrize("name", ["tensorboard", "trackio", "wandb"])
+def test_a_tracker_not_installed_is_one_line_naming_pip(name, tmp_path):
+    proc = subprocess.run([sys.executable, "-c", WITHOUT, name, "spo.py", "--report_to", "none", name, "--run_dir",
+                           str(tmp_path / "run")], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and lines == [f"error: --report_to {name}: {name} is not installed; pip install "
+                                              f"{name}"], proc.stderr[-3000:]
+    assert not (tmp_path / "run").exists()  # said before the run directory, the model or the engine
+
+
+def test_tracker_ids_are_kept_on_resume_and_new_otherwise(tmp_path):
+    first = tracker_ids(str(tmp_path), resumed=False)
+    assert json.loads((tmp_path / TRACKER_IDS).read_text()) == first
+    assert tracker_ids(str(tmp_path), resumed=True) == first
+    assert tracker_ids(str(tmp_path), resumed=False)["wandb"] != first["wandb"]  # a new run: a new wandb run
+    (tmp_path / TRACKER_IDS).write_text('{"wandb": "../x"')  # cut off, as by a crash: new ids, never a failure
+    again = tracker_ids(str(tmp_path), resumed=True)
+    assert again["wandb"].isalnum() and json.loads((tmp_path / TRACKER_IDS).read_text()) == again
+
+
+def _tensorboard_history(run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    history = EventAccumulator(str(run / "tensorboard"), size_guidance={"scalars": 0}).Reload()
+    return {tag: [(e.step, e.value) for e in history.Scalars(tag)] for tag in history.Tags()["scalars"]}
+
+
+@pytest.mark.slow
+def test_tensorboard_keeps_one_history_through_a_kill_and_resume(small_toy, tmp_path):
+    """Killed after logging step 4 and before its checkpoint landed, the run resumes from step 2 and logs steps 3-4
+    again: TensorBoard's reader shows each step once, with exactly metrics.jsonl's numbers."""
+    run = tmp_path / "run"
+    args = toy_args(small_toy, run, "--steps", "4", "--save_every", "2", "--report_to", "tensorboard")
+    proc = torchrun(2, "tests/test_end_to_end.py", "crash_before_rename", *args[1:])
+    assert proc.returncode != 0 and (run / "checkpoints" / "latest").read_text() == "step_000002"
+    killed = _tensorboard_history(run)
+    assert max(step for points in killed.values() for step, _ in points) == 4  # steps 3-4 were logged, then lost
+    ids = (run / TRACKER_IDS).read_text()
+    ok(torchrun(2, *toy_args(small_toy, run, "--steps", "4", "--save_every", "2", "--resume", str(run))))
+    assert (run / TRACKER_IDS).read_text() == ids
+    rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
+    expected = {}
+    for r in rows:
+        for key, value in r.items():
+            if key not in ("step", "time"):
+                expected.setdefault(key, []).append((r["step"], value))
+    history = _tensorboard_history(run)
+    assert set(history) == set(expected)
+    for key, points in expected.items():
+        assert [s for s, _ in history[key]] == [s for s, _ in points], key  # each step once, in order
+        assert all(math.isclose(got, float(want), rel_tol=1e-6, abs_tol=1e-30) for (_, got), (_, want)
+                   in zip(history[key], points)), key  # float32 in the event file
