@@ -263,8 +263,8 @@ def parse_args(argv=None):
     p.add_argument("--preset", choices=sorted(variants.PRESETS), default=None, help="named defaults (variants.PRESETS)")
     g = p.add_argument_group("data and model")
     g.add_argument("--model", default=None, help="HF model name or local path (default: the built-in toy)")
-    g.add_argument("--train", default=None, help="training prompts, a parquet or JSONL file (default: the toy's)")
-    g.add_argument("--test", default=None, help="held-out prompts, a parquet or JSONL file (default: the toy's)")
+    g.add_argument("--train", default=None, help="training prompts: parquet, JSONL or hub owner/name[:config][@split]")
+    g.add_argument("--test", default=None, help="held-out prompts, as --train (both default to the toy's)")
     g.add_argument("--toy_dir", default=None, help=argparse.SUPPRESS)
     g.add_argument("--max_prompt_len", type=int, default=256, help="token limit; longer prompts left out")
     g.add_argument("--train_prompts", type=int, default=0, help=argparse.SUPPRESS)  # the first N only (sweeps),

@@ -22,7 +22,7 @@ from machinery.untrusted import (LOCATIONS, foreign_values, misfit, nested, open
 
 
 # Flags that may differ on --resume: they change how long, what is logged, or how work is split, not the result.
-RESUME_MAY_CHANGE = {"steps", "resume", "run_dir", "log_every", "eval_every", "save_every", "wandb",
+RESUME_MAY_CHANGE = {"steps", "resume", "run_dir", "log_every", "eval_every", "save_every", "report_to",
                      "micro_batch_size", "max_tokens_per_micro_batch", "gpu_memory_utilization", "sandbox_workers",
                      "given", "probe_every", "probe_prompts", "probe_samples", "gradient_checkpointing", "fsdp_units",
                      "ignore_memory_estimate", "compile", "eval_reference"}

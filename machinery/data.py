@@ -8,14 +8,13 @@ import json
 import glob
 import math
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from machinery.errors import fail
-from machinery.untrusted import parse_json, read_file, read_json, special
+from machinery.untrusted import HUB_DATASET, parse_json, read_file, read_json, special
 
 
 PROMPT_COLUMNS = ("prompt", "problem", "question")  # first one present wins
@@ -105,7 +104,6 @@ def _answer(value, where: str) -> str:
     return str(value).strip()
 
 
-HUB_DATASET = re.compile(r"([\w-][\w.-]*/[\w-][\w.-]*)(?::([\w.-]+))?(?:@([\w.-]+))?")  # owner/name[:config][@split]
 PARQUET_EXPORT = "refs/convert/parquet"  # the hub's own parquet copy of every dataset: <config>/<split>/*.parquet
 
 

@@ -101,6 +101,7 @@ def read_config(run_dir):
     return config
 
 
+HUB_DATASET = re.compile(r"([\w-][\w.-]*/[\w-][\w.-]*)(?::([\w.-]+))?(?:@([\w.-]+))?")  # owner/name[:config][@split]
 # Flags that name where a file is: on --resume they may change (the content is checked instead).
 LOCATIONS = {"model", "train", "test", "toy_dir"}
 SHIPPED = re.compile(r".*[/\\]tasks[/\\]built[/\\](\w+)[/\\](\w+\.parquet)")  # a shipped toy's data, in any checkout
@@ -113,13 +114,11 @@ def foreign_values(run_dir, settings, given, model_dir, built_in, shipped):
         errors.append(f"--resume {run_dir}: its config.json names the verifier {settings['reward']!r}, which is "
                       f"not built in, and --resume runs no code a run directory names: pass --reward "
                       f"{settings['reward']} to run it (if you trust it)")
-    if settings.get("wandb") and "wandb" not in given:
-        _say(f"--resume {run_dir}: its run logged to the wandb project {settings['wandb']!r}; not logging there "
-             f"unless --wandb names it now")
-        settings["wandb"] = None
+    settings.pop("wandb", None)  # (a run from before --report_to: its trackers are not resumed)
     for flag in ("train", "test"):
         path = settings.get(flag)
-        if flag in given or (path is None and flag == "test") or (isinstance(path, str) and os.path.isfile(path)):
+        if flag in given or (path is None and flag == "test") or (isinstance(path, str) and (
+                os.path.isfile(path) or HUB_DATASET.fullmatch(path))):  # a hub name: its prompts are checked
             continue
         toy = SHIPPED.fullmatch(path) if isinstance(path, str) else None
         here = toy and shipped and os.path.join(shipped, toy[1], toy[2])
