@@ -121,7 +121,7 @@ def targets(spo, grpo, rho_none=None):
          (spo["pool"], spo["batch"], spo["steps"]) == (512, 64, 300)),
         ("SPO revisits with D inside rho's window (at rho_min; at rho_max; D's mean; clip fraction)", PAPER["window"],
          f"{pct(spo['window'])} ({pct(spo['above'])}; {pct(spo['below'])}; {spo['d_mean']:.4f}; "
-         f"{spo['clip']:.2%})", spo["window"] >= 0.4),
+         f"{spo['clip']:.3%})", spo["window"] >= 0.4),
         ("reward variance the lag adds after Eq. 9's centring, probes after step 20 to 100: rho none / spo (ratio)",
          PAPER["lag"], f"{lag_none:.1%} / {spo['lag_by']:.1%} ({ratio:.1f}x)", ratio >= 3),
         ("held-out accuracy still rising at the end (last evaluation minus the one before, points)", PAPER["rising"],
