@@ -328,7 +328,7 @@ def start(args):
     final flags, once, and what the loop needs, new or resumed: (args, checkpoint.Run); nothing changes args after."""
     rank, world, device, engine = start_program(args.engine)
     if args.resume:  # the run's own settings (running nothing it names)
-        args = checkpoint.resumed_args(args, BUILT_IN, toy.BUILT)
+        args = argparse.Namespace(**checkpoint.resumed_flags(vars(args), BUILT_IN, toy.BUILT))
     variants.check_flags(vars(args), world)  # one clear line for a bad flag or combination
     thinking.check_budget(args.toy_dir, args.max_response_len)  # a worked sum must fit
     on_gpu, on_toy = device.type == "cuda", args.train is None  # on the toy, 'auto' offline values are built here

@@ -65,11 +65,11 @@ def resumed_config(run_dir, given, built_in=(), shipped=""):
     return {**settings, "resume": run_dir, "run_dir": run_dir}
 
 
-def resumed_args(args, built_in=(), shipped=""):
-    """--resume: the run's own settings over the parsed flags (only RESUME_MAY_CHANGE's may differ), or one line."""
-    given = {f: getattr(args, f) for f in args.given}
-    return argparse.Namespace(**{**vars(args), **resumed_config(args.resume, given, built_in, shipped),
-                                 "given": args.given})
+def resumed_flags(flags, built_in=(), shipped=""):
+    """--resume: the run's own settings over the parsed flags ({flag: value}; only RESUME_MAY_CHANGE's may
+    differ), or one line."""
+    given = {f: flags[f] for f in flags["given"]}
+    return {**flags, **resumed_config(flags["resume"], given, built_in, shipped), "given": flags["given"]}
 
 
 @dataclass

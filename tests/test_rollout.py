@@ -110,6 +110,7 @@ def _engine_without_vllm(on_gpu):
     from rollout import Engine
     engine = Engine.__new__(Engine)  # the state machine only: no vLLM engine behind it
     engine.on_gpu, engine.llm, engine.state, engine.prefix_caching = on_gpu, RecordingLLM(), "awake", on_gpu
+    engine.dtype = torch.bfloat16 if on_gpu else torch.float32  # (Engine.__init__'s: a push casts to it)
     engine._empty_cache = lambda: engine.llm.calls.append(("empty_cache",))
     return engine
 
