@@ -115,6 +115,11 @@ def make_tools(tools, max_turns, sandbox_workers, sandbox_timeout, sandbox_memor
     return Tools(pool, max_turns=max_turns, max_tool_output_chars=max_tool_output_chars)
 
 
+def step_seeds(seed, step, rank, n, round_=0):
+    """One engine seed per request, so that ranks, steps and DAPO's refill rounds (round_ > 0) sample differently."""
+    return np.random.SeedSequence([seed, 0, step, rank] + [round_] * (round_ > 0)).generate_state(n)
+
+
 def turn_seed(seed: int, turn: int) -> int:
     """The sampling seed of a trajectory's turn: its own seed at turn 0 (single-turn sampling is unchanged)."""
     return int(seed) if turn == 0 else int(np.random.SeedSequence([int(seed), turn]).generate_state(1)[0])

@@ -5,11 +5,11 @@ group mean but a persistent per-prompt value tracker v(x) (tracker.py). Algorith
   1. draw B prompts, favouring those whose outcome is uncertain (Eq. 11; sampler.py);
   2. one response per prompt from the colocated engine (rollout.py; GRPO draws B/G prompts and G responses each);
   3. the reward r of each response (reward.py);
-  4. old log-probs, one no-grad pass: PPO's of the batch and, for D(x), of revisited prompts' previous responses;
+  4. old log-probs, one no-grad pass: of revisited prompts' previous responses (D(x)) and PPO's of the batch;
   5. A = r - v(x) with the value read BEFORE this reward (Eq. 8), normalised over the global batch (Eq. 9); D(x)
-     sets the forgetting factor rho(x), the tracker absorbs r (Eq. 5), the sampler's weights follow, and this
-     response is remembered for the next D(x);
-  6. PPO-clip with clip-higher and dual-clip (Eq. 10), a token mean over the global mini-batch; 7. the weight push.
+     sets the forgetting factor rho(x), the tracker absorbs r (Eq. 5), the sampler's weights follow;
+  6. PPO-clip with clip-higher and dual-clip (Eq. 10), a token mean over the global mini-batch (with one optimiser
+     step its forward gives the batch's old log-probs); this response remembered for D(x); 7. the weight push.
 The math is the small pure functions below, each the one that runs; GRPO and its relatives are one flag away
 (variants.py: one branch in step 5, one loss in step 6); machinery/ holds the FSDP2 trainer and the rest. The loop
 marks where Algorithm 1 ends and the bookkeeping (metrics, evaluations, checkpoints) begins.
@@ -36,7 +36,7 @@ from machinery.run_dir import check_disk, open_run_dir
 from offline_values import TrainingV0, add_v0_flags, check_values_header, claim_toy_values, init_tracker
 from reward import BUILT_IN, add_reward_flags, rewards
 from hf_engine import add_engine_flags, start_engine, start_program
-from rollout import TOOL_INSTRUCTION, add_budget_flag, add_tool_flags, make_tools, response_budget
+from rollout import TOOL_INSTRUCTION, add_budget_flag, add_tool_flags, make_tools, response_budget, step_seeds
 from probes import ProbeSettings, add_eval_flags, evaluations, exact_metric, exact_template
 from sampler import PromptSampler, priority_weights
 from tasks import thinking, toy
@@ -131,11 +131,6 @@ def ppo_clip_token_loss(logprobs, old_logprobs, advantage, mask, clip_low, clip_
     return loss, loss_clipped > loss_unclipped
 
 
-def step_seeds(seed, step, rank, n, round_=0):
-    """One engine seed per request, so that ranks, steps and DAPO's refill rounds (round_ > 0) sample differently."""
-    return np.random.SeedSequence([seed, 0, step, rank] + [round_] * (round_ > 0)).generate_state(n)
-
-
 # ------------------------------------------------------------------------------------------------ the step loop
 def main(argv=None):
     args, run = start(parse_args(argv))  # every flag final from here on; what the set-up built (Run)
@@ -180,11 +175,12 @@ def main(argv=None):
                 gather=all_gather_objects, seeds=functools.partial(step_seeds, args.seed, step, rank))
         devices.phase_end(on_gpu, "generate")  # (GPU: device memory in use with vLLM awake)
         run.engine.sleep()
-        # 4. old log-probs, one no-grad pass: this batch's (PPO's ratio) and SPO's revisited prompts' (for D(x))
+        # 4. old log-probs, one no-grad pass: SPO's revisited prompts' (D(x)); this batch's unless step 6 gives them
         revisited = [(slot, run.previous[i]) for slot, i in enumerate(mine) if i in run.previous and slot % group == 0]
+        batch = [] if trainer.reuses_forward(args.ppo_steps, args.tis) else rollouts
         with timed(t, "old_logprobs"):
-            old = trainer.old_logprobs(run.policy, rollouts, [(data.prompt_ids[mine[slot]], p.response_ids, p.mask)
-                                                              for slot, p in revisited],
+            old = trainer.old_logprobs(run.policy, batch, [(data.prompt_ids[mine[slot]], p.response_ids, p.mask)
+                                                           for slot, p in revisited],
                                        temperature=args.temperature, micro_batch_size=args.micro_batch_size,
                                        max_tokens=args.max_tokens_per_micro_batch)
         # 5. advantages and the state each algorithm carries to the next step (--adv_norm token: Eq. 9 per token)
@@ -207,8 +203,6 @@ def main(argv=None):
                 uniq = np.unique(all_index)
                 run.sampler.set_weights(priority_weights(run.tracker.value_at(uniq), run.tracker.n_eff_at(uniq),
                                                          args.sampling_eps, args.sampling_gamma), uniq)
-            remember(run.previous, all_index, all_gather_objects(  # for D(x) at the next visit: the acting policy's
-                [PreviousResponse.of(r, logprobs) for r, logprobs in zip(rollouts, old["batch"])]))
             algo_metrics = spo_metrics(all_raw_advantage, run.tracker, all_divergences, rho, all_revisit > 0)
         elif args.algo == "reinforce_pp":  # REINFORCE++: no per-prompt baseline, r whitened over the global batch
             raw_advantage, advantage, algo_metrics = reward, global_normalise(reward, weight=norm_weight), {}
@@ -217,8 +211,10 @@ def main(argv=None):
             algo_metrics = {}  # (all-equal groups: in step_metrics, for every estimator with groups)
         # 6. PPO-clip (Eq. 10; or --loss, --loss_agg), `ppo_steps` optimiser steps over the global batch
         with timed(t, "update"):
-            stats = update(run, rollouts, old["batch"], advantage, args, loss_fn=loss_fn,
-                           first=step == run.start_step + 1)
+            stats = update(run, rollouts, old, advantage, args, loss_fn=loss_fn, first=step == run.start_step + 1)
+        if spo:  # for D(x) at the next visit: the acting policy's log-probs (old["batch"], step 4's or the update's)
+            remember(run.previous, all_index, all_gather_objects(
+                [PreviousResponse.of(r, logprobs) for r, logprobs in zip(rollouts, old["batch"])]))
         devices.phase_end(on_gpu, "update")
         # 7. weight push: the next rollouts come from the updated policy
         with timed(t, "weight_push"):
@@ -246,14 +242,17 @@ def main(argv=None):
 
 
 def update(run, rollouts, old, advantage, args, *, loss_fn, first):
-    """Step 6, and on a run's first step the check that it moved the policy the way the advantages say."""
+    """Step 6, and on a run's first step the check that it moved the policy the way the advantages say. old: step
+    4's; where the update's forward gives this batch's old log-probs (reuses_forward), they are put in it here."""
     with trainer.learning_check(run.policy, run.optimizer, rollouts, old, advantage, on=first,
                                 temperature=args.temperature, micro_batch_size=args.micro_batch_size,
                                 max_tokens=args.max_tokens_per_micro_batch):
-        return trainer.ppo_update(run.policy, run.optimizer, rollouts, old, advantage, loss_fn=loss_fn,
-                                  ppo_steps=args.ppo_steps, micro_batch_size=args.micro_batch_size,
-                                  temperature=args.temperature, grad_clip=args.grad_clip, tis=args.tis,
-                                  max_tokens=args.max_tokens_per_micro_batch)
+        stats = trainer.ppo_update(run.policy, run.optimizer, rollouts, old["batch"] or None, advantage,
+                                   loss_fn=loss_fn, ppo_steps=args.ppo_steps, micro_batch_size=args.micro_batch_size,
+                                   temperature=args.temperature, grad_clip=args.grad_clip, tis=args.tis,
+                                   max_tokens=args.max_tokens_per_micro_batch)
+        old.update(stats.pop("old") or {})
+        return stats
 
 
 # ------------------------------------------------------------------------------------------------ set-up

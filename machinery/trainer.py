@@ -269,22 +269,35 @@ def old_logprobs(model, rollouts, revisited, temperature, micro_batch_size, max_
         done.append((sequences, mask.numpy()))
         results += [logp.flatten(), (torch.zeros_like(logp) if entropy is None else entropy).sum(1)]
     host = torch.cat(results).cpu().numpy() if results else None  # the loop's one read
+    model.train()
+    out, batch = _owned(_scores(done, host), len(rollouts) + len(revisited), rollouts, max_tokens is not None)
+    return {"revisited": out[len(rollouts):], "sequences": len(out), **batch}
+
+
+def _scores(done, host):
+    """(owner, index, (T_i,) log-probs, entropy summed over its policy tokens, tokens) per scored sequence, from
+    each micro-batch's (sequences, host mask) and `host`: their log-probs and entropy sums, in that order."""
     scored, at = [], 0
-    for sequences, mask in done:  # (owner, index, (T_i,) log-probs, entropy summed over its policy tokens, tokens)
+    for sequences, mask in done:
         logp, entropy = host[at: at + mask.size].reshape(mask.shape), host[at + mask.size: at + mask.size + len(mask)]
         at += mask.size + len(mask)
-        scored += [(s.owner, s.index, logp[j, len(s.prompt) - 1: len(s) - 1].copy(), float(entropy[j]),
+        scored += [(s.owner, s.index, logp[j, len(s.prompt) - 1: len(s) - 1].astype(np.float32), float(entropy[j]),
                     float(mask[j].sum())) for j, s in enumerate(sequences)]
-    model.train()
-    if max_tokens is not None:  # each result back to the rank that owns the sequence
-        scored = [item for item in all_gather_objects(scored) if item[0] == rank]
-    out, entropy_sum, token_count = [None] * (len(rollouts) + len(revisited)), 0.0, 0.0
+    return scored
+
+
+def _owned(scored, n, rollouts, dealt):
+    """This rank's n results by index (dealt by tokens: each back from the rank that scored it), and of the first
+    len(rollouts), this batch's, the old log-probs, their entropy and their gap to the engine's."""
+    if dealt:
+        scored = [item for item in all_gather_objects(scored) if item[0] == dist.get_rank()]
+    out, entropy_sum, token_count = [None] * n, 0.0, 0.0
     for _, i, logp, row_entropy, tokens in scored:
         out[i] = logp
         if i < len(rollouts):  # the entropy of this batch's responses, not of the revisited ones
             entropy_sum, token_count = entropy_sum + row_entropy, token_count + tokens
-    return {"batch": out[: len(rollouts)], "revisited": out[len(rollouts):], "sequences": len(out),
-            "entropy": entropy_sum / max(token_count, 1.0), **vllm_gap(out[: len(rollouts)], rollouts)}
+    return out, {"batch": out[: len(rollouts)], "entropy": entropy_sum / max(token_count, 1.0),
+                 **vllm_gap(out[: len(rollouts)], rollouts)}
 
 
 def tis_weights(old_logprobs, engine_logprobs, mask, cap):
@@ -303,15 +316,24 @@ def clip_grad_norm(parameters, max_norm):
     return float(total)
 
 
+def reuses_forward(ppo_steps, tis):
+    """Whether the update's forward gives the batch's old log-probs, so that old_logprobs need not score it: with
+    one optimiser step the policy before it is the forward's (TRL skips the pass alike); --tis's weights are
+    fixed before the update, from old log-probs, so it keeps the pass."""
+    return ppo_steps == 1 and not tis
+
+
 def ppo_update(model, optimizer, rollouts, old, advantage, loss_fn, *, ppo_steps, micro_batch_size, temperature,
                grad_clip, max_tokens=None, tis=0.0):
     """`ppo_steps` optimiser steps over consecutive mini-batches, each loss from loss_fn(logprobs, old_logprobs,
     advantage, mask, n_tokens=the GLOBAL mini-batch's tokens) -> (loss, clipped) (Eq. 10). A step whose loss or
-    gradient norm is not finite is skipped on every rank. tis: tis_weights' cap, passed as weights (0: off)."""
-    per, world = len(rollouts) // ppo_steps, dist.get_world_size()
-    sequences = [Sequence(r.prompt_ids, r.response_ids, r.response_mask, old[i], float(advantage[i]),
-                          tis_weights(old[i], r.logprobs, r.response_mask, tis) if tis else None)
-                 for i, r in enumerate(rollouts)]
+    gradient norm is not finite is skipped on every rank. tis: tis_weights' cap, passed as weights (0: off).
+    old None (one step, no --tis: reuses_forward): the forward's own log-probs, detached, are the old ones (the
+    ratio is exactly 1) and come back as stats["old"], what old_logprobs gives of the batch."""
+    per, world, rank = len(rollouts) // ppo_steps, dist.get_world_size(), dist.get_rank()
+    sequences = [Sequence(r.prompt_ids, r.response_ids, r.response_mask, None if old is None else old[i],
+                          float(advantage[i]), tis_weights(old[i], r.logprobs, r.response_mask, tis) if tis else None,
+                          owner=rank, index=i) for i, r in enumerate(rollouts)]
     # over all ranks and mini-batches: clipped tokens, k3 KL summed over tokens, tokens, truncated, decoder's tokens
     totals, loss, grad_norm, nonfinite = np.zeros(5), 0.0, 0.0, False
     for k in range(ppo_steps):
@@ -319,8 +341,8 @@ def ppo_update(model, optimizer, rollouts, old, advantage, loss_fn, *, ppo_steps
         mini, shares, everything = deal_by_tokens(sequences[k * per: (k + 1) * per], len, max_tokens is not None)
         global_tokens = (float(sum(np.sum(s.mask) for s in everything)) if everything is not None  # exact
                          else all_reduce_np([sum(float(np.sum(s.mask)) for s in mini)])[0])
-        sums = _accumulate_gradients(model, mini, shares, loss_fn, global_tokens, temperature, micro_batch_size,
-                                     max_tokens, tis)
+        sums, scored = _accumulate_gradients(model, mini, shares, loss_fn, global_tokens, temperature,
+                                             micro_batch_size, max_tokens, tis)
         step_norm = clip_grad_norm(model.parameters(), grad_clip)
         reduced = all_reduce_np(sums)  # one collective for the loss and the counts
         totals += reduced[1:]
@@ -330,25 +352,34 @@ def ppo_update(model, optimizer, rollouts, old, advantage, loss_fn, *, ppo_steps
         else:
             nonfinite = True  # every rank skips this step
         optimizer.zero_grad(set_to_none=True)
-    return {"loss": loss / ppo_steps, "grad_norm": grad_norm / ppo_steps, "clip_fraction": totals[0] / totals[2],
-            "approx_kl": totals[1] / totals[2], "nonfinite": nonfinite,
+    scored = _owned(scored, len(rollouts), rollouts, max_tokens is not None)[1] if old is None else None
+    return {"old": scored, "loss": loss / ppo_steps, "grad_norm": grad_norm / ppo_steps,
+            "clip_fraction": totals[0] / totals[2], "approx_kl": totals[1] / totals[2], "nonfinite": nonfinite,
             "tis_truncated": totals[3] / totals[2],  # tokens whose weight is the cap
             "decoder_tokens": totals[4] / world}  # per rank
 
 
 def _accumulate_gradients(model, mini, shares, loss_fn, global_tokens, temperature, micro_batch_size, max_tokens, tis):
-    """One step's gradient, reduced once: sums of (loss, clipped, k3 KL, tokens, truncated, decoder tokens)."""
+    """One step's gradient, reduced once: sums of (loss, clipped, k3 KL, tokens, truncated, decoder tokens), and
+    where the sequences carry no old log-probs (ppo_update's old None) the forward's scores (_scores)."""
     world, ran = dist.get_world_size(), getattr(model, "decoder_tokens", 0)
+    reuse = any(s.old is None for s in mini)  # (every sequence of a step alike)
+    done, results = [], []  # as in old_logprobs
     plan = micro_batches(list(map(len, mini)), micro_batch_size, max_tokens, shares,
                          padded=model.config._attn_implementation != PACKED_ATTENTION)
     parts, layers = [], [unit for unit in model.model.layers if hasattr(unit, "set_reshard_after_forward")]
     for unit in layers:  # layer units stay gathered from each forward to the backward that follows at once
         unit.set_reshard_after_forward(False)
     for m, group in enumerate(plan):
-        sequences = [mini[j] for j in group] or [IDLE]  # an idle rank: mask 0, loss 0
+        real = [mini[j] for j in group]
+        sequences = real or [IDLE]  # an idle rank: mask 0, loss 0
         ids, mask = pack(sequences)
-        logp, _ = token_logprobs(model, ids, mask, temperature)
+        logp, entropy = token_logprobs(model, ids, mask, temperature, with_entropy=reuse)
+        if reuse:  # one optimiser step: the policy before it is this forward's (the ratio exactly 1)
+            done.append((real, mask.numpy()))
+            results += [logp.detach().flatten().double(), entropy.sum(1).double()]
         mask, old_logp, weights, adv = to_device([mask, *loss_terms(sequences)], logp.device)  # (b, T), (b,)
+        old_logp = logp.detach() if reuse else old_logp
         loss, clipped = loss_fn(logp, old_logp, adv, mask, n_tokens=global_tokens,
                                 **({"weights": weights} if tis else {}))
         model.set_requires_gradient_sync(m == len(plan) - 1)  # the reduce-scatter after the last backward only
@@ -360,14 +391,16 @@ def _accumulate_gradients(model, mini, shares, loss_fn, global_tokens, temperatu
                                       mask.sum(), ((weights == tis) * mask).sum() if tis else mask.new_zeros(())]))
     for unit in layers:  # (the no-grad pass: one layer gathered at a time)
         unit.set_reshard_after_forward(True)
-    parts = torch.stack(parts).double().cpu().numpy() if parts else []  # the loop's one read
-    sums = functools.reduce(np.add, parts, np.zeros(5))  # in order, as the step's sums were before
-    return np.append(sums, getattr(model, "decoder_tokens", 0) - ran)
+    host = torch.cat([torch.stack(parts).double().flatten(), *results]).cpu().numpy() if parts else []  # one read
+    sums = functools.reduce(np.add, np.reshape(host[: 5 * len(parts)], (-1, 5)), np.zeros(5))  # in order, as before
+    scored = _scores(done, host[5 * len(parts):]) if done else []
+    return np.append(sums, getattr(model, "decoder_tokens", 0) - ran), scored
 
 
 @contextlib.contextmanager
 def learning_check(model, optimizer, rollouts, old, advantage, temperature, micro_batch_size, max_tokens, on=True):
-    """Around an update: a warning line unless it moved the policy the way the advantages say (one more pass)."""
+    """Around an update: a warning line unless it moved the policy the way the advantages say (one more pass).
+    old: old_logprobs' dict, its "batch" read after the update (which gives it where reuses_forward)."""
     def norms():  # (P,) fp64 norms of this rank's shards (the optimiser's: the model's may be unsharded copies now)
         return torch.stack([(p.to_local() if isinstance(p, DTensor) else p).detach().double().norm()
                             for group in optimizer.param_groups for p in group["params"]])
@@ -376,6 +409,6 @@ def learning_check(model, optimizer, rollouts, old, advantage, temperature, micr
     if on:
         changed = not torch.equal(before, norms())
         new = old_logprobs(model, rollouts, [], temperature, micro_batch_size, max_tokens)["batch"]
-        warning = learning_warning(changed, old, new, advantage, [r.response_mask for r in rollouts])
+        warning = learning_warning(changed, old["batch"], new, advantage, [r.response_mask for r in rollouts])
         if warning and dist.get_rank() == 0:
             print(f"warning: {warning}", file=sys.stderr, flush=True)
