@@ -8,6 +8,7 @@ they look like one.
     torchrun --nproc_per_node=2 eval.py --model runs/<run> --data aime24.parquet aime25.parquet
     python eval.py                                            # the toy's test set, one process
 """
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -124,44 +125,34 @@ def markdown_table(summaries: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-def write_samples(path, data, samples, rollouts, n, rank, world):
-    """One JSONL line per sample, problems in data order. Each rank writes its shard, then rank 0 interleaves
-    the shards (problem p is the (p // world)-th problem of rank p % world) without holding them in memory."""
-    from machinery.collectives import barrier  # a rank that stopped first: one line here too
+def write_samples(path, data, samples, rollouts, n, rank, world, block=64):
+    """One JSONL line per sample, problems in data order, written by rank 0 from what every rank sends, `block`
+    problems of each rank per collective (no shared filesystem needed; a benchmark's responses never all in memory).
+    Problem p is rank p % world's."""
+    from machinery.collectives import all_gather_objects
     from machinery.run_dir import atomic_write
-    shard = f"{path}.rank{rank}"
+
+    def lines(p):  # problem p's n lines, on the rank that sampled it
+        return [json.dumps({"prompt_key": data.keys[p], "sample": i, "answer": samples[p][i][0],
+                            "correct": samples[p][i][1], "ground_truth": data.answers[p],
+                            "finish_reason": r.finish_reason, "response_tokens": len(r.response_ids),
+                            "response": r.text}) + "\n" for i, r in enumerate(rollouts[p])]
     try:
-        with open(shard, "w") as f:
-            for p, rs in rollouts.items():
-                for i, r in enumerate(rs):
-                    answer, correct, _ = samples[p][i]
-                    f.write(json.dumps({"prompt_key": data.keys[p], "sample": i, "answer": answer,
-                                        "correct": correct, "ground_truth": data.answers[p],
-                                        "finish_reason": r.finish_reason, "response_tokens": len(r.response_ids),
-                                        "response": r.text}) + "\n")
+        with atomic_write(path) if rank == 0 else contextlib.nullcontext() as out:
+            for start in range(0, len(data.keys), block * world):
+                problems = range(start, min(start + block * world, len(data.keys)))
+                mine = [lines(p) for p in problems if p % world == rank]
+                sent = all_gather_objects([mine]) if world > 1 else [mine]  # (rank r's list is the r-th)
+                if rank == 0:
+                    for p in problems:
+                        out.writelines(sent[p % world][(p - start) // world])
     except OSError as e:
-        stop_writing(path, e, [shard])
-    barrier()
-    if rank == 0:
-        shards = [open(f"{path}.rank{r}") for r in range(world)]
-        try:
-            with atomic_write(path) as out:
-                for p in range(len(data.keys)):
-                    out.writelines(shards[p % world].readline() for _ in range(n))
-        except OSError as e:
-            stop_writing(path, e, [shard.name for shard in shards])
-        for r, shard in enumerate(shards):
-            shard.close()
-            os.remove(f"{path}.rank{r}")
-    barrier()
+        stop_writing(path, e)
 
 
-def stop_writing(path, error, leftovers=()):
-    """A write into --out_dir that failed (a full disk, a quota): one line, and none of that file's pieces left."""
+def stop_writing(path, error):
+    """A write into --out_dir that failed (a full disk, a quota): one line (atomic_write leaves none of the file)."""
     from machinery.errors import fail
-    for leftover in leftovers:
-        if os.path.exists(leftover):
-            os.remove(leftover)
     fail(f"--out_dir {os.path.dirname(path) or '.'}: cannot write {os.path.basename(path)} "
          f"({error.strerror or error}); nothing of it is left: free space and rerun")
 

@@ -15,6 +15,7 @@ size (docs/evaluation.md). The file (dataset order; scores: the n0 rewards):
     python offline_values.py                                   # the built-in toy, one process
 """
 import argparse
+import contextlib
 import glob
 import hashlib
 import json
@@ -220,8 +221,11 @@ def estimate_offline_values(engine, data, out_path, *, n0=8, temperature=1.0, to
     if bar is not None:
         bar.close()
     barrier()
+    # each rank's shard as its node sees it, to rank 0 by a collective: the partial files need no shared filesystem
+    shard = set(data.keys[rank::world])
+    done = {k: v for k, v in read_finished(out_path, header).items() if k in shard}
+    done = {k: v for part in collectives.all_gather_objects([done]) for k, v in part.items()} if world > 1 else done
     if rank == 0:
-        done = read_finished(out_path, header)
         missing = sum(key not in done for key in data.keys)
         if missing:
             print(f"offline values: stopped with {missing} prompts to go; rerun the same command to resume", flush=True)
@@ -239,7 +243,11 @@ def estimate_offline_values(engine, data, out_path, *, n0=8, temperature=1.0, to
                 os.remove(path)
             if progress:
                 print_histogram(result, n0)
-    barrier()  # the values file is there before any rank reads it
+    # (also the barrier: the values file is written before any rank reads it)
+    finished = collectives.all_gather_objects([not missing if rank == 0 else None])[0] if world > 1 else not missing
+    if finished:  # (a node of its own keeps its partial file until the values file is whole)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(partial)
 
 
 def stop_on_full_disk(error, path):
@@ -311,7 +319,10 @@ def toy_values_path(toy_dir, n0, seed, v0_settings, train_prompts=0, pool_seed=-
 def init_tracker_from_file(tracker, path, data, smoothing, verbose):
     """Algorithm 2: the tracker from a values file; a bad one, or one for another dataset, stops with one line."""
     from machinery.errors import fail
-    _, entries = read_values_file(path)
+    # read by rank 0 and sent to the others: a values file spo.py made on the toy is on rank 0's node only
+    many = dist.is_initialized() and dist.get_world_size() > 1
+    entries = read_values_file(path)[1] if not many or dist.get_rank() == 0 else None
+    entries = collectives.all_gather_objects([entries])[0] if many else entries
     position = {key: i for i, key in enumerate(data.keys)}
     unknown = [key for key in entries if key not in position]
     if unknown:

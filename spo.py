@@ -30,9 +30,9 @@ import variants
 from machinery import checkpoint, device as devices, trainer, untrusted
 from machinery.collectives import all_gather_np, all_gather_objects, all_reduce_np, full_parameters
 from machinery.data import check_context, find_model, load_tokenizer, load_train_and_test
-from machinery.metrics import (Logger, PromptReach, add_logging_flags, plot_run, run_summary, spo_metrics,
-                               step_metrics, timed)
+from machinery.metrics import Logger, PromptReach, plot_run, run_summary, spo_metrics, step_metrics, timed
 from machinery.run_dir import check_disk, open_run_dir
+from machinery.trackers import add_logging_flags
 from offline_values import TrainingV0, add_v0_flags, check_values_header, claim_toy_values, init_tracker
 from reward import BUILT_IN, add_reward_flags, rewards
 from hf_engine import add_engine_flags, start_engine, start_program
@@ -204,11 +204,12 @@ def main(argv=None):
                 run.sampler.set_weights(priority_weights(run.tracker.value_at(uniq), run.tracker.n_eff_at(uniq),
                                                          args.sampling_eps, args.sampling_gamma), uniq)
             algo_metrics = spo_metrics(all_raw_advantage, run.tracker, all_divergences, rho, all_revisit > 0)
+            shown = {"value": value, "rho": rho[rank * local:], "divergence": divergences}  # in samples.jsonl
         elif args.algo == "reinforce_pp":  # REINFORCE++: no per-prompt baseline, r whitened over the global batch
-            raw_advantage, advantage, algo_metrics = reward, global_normalise(reward, weight=norm_weight), {}
+            raw_advantage, advantage, algo_metrics, shown = reward, global_normalise(reward, weight=norm_weight), {}, {}
         else:  # the group baselines (variants.py): GRPO's z-score, RLOO's leave-one-out mean, Dr. GRPO's mean
             raw_advantage = advantage = variants.GROUP_BASELINES[args.algo](reward, group)
-            algo_metrics = {}  # (all-equal groups: in step_metrics, for every estimator with groups)
+            algo_metrics, shown = {}, {}  # (all-equal groups: in step_metrics, for every estimator with groups)
         # 6. PPO-clip (Eq. 10; or --loss, --loss_agg), `ppo_steps` optimiser steps over the global batch
         with timed(t, "update"):
             stats = update(run, rollouts, old, advantage, args, loss_fn=loss_fn, first=step == run.start_step + 1)
@@ -229,12 +230,12 @@ def main(argv=None):
                    **devices.peak_metrics(on_gpu)}
         metrics.update(evaluate(step=step))
         logger.log(step, metrics, console=(step % args.log_every == 0 or step == args.steps))
+        logger.samples(step, run.tokenizer.decode, [data.prompt_ids[i] for i in mine], rollouts,
+                       {"reward": reward, "advantage": raw_advantage, **shown})  # a few generations to read
         if (args.save_every and step % args.save_every == 0) or step == args.steps:
             run.save(args.run_dir, step, vars(args), export_dtype=torch.bfloat16 if on_gpu else None)
     logger.close()
-    if run.tools:
-        run.tools.pool.close()
-    run.engine.shutdown()  # also tears down the process group
+    run.close()  # the sandbox workers and the engine, which also tears down the process group
     if rank == 0:  # the last line: held-out before and after (the default run: beside the README's range), what next
         default_run = run.on_toy and not set(args.given) - {"run_dir", "seed"}
         print(run_summary(args.run_dir, plot_run(args.run_dir), time.time() - started_at,
@@ -306,7 +307,7 @@ def parse_args(argv=None):
     g = p.add_argument_group("run directory and logging")
     g.add_argument("--run_dir", default=None, help="outputs go here (default: runs/<algo>-<date>-<time>-<pid>)")
     g.add_argument("--save_every", type=int, default=50, help="checkpoint every N steps (0: only at the end)")
-    g.add_argument("--resume", default=None, help="a run directory to continue from its latest checkpoint")
+    g.add_argument("--resume", default=None, help="a run dir to continue from its newest checkpoint (auto: --run_dir)")
     g.add_argument("--seed", type=int, default=0, help="seeds prompt sampling and generation")
     add_logging_flags(g)  # --report_to, and --log_every (hidden)
     g = p.add_argument_group("system: memory, micro-batches, engine")
@@ -326,8 +327,8 @@ def start(args):
     """Everything checked before anything heavy starts (start_program: as eval.py and offline_values.py), then the
     final flags, once, and what the loop needs, new or resumed: (args, checkpoint.Run); nothing changes args after."""
     rank, world, device, engine = start_program(args.engine)
-    if args.resume:  # the run's own settings (running nothing it names)
-        args = argparse.Namespace(**checkpoint.resumed_flags(vars(args), BUILT_IN, toy.BUILT))
+    # --resume: the run's own settings (running nothing it names); --resume auto: resumed if there is a checkpoint
+    args = argparse.Namespace(**checkpoint.resumed_flags(vars(args), BUILT_IN, toy.BUILT))
     variants.check_flags(vars(args), world)  # one clear line for a bad flag or combination
     thinking.check_budget(args.toy_dir, args.max_response_len)  # a worked sum must fit
     on_gpu, on_toy = device.type == "cuda", args.train is None  # on the toy, 'auto' offline values are built here

@@ -67,7 +67,16 @@ def resumed_config(run_dir, given, built_in=(), shipped=""):
 
 def resumed_flags(flags, built_in=(), shipped=""):
     """--resume: the run's own settings over the parsed flags ({flag: value}; only RESUME_MAY_CHANGE's may
-    differ), or one line."""
+    differ), or one line. --resume auto: --run_dir's run resumed if it has a checkpoint (rank 0 looks), else a new
+    run there, so that a restart or a requeue can repeat the first command."""
+    if flags["resume"] == "auto":
+        if not flags["run_dir"]:
+            fail("--resume auto resumes the run in --run_dir: give --run_dir", once=True)
+        from machinery.collectives import all_gather_objects
+        saved = all_gather_objects([bool(checkpoint_dirs(flags["run_dir"])) if dist.get_rank() == 0 else None])[0]
+        flags = {**flags, "resume": flags["run_dir"] if saved else None}
+    if not flags["resume"]:
+        return flags
     given = {f: flags[f] for f in flags["given"]}
     return {**flags, **resumed_config(flags["resume"], given, built_in, shipped), "given": flags["given"]}
 
@@ -92,6 +101,12 @@ class Run:
     previous: dict  # prompt -> spo.PreviousResponse (SPO only)
     reach: object  # metrics.PromptReach: --oversample's draws per prompt
     start_step: int  # 0, or the checkpoint's
+
+    def close(self):
+        """The sandbox workers, then the engine (whose shutdown also tears down the process group)."""
+        if self.tools:
+            self.tools.pool.close()
+        self.engine.shutdown()
 
     def save(self, run_dir, step, config, export_dtype=None):
         save_checkpoint(run_dir, step, self.policy, self.optimizer, self.tokenizer, self.world, self.data.keys,
@@ -376,9 +391,9 @@ def load_checkpoint(run_dir, world, prompt_keys):
         fail(f"--resume {run_dir}: the checkpoint was made with another training set "
              f"({len(state['prompt_keys'])} prompts there, {len(prompt_keys)} here, or a different order)")
     if state["world_size"] != world:
-        fail(f"--resume {run_dir}: the checkpoint was made with world size {state['world_size']}, this run has "
-             f"{world}: per-rank sampling would differ, so it cannot resume exactly; use --nproc_per_node="
-             f"{state['world_size']}")
+        fail(f"--resume {run_dir}: the checkpoint was made by {state['world_size']} ranks, this run has {world}: "
+             f"per-rank sampling and shards would differ, so it cannot resume exactly; resume with "
+             f"{state['world_size']} ranks in all (--nnodes x --nproc_per_node = {state['world_size']})")
     state["model_dir"], state["shards"] = os.path.join(path, "model"), os.path.join(path, "shards")
     return state
 

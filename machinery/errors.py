@@ -1,14 +1,20 @@
-"""Stands in for argparse's error() where argparse cannot check: one line on rank 0 only, not one traceback per rank.
+"""Stands in for argparse's error() where argparse cannot check: one line per node, not one traceback per rank.
 """
 import os
+import socket
 import sys
 
 
 def fail(message, once=False):
-    """A one-line error instead of a traceback; once: every rank reaches it alike, so only rank 0 prints it."""
-    if not once or os.environ.get("RANK", "0") == "0":
+    """A one-line error instead of a traceback; once: every rank of a node reaches it alike, so only the node's
+    first rank prints it, and with several nodes its host name with it (a file missing on one node only is said
+    there; rank 0 alone would say nothing of it)."""
+    env = os.environ.get
+    if not once or env("LOCAL_RANK", env("RANK", "0")) == "0":
         from tqdm import tqdm
-        tqdm.write(f"error: {message}", file=sys.stderr)  # on a line of its own, also below a progress bar
+        nodes = env("WORLD_SIZE", "1") != env("LOCAL_WORLD_SIZE", env("WORLD_SIZE", "1"))
+        where = f"[{socket.gethostname()}, rank {env('RANK')}] " if nodes else ""
+        tqdm.write(f"error: {where}{message}", file=sys.stderr)  # on a line of its own, also below a progress bar
         sys.stderr.flush()
     # a live gloo group can abort the exit (seen in CI): destroy it now, unless vLLM's own teardown will
     dist, vllm_groups = sys.modules.get("torch.distributed"), sys.modules.get("vllm.distributed.parallel_state")

@@ -1,19 +1,16 @@
 """On json, tqdm and matplotlib (--report_to's trackers if asked): the metrics no library knows for SPO (docs/flags.md),
 and run.png."""
-import argparse
 import contextlib
-import importlib.util
 import json
 import os
 import sys
 import time
-import uuid
 
 import numpy as np
 import torch.distributed as dist
 
 from machinery.collectives import all_gather_np
-from machinery.errors import fail
+from machinery.trackers import SAMPLES, SAMPLES_MAX_BYTES, open_trackers, sample_rows
 from machinery.untrusted import parse_json, read_file
 
 
@@ -133,7 +130,7 @@ def signal_metrics(all_raw_advantage, all_advantage, all_reward, group, tol=1e-6
 
 
 def _rows(path):
-    """metrics.jsonl's rows (one a crash cut off, or that lacks its step: dropped) as (line, row)."""
+    """metrics.jsonl's (or samples.jsonl's) rows (one a crash cut off, or without its step: dropped) as (line, row)."""
     try:
         lines = read_file(path).decode("utf-8", errors="replace").split("\n")
     except (OSError, ValueError):  # none yet, or not a file (a FIFO would hang the read)
@@ -152,8 +149,20 @@ def timed(seconds, phase):
     seconds[phase] = time.time() - t0
 
 
+def _open_cut(path, resume_step):
+    """path for appending, its rows after resume_step (steps a resumed run replays) cut first; and the rows kept."""
+    kept = []
+    if resume_step is not None and os.path.exists(path):
+        kept = [(line, row) for line, row in _rows(path) if row["step"] <= resume_step]
+        with open(path + ".tmp", "w") as f:
+            f.writelines(line for line, _ in kept)
+        os.replace(path + ".tmp", path)
+    return open(path, "a"), kept
+
+
 class Logger:
-    """Rank 0 logs. resume_step: rows after it (steps that will be replayed) are cut from metrics.jsonl."""
+    """Rank 0 logs. resume_step: rows after it (steps that will be replayed) are cut from metrics.jsonl and
+    samples.jsonl."""
 
     def __init__(self, run_dir, config, is_main, report_to=(), resume_step=None):
         self.is_main, self.bar, self.trackers = is_main, None, []
@@ -164,14 +173,9 @@ class Logger:
         with open(os.path.join(run_dir, "config.json.tmp"), "w") as f:  # --resume reads it: never half-written
             json.dump(config, f, indent=1)
         os.replace(os.path.join(run_dir, "config.json.tmp"), os.path.join(run_dir, "config.json"))
-        path = os.path.join(run_dir, "metrics.jsonl")
-        if resume_step is not None and os.path.exists(path):
-            kept = [(line, row) for line, row in _rows(path) if row["step"] <= resume_step]
-            with open(path + ".tmp", "w") as f:
-                f.writelines(line for line, _ in kept)
-            os.replace(path + ".tmp", path)
-            self.all_equal_steps = int(sum(row.get("reward/all_equal", 0) for _, row in kept))
-        self.file = open(path, "a")
+        self.file, kept = _open_cut(os.path.join(run_dir, "metrics.jsonl"), resume_step)
+        self.all_equal_steps = int(sum(row.get("reward/all_equal", 0) for _, row in kept))
+        self.samples_file = _open_cut(os.path.join(run_dir, SAMPLES), resume_step)[0]
         self.trackers = open_trackers(run_dir, config, report_to, resume_step)
 
     def progress(self, iterable, total, initial):
@@ -203,6 +207,20 @@ class Logger:
             shown = " ".join(f"{short}={metrics[k]:.4g}" for k, short in self.console_keys().items() if k in metrics)
             self.console(f"step {step}: {shown}")
 
+    def samples(self, step, decode, prompt_ids, rollouts, columns):
+        """A few of this step's generations (rank 0's first slots, trackers.sample_rows) in samples.jsonl and to the
+        trackers as a table, until the file reaches SAMPLES_MAX_BYTES (said once)."""
+        if not self.is_main or self.samples_file.closed:
+            return
+        rows = sample_rows(step, decode, prompt_ids, rollouts, columns)
+        self.samples_file.writelines(json.dumps(row) + "\n" for row in rows)
+        self.samples_file.flush()
+        for log in self.trackers:
+            log(step, None, rows)
+        if self.samples_file.tell() >= SAMPLES_MAX_BYTES:
+            self.samples_file.close()
+            self.console(f"step {step}: {SAMPLES} reached {SAMPLES_MAX_BYTES >> 20} MiB; no more samples this run")
+
     def console_keys(self):
         """The console line's columns; kl only with --ppo_steps > 1 (one step starts on-policy: it is 0)."""
         keys = {"reward/mean": "reward", "eval/accuracy": "test_acc", "advantage/std": "adv_std",
@@ -219,6 +237,7 @@ class Logger:
             if self.bar is not None:
                 self.bar.close()
             self.file.close()
+            self.samples_file.close()
             for log in self.trackers:
                 log(None, None)  # None: close
 
@@ -349,76 +368,3 @@ def run_summary(run_dir, plot, seconds, expected_range=None, test=None):
     return (f"done, {seconds / 60:.1f} min of training: held-out accuracy {held_out}; run directory "
             f"{run_dir}, plot {plot}; next: {torchrun} --nproc_per_node=2 eval.py --model {run_dir}"
             + (f" --data {os.path.relpath(test)}" if test else ""))
-
-
-# --report_to's trackers: the scalars of metrics.jsonl, live, each in its own viewer (module = pip package)
-TRACKERS = ("tensorboard", "trackio", "wandb")
-TRACKER_IDS = "tracker_ids.json"  # a resumed run continues the same wandb / trackio run: the ids it was given
-
-
-def check_trackers(names):
-    """Each tracker --report_to names is installed, before anything heavy (else one line naming the pip command)."""
-    for name in names:
-        if name != "none" and importlib.util.find_spec(name) is None:
-            fail(f"--report_to {name}: {name} is not installed; pip install {name}", once=True)
-
-
-class _ReportTo(argparse.Action):
-    def __call__(self, parser, namespace, values, option_string=None):
-        check_trackers(values)  # at parse time: before the engine or the model loads
-        setattr(namespace, self.dest, values)
-
-
-def tracker_ids(run_dir, resumed):
-    """The run's ids in run_dir/tracker_ids.json: kept on --resume, new otherwise (written whole, never half)."""
-    path = os.path.join(run_dir, TRACKER_IDS)
-    with contextlib.suppress(OSError, ValueError):
-        ids = json.loads(read_file(path)) if resumed else None
-        if isinstance(ids, dict) and all(isinstance(ids.get(k), str) and ids[k].isalnum() for k in TRACKERS):
-            return ids
-    ids = {name: uuid.uuid4().hex[:16] for name in TRACKERS}
-    with open(path + ".tmp", "w") as f:
-        json.dump(ids, f)
-    os.replace(path + ".tmp", path)
-    return ids
-
-
-def _tensorboard(run_dir, resume_step):
-    from torch.utils.tensorboard import SummaryWriter
-    # purge_step: a reader drops the events a killed run logged past its checkpoint, which the resumed run replays
-    writer = SummaryWriter(os.path.join(run_dir, "tensorboard"), purge_step=None if resume_step is None
-                           else resume_step + 1)
-
-    def log(step, scalars):
-        if scalars is None:
-            return writer.close()
-        for key, value in scalars.items():
-            writer.add_scalar(key, value, step)
-        writer.flush()  # live, and a killed run keeps what it logged
-    return log
-
-
-def open_trackers(run_dir, config, report_to, resume_step):
-    """One log(step, scalars) per tracker (log(None, None) closes it); a resumed run continues its own history:
-    TensorBoard drops the events past the checkpoint (purge_step), wandb and trackio resume their run by its id."""
-    names = [n for n in (report_to or ()) if n != "none"]
-    check_trackers(names)  # --resume takes the trackers from the run's config.json: not checked at parse time
-    ids, logs = tracker_ids(run_dir, resume_step is not None) if names else {}, []
-    project = os.environ.get("WANDB_PROJECT", "spo")  # wandb's own variable; trackio shares it
-    if "tensorboard" in names:
-        logs.append(_tensorboard(run_dir, resume_step))
-    if "wandb" in names:
-        import wandb
-        run = wandb.init(project=project, id=ids["wandb"], resume="allow", config=config, dir=run_dir)
-        logs.append(lambda step, m: run.finish() if m is None else run.log(m, step=step))
-    if "trackio" in names:
-        import trackio
-        trackio.init(project=project, name=ids["trackio"], resume="allow", config=config)
-        logs.append(lambda step, m: trackio.finish() if m is None else trackio.log(m, step=step))
-    return logs
-
-
-def add_logging_flags(p):
-    p.add_argument("--report_to", nargs="+", choices=("none", *TRACKERS), default=["none"], action=_ReportTo,
-                   help="trackers shown metrics.jsonl's scalars live (wandb, trackio: project $WANDB_PROJECT)")
-    p.add_argument("--log_every", type=int, default=10, help=argparse.SUPPRESS)  # the console line every N steps

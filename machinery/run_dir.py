@@ -20,15 +20,23 @@ def default_run_dir(algo):
 
 
 def open_run_dir(run_dir, *, resumed, algo, program):
-    """The run directory (or a default one) claimed by rank 0, on every rank; an error stops every rank."""
+    """The run directory (or a default one) claimed by rank 0, on every rank; an error stops every rank. Every
+    rank writes its checkpoint shards there: a node that does not see rank 0's directory (its lock) is named."""
     from machinery.collectives import all_gather_objects
-    error = None
+    error = owner = None
     if dist.get_rank() == 0:
         run_dir = run_dir or default_run_dir(algo)
         error = claim_run_dir(run_dir, resumed, program)
-    run_dir, error = all_gather_objects([(run_dir, error)])[0]
+        owner = _lock_owner(os.path.join(run_dir, ".lock"))
+    run_dir, error, owner = all_gather_objects([(run_dir, error, owner)])[0]
     if error:
         fail(error, once=True)
+    seen = all_gather_objects([(socket.gethostname(), _lock_owner(os.path.join(run_dir, ".lock")) == owner)])
+    blind = sorted({host for host, sees in seen if not sees})
+    if blind:
+        fail(f"--run_dir {run_dir}, created by rank 0 on {seen[0][0]}, is not seen by the ranks on "
+             f"{', '.join(blind)}: every rank writes its checkpoint shards there, so it must be on a filesystem "
+             f"all nodes share (an absolute path; docs/scale.md)", once=True)
     return run_dir
 
 
@@ -62,8 +70,8 @@ def claim_run_dir(run_dir, resume, name):
 
 
 # What a run writes in its directory: a symbolic link at any of these would take writes outside it.
-WRITTEN = {"config.json", "metrics.jsonl", "probe.jsonl", "run.png", "checkpoints", "wandb", "tensorboard",
-           "tracker_ids.json", ".write_test"}
+WRITTEN = {"config.json", "metrics.jsonl", "samples.jsonl", "probe.jsonl", "run.png", "checkpoints", "wandb",
+           "tensorboard", "tracker_ids.json", ".write_test"}
 
 
 def _linked(run_dir):
@@ -78,7 +86,8 @@ def _linked(run_dir):
 
 
 def _take_over(run_dir, name):
-    ours = ("config.json", "metrics.jsonl", "probe.jsonl", "checkpoints", "wandb", "tensorboard", "tracker_ids.json")
+    ours = ("config.json", "metrics.jsonl", "samples.jsonl", "probe.jsonl", "checkpoints", "wandb", "tensorboard",
+            "tracker_ids.json")
     files = sorted(f for f in os.listdir(run_dir) if f in ours or f.startswith("events.out."))
     if files:
         aside = _move_aside(run_dir, files, "earlier_attempt")

@@ -28,8 +28,14 @@ DIST_TIMEOUT = datetime.timedelta(minutes=60)
 
 
 def setup_distributed():
-    """torch.distributed on gloo (CPU) or nccl (GPU); plain `python spo.py` is a world of one."""
+    """torch.distributed on gloo (CPU) or nccl (GPU); plain `python spo.py` is a world of one (not under srun)."""
     if "RANK" not in os.environ:
+        if int(os.environ.get("SLURM_NTASKS", "1")) > 1:  # srun python spo.py: every task a world of one, on cuda:0
+            if os.environ.get("SLURM_PROCID", "0") != "0":
+                raise SystemExit(2)  # said once, by the first task
+            fail(f"{os.environ['SLURM_NTASKS']} SLURM tasks without torchrun: each would train alone; start "
+                 f"torchrun in each task: srun torchrun --nnodes=$SLURM_NNODES --nproc_per_node=GPUS "
+                 f"--rdzv_backend=c10d --rdzv_endpoint=HEAD:29500 spo.py ... (docs/scale.md)")
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
     # imported before init_process_group, torch.distributed.nn holds no group that could abort the exit (CI)

@@ -65,9 +65,10 @@ def torchrun(nproc, *args, timeout=900):
     return subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
 
 
-def torchrun_nodes(nnodes, *args, timeout=900):
+def torchrun_nodes(nnodes, *args, timeout=900, cwds=None):
     """`torchrun --nnodes=N --nproc_per_node=1` started N times with a c10d rendezvous on localhost: N nodes of one
-    process each, as docs/scale.md's multi-node command starts them (every process has local rank 0)."""
+    process each, as docs/scale.md's multi-node command starts them (every process has local rank 0). cwds: each
+    node's working directory (default: the repository), so that a relative path can exist on one node only."""
     port = free_port()
     cmd = [PYTHON, "-m", "torch.distributed.run", f"--nnodes={nnodes}", "--nproc_per_node=1", "--rdzv_backend=c10d",
            f"--rdzv_endpoint=127.0.0.1:{port}", f"--rdzv_id=nodes{port}", *args]
@@ -77,7 +78,8 @@ def torchrun_nodes(nnodes, *args, timeout=900):
         # one thread per process, as torchrun gives the ranks of a one-node run with several (here it sets none):
         # a different thread count may change a matmul's float sums, and the test compares runs bit for bit
         env = {**ENV, "OMP_NUM_THREADS": "1"}
-        procs = [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=err, text=True) for out, err in logs]
+        procs = [subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=err, text=True)
+                 for (out, err), cwd in zip(logs, cwds or [ROOT] * nnodes)]
         codes = [p.wait(timeout=timeout) for p in procs]
         texts = []
         for out, err in logs:

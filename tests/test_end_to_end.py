@@ -174,11 +174,12 @@ def test_resume_is_exact(small_toy, spo_run, tmp_path):
 @pytest.mark.slow
 def test_two_nodes_train_and_resume_as_one_node_does(small_toy, spo_run, tmp_path):
     """docs/scale.md's multi-node command, as two one-process "nodes" on this machine (c10d rendezvous on
-    localhost, local rank 0 on both): 2 steps, a checkpoint, --resume for 2 more, into one shared run directory.
+    localhost, local rank 0 on both): 2 steps, a checkpoint, 2 more, into one shared run directory, the same
+    command both times (--resume auto: a new run in an empty directory, then resumed, as a requeue repeats it).
     Same world size and seeds as the one-node run: the same checkpoint, exactly."""
     straight, _ = spo_run
     run = tmp_path / "run"
-    for extra in (("--steps", "2"), ("--steps", "4", "--resume", str(run))):
+    for extra in (("--steps", "2", "--resume", "auto"), ("--steps", "4", "--resume", "auto")):
         for proc in torchrun_nodes(2, *toy_args(small_toy, run, *extra)):
             ok(proc)
     _assert_same_checkpoint(straight, run, tmp_path)
@@ -213,7 +214,7 @@ def test_resume_with_another_world_size_or_dataset(spo_run, capsys):
     run, _ = spo_run
     path, _ = checkpoint.resume_point(str(run))
     keys = read_state(os.path.join(path, "state.pt"))["prompt_keys"]
-    for world, prompt_keys, says in [(1, keys, "world size 2"), (2, keys[1:], "made with another training set")]:
+    for world, prompt_keys, says in [(1, keys, "made by 2 ranks"), (2, keys[1:], "made with another training set")]:
         with pytest.raises(SystemExit):
             checkpoint.load_checkpoint(str(run), world, prompt_keys)
         err = capsys.readouterr().err

@@ -1,5 +1,6 @@
-"""--report_to: a tracker shows metrics.jsonl's scalars, one history per run even across a kill and --resume; a
-tracker that is not installed is one line before anything heavy; the run's tracker ids survive a resume.
+"""--report_to: a tracker shows metrics.jsonl's scalars and samples.jsonl's generations, one history per run even
+across a kill and --resume; a tracker that is not installed is one line before anything heavy; the run's tracker
+ids survive a resume.
 
     .venv/bin/python -m pytest tests/test_report_to.py -q
 """
@@ -11,7 +12,7 @@ import sys
 import pytest
 
 from common import ENV, ROOT, ok, toy_args, torchrun
-from machinery.metrics import TRACKER_IDS, tracker_ids
+from machinery.trackers import SAMPLES_PER_STEP, TRACKER_IDS, tracker_ids
 
 # spo.py with a package made unimportable the way Python spells it (a None in sys.modules: import raises
 # ImportError, find_spec answers None), whether or not it is installed here
@@ -39,24 +40,29 @@ def test_tracker_ids_are_kept_on_resume_and_new_otherwise(tmp_path):
     assert again["wandb"].isalnum() and json.loads((tmp_path / TRACKER_IDS).read_text()) == again
 
 
-def _tensorboard_history(run):
+def _tensorboard_history(run, text=False):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    history = EventAccumulator(str(run / "tensorboard"), size_guidance={"scalars": 0}).Reload()
+    history = EventAccumulator(str(run / "tensorboard"), size_guidance={"scalars": 0, "tensors": 0}).Reload()
+    if text:  # the samples table, one markdown text per step
+        return [(e.step, e.tensor_proto.string_val[0].decode()) for e in history.Tensors("samples/text_summary")]
     return {tag: [(e.step, e.value) for e in history.Scalars(tag)] for tag in history.Tags()["scalars"]}
 
 
 @pytest.mark.slow
 def test_tensorboard_keeps_one_history_through_a_kill_and_resume(small_toy, tmp_path):
     """Killed after logging step 4 and before its checkpoint landed, the run resumes from step 2 and logs steps 3-4
-    again: TensorBoard's reader shows each step once, with exactly metrics.jsonl's numbers."""
+    again: TensorBoard's reader shows each step once, with exactly metrics.jsonl's numbers, and samples.jsonl holds
+    each step's few generations once, as TensorBoard's samples table does."""
     run = tmp_path / "run"
-    args = toy_args(small_toy, run, "--steps", "4", "--save_every", "2", "--report_to", "tensorboard")
+    args = toy_args(small_toy, run, "--steps", "4", "--save_every", "2", "--report_to", "tensorboard", "--resume",
+                    "auto")  # a new run: its directory is empty
     proc = torchrun(2, "tests/test_end_to_end.py", "crash_before_rename", *args[1:])
     assert proc.returncode != 0 and (run / "checkpoints" / "latest").read_text() == "step_000002"
     killed = _tensorboard_history(run)
     assert max(step for points in killed.values() for step, _ in points) == 4  # steps 3-4 were logged, then lost
+    assert [json.loads(line)["step"] for line in open(run / "samples.jsonl")][-1] == 4
     ids = (run / TRACKER_IDS).read_text()
-    ok(torchrun(2, *toy_args(small_toy, run, "--steps", "4", "--save_every", "2", "--resume", str(run))))
+    ok(torchrun(2, *toy_args(small_toy, run, "--steps", "4", "--save_every", "2", "--resume", "auto")))  # resumed
     assert (run / TRACKER_IDS).read_text() == ids
     rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
@@ -71,3 +77,12 @@ def test_tensorboard_keeps_one_history_through_a_kill_and_resume(small_toy, tmp_
         assert [s for s, _ in history[key]] == [s for s, _ in points], key  # each step once, in order
         assert all(math.isclose(got, float(want), rel_tol=1e-6, abs_tol=1e-30) for (_, got), (_, want)
                    in zip(history[key], points)), key  # float32 in the event file
+    samples = [json.loads(line) for line in open(run / "samples.jsonl")]
+    assert [r["step"] for r in samples] == [step for step in (1, 2, 3, 4) for _ in range(SAMPLES_PER_STEP)]
+    for r in samples:  # SPO's columns beside the text, each a number
+        assert isinstance(r["prompt"], str) and isinstance(r["response"], str) and isinstance(r["truncated"], bool)
+        assert r["reward"] in (0.0, 1.0) and 0.875 <= r["rho"] <= 0.96 and r["divergence"] >= 0.0
+        assert math.isclose(r["advantage"], r["reward"] - r["value"], abs_tol=1e-6)  # Eq. 8
+    tables = _tensorboard_history(run, text=True)
+    assert [step for step, _ in tables] == [1, 2, 3, 4]
+    assert all(text.count("\n") == 1 + SAMPLES_PER_STEP for _, text in tables)  # header, rule, one row each
