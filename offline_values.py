@@ -26,8 +26,9 @@ from dataclasses import dataclass, fields, replace
 import numpy as np
 import torch.distributed as dist
 
-from hf_engine import add_engine_flags, start_engine, start_program
+from hf_engine import add_engine_flags, start_engine
 from machinery import collectives
+from machinery.device import start_program
 from machinery.run_dir import atomic_write, open_output
 from machinery.untrusted import parse_json, read_file, read_json
 from probes import request_seeds

@@ -249,7 +249,7 @@ class Engine:
     def __init__(self, model_path, *, seed, max_model_len, device, gpu_memory_utilization=0.5,
                  temperature=1.0, compile_model=None, bf16=None):
         """compile_model: torch.compile vLLM's model, bf16: the model's dtype (None for either: on GPU only)."""
-        quiet_vllm()  # (programs did it in hf_engine.start_program already; a test's engine too)
+        quiet_vllm()  # (programs did it in device.start_program already; a test's engine too)
         from vllm import LLM  # imported here: importing vllm is slow and only the rollout needs it
         self.on_gpu = device.type == "cuda"
         if not self.on_gpu and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:

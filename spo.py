@@ -35,7 +35,7 @@ from machinery.run_dir import check_disk, open_run_dir
 from machinery.trackers import add_logging_flags
 from offline_values import TrainingV0, add_v0_flags, check_values_header, claim_toy_values, init_tracker
 from reward import BUILT_IN, add_reward_flags, rewards
-from hf_engine import add_engine_flags, start_engine, start_program
+from hf_engine import add_engine_flags, start_engine
 from rollout import TOOL_INSTRUCTION, add_budget_flag, add_tool_flags, make_tools, response_budget, step_seeds
 from probes import ProbeSettings, add_eval_flags, evaluations, exact_metric, exact_template
 from sampler import PromptSampler, priority_weights
@@ -260,7 +260,7 @@ def update(run, rollouts, old, advantage, args, *, loss_fn, first):
 def parse_args(argv=None):
     """The flags in the paper's order; a preset's defaults, and what the algorithm alone decides (start: the rest)."""
     p = argparse.ArgumentParser(description="SPO / GRPO training with FSDP2 and a colocated rollout engine")
-    p.add_argument("--preset", choices=sorted(variants.PRESETS), default=None, help="named defaults (variants.PRESETS)")
+    p.add_argument("--preset", choices=sorted(toy.PRESETS), default=None, help="named defaults (tasks/toy.py:PRESETS)")
     g = p.add_argument_group("data and model")
     g.add_argument("--model", default=None, help="HF model name or local path (default: the built-in toy)")
     g.add_argument("--train", default=None, help="training prompts: parquet, JSONL or hub owner/name[:config][@split]")
@@ -315,7 +315,7 @@ def parse_args(argv=None):
     add_engine_flags(g, gpu_share=0.5)  # --engine, --gpu_memory_utilization, --compile
     args = p.parse_args(argv)
     args.given = checkpoint.given_flags(p, argv)  # --resume accepts changes to some only
-    vars(args).update(variants.preset_values(args.preset, args.given, args.algo))  # --preset: defaults for the rest
+    vars(args).update(toy.preset_values(args.preset, args.given, args.algo))  # --preset: defaults for the rest
     args.sampler = {"auto": "prioritized" if args.algo == "spo" else "uniform"}.get(args.sampler, args.sampler)
     args.group_size = (1 if args.algo == "spo" else 8) if args.group_size is None else args.group_size
     args.d_half = args.d_half if args.d_half is not None else D_HALF[args.divergence]
@@ -326,7 +326,7 @@ def parse_args(argv=None):
 def start(args):
     """Everything checked before anything heavy starts (start_program: as eval.py and offline_values.py), then the
     final flags, once, and what the loop needs, new or resumed: (args, checkpoint.Run); nothing changes args after."""
-    rank, world, device, engine = start_program(args.engine)
+    rank, world, device, engine = devices.start_program(args.engine)
     # --resume: the run's own settings (running nothing it names); --resume auto: resumed if there is a checkpoint
     args = argparse.Namespace(**checkpoint.resumed_flags(vars(args), BUILT_IN, toy.BUILT))
     variants.check_flags(vars(args), world)  # one clear line for a bad flag or combination

@@ -19,14 +19,13 @@ gives each flag's formula and source, and which combination reproduces the paper
 import argparse
 import functools
 import math
-import os
 import time
 from types import SimpleNamespace
 
 import numpy as np
 import torch
 
-from machinery.errors import check_finite, check_sampling, fail
+from machinery.errors import check_ranges, fail
 from machinery.metrics import oversample_metrics
 from reward import check_reward_flag
 
@@ -57,67 +56,14 @@ def add_variant_flags(sampling, p):
 
 MAX_SAMPLING_ROUNDS = 4  # DAPO's refill rounds at most; then all-equal groups fill the batch
 
-# Flags that must be at least this (a 0 or a negative value used to become a default or a traceback later).
-AT_LEAST = {"batch_size": 1, "group_size": 1, "steps": 1, "max_prompt_len": 1, "max_response_len": 1,
-            "micro_batch_size": 1, "ppo_steps": 1, "n0": 1, "eval_samples": 1, "eval_every": 0, "save_every": 0,
-            "log_every": 1, "eval_max_prompts": 0,
-            "probe_every": 0, "probe_prompts": 1, "probe_samples": 1, "train_prompts": 0, "pool_seed": -1, "seed": 0,
-            "max_tool_output_chars": 1}
-POSITIVE = ("temperature", "eval_temperature", "d_half", "grad_clip", "gpu_memory_utilization")
-NON_NEGATIVE = ("lr", "tis", "clip_low", "clip_high", "sampling_eps", "sampling_gamma")
-
-
-# Named defaults (spo.py --preset), each chosen by measurement (docs/flags.md says what each is for and where it was
-# measured): tracker_keeps_up, the toy where default SPO's tracker keeps up; calibrated, the sharper toy set to the
-# paper's measured statistics; thinking, the toy whose responses think, where adaptive forgetting and PPO-clip act;
-# mixed, the thinking toy of mixed difficulty, where the between-prompt share and D's window are both the paper's.
-SHARP_TOY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tasks", "built", "toy_sharp")
-THINK_TOY = os.path.join(os.path.dirname(SHARP_TOY), "toy_think")
-MIXED_TOY = os.path.join(os.path.dirname(SHARP_TOY), "toy_mixed")
-PRESETS = {"tracker_keeps_up": {"train_prompts": 128, "lr": 1.5e-5, "n0": 16, "steps": 600, "eval_every": 50,
-                                "probe_every": 50, "probe_prompts": 128, "probe_samples": 32},
-           "calibrated": {"toy_dir": SHARP_TOY, "train_prompts": 1024, "batch_size": 128, "ppo_steps": 8,
-                          "lr": 3e-7, "temperature": 0.5, "eval_temperature": 0.5, "steps": 300, "eval_every": 25,
-                          "probe_every": 25, "probe_prompts": 128, "probe_samples": 16},
-           "thinking": {"toy_dir": THINK_TOY, "max_response_len": 64, "train_prompts": 64, "batch_size": 64,
-                        "ppo_steps": 8, "lr": 4e-5, "steps": 100, "eval_every": 25, "probe_every": 25,
-                        "probe_prompts": 64, "probe_samples": 16},
-           "mixed": {"toy_dir": MIXED_TOY, "max_response_len": 64, "train_prompts": 512, "batch_size": 64,
-                     "ppo_steps": 8, "lr": 2e-5, "steps": 300, "eval_every": 50, "eval_samples": 8, "probe_every": 50,
-                     "probe_prompts": 256, "probe_samples": 16}}
-
-
-def preset_values(preset, given, algo):
-    """--preset: its values for the flags the command line did not give (`given`); the probe only for spo."""
-    return {flag: value for flag, value in PRESETS.get(preset, {}).items()
-            if flag not in given and not (flag.startswith("probe") and algo != "spo")}  # no tracker to probe
 
 
 def check_flags(flags, world):
     """One clear line, printed once, for a flag out of range or a combination that has no meaning, before anything
     heavy starts: the batch must split into whole groups per rank and whole mini-batches, and each variant's
     flags must fit its estimator. flags: spo.py's flag values by name (a dict: every flag is checked)."""
+    check_ranges(flags)  # each flag within its own range (machinery/errors.py)
     f = SimpleNamespace(**flags)  # each flag by its own name
-    check_finite(flags)  # nan and inf first: they would pass the range checks below
-    for flag, low in AT_LEAST.items():
-        if flags[flag] < low:
-            fail(f"--{flag} must be at least {low}, got {flags[flag]}", once=True)
-    for flag in POSITIVE + NON_NEGATIVE:
-        if not flags[flag] >= 0 or (flag in POSITIVE and flags[flag] == 0):  # also NaN
-            fail(f"--{flag} must be {'positive' if flag in POSITIVE else 'at least 0'}, got {flags[flag]}",
-                 once=True)
-    if isinstance(f.max_tokens_per_micro_batch, int) and f.max_tokens_per_micro_batch < 1:
-        fail(f"--max_tokens_per_micro_batch must be at least 1, got {f.max_tokens_per_micro_batch}", once=True)
-    if not 0 < f.rho_min <= f.rho_max < 1 or not 0 < f.rho_constant <= 1:  # (rho_min 1: N0 infinite)
-        fail(f"--rho_min, --rho_max, --rho_constant must satisfy 0 < rho_min <= rho_max < 1 and 0 < rho_constant "
-             f"<= 1, got {f.rho_min}, {f.rho_max}, {f.rho_constant}", once=True)
-    check_sampling(f.temperature, 1.0, -1)  # within the engines' ranges (vLLM refuses at the first request)
-    check_sampling(f.eval_temperature, f.eval_top_p, f.eval_top_k, prefix="eval_")
-    for flag, ok, why in (
-            ("clip_low", f.clip_low < 1, "below 1: the ratio's lower clip 1 - clip_low must stay above 0"),
-            ("gpu_memory_utilization", f.gpu_memory_utilization <= 1, "at most 1 (a share of the GPU)")):
-        if not ok:
-            fail(f"--{flag} must be {why}; got {flags[flag]}", once=True)
     if f.batch_size % (world * f.group_size):
         fail(f"--batch_size {f.batch_size} must be a multiple of world size x group size ({world} x "
              f"{f.group_size}) so that every rank gets whole groups", once=True)

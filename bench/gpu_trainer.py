@@ -19,6 +19,7 @@ import time
 import numpy as np
 
 from machinery.errors import fail
+from machinery import logprob_head
 
 
 QWEN3_SHAPES = {  # Qwen3's published shapes; "tiny" keeps the vocabulary (the log-prob chunks) for a CPU test
@@ -171,7 +172,7 @@ def bench_gpu(shape="1.7b", prompts=8, samples=8, prompt_lens=(64, 512), respons
     import spo
     from machinery import memory, trainer
     from machinery.device import prefer_flash_attention
-    started, (rank, world, device) = time.time(), trainer.setup_distributed()
+    started, (rank, world, device) = time.time(), devices.setup_distributed()
     on_gpu = device.type == "cuda"
     prefer_flash_attention(on_gpu)  # as spo.py (setup_distributed calls it too): the attention it runs is measured
     longest, prompts = prompt_lens[1] + response_lens[1], max(1, prompts // world)  # this rank's prompts
@@ -230,13 +231,13 @@ def _checks(policy, optimizer, config, device, batches, advantages, loss_fn, max
     # kernel runs, and the same weights (the fp32 masters, gathered) run unsharded in fp32 beside the policy.
     ids, mask = batching.pack([(r.prompt_ids, r.response_ids, r.response_mask) for r in batches[-1][:samples]])
     with torch.no_grad():
-        said = attention_kernel(lambda: trainer.token_logprobs(policy, ids, mask, 1.0), on_gpu)
-        policy_logp, _ = trainer.token_logprobs(policy, ids, mask, 1.0)
+        said = attention_kernel(lambda: logprob_head.token_logprobs(policy, ids, mask, 1.0), on_gpu)
+        policy_logp, _ = logprob_head.token_logprobs(policy, ids, mask, 1.0)
         with torch.device(device):
-            reference = trainer.attach_logprob_forward(Qwen3ForCausalLM(config))  # (fp32: torch's default)
+            reference = logprob_head.attach_logprob_forward(Qwen3ForCausalLM(config))  # (fp32: torch's default)
         # (full_parameters would give the root unit in bf16: FSDP2's unshard gathers in the compute dtype)
         reference.load_state_dict(get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True)))
-        gap = (trainer.token_logprobs(reference, ids, mask, 1.0)[0] - policy_logp)[mask.to(device) > 0]
+        gap = (logprob_head.token_logprobs(reference, ids, mask, 1.0)[0] - policy_logp)[mask.to(device) > 0]
         gap = gap.abs().cpu().numpy()
     stats = out["timings"][-1]["PPO step"][5]
     say(f"attention: {said}")

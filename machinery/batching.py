@@ -219,7 +219,7 @@ def packed_attention(module, query, key, value, attention_mask, packed_layout=No
     from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward, use_gqa_in_sdpa
     if packed_layout is None or query.shape[0] != 1:
         raise RuntimeError("packed_attention: the model's attention is set for one packed row with its layout "
-                           "(batching.packed_row, trainer.response_logprobs); this call passed none")
+                           "(batching.packed_row, logprob_head.response_logprobs); this call passed none")
     if kwargs.get("s_aux") is not None:
         raise NotImplementedError("packed_attention: attention sinks (s_aux) are not supported")
     # one gather per tensor for all the calls: a gather per call costs each backward a zero buffer of the row

@@ -1,8 +1,10 @@
-"""Stands in for argparse's error() where argparse cannot check: one line per node, not one traceback per rank.
+"""Stands in for argparse's error() where argparse cannot check: one line per node, not one traceback per rank; and
+the flags' ranges (check_ranges), beside the one line they end in.
 """
 import os
 import socket
 import sys
+from types import SimpleNamespace
 
 
 def fail(message, once=False):
@@ -40,3 +42,38 @@ def check_sampling(temperature, top_p, top_k, prefix=""):
         fail(f"--{prefix}top_p must be in (0, 1], got {top_p}", once=True)
     if top_k < -1:
         fail(f"--{prefix}top_k must be -1 or 0 (off) or at least 1, got {top_k}", once=True)
+
+# Flags that must be at least this (a 0 or a negative value used to become a default or a traceback later).
+AT_LEAST = {"batch_size": 1, "group_size": 1, "steps": 1, "max_prompt_len": 1, "max_response_len": 1,
+            "micro_batch_size": 1, "ppo_steps": 1, "n0": 1, "eval_samples": 1, "eval_every": 0, "save_every": 0,
+            "log_every": 1, "eval_max_prompts": 0,
+            "probe_every": 0, "probe_prompts": 1, "probe_samples": 1, "train_prompts": 0, "pool_seed": -1, "seed": 0,
+            "max_tool_output_chars": 1}
+POSITIVE = ("temperature", "eval_temperature", "d_half", "grad_clip", "gpu_memory_utilization")
+NON_NEGATIVE = ("lr", "tis", "clip_low", "clip_high", "sampling_eps", "sampling_gamma")
+
+
+def check_ranges(flags):
+    """spo.py's flags each within its own range ({flag: value}), one line for the first that is not: nan and inf
+    first (they would pass the comparisons), then AT_LEAST, POSITIVE, NON_NEGATIVE and the ranges with reasons."""
+    f = SimpleNamespace(**flags)
+    check_finite(flags)
+    for flag, low in AT_LEAST.items():
+        if flags[flag] < low:
+            fail(f"--{flag} must be at least {low}, got {flags[flag]}", once=True)
+    for flag in POSITIVE + NON_NEGATIVE:
+        if not flags[flag] >= 0 or (flag in POSITIVE and flags[flag] == 0):  # also NaN
+            fail(f"--{flag} must be {'positive' if flag in POSITIVE else 'at least 0'}, got {flags[flag]}",
+                 once=True)
+    if isinstance(f.max_tokens_per_micro_batch, int) and f.max_tokens_per_micro_batch < 1:
+        fail(f"--max_tokens_per_micro_batch must be at least 1, got {f.max_tokens_per_micro_batch}", once=True)
+    if not 0 < f.rho_min <= f.rho_max < 1 or not 0 < f.rho_constant <= 1:  # (rho_min 1: N0 infinite)
+        fail(f"--rho_min, --rho_max, --rho_constant must satisfy 0 < rho_min <= rho_max < 1 and 0 < rho_constant "
+             f"<= 1, got {f.rho_min}, {f.rho_max}, {f.rho_constant}", once=True)
+    check_sampling(f.temperature, 1.0, -1)  # within the engines' ranges (vLLM refuses at the first request)
+    check_sampling(f.eval_temperature, f.eval_top_p, f.eval_top_k, prefix="eval_")
+    for flag, ok, why in (
+            ("clip_low", f.clip_low < 1, "below 1: the ratio's lower clip 1 - clip_low must stay above 0"),
+            ("gpu_memory_utilization", f.gpu_memory_utilization <= 1, "at most 1 (a share of the GPU)")):
+        if not ok:
+            fail(f"--{flag} must be {why}; got {flags[flag]}", once=True)

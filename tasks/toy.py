@@ -264,6 +264,30 @@ def toy_paths(toy_dir=None, tools=False):
     return ensure_toy(toy_dir, tools=tools)  # (built by now) every rank checks the bytes it will load
 
 
+# Named defaults (spo.py --preset), each chosen by measurement (docs/flags.md says what each is for and where it was
+# measured): tracker_keeps_up, the toy where default SPO's tracker keeps up; calibrated, the sharper toy set to the
+# paper's measured statistics; thinking, the toy whose responses think, where adaptive forgetting and PPO-clip act;
+# mixed, the thinking toy of mixed difficulty, where the between-prompt share and D's window are both the paper's.
+SHARP_TOY, THINK_TOY, MIXED_TOY = (os.path.join(BUILT, name) for name in ("toy_sharp", "toy_think", "toy_mixed"))
+PRESETS = {"tracker_keeps_up": {"train_prompts": 128, "lr": 1.5e-5, "n0": 16, "steps": 600, "eval_every": 50,
+                                "probe_every": 50, "probe_prompts": 128, "probe_samples": 32},
+           "calibrated": {"toy_dir": SHARP_TOY, "train_prompts": 1024, "batch_size": 128, "ppo_steps": 8,
+                          "lr": 3e-7, "temperature": 0.5, "eval_temperature": 0.5, "steps": 300, "eval_every": 25,
+                          "probe_every": 25, "probe_prompts": 128, "probe_samples": 16},
+           "thinking": {"toy_dir": THINK_TOY, "max_response_len": 64, "train_prompts": 64, "batch_size": 64,
+                        "ppo_steps": 8, "lr": 4e-5, "steps": 100, "eval_every": 25, "probe_every": 25,
+                        "probe_prompts": 64, "probe_samples": 16},
+           "mixed": {"toy_dir": MIXED_TOY, "max_response_len": 64, "train_prompts": 512, "batch_size": 64,
+                     "ppo_steps": 8, "lr": 2e-5, "steps": 300, "eval_every": 50, "eval_samples": 8, "probe_every": 50,
+                     "probe_prompts": 256, "probe_samples": 16}}
+
+
+def preset_values(preset, given, algo):
+    """--preset: its values for the flags the command line did not give (`given`); the probe only for spo."""
+    return {flag: value for flag, value in PRESETS.get(preset, {}).items()
+            if flag not in given and not (flag.startswith("probe") and algo != "spo")}  # no tracker to probe
+
+
 # The default run's held-out accuracy at its last step (%), the range one run falls in: the README's 95% prediction
 # interval over seeds 0-4 (docs/experiments.md has the runs); spo.py's last line shows it beside the run's own number.
 DEFAULT_RUN_RANGE = (46.2, 59.0)

@@ -6,6 +6,7 @@ dealt to the ranks by tokens. The same plan under torchrun is tested in tests/te
 import numpy as np
 
 from machinery import batching
+from machinery import logprob_head
 
 
 def test_token_budget_micro_batches_cover_every_sequence_once_within_the_budget():
@@ -68,7 +69,7 @@ def _logprobs_and_grads(model, ids, mask):
     from machinery import trainer
     rows, cols = mask.nonzero(as_tuple=True)
     model.zero_grad(set_to_none=True)
-    logp, _ = trainer.response_logprobs(model, ids, rows, cols, 1.0)
+    logp, _ = logprob_head.response_logprobs(model, ids, rows, cols, 1.0)
     (logp * torch.linspace(-1, 1, len(logp))).sum().backward()  # positions weighed unequally
     return logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
@@ -120,7 +121,7 @@ def test_packed_log_probs_and_gradients_are_the_padded_ones_and_no_sequence_sees
     mask[4, 4:6] = 1  # ...asked at two of them
     model = _qwen3()
     padded = _logprobs_and_grads(model, ids, mask)
-    trainer.attach_logprob_forward(model)
+    logprob_head.attach_logprob_forward(model)
     assert model.config._attn_implementation == batching.PACKED_ATTENTION
     packed = _logprobs_and_grads(model, ids, mask)
     torch.testing.assert_close(packed[0], padded[0], atol=1e-5, rtol=0)
@@ -130,7 +131,7 @@ def test_packed_log_probs_and_gradients_are_the_padded_ones_and_no_sequence_sees
     others[2] = ids[2]  # ...but the third's
     rows, cols = mask.nonzero(as_tuple=True)
     with torch.no_grad():
-        again, _ = trainer.response_logprobs(model, others, rows, cols, 1.0)
+        again, _ = logprob_head.response_logprobs(model, others, rows, cols, 1.0)
     third = rows == 2
     torch.testing.assert_close(again[third], packed[0][third], atol=1e-6, rtol=0)
     assert (again[~third] - packed[0][~third]).abs().max() > 1e-2
@@ -147,7 +148,7 @@ def test_packed_attention_keeps_a_sliding_window_and_refuses_an_unpacked_call():
     windowed, full = _qwen3(use_sliding_window=True, sliding_window=4, max_window_layers=0), _qwen3()
     padded = _logprobs_and_grads(windowed, ids, mask)[0]
     assert not torch.allclose(padded, _logprobs_and_grads(full, ids, mask)[0], atol=1e-3)
-    trainer.attach_logprob_forward(windowed)
+    logprob_head.attach_logprob_forward(windowed)
     torch.testing.assert_close(_logprobs_and_grads(windowed, ids, mask)[0], padded, atol=1e-5, rtol=0)
     with pytest.raises(RuntimeError, match="packed_attention"):
         windowed(input_ids=ids)
@@ -267,7 +268,7 @@ def _replay_layouts(model, rounds, budgets=((4096, False), (2048, True), (32768,
             for group in batching.plan_micro_batches([len(p) + len(r) for p, r, _ in batch], 64, budget):
                 ids, mask = batching.pack([batch[i] for i in group])
                 with torch.set_grad_enabled(grad):
-                    logp, _ = trainer.response_logprobs(model, ids, *mask.nonzero(as_tuple=True), 1.0)
+                    logp, _ = logprob_head.response_logprobs(model, ids, *mask.nonzero(as_tuple=True), 1.0)
                     if grad:
                         logp.sum().backward()
         compiled.append(dict(counters["frames"]))
@@ -283,7 +284,7 @@ def test_compiled_decoder_layers_compile_in_round_1_only_over_the_recorded_layou
     from machinery import trainer
     torch._dynamo.reset()
     model = _qwen3()
-    trainer.attach_logprob_forward(model)
+    logprob_head.attach_logprob_forward(model)
     trainer.compile_decoder_layers(model, backend="eager")
     first, *later = _replay_layouts(model, 3)
     assert first["ok"] == first["total"] > 0 and all(frames == first for frames in later), (first, later)

@@ -62,7 +62,7 @@ def test_power_needs_more_seeds_for_a_noisier_difference():
 def test_the_calibrated_preset_trains_the_shipped_sharper_toy():
     from tasks import toy
     args = spo.parse_args(["--preset", "calibrated"])
-    assert args.toy_dir == variants.SHARP_TOY and os.path.isdir(args.toy_dir)
+    assert args.toy_dir == toy.SHARP_TOY and os.path.isdir(args.toy_dir)
     assert toy.checksum_error(args.toy_dir) is None
     assert toy.ensure_toy(args.toy_dir)[0] == os.path.join(args.toy_dir, "model")
     assert args.batch_size // args.ppo_steps >= args.group_size * 2  # whole GRPO groups on each of 2 ranks

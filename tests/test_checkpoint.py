@@ -10,6 +10,8 @@ crafted checkpoint files in tests/test_checkpoint_untrusted.py.
 import pytest
 
 from machinery import run_dir
+from machinery import device as devices
+from machinery import logprob_head
 
 
 # ---- damaged checkpoints: named, with the newest intact one, before anything heavy reads them
@@ -43,7 +45,7 @@ def checkpoint_worker(run, full=None):
     from transformers import Qwen3Config, Qwen3ForCausalLM
     from machinery import checkpoint, trainer
     from tasks import toy
-    _, world, device = trainer.setup_distributed()
+    _, world, device = devices.setup_distributed()
     state = run_state()
     initial = os.path.join(run, "initial")
     tokenizer = toy.build_tokenizer(initial)
@@ -53,7 +55,7 @@ def checkpoint_worker(run, full=None):
     model, optimizer = trainer.build_policy(initial, device, lr=1e-3, weight_decay=0.0)
     for step in (2, 4):
         # Adam moments in the optimiser state (the policy's forward is its log-probs: the decoder on packed rows)
-        trainer.token_logprobs(model, torch.tensor([[1, 2, 3]]), torch.ones(1, 2), 1.0)[0].sum().backward()
+        logprob_head.token_logprobs(model, torch.tensor([[1, 2, 3]]), torch.ones(1, 2), 1.0)[0].sum().backward()
         optimizer.step()
         if full and step == 4:
             (_out_of_inodes_at_the_tokenizer if full == "inodes" else _fill_disk)(full, tokenizer, run)
@@ -339,7 +341,7 @@ def export_worker(out, tied):
     from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
     from machinery import checkpoint, trainer
     from common import end_worker
-    rank, _, device = trainer.setup_distributed()
+    rank, _, device = devices.setup_distributed()
     config = Qwen3Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=1, head_dim=16, tie_word_embeddings=tied == "True")
     path = os.path.join(out, "initial")

@@ -11,6 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from common import end_worker, ok, python, torchrun
+from machinery import device as devices
 
 
 @pytest.mark.slow
@@ -79,7 +80,7 @@ def exact_worker(out, model_path, test_path, budget):
     from machinery.data import load_dataset, load_tokenizer
     from probes import exact_metric
     from tasks.toy import ONLY_CORRECT
-    rank, world, device = trainer.setup_distributed()
+    rank, world, device = devices.setup_distributed()
     policy, _ = trainer.build_policy(model_path, device, lr=1e-3, weight_decay=0.0)
     tokenizer = load_tokenizer(model_path)
     test = load_dataset(test_path, tokenizer, 256, False, None)

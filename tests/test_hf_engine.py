@@ -15,8 +15,10 @@ import torch
 
 from common import SNIPPET_TIMEOUT_S, ok, one_thread, script_responses, toy_args, torchrun
 from hf_engine import HFEngine, exponential_noise, processed_logprobs
-from hf_engine import choose_engine
+from machinery.device import choose_engine
 from rollout import CODE_STOP, Tools
+from machinery import device as devices
+from machinery import logprob_head
 
 SAMPLED = {"temperature": 0.7, "top_k": 5, "top_p": 0.9}  # processed log-probs differ from the raw ones here
 
@@ -319,14 +321,14 @@ def test_both_engines_give_the_same_greedy_outputs(both):
 @pytest.mark.slow
 @pytest.mark.parametrize("engine", ["vllm", "hf"])
 def test_sampled_logprobs_are_the_trainers_within_1e5(both, small_toy, engine):
-    """At temperature 0.7 the engine's log-probs are the trainer's own (trainer.response_logprobs); with top-k and
+    """At temperature 0.7 the engine's log-probs are the trainer's own (logprob_head.response_logprobs); with top-k and
     top-p too they are the processed ones: the trainer's logits / temperature renormalised over the tokens top-k,
     then top-p keep (computed here independently, in numpy)."""
     from transformers import AutoModelForCausalLM
-    from machinery import batching, trainer
+    from machinery import batching
     model = AutoModelForCausalLM.from_pretrained(small_toy["model"], dtype=torch.float32)
     # the trainer's model as build_policy makes it: the decoder on one packed row
-    policy = trainer.attach_logprob_forward(AutoModelForCausalLM.from_pretrained(small_toy["model"],
+    policy = logprob_head.attach_logprob_forward(AutoModelForCausalLM.from_pretrained(small_toy["model"],
                                                                                  dtype=torch.float32))
     for setting in ("temperature", "processed"):
         rollouts = both[engine][setting]
@@ -375,10 +377,9 @@ def test_a_short_training_run_with_the_hf_engine_learns(small_toy, tmp_path):
 
 # ---- the worker, run under torchrun by `both`
 def compare_worker(out, model_path, test_path):
-    from machinery import trainer
     from machinery.data import load_dataset, load_tokenizer
     from rollout import Engine
-    trainer.setup_distributed()
+    devices.setup_distributed()
     prompts = load_dataset(test_path, load_tokenizer(model_path), 256, False).prompt_ids[:24]
     res = {}
     for name, make in (("hf", HFEngine), ("vllm", Engine)):

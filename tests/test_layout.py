@@ -249,10 +249,10 @@ def test_the_organisation_check_sees_narration_and_passes_a_process_session():
 # ------------------------------------------------------------------------------------------------ docs drift
 def test_docs_flags_give_the_presets_variants_sets():
     """docs/flags.md's --preset row states each preset's values as `--flag value` and the probe's clause."""
-    import variants
+    from tasks import toy
     with open(os.path.join(ROOT, "docs", "flags.md")) as f:
         row = next(line for line in f if "`--preset`" in line)
-    for name, values in variants.PRESETS.items():
+    for name, values in toy.PRESETS.items():
         text = row[row.index(f"`{name}`"):]
         flags = dict(re.findall(r"--(\w+) (\S+?)(?=[ `])", re.search(r"`(--[^`]*)`", text).group(1) + " "))
         probe = re.search(r"probe on (?:all )?(\d+) prompts \((\d+) samples, every (\d+) steps\)", text)
@@ -345,6 +345,23 @@ def test_spo_py_help_groups_every_flag_under_the_papers_headings_in_order(monkey
     assert [title for title, flags in groups if title and flags] == HELP_GROUPS
     ungrouped = [flag for title, flags in groups if title is None for flag in flags]
     assert len(ungrouped) <= UNGROUPED_FLAGS, ungrouped
+
+
+def test_docs_flags_table_is_grouped_and_ordered_as_help(monkeypatch):
+    """docs/flags.md's table: each row under its first flag's --help group, titled as --help titles it, the rows in
+    --help's order (a row may name several flags: `--train`, `--test`)."""
+    order = [(title or "options", flag) for title, flags in help_groups(spo_parser(monkeypatch)) for flag in flags]
+    group_of, position = {flag: title for title, flag in order}, {flag: k for k, (_, flag) in enumerate(order)}
+    with open(os.path.join(ROOT, "docs", "flags.md")) as f:
+        text = f.read()
+    rows, title = [], None
+    for line in text[text.index("| group | flag |"): text.index("### Not in `--help`")].splitlines()[2:]:
+        if line.startswith("| "):
+            group, flags = line.split(" | ")[:2]  # ("| title" or "|", its flags)
+            title = group[1:].strip() or title
+            rows.append((title, re.search(r"`(--\w+)`", flags).group(1)))
+    assert [title for title, _ in rows] == [group_of[flag] for _, flag in rows], rows
+    assert [position[flag] for _, flag in rows] == sorted(position[flag] for _, flag in rows)
 
 
 def call_positional_arguments(path):

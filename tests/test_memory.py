@@ -9,7 +9,6 @@ import os
 import pytest
 import torch
 
-import hf_engine
 from machinery import device, memory
 from common import python, toy_args
 
@@ -173,7 +172,7 @@ def test_cpu_kv_cache_space_from_the_environment(monkeypatch, env, expected, err
         monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     else:
         monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", env)
-    message = hf_engine.set_cpu_kv_cache()
+    message = device.set_cpu_kv_cache()
     assert (message is None) if error is None else message.startswith(error)
     if expected is not None:
         assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == expected

@@ -90,7 +90,7 @@ def test_a_second_writer_to_one_output_gets_one_line(tmp_path, live, program, fl
 def test_the_process_group_is_released_once_destroyed_though_transformers_imports_after_it():
     """What a program that stops with one line relies on (machinery.errors.fail): transformers' modules import
     torch.distributed.nn, whose defaults would hold the group; its gloo threads alive at exit can abort it (-6)."""
-    code = ("import os, time, torch.distributed as dist\nfrom machinery.trainer import setup_distributed\n"
+    code = ("import os, time, torch.distributed as dist\nfrom machinery.device import setup_distributed\n"
             "setup_distributed()\nfrom transformers import AutoTokenizer\ndist.destroy_process_group()\n"
             "time.sleep(1)\n"
             "names = [open(f'/proc/self/task/{t}/comm').read().strip() for t in os.listdir('/proc/self/task')]\n"

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from common import end_worker, ok, torchrun
+from machinery import device as devices
 
 
 def test_one_step_without_tis_reuses_the_forward():
@@ -51,7 +52,7 @@ def worker(out, model_path, max_tokens):
     from spo import ppo_clip_loss
     from rollout import Rollout
     max_tokens = None if max_tokens == "none" else int(max_tokens)
-    rank, world, device = trainer.setup_distributed()
+    rank, world, device = devices.setup_distributed()
     rng = np.random.default_rng(0)
     rollouts = []
     for _ in range(8):  # lengths that differ, so token budgets deal sequences to the other rank

@@ -12,6 +12,7 @@ import torch
 
 from common import SNIPPET_TIMEOUT_S, ok, script_responses, torchrun
 from rollout import CODE_STOP, Rollout, extract_code, turn_seed
+from machinery import device as devices
 
 
 def test_extract_code_takes_the_block_inside_the_last_code_tag():
@@ -333,12 +334,11 @@ def test_first_finished_picks_groups_by_their_last_member():
 def loop_worker(out, model_path):
     """All loop scenarios on one engine (world of 1); results pickled for the tests. Snippets expected to succeed
     get a generous time limit; the never-ending "sleep" snippet alone runs in a pool with a 1 s limit."""
-    from machinery import trainer
     from rollout import Engine, Tools
     from sandbox import SandboxPool
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
-    trainer.setup_distributed()
+    devices.setup_distributed()
     engine = Engine(model_path, seed=0, max_model_len=512, device=torch.device("cpu"))
     tok = engine.tokenizer
     names = list(script_responses())

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from common import end_worker, ok, torchrun
+from machinery import device as devices, logprob_head
 
 
 @pytest.mark.slow
@@ -123,7 +124,7 @@ def _saved_activation_bytes(model, ids):
         return tensor
     mask = torch.ones(ids.shape[0], ids.shape[1] - 1)
     with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
-        logprobs, _ = trainer.token_logprobs(trainer.attach_logprob_forward(model), ids, mask, 1.0)
+        logprobs, _ = logprob_head.token_logprobs(logprob_head.attach_logprob_forward(model), ids, mask, 1.0)
     logprobs.sum().backward()
     return saved[0], logprobs.detach()
 
@@ -150,89 +151,6 @@ def test_gradient_checkpointing_really_drops_activations(tmp_path):
     assert measured["checkpointing"][0] < 0.5 * measured["train"][0]
     for mode in ("eval_mode_checkpointing", "train", "checkpointing"):
         torch.testing.assert_close(measured[mode][1], measured["eval"][1], atol=1e-6, rtol=0)
-
-
-def _plain_logprobs(model, ids, temperature):
-    """The computation response_logprobs replaces: every position's full-vocabulary log-softmax."""
-    logp = torch.log_softmax(model(input_ids=ids).logits[:, :-1].float() / temperature, -1)  # (B, T-1, V)
-    return logp.gather(-1, ids[:, 1:, None]).squeeze(-1), -(logp.exp() * logp).sum(-1)
-
-
-def test_chunked_response_logprobs_equal_the_full_vocabulary_computation(tmp_path):
-    """Response positions only, 7 at a time, logits recomputed in the backward: the same log-probs, entropies
-    and gradients as the plain (B, T-1, V) log-softmax, within 1e-5."""
-    from tasks import toy
-    from machinery import trainer
-    model = toy.build_model(toy.build_tokenizer(str(tmp_path)), seed=0)
-    trainer.prepare_for_training(model, gradient_checkpointing=False)
-    ids = torch.randint(3, 128, (3, 30), generator=torch.Generator().manual_seed(1))
-    mask = torch.zeros(3, 29)
-    for b, (start, end) in enumerate([(4, 29), (10, 20), (0, 5)]):  # prompts, responses and padding differ
-        mask[b, start:end] = 1
-    rows, cols = mask.nonzero(as_tuple=True)
-    logp, entropy = trainer.response_logprobs(model, ids, rows, cols, 0.7, with_entropy=True, chunk=7)
-    (logp * torch.linspace(-1, 1, len(logp))).sum().backward()  # a loss that weighs the positions unequally
-    chunked_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    model.zero_grad()
-    plain_logp, plain_entropy = _plain_logprobs(model, ids, 0.7)
-    (plain_logp[rows, cols] * torch.linspace(-1, 1, len(logp))).sum().backward()
-    torch.testing.assert_close(logp, plain_logp[rows, cols], atol=1e-5, rtol=0)
-    torch.testing.assert_close(entropy, plain_entropy[rows, cols], atol=1e-5, rtol=0)
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(chunked_grads[name], p.grad, atol=1e-5, rtol=1e-4)
-    assert max(g.abs().max().item() for g in chunked_grads.values()) > 1e-3  # the gradients were not all zero
-    scattered, _ = trainer.token_logprobs(trainer.attach_logprob_forward(model), ids, mask, 0.7)
-    torch.testing.assert_close(scattered, plain_logp.detach() * mask, atol=1e-5, rtol=0)  # 0 off the responses
-
-
-def test_output_projection_in_fp32_keeps_bf16_rounding_out_of_the_logprobs():
-    """Under bf16 mixed precision the hidden states and weights are bf16; computing the logits in bf16 rounds
-    logits near 40 to steps of 0.25. _chunk_logprobs projects in fp32: with inputs bf16 holds exactly, the
-    log-probs are exact, where bf16 logits are off by more than 0.01."""
-    from machinery import trainer
-    g = torch.Generator().manual_seed(0)
-    hidden = (torch.randint(-8, 9, (16, 32), generator=g) / 2).to(torch.bfloat16)  # exact in bf16
-    weight = (torch.randint(-8, 9, (50, 32), generator=g) / 4).to(torch.bfloat16)
-    targets = torch.randint(0, 50, (16,), generator=g)
-    exact = torch.log_softmax(hidden.double() @ weight.double().T, -1).gather(-1, targets[:, None]).squeeze(-1)
-    assert (hidden.double() @ weight.double().T).abs().max() > 32  # logits where bf16 steps by 0.25
-    logp, _ = trainer._chunk_logprobs(hidden, weight, (None, {}), None, targets, 1.0, False)
-    torch.testing.assert_close(logp.double(), exact, atol=2e-5, rtol=0)
-    bf16_logits = torch.log_softmax((hidden @ weight.T).float(), -1).gather(-1, targets[:, None]).squeeze(-1)
-    assert (bf16_logits.double() - exact).abs().max() > 1e-2
-
-
-def test_bf16_inputs_give_the_fp32_projections_logprobs_and_gradients():
-    """Under bf16 the projection is a bf16 GEMM accumulating in fp32 (_HalfInputLogits; torch.mm's out_dtype on
-    CUDA, fp32 copies here): the log-probs and entropies of the fp32 projection of the same bf16 values within
-    1e-5, gradients within bf16 rounding, the weight's gradient summed in fp32 (trainer._WeightGradient) and handed
-    to the weight in its dtype. fp32 inputs (CPU) keep the fp32 path: the old computation, linear(hidden, weight) in
-    fp32, to the last bit."""
-    from machinery import trainer
-    g = torch.Generator().manual_seed(0)
-    hidden, weight = torch.randn(37, 64, generator=g), torch.randn(500, 64, generator=g) * 0.2
-    targets, scale = torch.randint(0, 500, (37,), generator=g), torch.linspace(-1, 1, 37)
-
-    def run(hidden, weight):
-        hidden, total = hidden.clone().requires_grad_(), {}
-        token = trainer._WeightGradient.apply(weight, total) if weight.dtype == torch.bfloat16 else None
-        logp, entropy = trainer._chunk_logprobs(hidden, weight, (token, total), None, targets, 0.7, True)
-        (logp * scale).sum().backward()
-        return logp.detach(), entropy, hidden.grad
-    w = weight.clone().requires_grad_()
-    logp, entropy, grad = run(hidden, w)  # fp32: the parameter itself
-    old = torch.nn.functional.linear(hidden, weight) / 0.7  # the fp32 path as it was, to the last bit
-    assert torch.equal(logp, old.gather(-1, targets[:, None])[:, 0] - torch.logsumexp(old, -1))
-    w16 = weight.bfloat16().requires_grad_()
-    logp16, entropy16, grad16 = run(hidden.bfloat16(), w16)
-    w_ref = w16.detach().float().requires_grad_()  # the fp32 path on the same (bf16) values
-    logp_ref, entropy_ref, grad_ref = run(hidden.bfloat16().float(), w_ref)
-    torch.testing.assert_close(logp16, logp_ref, atol=1e-5, rtol=0)
-    torch.testing.assert_close(entropy16, entropy_ref, atol=1e-5, rtol=0)
-    assert grad16.dtype == torch.bfloat16 and w16.grad.dtype == torch.bfloat16
-    for mine, theirs in ((grad16.float(), grad_ref), (w16.grad.float(), w_ref.grad)):
-        assert (mine - theirs).norm() <= 1e-2 * theirs.norm() and theirs.norm() > 0
-    assert (logp16 - logp).abs().max() > 1e-3  # bf16 inputs are not the fp32 ones: the check above can fail
 
 
 def test_prepare_for_training_turns_dropout_off():
@@ -277,7 +195,7 @@ def grad_worker(out, model_path, max_tokens, units):
     max_tokens = None if max_tokens == "none" else int(max_tokens)
     build = functools.partial(trainer.build_policy, model_path, lr=1.0, weight_decay=0.0,
                               layer_units=units == "layers", compile_layers=units == "compiled")
-    rank, world, device = trainer.setup_distributed()
+    rank, world, device = devices.setup_distributed()
     policy, _ = build(device)
     optimizer = torch.optim.SGD(policy.parameters(), lr=1.0)
     before = {k: v.clone() for k, v in collectives.full_parameters(policy)}
@@ -296,7 +214,7 @@ def grad_worker(out, model_path, max_tokens, units):
                                                2, max_tokens))
     # trainer.clip_grad_norm against torch's clip_grad_norm_ on these sharded gradients, clipping and not
     ids, mask = batching.pack([(r.prompt_ids, r.response_ids, r.response_mask) for r in rollouts[mine]], device)
-    (trainer.token_logprobs(policy, ids, mask, 1.0)[0] * torch.tensor(advantage[mine])[:, None]).sum().backward()
+    (logprob_head.token_logprobs(policy, ids, mask, 1.0)[0] * torch.tensor(advantage[mine])[:, None]).sum().backward()
     grads = [p.grad.to_local().clone() for p in policy.parameters()]
     clip = []
     for max_norm in (1e9, 0.5):
@@ -356,7 +274,7 @@ class HostReads(torch.utils._python_dispatch.TorchDispatchMode):
 def sync_worker(out, model_path):
     from machinery import collectives, trainer
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group
-    rank, world, device = trainer.setup_distributed()
+    rank, world, device = devices.setup_distributed()
     rollouts, advantage = _fixed_batch(90)
     mine, advantage = rollouts[rank * 4: rank * 4 + 4], advantage[rank * 4: rank * 4 + 4]
     reduces, reduce = [], _fsdp_param_group.foreach_reduce  # FSDP2's gradient reduce (-scatter), once per unit
@@ -388,7 +306,7 @@ def gather_worker(out):
     from machinery import collectives, trainer
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    rank, world, _ = trainer.setup_distributed()
+    rank, world, _ = devices.setup_distributed()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Linear(7, 3, bias=False), torch.nn.Embedding(11, 5))
     unsharded = {k: v.detach().clone() for k, v in model.named_parameters()}
@@ -421,7 +339,7 @@ def gather_worker(out):
 def push_worker(out, model_path):
     from machinery import collectives, trainer
     from rollout import Engine
-    rank, world, device = trainer.setup_distributed()
+    rank, world, device = devices.setup_distributed()
     policy, optimizer = trainer.build_policy(model_path, device, lr=1e-2, weight_decay=0.0)
     engine = Engine(model_path, seed=0, max_model_len=128, device=device, bf16=False)  # --bf16 off
     rollouts, advantage = _fixed_batch(90)

@@ -15,6 +15,7 @@ import variants
 from common import ok, python, toy_args, torchrun
 from machinery import checkpoint
 from machinery.metrics import signal_metrics
+from tasks import toy
 from tracker import ValueTracker
 from variants import (cispo_token_loss, dr_grpo_advantage, dynamic_sampling, grpo_advantage, gspo_token_loss,
                       make_loss, rloo_advantage, select_groups)
@@ -267,7 +268,7 @@ def test_no_float_flag_takes_a_non_number(value, capsys):
 def test_a_preset_fills_only_the_flags_left_unset():
     """--preset tracker_keeps_up: its values where the command line said nothing, the command line's where it did, and
     no probe for an estimator without a tracker (check_flags would refuse it)."""
-    preset = variants.PRESETS["tracker_keeps_up"]
+    preset = toy.PRESETS["tracker_keeps_up"]
     args = spo.parse_args(["--preset", "tracker_keeps_up", "--lr", "3e-5"])
     assert args.lr == 3e-5 and args.steps == preset["steps"] and args.train_prompts == preset["train_prompts"]
     assert args.probe_every == preset["probe_every"]
