@@ -3,7 +3,6 @@ printed as ratios; each function's docstring says what it measures.
 """
 import argparse
 import functools
-import json
 import math
 import os
 import subprocess
@@ -13,11 +12,10 @@ import time
 
 import numpy as np
 
+from bench.peer import spo_metrics
 from sampler import PromptSampler, priority_weights
 from sandbox import SandboxPool, isolation, run_code
 from tracker import ValueTracker
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: programs run from there
 
 
 def _spo_step(tracker, sampler, rng, batch_size):
@@ -114,22 +112,15 @@ def bench_sandbox(n_runs: int = 200, worker_counts=(1, 2, 8), code: str = "print
         print(f"workers={workers}: {n_runs / elapsed:6.1f} runs/s   latency p50 {p50:6.1f} ms   p99 {p99:6.1f} ms")
 
 
-def bench_steps(steps=40, warmup=5, nproc=2, batch_size=64, group_size=8):
-    """Mean seconds per phase of spo.py for spo and grpo, same responses per step, after `warmup` steps."""
-    rows = {}
+def bench_steps(steps=40, warmup=5, nproc=2):
+    """Mean seconds per phase of spo.py's default toy run, 64 responses a step, spo against grpo, after `warmup`."""
     with tempfile.TemporaryDirectory() as tmp:
-        for algo in ("spo", "grpo"):
-            run = os.path.join(tmp, algo)
-            cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "spo.py",
-                   "--algo", algo, "--steps", str(steps), "--batch_size", str(batch_size), "--eval_every", "0",
-                   "--save_every", "0", "--run_dir", run]
-            cmd += ["--group_size", str(group_size)] if algo == "grpo" else []  # spo with G > 1 is Batch SPO
-            env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
-            subprocess.run(cmd, check=True, capture_output=True, env=env, cwd=ROOT)
-            metrics = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))][warmup:]
-            rows[algo] = {k: float(np.mean([m[k] for m in metrics])) for k in metrics[0] if k.startswith("time/")}
+        runs = {algo: spo_metrics(os.path.join(tmp, algo), nproc, "--algo", algo, "--steps", str(steps))[warmup:]
+                for algo in ("spo", "grpo")}
+    rows = {algo: {k: float(np.mean([m[k] for m in ms])) for k in ms[0] if k.startswith("time/")}
+            for algo, ms in runs.items()}
     phases = [k for k in rows["spo"] if k != "time/step"] + ["time/step"]
-    print(f"spo.py step time, {batch_size} responses per step, {nproc} rank(s), mean of steps {warmup + 1}-{steps} (s)")
+    print(f"spo.py step time, 64 responses per step, {nproc} rank(s), mean of steps {warmup + 1}-{steps} (s)")
     print(f"{'phase':>18} {'spo':>8} {'grpo':>8} {'spo/grpo':>9}")
     for k in phases:
         print(f"{k[5:]:>18} {rows['spo'][k]:>8.3f} {rows['grpo'][k]:>8.3f} {rows['spo'][k] / rows['grpo'][k]:>8.2f}x")
@@ -139,7 +130,7 @@ def bench_steps(steps=40, warmup=5, nproc=2, batch_size=64, group_size=8):
 def main(argv=None):
     """`python -m bench [NAME ...]`: the benchmarks named (default: all), each printed as it ends."""
     parser = argparse.ArgumentParser(prog="python -m bench",
-                                     description="spo benchmarks (the GPU device check: python -m bench gpu --help)")
+                                     description="spo benchmarks (also: bench peer, throughput, gpu --help)")
     parser.add_argument("which", nargs="*", choices=list(BENCHMARKS), default=list(BENCHMARKS),
                         help="which benchmarks: " + ", ".join(BENCHMARKS))
     parser.add_argument("--sizes", type=int, nargs="+", default=[14_000, 10**6, 10**7], help="tracker: prompts")
