@@ -19,7 +19,6 @@ import time
 import numpy as np
 
 from machinery.errors import fail
-from machinery import logprob_head
 
 
 QWEN3_SHAPES = {  # Qwen3's published shapes; "tiny" keeps the vocabulary (the log-prob chunks) for a CPU test
@@ -171,8 +170,8 @@ def bench_gpu(shape="1.7b", prompts=8, samples=8, prompt_lens=(64, 512), respons
     from transformers import Qwen3Config, Qwen3ForCausalLM
     import spo
     from machinery import memory, trainer
-    from machinery.device import prefer_flash_attention
-    started, (rank, world, device) = time.time(), devices.setup_distributed()
+    from machinery.device import prefer_flash_attention, setup_distributed
+    started, (rank, world, device) = time.time(), setup_distributed()
     on_gpu = device.type == "cuda"
     prefer_flash_attention(on_gpu)  # as spo.py (setup_distributed calls it too): the attention it runs is measured
     longest, prompts = prompt_lens[1] + response_lens[1], max(1, prompts // world)  # this rank's prompts
@@ -219,7 +218,7 @@ def _checks(policy, optimizer, config, device, batches, advantages, loss_fn, max
     import torch
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from transformers import Qwen3ForCausalLM
-    from machinery import batching, trainer
+    from machinery import batching, logprob_head, trainer
     on_gpu = device.type == "cuda"
     if profile:  # after the rounds (nothing here warms the first), on two responses of one prompt: about 8,000
         state = {}  # profiled host events per layer and micro-batch (more on a GPU), a second to process per 20,000
