@@ -15,7 +15,10 @@ from pathlib import Path
 
 import numpy as np
 
-from probes import EVAL_DEFAULTS, sample_and_score
+from machinery.collectives import all_gather_objects
+from machinery.errors import fail
+from machinery.run_dir import atomic_write, checkpoint_model, open_output
+from probes import EVAL_DEFAULTS, check_sampling_flags, sample_and_score
 
 # ---------------------------------------------------------------------------------------------- metrics
 def pass_at_k(n, c, k: int):
@@ -34,8 +37,7 @@ def pass_at_k(n, c, k: int):
 def _encode(answers) -> tuple[np.ndarray, int]:
     """Answers -> integer codes numbered by first appearance; None / empty after strip -> -1 (no vote)."""
     index: dict[str, int] = {}
-    codes = [-1 if a is None or not str(a).strip() else index.setdefault(str(a).strip(), len(index))
-             for a in answers]
+    codes = [-1 if a is None or not str(a).strip() else index.setdefault(str(a).strip(), len(index)) for a in answers]
     return np.array(codes, dtype=np.int64), len(index)
 
 
@@ -87,9 +89,7 @@ def summarize(samples, ks=(1, 2, 4, 8, 16, 32), n_boot: int = 1000, seed: int = 
     answers = [[sample[0] for sample in s] for s in samples]
     correct = np.array([[bool(sample[1]) for sample in s] for s in samples])  # (P, n)
     out = {"problems": len(samples), "samples": n, f"avg@{n}": float(correct.mean())}
-    for k in ks:
-        if k <= n:
-            out[f"pass@{k}"] = float(pass_at_k(n, correct.sum(axis=1), k).mean())
+    out.update({f"pass@{k}": float(pass_at_k(n, correct.sum(axis=1), k).mean()) for k in ks if k <= n})
     out[f"maj@{n}"] = float(np.mean([majority_vote(a, c) for a, c in zip(answers, correct)]))
     out[f"maj@{n}_boot_mean"], out[f"maj@{n}_boot_std"] = bootstrap_maj_at_k(answers, correct, n, n_boot, seed)
     out["unparsed"] = float(np.mean([a is None for s in answers for a in s]))
@@ -103,9 +103,7 @@ SHARES = ("unparsed", "truncated")  # summary entries without "@" that are fract
 
 def markdown_table(summaries: dict[str, dict]) -> str:
     """Benchmarks as rows (plus their unweighted average, as in the paper's Table 1), metrics in percent."""
-    columns = []
-    for summary in summaries.values():
-        columns += [c for c in summary if c not in columns and not c.endswith("_boot_std")]
+    columns = list(dict.fromkeys(c for summary in summaries.values() for c in summary if not c.endswith("_boot_std")))
     rows = dict(summaries)
     if len(summaries) > 1:
         rows["average"] = {c: float(np.mean([s[c] for s in summaries.values()])) for c in columns
@@ -129,32 +127,31 @@ def write_samples(path, data, samples, rollouts, n, rank, world, block=64):
     """One JSONL line per sample, problems in data order, written by rank 0 from what every rank sends, `block`
     problems of each rank per collective (no shared filesystem needed; a benchmark's responses never all in memory).
     Problem p is rank p % world's."""
-    from machinery.collectives import all_gather_objects
-    from machinery.run_dir import atomic_write
 
     def lines(p):  # problem p's n lines, on the rank that sampled it
         return [json.dumps({"prompt_key": data.keys[p], "sample": i, "answer": samples[p][i][0],
                             "correct": samples[p][i][1], "ground_truth": data.answers[p],
                             "finish_reason": r.finish_reason, "response_tokens": len(r.response_ids),
                             "response": r.text}) + "\n" for i, r in enumerate(rollouts[p])]
+    with writing(path) if rank == 0 else contextlib.nullcontext() as out:
+        for start in range(0, len(data.keys), block * world):
+            problems = range(start, min(start + block * world, len(data.keys)))
+            mine = [lines(p) for p in problems if p % world == rank]
+            sent = all_gather_objects([mine]) if world > 1 else [mine]  # (rank r's list is the r-th)
+            if rank == 0:
+                for p in problems:
+                    out.writelines(sent[p % world][(p - start) // world])
+
+
+@contextlib.contextmanager
+def writing(path):
+    """atomic_write into --out_dir; a write that fails (a full disk, a quota) is one line (and leaves none of it)."""
     try:
-        with atomic_write(path) if rank == 0 else contextlib.nullcontext() as out:
-            for start in range(0, len(data.keys), block * world):
-                problems = range(start, min(start + block * world, len(data.keys)))
-                mine = [lines(p) for p in problems if p % world == rank]
-                sent = all_gather_objects([mine]) if world > 1 else [mine]  # (rank r's list is the r-th)
-                if rank == 0:
-                    for p in problems:
-                        out.writelines(sent[p % world][(p - start) // world])
+        with atomic_write(path) as f:
+            yield f
     except OSError as e:
-        stop_writing(path, e)
-
-
-def stop_writing(path, error):
-    """A write into --out_dir that failed (a full disk, a quota): one line (atomic_write leaves none of the file)."""
-    from machinery.errors import fail
-    fail(f"--out_dir {os.path.dirname(path) or '.'}: cannot write {os.path.basename(path)} "
-         f"({error.strerror or error}); nothing of it is left: free space and rerun")
+        fail(f"--out_dir {os.path.dirname(path) or '.'}: cannot write {os.path.basename(path)} "
+             f"({e.strerror or e}); nothing of it is left: free space and rerun")
 
 
 def parse_args(argv=None):
@@ -173,7 +170,7 @@ def parse_args(argv=None):
     g.add_argument("--temperature", type=float, default=EVAL_DEFAULTS["temperature"], help="sampling temperature")
     g.add_argument("--top_p", type=float, default=EVAL_DEFAULTS["top_p"], help="nucleus sampling")
     g.add_argument("--top_k", type=int, default=EVAL_DEFAULTS["top_k"], help="top-k sampling (-1: off)")
-    from reward import add_reward_flags, check_reward_flag
+    from reward import add_reward_flags
     from hf_engine import add_engine_flags
     from rollout import add_budget_flag, add_tool_flags, response_budget
     add_budget_flag(g)  # --max_response_len (alias --max_tokens), as spo.py's; the paper evaluates with 32768
@@ -188,15 +185,7 @@ def parse_args(argv=None):
     args.max_response_len = response_budget(args.max_response_len, args.tools)
     if args.n_samples < 1 or args.max_response_len < 1:
         p.error("--n_samples and --max_response_len (--max_tokens) must be at least 1")
-    from machinery.errors import check_finite, check_sampling, fail
-    check_finite(vars(args))
-    check_sampling(args.temperature, args.top_p, args.top_k)
-    check_reward_flag(args.reward, args.reward_timeout)
-    for flag, low in (("seed", 0), ("n_boot", 1), ("max_prompt_len", 1)):  # here, not where first used (hours in)
-        if getattr(args, flag) < low:
-            fail(f"--{flag} must be at least {low}, got {getattr(args, flag)}", once=True)
-    if not 0 < args.gpu_memory_utilization <= 1:
-        fail(f"--gpu_memory_utilization must be in (0, 1], got {args.gpu_memory_utilization}", once=True)
+    check_sampling_flags(vars(args), {"seed": 0, "n_boot": 1, "max_prompt_len": 1})
     return args
 
 
@@ -210,9 +199,6 @@ def main(argv=None):
     rank, world, device, args.engine = start_program(args.engine)  # as spo.py
     args.toy_dir, args.model, args.data, _ = toy.fill_in(args.toy_dir, args.tools, args.model, args.data, "test")
     args.data = [args.data] if isinstance(args.data, str) else args.data  # --data takes several files
-    from machinery.collectives import all_gather_objects
-    from machinery.errors import fail
-    from machinery.run_dir import atomic_write, checkpoint_model, open_output
     args.model, source, error = all_gather_objects([checkpoint_model(args.model) if rank == 0 else None])[0]
     if error:  # source: where the model loads from (a checkpoint's hold), args.model: what it is
         fail(error, once=True)
@@ -233,8 +219,7 @@ def main(argv=None):
     tools = make_tools(args.tools, args.max_turns, args.sandbox_workers, args.sandbox_timeout, args.sandbox_memory_mb,
                        args.max_tool_output_chars, {**{path: "data" for path in args.data}, args.out_dir: "out_dir"})
     engine = start_engine(args.engine, source, seed=args.seed, max_model_len=longest, device=device,
-                          gpu_memory_utilization=args.gpu_memory_utilization,
-                          engine_compile=args.compile)
+                          gpu_memory_utilization=args.gpu_memory_utilization, engine_compile=args.compile)
     n = args.n_samples
     ks = sorted({2 ** i for i in range(n.bit_length())} | {n})  # pass@1, 2, 4, ... and pass@n
     summaries = {}
@@ -253,11 +238,8 @@ def main(argv=None):
                                f"top_k {args.top_k}, max_response_len {args.max_response_len}, reward {args.reward}"
                                f"\n\n{table}\n"}
         for name, text in texts.items():
-            try:
-                with atomic_write(os.path.join(args.out_dir, name)) as f:
-                    f.write(text)
-            except OSError as e:
-                stop_writing(os.path.join(args.out_dir, name), e)
+            with writing(os.path.join(args.out_dir, name)) as f:
+                f.write(text)
         print(table, flush=True)
     if tools:
         tools.pool.close()

@@ -7,6 +7,7 @@ prompt and seed give the same sample whatever else is in the batch) and returns 
 one-token step runs under CUDA graphs over transformers' StaticCache; no continuous batching, paged KV cache or sleep
 mode: it is for where vLLM is absent.
 """
+import contextlib
 
 import torch
 
@@ -89,10 +90,8 @@ def use_decode_attention(model):
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
     AttentionInterface.register(DECODE_ATTENTION, decode_attention)
     AttentionMaskInterface.register(DECODE_ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
-    try:
+    with contextlib.suppress(ValueError, AttributeError):
         model.set_attn_implementation(DECODE_ATTENTION)
-    except (ValueError, AttributeError):
-        pass
     return model
 
 
@@ -106,8 +105,7 @@ class HFEngine:
         from transformers import AutoModelForCausalLM, AutoTokenizer, CompileConfig
         self.device, self.on_gpu = device, device.type == "cuda"
         self.temperature, self.max_model_len = temperature, max_model_len
-        bf16 = self.on_gpu if bf16 is None else bf16
-        dtype = torch.bfloat16 if bf16 else torch.float32  # as vLLM's, and as the trainer pushes
+        dtype = torch.bfloat16 if (self.on_gpu if bf16 is None else bf16) else torch.float32  # as vLLM's and as pushed
         self.model = use_decode_attention(AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device))
         self.model.eval()
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -130,8 +128,7 @@ class HFEngine:
         waiting = {}  # request id -> (ids, room, seed)
 
         def start(ids, room, seed):
-            request_id = f"hf-{self.requests_sent}"
-            self.requests_sent += 1
+            request_id, self.requests_sent = f"hf-{self.requests_sent}", self.requests_sent + 1
             waiting[request_id] = (ids, room, seed)
             return request_id
 
@@ -217,8 +214,7 @@ class HFEngine:
         if not found and ids[-1] not in self.end_ids and len(ids) < room:
             return None
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        ends = [(text.find(s) + len(s), k) for k, s in enumerate(found) if s in text]
-        if ends:
+        if ends := [(text.find(s) + len(s), k) for k, s in enumerate(found) if s in text]:
             end, k = min(ends)
             return text[:end], "stop", found[k]
         return text, "stop" if ids[-1] in self.end_ids else "length", None

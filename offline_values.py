@@ -29,10 +29,11 @@ import torch.distributed as dist
 from hf_engine import add_engine_flags, start_engine
 from machinery import collectives
 from machinery.device import start_program
-from machinery.run_dir import atomic_write, open_output
+from machinery.errors import fail
+from machinery.run_dir import atomic_write, open_output, shared_output
 from machinery.untrusted import parse_json, read_file, read_json
-from probes import request_seeds
-from reward import DEFAULT_REWARD, VERIFIER_TIMEOUT_S, add_reward_flags, check_reward_flag, rewards
+from probes import check_sampling_flags, request_seeds
+from reward import DEFAULT_REWARD, VERIFIER_TIMEOUT_S, add_reward_flags, rewards
 from rollout import TOOL_INSTRUCTION, add_budget_flag, add_tool_flags, make_tools, response_budget
 
 
@@ -57,10 +58,9 @@ def reward_setting(reward):
 
 def tool_settings(tools):
     """The tool-loop settings that change what a sample can do (recorded in the header), or None."""
-    if tools is None:
-        return None
-    return {"max_turns": tools.max_turns, "max_tool_output_chars": tools.max_tool_output_chars,
-            "show_last_expression": tools.show_last_expression}
+    return None if tools is None else {"max_turns": tools.max_turns,
+                                       "max_tool_output_chars": tools.max_tool_output_chars,
+                                       "show_last_expression": tools.show_last_expression}
 
 
 # The header entries that change v0, and their values when absent from a file (or from the run's settings).
@@ -106,7 +106,6 @@ VALUES_FILE = {"header": dict, "prompts": {str: {"scores": [float]}}}  # an offl
 
 def read_values_file(path):
     """(header, prompts) of an offline-values file; another shape is one line naming it and what is wrong."""
-    from machinery.errors import fail
     try:
         saved = read_json(path, VALUES_FILE)
     except (OSError, ValueError) as e:
@@ -118,7 +117,6 @@ def check_values_header(path, wanted, accept_mismatch=False, model=None):
     """The V0_SETTINGS an offline-values file was made with (and its model) against `wanted`, the training run's.
     A mismatch is an error naming each setting and both values, unless accept_mismatch (then a warning): the
     tracker would start from values measured under another distribution than training's."""
-    from machinery.errors import fail
     header, _ = read_values_file(path)
     diff = [f"{k}: {header.get(k, absent)!r} there, {wanted.get(k, absent)!r} here"
             for k, absent in V0_SETTINGS.items() if header.get(k, absent) != wanted.get(k, absent)]
@@ -155,11 +153,9 @@ def read_finished(out_path, header):
                 lines = read_file(path).split(b"\n")
                 theirs, entries = parse_json(lines[0], {"header": dict})["header"], {}
                 for line in lines[1:]:
-                    try:
+                    with contextlib.suppress(ValueError):  # an empty line or one a crash cut off: its prompt is redone
                         row = parse_json(line, {"key": str, "scores": [float]})
                         entries[row["key"]] = row["scores"]
-                    except ValueError:
-                        pass  # an empty line or one cut off by a crash: that prompt is simply redone
         except (OSError, ValueError) as e:
             raise ValueError(f"{path}: not an offline-values file ({e}); move it away or choose another --out") \
                 from None
@@ -191,8 +187,7 @@ def estimate_offline_values(engine, data, out_path, *, n0=8, temperature=1.0, to
         from tqdm import tqdm
         print(f"offline values: {len(data.keys)} prompts, {len(done)} already done, n0 = {n0}", flush=True)
         # counts samples as each finishes (engine.generate's progress), not chunks: a chunk can take minutes
-        bar = tqdm(total=len(todo) * n0, desc=f"offline values (rank 0 of {world})", unit="sample",
-                   dynamic_ncols=True)
+        bar = tqdm(total=len(todo) * n0, desc=f"offline values (rank 0 of {world})", unit="sample", dynamic_ncols=True)
     new, kept = not os.path.exists(partial), False  # kept: a whole prompt of this run is in the partial file
     try:
         with open(partial, "a") as f:
@@ -231,9 +226,8 @@ def estimate_offline_values(engine, data, out_path, *, n0=8, temperature=1.0, to
         if missing:
             print(f"offline values: stopped with {missing} prompts to go; rerun the same command to resume", flush=True)
         else:
-            tokenizer = engine.tokenizer
             result = {"header": {**header, "created": time.strftime("%Y-%m-%d %H:%M:%S")},
-                      "prompts": {key: {"prompt": tokenizer.decode(ids), "scores": done[key]}
+                      "prompts": {key: {"prompt": engine.tokenizer.decode(ids), "scores": done[key]}
                                   for key, ids in zip(data.keys, data.prompt_ids)}}
             try:
                 with atomic_write(out_path) as f:  # a crash never leaves a half-written values file
@@ -255,7 +249,6 @@ def stop_on_full_disk(error, path):
     """A full disk or quota while writing `path`: one line, not a traceback (the prompts finished stay in the
     partial files: the same command resumes once there is room). Any other error is not this one's to name."""
     import errno
-    from machinery.errors import fail
     if error.errno not in (errno.ENOSPC, errno.EDQUOT):
         raise error
     fail(f"{path}: {error.strerror} while writing the offline values; the prompts finished so far are kept: free "
@@ -267,7 +260,6 @@ def claim_toy_values(run: TrainingV0, on_toy, run_dir):
     for the run's settings, beside the toy or, where this run cannot claim it, in its run directory."""
     if not (on_toy and run.offline_values == "auto"):
         return run
-    from machinery.run_dir import shared_output
     path = toy_values_path(run.toy_dir, run.n0, run.seed, run.settings(), run.train_prompts, run.pool_seed)
     return replace(run, offline_values=shared_output(path, run_dir, "spo.py", "the toy's offline values"))
 
@@ -300,9 +292,8 @@ def init_tracker(tracker, run: TrainingV0, engine, data, on_toy, is_main):
 
 def add_v0_flags(p):
     """spo.py's flags for the tracker's initial values v0 (Algorithm 2)."""
-    p.add_argument("--offline_values", default="auto",
-                   help="the tracker's v0: a file offline_values.py wrote; 'auto': on the toy measured on first use, "
-                        "else none; 'none': the uninformed prior")
+    p.add_argument("--offline_values", default="auto", help="the tracker's v0: a file offline_values.py wrote; "
+                   "'auto': on the toy measured on first use, else none; 'none': the uninformed prior")
     p.add_argument("--n0", type=int, default=8, help="offline samples per prompt when v0 is built by spo.py")
     p.add_argument("--accept_offline_mismatch", action="store_true", help="use a v0 file made with other settings")
     p.add_argument("--init_smoothing", choices=["kt", "mean"], default="kt", help="v0 from s successes of n "
@@ -319,14 +310,12 @@ def toy_values_path(toy_dir, n0, seed, v0_settings, train_prompts=0, pool_seed=-
 
 def init_tracker_from_file(tracker, path, data, smoothing, verbose):
     """Algorithm 2: the tracker from a values file; a bad one, or one for another dataset, stops with one line."""
-    from machinery.errors import fail
     # read by rank 0 and sent to the others: a values file spo.py made on the toy is on rank 0's node only
     many = dist.is_initialized() and dist.get_world_size() > 1
     entries = read_values_file(path)[1] if not many or dist.get_rank() == 0 else None
     entries = collectives.all_gather_objects([entries])[0] if many else entries
     position = {key: i for i, key in enumerate(data.keys)}
-    unknown = [key for key in entries if key not in position]
-    if unknown:
+    if unknown := [key for key in entries if key not in position]:
         fail(f"--offline_values {path}: {len(unknown)} of its {len(entries)} prompt keys are not in the training "
              f"set (e.g. {unknown[0]}): was it made for another dataset?")
     index = np.array([position[key] for key in entries], dtype=np.int64)
@@ -381,22 +370,12 @@ def parse_args(argv=None):
     args.max_response_len = response_budget(args.max_response_len, args.tools)
     if args.n0 < 1 or args.max_response_len < 1 or args.chunk_prompts < 1:
         p.error("--n0, --max_response_len (--max_tokens) and --chunk_prompts must be at least 1")
-    from machinery.errors import check_finite, check_sampling, fail
-    check_finite(vars(args))
-    check_sampling(args.temperature, args.top_p, -1)
-    check_reward_flag(args.reward, args.reward_timeout)
-    for flag, low, note in (("seed", 0, ""), ("max_prompts", 0, " (0: all)"), ("max_chunks", 1, ""),
-                             ("max_prompt_len", 1, "")):  # here, not where first used (after the engine)
-        if getattr(args, flag) is not None and getattr(args, flag) < low:
-            fail(f"--{flag} must be at least {low}{note}, got {getattr(args, flag)}", once=True)
-    if not 0 < args.gpu_memory_utilization <= 1:
-        fail(f"--gpu_memory_utilization must be in (0, 1], got {args.gpu_memory_utilization}", once=True)
+    check_sampling_flags(vars(args), {"seed": 0, "max_prompts": 0, "max_chunks": 1, "max_prompt_len": 1})
     return args
 
 
 def main(argv=None):
     from machinery.data import check_context, find_model, load_dataset, load_tokenizer
-    from machinery.errors import fail
     from tasks import toy
     args = parse_args(argv)
     rank, world, device, args.engine = start_program(args.engine)  # as spo.py
@@ -421,13 +400,11 @@ def main(argv=None):
         fail(str(e))
     tokenizer = load_tokenizer(args.model)
     check_context(args.model, args.max_prompt_len + args.max_response_len, "--max_prompt_len + --max_response_len")
-    data = load_dataset(args.data, tokenizer, args.max_prompt_len, rank == 0, header.get("system_prompt"))
-    if args.max_prompts:
-        data = data[: args.max_prompts]
+    data = load_dataset(args.data, tokenizer, args.max_prompt_len, rank == 0,
+                        header.get("system_prompt"))[: args.max_prompts or None]
     engine = start_engine(args.engine, args.model, seed=args.seed, device=device, temperature=args.temperature,
                           max_model_len=args.max_prompt_len + args.max_response_len,
-                          gpu_memory_utilization=args.gpu_memory_utilization,
-                          engine_compile=args.compile)
+                          gpu_memory_utilization=args.gpu_memory_utilization, engine_compile=args.compile)
     estimate_offline_values(engine, data, args.out, header=header, chunk_prompts=args.chunk_prompts,
                             max_chunks=args.max_chunks, tools=tools, reward_timeout=args.reward_timeout, **sampling)
     if tools:

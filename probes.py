@@ -11,9 +11,12 @@ import os
 from dataclasses import dataclass, fields
 
 import numpy as np
+import torch.distributed as dist
 
+from machinery import collectives
+from machinery.errors import check_finite, check_sampling, fail
 from machinery.metrics import POOL_PROMPTS, pool_statistics, probe_stats
-from reward import DEFAULT_REWARD, VERIFIER_TIMEOUT_S, reward_and_answer
+from reward import DEFAULT_REWARD, VERIFIER_TIMEOUT_S, check_reward_flag, reward_and_answer
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,21 @@ def request_seeds(base, prompt_key: str, n: int) -> np.ndarray:
     return np.random.SeedSequence([*np.atleast_1d(base).tolist(), key]).generate_state(n)
 
 
+def check_sampling_flags(flags, at_least):
+    """eval.py's and offline_values.py's flags ({flag: value}), checked here, not where first used (hours in): every
+    float finite, sampling within the engines' ranges, the verifier, each flag of at_least ({flag: least value}; None:
+    unset) and the engine's share of the GPU."""
+    check_finite(flags)
+    check_sampling(flags["temperature"], flags["top_p"], flags.get("top_k", -1))
+    check_reward_flag(flags["reward"], flags["reward_timeout"])
+    for flag, low in at_least.items():
+        if flags[flag] is not None and flags[flag] < low:
+            note = " (0: all)" if flag == "max_prompts" else ""
+            fail(f"--{flag} must be at least {low}{note}, got {flags[flag]}", once=True)
+    if not 0 < flags["gpu_memory_utilization"] <= 1:
+        fail(f"--gpu_memory_utilization must be in (0, 1], got {flags['gpu_memory_utilization']}", once=True)
+
+
 def sample_and_score(engine, data, n, seeds_base, *, temperature, top_p, top_k, max_tokens, rank, world,
                      think_format=False, tools=None, reward=DEFAULT_REWARD, reward_timeout=VERIFIER_TIMEOUT_S,
                      progress=True, problems=None):
@@ -78,10 +96,8 @@ def sample_and_score(engine, data, n, seeds_base, *, temperature, top_p, top_k, 
     local = {p: [(answer, bool(score), r.finish_reason == "length") for r, (score, answer) in
                  ((r, reward_and_answer(r.text, data.answers[p], think_format, reward, reward_timeout)) for r in rs)]
              for p, rs in rollouts.items()}
-    parts = [local]
-    if world > 1:  # answers and flags only: responses stay on their rank
-        from machinery.collectives import all_gather_objects
-        parts = all_gather_objects([local])  # (a rank stopped by its verifier: one line here too, not a traceback)
+    # answers and flags only: responses stay on their rank (a rank stopped by its verifier: one line, not a traceback)
+    parts = collectives.all_gather_objects([local]) if world > 1 else [local]
     merged = {p: s for part in parts for p, s in part.items()}
     return [merged[p] for p in problems], rollouts
 
@@ -102,8 +118,6 @@ def evaluations(engine, test, data, tracker, settings: ProbeSettings, tools, ste
 def heldout_metrics(engine, test, settings: ProbeSettings, tools, exact=None):
     """spo.py's held-out evaluation (avg@n and why samples fail). Seeds independent of the step: every evaluation
     scores the same draws."""
-    import torch.distributed as dist
-    from machinery.collectives import all_reduce_np
     samples, rollouts = sample_and_score(engine, test, settings.eval_samples, [settings.seed, 1],
                                          temperature=settings.eval_temperature, top_p=settings.eval_top_p,
                                          top_k=settings.eval_top_k, max_tokens=settings.max_response_len,
@@ -119,7 +133,7 @@ def heldout_metrics(engine, test, settings: ProbeSettings, tools, exact=None):
             metrics[f"eval/accuracy/{source}"] = float(np.mean([correct for problem, s in zip(samples, test.sources)
                                                                 if s == source for _, correct, _ in problem]))
     if tools:
-        used = all_reduce_np([sum(r.tool_calls > 0 for rs in rollouts.values() for r in rs)])[0]
+        used = collectives.all_reduce_np([sum(r.tool_calls > 0 for rs in rollouts.values() for r in rs)])[0]
         metrics["eval/tool_use"] = used / (len(test.keys) * settings.eval_samples)
     if exact:
         metrics["eval/exact"] = float(exact(test, range(len(test.keys)), settings.eval_temperature).mean())
@@ -132,7 +146,6 @@ def exact_template(flag, on_toy, top_p, top_k):
     from tasks.toy import ONLY_CORRECT
     template = {"auto": ONLY_CORRECT if on_toy else None, "off": None}.get(flag, flag)
     if template and (top_p < 1 or top_k > 0):
-        from machinery.errors import fail
         fail(f"--eval_reference {flag}: the exact probability is of sampling at the temperature alone; pass "
              f"--eval_top_p 1 --eval_top_k -1 (now {top_p}, {top_k}) or --eval_reference off", once=True)
     return template
@@ -144,8 +157,6 @@ def exact_metric(policy, tokenizer, template, micro_batch_size, max_tokens):
     pass. Where that response is the only one scored correct, the success probability without sampling noise."""
     if template is None:
         return None
-    import torch.distributed as dist
-    from machinery.collectives import all_gather_objects
     from machinery.trainer import old_logprobs
 
     def exact(data, indices, temperature):
@@ -156,7 +167,7 @@ def exact_metric(policy, tokenizer, template, micro_batch_size, max_tokens):
         scored = old_logprobs(policy, [], [(data.prompt_ids[i], r, np.ones(len(r))) for i, r in zip(mine, responses)],
                               temperature, micro_batch_size, max_tokens)["revisited"]
         local = {i: float(np.exp(np.sum(lp, dtype=np.float64))) for i, lp in zip(mine, scored)}
-        merged = {i: p for part in all_gather_objects([local]) for i, p in part.items()}
+        merged = {i: p for part in collectives.all_gather_objects([local]) for i, p in part.items()}
         return np.array([merged[i] for i in indices])
     return exact
 
@@ -196,7 +207,6 @@ def tracker_probe(engine, data, tracker, settings: ProbeSettings, step, tools, e
     prompt, sampled and scored as training does, with request seeds from (seed, 2, step, prompt key): never
     training's or the held-out evaluation's. Rank 0 appends a line to <run_dir>/probe.jsonl (a resumed run may
     repeat a step: its last line wins). Returns probe_stats; with `exact`, v(x) against the exact probability too."""
-    import torch.distributed as dist
     n = settings.probe_samples
     index = probe_subset(len(data.keys), settings.probe_prompts, settings.seed)  # (K,)
     value, n_eff = tracker.value_at(index), tracker.n_eff_at(index)  # (K,) read before any further update

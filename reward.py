@@ -26,6 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
+from machinery.errors import fail
+
 TAIL_CHARS = 100  # the authors' window: a box that starts earlier than this is not the final answer
 BOX = "\\boxed{"  # `\boxed {x}` (with a space) is valid LaTeX but is NOT an answer here, as in the authors' rule
 # Tool calls and their output (rollout.py's loop; unclosed when cut by the budget) are not the model's answer.
@@ -36,10 +38,9 @@ VERIFIER_TIMEOUT_S = 60.0  # per response: generous for a symbolic checker, shor
 
 def add_reward_flags(parser, truncation=True):
     """The verifier's flags, shared by the three programs (eval.py scores truncated responses as they are)."""
-    parser.add_argument("--reward", default=DEFAULT_REWARD,
-                        help="the verifier, module:function or file.py:function, fn(response_text, ground_truth) "
-                             "-> 0 or 1 (docs/own-model-and-data.md; e.g. reward:numeric_match, reward:math_verify); "
-                             "default: the authors' strict boxed rule")
+    parser.add_argument("--reward", default=DEFAULT_REWARD, help="the verifier, module:function or file.py:function, "
+                        "fn(response_text, ground_truth) -> 0 or 1 (docs/own-model-and-data.md; e.g. "
+                        "reward:numeric_match, reward:math_verify); default: the authors' strict boxed rule")
     if truncation:
         parser.add_argument("--truncated_reward", choices=["zero", "score"], default="zero",  # (the authors': zero)
                             help=argparse.SUPPRESS)  # a cut-off response gets 0, or is scored (the benchmarks)
@@ -93,10 +94,8 @@ def numeric_match(text: str, ground_truth: str) -> float:
     if answer is None:
         return 0.0
     if NUMBER.fullmatch(answer) and NUMBER.fullmatch(truth):
-        try:
+        with contextlib.suppress(ValueError, ZeroDivisionError):  # 1/0; or more digits than int() converts
             return float(Fraction(answer) == Fraction(truth))
-        except (ValueError, ZeroDivisionError):  # 1/0; or more digits than int() converts
-            pass
     return float(answer == truth)
 
 
@@ -249,7 +248,6 @@ def math_verify(text: str, ground_truth: str) -> float:
         return 0.0
     if answer == truth:  # exact_match's 1 stands: it needs no parse, and no time limit can take it back
         return 1.0
-    from machinery.errors import fail
     try:
         kind, *value = _ask("math-verify", _start_math_verify, [answer, truth], MATH_VERIFY_LIMIT_S)
     except ValueError as e:  # a fresh child no longer imports it
@@ -321,7 +319,6 @@ def _start_verifier(spec):
 
 def check_reward_flag(spec: str, timeout_s: float = VERIFIER_TIMEOUT_S):
     """Resolve --reward once, before anything heavy starts: a bad spec or --reward_timeout is one `error:` line."""
-    from machinery.errors import fail
     if not 0 < timeout_s < float("inf"):
         fail(f"--reward_timeout must be a positive number of seconds, got {timeout_s}", once=True)
     try:
@@ -340,7 +337,6 @@ def call_verifier(spec: str, text: str, ground_truth: str, timeout_s: float = VE
     its process twice stops the run with one line naming the input, not a traceback, a hang or a silent 0."""
     if spec in BUILT_IN:
         return load_verifier(spec)(text, ground_truth)
-    from machinery.errors import fail
     try:
         kind, *value = _ask(spec, functools.partial(_start_verifier, spec), [text, ground_truth], timeout_s)
     except ValueError as e:  # a fresh child no longer imports it
@@ -350,12 +346,8 @@ def call_verifier(spec: str, text: str, ground_truth: str, timeout_s: float = VE
     if kind == "returned":
         fail(f"--reward {spec} returned {value[0]}; a verifier must return 0 or 1 "
              f"(SPO's tracker is a Beta posterior over binary rewards)")
-    if kind == "raised":
-        what = f"raised {value[0]}"
-    elif kind == "ended":
-        what = f"ended its process twice ({value[0]})"
-    else:
-        what = f"did not return within --reward_timeout {timeout_s:g} s"
+    what = (f"raised {value[0]}" if kind == "raised" else f"ended its process twice ({value[0]})" if kind == "ended"
+            else f"did not return within --reward_timeout {timeout_s:g} s")
     fail(f"--reward {spec} {what}, on the response {text[-200:]!r} (its last 200 characters) with ground truth "
          f"{ground_truth!r}; to score such inputs 0 instead, catch the case in the verifier and return 0")
 
@@ -378,9 +370,7 @@ def reward_and_answer(response_text: str, ground_truth: str, think_format: bool 
                       reward: str = DEFAULT_REWARD, timeout_s: float = VERIFIER_TIMEOUT_S) -> tuple[float, str | None]:
     """(reward in {0.0, 1.0} by the --reward verifier, the final boxed answer or None: maj@k's vote)."""
     text = visible_text(response_text, think_format)
-    if text is None:
-        return 0.0, None
-    return call_verifier(reward, text, ground_truth, timeout_s), final_answer(text)
+    return (0.0, None) if text is None else (call_verifier(reward, text, ground_truth, timeout_s), final_answer(text))
 
 
 def boxed_reward(response_text: str, ground_truth: str, think_format: bool = False) -> float:

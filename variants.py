@@ -44,9 +44,8 @@ def add_variant_flags(sampling, p):
                         "token sum / (sequences x --max_response_len)")
     sampling.add_argument("--dynamic_sampling", action="store_true",
                           help="DAPO: drop groups whose rewards are all equal and refill (group estimators only)")
-    sampling.add_argument("--oversample", type=float, default=1.0,
-                          help="start f x B trajectories, train on the first B to finish, abort the rest (Appendix "
-                               "B; group estimators: whole groups); 1: off")
+    sampling.add_argument("--oversample", type=float, default=1.0, help="start f x B trajectories, train on the "
+                          "first B to finish, abort the rest (Appendix B; group estimators: whole groups); 1: off")
     # let the rest finish, to log the kept vs aborted lengths and rewards (docs/variants.md)
     sampling.add_argument("--oversample_measure", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--tis", type=float, default=0.0,
@@ -55,7 +54,6 @@ def add_variant_flags(sampling, p):
 
 
 MAX_SAMPLING_ROUNDS = 4  # DAPO's refill rounds at most; then all-equal groups fill the batch
-
 
 
 def check_flags(flags, world):

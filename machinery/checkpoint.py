@@ -16,6 +16,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from machinery.collectives import all_gather_objects, barrier, full_parameters
 from machinery.errors import fail
 from machinery.untrusted import (LOCATIONS, foreign_values, misfit, nested, open_file, parse_json, read_config,
                                  read_file, read_json, read_shards_metadata, read_state)
@@ -72,7 +73,6 @@ def resumed_flags(flags, built_in=(), shipped=""):
     if flags["resume"] == "auto":
         if not flags["run_dir"]:
             fail("--resume auto resumes the run in --run_dir: give --run_dir", once=True)
-        from machinery.collectives import all_gather_objects
         saved = all_gather_objects([bool(checkpoint_dirs(flags["run_dir"])) if dist.get_rank() == 0 else None])[0]
         flags = {**flags, "resume": flags["run_dir"] if saved else None}
     if not flags["resume"]:
@@ -231,9 +231,7 @@ def damaged(path, part=""):
         model = os.path.join(path, "model")
         names = sorted(n for n in os.listdir(model) if n.endswith(".safetensors")) if os.path.isdir(model) else []
         problems = [p for p in (_safetensors_problem(os.path.join(model, n)) for n in names) if p]
-    if not problems:
-        return None
-    return problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
+    return problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "") if problems else None
 
 
 # The HF export's safetensors files hold at most this many bytes each: rank 0 holds one file's tensors at a time.
@@ -259,11 +257,9 @@ def export_hf(model, out_dir, dtype=None, write=True, file_bytes=EXPORT_FILE_BYT
     """Hugging Face safetensors in out_dir, rank 0 writing each file once its tensors are in; its error or None."""
     from safetensors import SafetensorError
     from safetensors.torch import save_file
-    from machinery.collectives import full_parameters
     files = _export_plan(model, dtype, file_bytes)
-    names = [f"model-{k + 1:05d}-of-{len(files):05d}.safetensors" for k in range(len(files))]
-    if len(files) == 1:
-        names = ["model.safetensors"]
+    names = ([f"model-{k + 1:05d}-of-{len(files):05d}.safetensors" for k in range(len(files))] if len(files) > 1
+             else ["model.safetensors"])
     where = {name: k for k, file in enumerate(files) for name in file}
     buffers = ((name, b) for name, b in model.named_buffers() if name in where)
     write, error, pending, total = write and dist.get_rank() == 0, None, {}, 0
@@ -294,7 +290,6 @@ def save_checkpoint(run_dir, step, model, optimizer, tokenizer, world, prompt_ke
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
     from torch.distributed.checkpoint.api import CheckpointException
-    from machinery.collectives import all_gather_objects, barrier
     root = os.path.join(run_dir, "checkpoints")
     final, tmp = os.path.join(root, f"step_{step:06d}"), os.path.join(root, f"step_{step:06d}.tmp")
     error = None

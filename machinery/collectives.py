@@ -8,14 +8,10 @@ import re
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 
 _PEER_GONE = re.compile(r"Connection (closed|reset) by peer")  # gloo's words when a rank's process has ended
-
-
-def _comm_device():
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
 def all_reduce_np(values, op="sum"):
@@ -27,7 +23,8 @@ def all_reduce_np(values, op="sum"):
 def all_gather_np(*arrays):
     """Numpy arrays of every rank, concatenated; several arrays in ONE collective, as float64 (exact for ints)."""
     if len(arrays) == 1:
-        t = torch.as_tensor(np.ascontiguousarray(arrays[0]), device=_comm_device())
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+        t = torch.as_tensor(np.ascontiguousarray(arrays[0]), device=device)
         out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
         try:
             dist.all_gather(out, t)
@@ -72,7 +69,6 @@ PUSH_BUCKET_BYTES = 2 ** 28
 def full_parameters(model, dtype=None, bucket_bytes=PUSH_BUCKET_BYTES):
     """(name, full tensor), one all-gather per bucket (dtype: cast before it), on every rank; tied weights under
     both names (vLLM's CPU backend packs a tied lm_head apart). The root unit stays gathered for the next forward."""
-    from torch.distributed.tensor import Shard
     if hasattr(model, "unshard"):  # an FSDP2 module (not a plain one)
         model.unshard()
     bucket, size = [], 0

@@ -157,22 +157,18 @@ def load_prompts(path) -> PromptSet:
     if prompt_col is None or answer_col is None:
         raise ValueError(f"{path}: unrecognised columns {columns}; need a prompt column (one of "
                          f"{', '.join(PROMPT_COLUMNS)}) and an answer column (one of {', '.join(ANSWER_COLUMNS)})")
-    keys, messages, answers, kept_rows, first_index, n_duplicates, n_conflicting = [], [], [], [], {}, 0, 0
+    first, n_duplicates, n_conflicting = {}, 0, 0  # prompt key -> (row, messages, answer) of its first row
     for i, row in enumerate(rows):
         where = f"{path} row {i}"
         msgs, answer = _messages(row.get(prompt_col), where), _answer(row.get(answer_col), where)
-        key = prompt_key(msgs)
-        if key in first_index:
-            n_duplicates += 1
-            n_conflicting += answers[first_index[key]] != answer
-            continue
-        first_index[key] = len(keys)
-        keys.append(key)
-        messages.append(msgs)
-        answers.append(answer)
-        kept_rows.append(i)
+        if (key := prompt_key(msgs)) in first:
+            n_duplicates, n_conflicting = n_duplicates + 1, n_conflicting + (first[key][2] != answer)
+        else:
+            first[key] = (i, msgs, answer)
+    kept_rows, messages, answers = (list(column) for column in zip(*first.values()))
     sources = [None if (s := rows[i].get("data_source")) is None else str(s) for i in kept_rows]
-    return PromptSet(keys, messages, answers, kept_rows, str(path), len(rows), n_duplicates, n_conflicting, sources)
+    return PromptSet(list(first), messages, answers, kept_rows, str(path), len(rows), n_duplicates, n_conflicting,
+                     sources)
 
 
 # Without tokenizer files transformers quietly builds an empty tokenizer; without weights a traceback comes later.
@@ -349,7 +345,9 @@ class Dataset:
     sources: list = None  # data_source per prompt (held-out accuracy is also logged per source where they differ)
 
     def __getitem__(self, s):
-        return Dataset(self.keys[s], self.prompt_ids[s], self.answers[s], self.sources and self.sources[s])
+        """The prompts at s, a slice or a list of positions."""
+        take = (lambda column: column[s]) if isinstance(s, slice) else (lambda column: [column[i] for i in s])
+        return Dataset(take(self.keys), take(self.prompt_ids), take(self.answers), self.sources and take(self.sources))
 
 
 def with_system(messages, system_prompt):
@@ -391,8 +389,7 @@ def load_dataset(path, tokenizer, max_prompt_len, verbose, system_prompt=None):
                                      if untokenised else "") + ")", flush=True)
     if not keep:
         fail(f"{path}: no prompt fits in --max_prompt_len {max_prompt_len} tokens", once=True)
-    return Dataset(*([column[i] for i in keep] for column in (prompts.keys, prompt_ids, prompts.answers,
-                                                               prompts.sources)))
+    return Dataset(prompts.keys, prompt_ids, prompts.answers, prompts.sources)[keep]
 
 
 def load_train_and_test(tokenizer, train, test, *, max_prompt_len, train_prompts, test_prompts, min_prompts,
@@ -403,9 +400,7 @@ def load_train_and_test(tokenizer, train, test, *, max_prompt_len, train_prompts
     if train_prompts > len(data.keys):
         fail(f"--train_prompts {train_prompts}: --train {train} has only {len(data.keys)} prompts", once=True)
     if train_prompts and pool_seed >= 0:
-        pick = np.sort(np.random.default_rng(pool_seed).choice(len(data.keys), train_prompts, replace=False))
-        data = Dataset(*([column[i] for i in pick] for column in (data.keys, data.prompt_ids, data.answers,
-                                                                  data.sources)))
+        data = data[np.sort(np.random.default_rng(pool_seed).choice(len(data.keys), train_prompts, replace=False))]
     data = data[: train_prompts or None]
     if len(data.keys) < min_prompts:
         fail(f"--train {train}: {len(data.keys)} prompts, fewer than the {min_prompts} distinct prompts each step "

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from machinery.console import quiet_vllm
 from machinery.errors import fail
-from machinery.memory import CPU_TOKENS, GIB, GPU_TOKENS
+from machinery.memory import CPU_TOKENS, GIB, GPU_TOKENS, check_rank_memory
 
 
 # NCCL's default, 10 minutes, is shorter than rank 0 writing an 8B model's export while the others wait.
@@ -75,7 +75,6 @@ def choose_engine(choice, is_main):
     return choice
 
 
-
 BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")  # x86 (AVX-512 BF16, AMX), Arm (FEAT_BF16)
 
 
@@ -113,9 +112,8 @@ def add_trainer_flags(p):
                         "longest first and dealt to the ranks by tokens; the no-grad pass takes twice on GPU; auto: "
                         f"{CPU_TOKENS} on CPU, on GPU {GPU_TOKENS} or what the memory estimate fits; 'off': "
                         "micro_batch_size sequences each)")
-    p.add_argument("--gradient_checkpointing", choices=["auto", "on", "off"], default="auto",
-                   help="recompute each decoder layer in the backward pass (auto: on GPU where the budget does not "
-                        "fit without it)")
+    p.add_argument("--gradient_checkpointing", choices=["auto", "on", "off"], default="auto", help="recompute each "
+                   "decoder layer in the backward pass (auto: on GPU where the budget does not fit without it)")
     # FSDP2's units, per decoder layer or the whole model (bench/gpu_trainer.py compares them; auto: use_layer_units)
     p.add_argument("--fsdp_units", choices=["auto", "layers", "model"], default="auto", help=argparse.SUPPRESS)
     p.add_argument("--bf16", choices=["auto", "on", "off"], default="auto",
@@ -131,21 +129,18 @@ _gpu = {"phases": {}, "peak": 0.0}  # GPU: memory in use at this step's phase en
 def trainer_plan(flags, model, world, on_gpu, is_main):
     """spo.py's trainer layout, 'auto' resolved here and by the memory estimate (printed; one line if it will not
     fit): (tokens per micro-batch, gradient checkpointing, per-layer FSDP2 units)."""
-    from machinery.memory import check_rank_memory
     layer_units = use_layer_units(flags["fsdp_units"], on_gpu, world)
     max_tokens, checkpointing = check_rank_memory(
-        model, world=world, on_gpu=on_gpu, is_main=is_main, batch_size=flags["batch_size"],
+        model, world=world, on_gpu=on_gpu, is_main=is_main, batch_size=flags["batch_size"], layer_units=layer_units,
         micro_batch_size=flags["micro_batch_size"], max_tokens=flags["max_tokens_per_micro_batch"],
-        max_sequence_len=flags["max_prompt_len"] + flags["max_response_len"], layer_units=layer_units,
-        gradient_checkpointing=flags["gradient_checkpointing"], gpu_memory_utilization=flags["gpu_memory_utilization"],
-        ignore=flags["ignore_memory_estimate"])
+        max_sequence_len=flags["max_prompt_len"] + flags["max_response_len"], ignore=flags["ignore_memory_estimate"],
+        gradient_checkpointing=flags["gradient_checkpointing"], gpu_memory_utilization=flags["gpu_memory_utilization"])
     return max_tokens, checkpointing, layer_units
 
 
 def phase_end(on_gpu, phase):
     """GPU: the memory in use at a phase's end, total - free (max_memory_allocated would miss the CUDA context)."""
     if on_gpu:
-        import torch
         free, total = torch.cuda.mem_get_info()
         _gpu["phases"][phase] = total - free
 
@@ -169,5 +164,4 @@ def peak_metrics(on_gpu):
 def prefer_flash_attention(on_gpu):
     """cuDNN's attention off on a GPU: it plans each exact shape it meets, and packed rows bring new ones often."""
     if on_gpu:
-        import torch
         torch.backends.cuda.enable_cudnn_sdp(False)

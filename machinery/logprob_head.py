@@ -103,15 +103,10 @@ def response_logprobs(model, ids, rows, cols, temperature, with_entropy=False, c
     token = _WeightGradient.apply(weight, total) if weight.dtype in HALF and torch.is_grad_enabled() else None
     bias = None if head.bias is None else head.bias.float()
     chunk = chunk or max(1, LOGIT_CHUNK_BYTES // (4 * weight.shape[0]))
-    logp, entropy = [], []
-    for k in range(0, len(targets), chunk):
-        part = (hidden[k: k + chunk], weight, (token, total), bias, targets[k: k + chunk], temperature, with_entropy)
-        if torch.is_grad_enabled():
-            part_logp, part_entropy = checkpoint(_chunk_logprobs, *part, use_reentrant=False, preserve_rng_state=False)
-        else:
-            part_logp, part_entropy = _chunk_logprobs(*part)
-        logp.append(part_logp)
-        entropy.append(part_entropy)
+    run = (functools.partial(checkpoint, _chunk_logprobs, use_reentrant=False, preserve_rng_state=False)
+           if torch.is_grad_enabled() else _chunk_logprobs)
+    logp, entropy = zip(*[run(hidden[k: k + chunk], weight, (token, total), bias, targets[k: k + chunk], temperature,
+                              with_entropy) for k in range(0, len(targets), chunk)])
     return torch.cat(logp), (torch.cat(entropy) if with_entropy else None)
 
 

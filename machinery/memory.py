@@ -5,6 +5,7 @@ Arithmetic from the config and the flags; it errs high on CPU, and the GPU const
     python -m machinery.memory --model smollm/model --tokens 2048   # the estimate for 2 ranks, nothing started
 """
 import argparse
+import bisect
 import os
 from dataclasses import dataclass
 
@@ -110,14 +111,9 @@ def available_per_rank(on_gpu, local_ranks):
 
 
 def fitting_tokens(shape, budget, **kwargs):
-    low, high = 0, 1 << 24
-    while low < high:
-        mid = (low + high + 1) // 2
-        if rank_memory(shape, tokens=mid, **kwargs)["peak"] <= budget:
-            low = mid
-        else:
-            high = mid - 1
-    return low
+    """The most tokens (at most 2^24; 0 if none) whose peak fits budget, by bisection: the peak grows with them."""
+    peak = lambda tokens: rank_memory(shape, tokens=tokens, **kwargs)["peak"]  # noqa: E731
+    return max(bisect.bisect_right(range((1 << 24) + 1), budget, key=peak) - 1, 0)
 
 
 # The update's tokens per micro-batch: on a GPU ~10k hide the host's cost per layer (docs/benchmarks.md)
@@ -171,9 +167,8 @@ def check_rank_memory(model, *, world, on_gpu, is_main, batch_size, micro_batch_
     fit = fitting_tokens(shape, budget, **common)
     flag, value = (("--max_tokens_per_micro_batch", max_tokens) if max_tokens is not None
                    else ("--micro_batch_size", micro_batch_size))
-    remedy = (f"pass --max_tokens_per_micro_batch {fit} or less" if fit >= max_sequence_len
-              else "shorten --max_response_len / --max_prompt_len, use fewer ranks per node, or "
-                   "--gradient_checkpointing on")
+    remedy = (f"pass --max_tokens_per_micro_batch {fit} or less" if fit >= max_sequence_len else
+              "shorten --max_response_len / --max_prompt_len, use fewer ranks per node, or --gradient_checkpointing on")
     message = (f"{flag} {value}: a rank needs about {items['peak'] / GIB:.1f} GiB ({tokens} tokens per forward pass "
                f"take {items['activations'] / GIB:.1f} GiB of activations) but has {budget / GIB:.1f} GiB; {remedy} "
                f"(--ignore_memory_estimate to start anyway)")

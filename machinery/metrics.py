@@ -10,6 +10,7 @@ import numpy as np
 import torch.distributed as dist
 
 from machinery.collectives import all_gather_np
+from machinery.run_dir import atomic_write
 from machinery.trackers import SAMPLES, SAMPLES_MAX_BYTES, open_trackers, sample_rows
 from machinery.untrusted import parse_json, read_file
 
@@ -76,12 +77,10 @@ def step_metrics(reward, raw_advantage, advantage, rollouts, old, stats, times, 
          "advantage/p95": np.quantile(raw, 0.95), "advantage/normalised_std": adv.std(),
          "advantage/token_mean": (adv * policy_tokens).sum() / max(policy_tokens.sum(), 1),
          "response/length_mean": lengths.mean(), "response/length_max": lengths.max(),
-         "response/truncated": truncated.mean(),
-         "policy/entropy": scalars[0] / world, "policy/logprob_gap_mean": scalars[1] / world,
-         "policy/logprob_gap_max": gap_max,
+         "response/truncated": truncated.mean(), "policy/entropy": scalars[0] / world,
+         "policy/logprob_gap_mean": scalars[1] / world, "policy/logprob_gap_max": gap_max,
          "policy/ratio_outside": outside / max(tokens, 1), "policy/ratio_max": ratio_max,
-         "policy/tis_truncated": stats["tis_truncated"],
-         "policy/rescored_sequences": scalars[2],
+         "policy/tis_truncated": stats["tis_truncated"], "policy/rescored_sequences": scalars[2],
          "policy/clip_fraction": stats["clip_fraction"], "policy/approx_kl": stats["approx_kl"],
          "policy/grad_norm": stats["grad_norm"], "policy/loss": stats["loss"],
          "policy/decoder_tokens": stats["decoder_tokens"]}
@@ -103,9 +102,8 @@ def spo_metrics(all_raw_advantage, tracker, divergence, rho, revisit):
          "tracker/value_mean": value.mean(), "tracker/value_p10": np.quantile(value, 0.1),
          "tracker/value_p50": np.quantile(value, 0.5), "tracker/value_p90": np.quantile(value, 0.9),
          "tracker/n_eff_mean": tracker.n_eff.mean(), "tracker/visits_mean": tracker.visits.mean(),
-         "tracker/rho_mean": np.mean(rho),
-         "tracker/divergence_mean": np.mean(divergence), "tracker/divergence_max": np.max(divergence),
-         "tracker/revisit_share": np.mean(revisit)}
+         "tracker/rho_mean": np.mean(rho), "tracker/divergence_mean": np.mean(divergence),
+         "tracker/divergence_max": np.max(divergence), "tracker/revisit_share": np.mean(revisit)}
     if revisit.any():
         again = rho[revisit]
         m.update({"tracker/rho_p10": np.quantile(again, 0.1), "tracker/rho_p50": np.quantile(again, 0.5),
@@ -154,9 +152,8 @@ def _open_cut(path, resume_step):
     kept = []
     if resume_step is not None and os.path.exists(path):
         kept = [(line, row) for line, row in _rows(path) if row["step"] <= resume_step]
-        with open(path + ".tmp", "w") as f:
+        with atomic_write(path) as f:
             f.writelines(line for line, _ in kept)
-        os.replace(path + ".tmp", path)
     return open(path, "a"), kept
 
 
@@ -170,9 +167,8 @@ class Logger:
         if not is_main:
             return
         os.makedirs(run_dir, exist_ok=True)
-        with open(os.path.join(run_dir, "config.json.tmp"), "w") as f:  # --resume reads it: never half-written
+        with atomic_write(os.path.join(run_dir, "config.json")) as f:  # --resume reads it: never half-written
             json.dump(config, f, indent=1)
-        os.replace(os.path.join(run_dir, "config.json.tmp"), os.path.join(run_dir, "config.json"))
         self.file, kept = _open_cut(os.path.join(run_dir, "metrics.jsonl"), resume_step)
         self.all_equal_steps = int(sum(row.get("reward/all_equal", 0) for _, row in kept))
         self.samples_file = _open_cut(os.path.join(run_dir, SAMPLES), resume_step)[0]
@@ -195,7 +191,9 @@ class Logger:
         if "reward/all_equal" in metrics:
             metrics = {**metrics, "reward/all_equal_steps": self.all_equal_steps + metrics["reward/all_equal"]}
             if metrics["reward/all_equal_steps"] == 1 and not self.all_equal_steps:
-                self.console(all_equal_note(step, metrics["reward/mean"]))
+                self.console(f"step {step}: every reward of the batch is {metrics['reward/mean']:g} (counted in "
+                             f"reward/all_equal_steps; said once). SPO still moves the policy (Eq. 9 scales r - v(x) "
+                             f"to unit spread); GRPO-like estimators get no signal")
             self.all_equal_steps = metrics["reward/all_equal_steps"]
         self.file.write(json.dumps({"step": step, "time": time.time(), **metrics}) + "\n")
         self.file.flush()
@@ -240,11 +238,6 @@ class Logger:
             self.samples_file.close()
             for log in self.trackers:
                 log(None, None)  # None: close
-
-
-def all_equal_note(step, reward):
-    return (f"step {step}: every reward of the batch is {reward:g} (counted in reward/all_equal_steps; said once). "
-            f"SPO still moves the policy (Eq. 9 scales r - v(x) to unit spread); GRPO-like estimators get no signal")
 
 
 class PromptReach:

@@ -10,6 +10,7 @@ import time
 import torch.distributed as dist
 
 from machinery.checkpoint import MANIFEST, STEP, checkpoint_dirs, damaged, no_checkpoint
+from machinery.collectives import all_gather_objects
 from machinery.errors import fail
 from machinery.untrusted import read_file
 
@@ -22,7 +23,6 @@ def default_run_dir(algo):
 def open_run_dir(run_dir, *, resumed, algo, program):
     """The run directory (or a default one) claimed by rank 0, on every rank; an error stops every rank. Every
     rank writes its checkpoint shards there: a node that does not see rank 0's directory (its lock) is named."""
-    from machinery.collectives import all_gather_objects
     error = owner = None
     if dist.get_rank() == 0:
         run_dir = run_dir or default_run_dir(algo)
@@ -32,8 +32,7 @@ def open_run_dir(run_dir, *, resumed, algo, program):
     if error:
         fail(error, once=True)
     seen = all_gather_objects([(socket.gethostname(), _lock_owner(os.path.join(run_dir, ".lock")) == owner)])
-    blind = sorted({host for host, sees in seen if not sees})
-    if blind:
+    if blind := sorted({host for host, sees in seen if not sees}):
         fail(f"--run_dir {run_dir}, created by rank 0 on {seen[0][0]}, is not seen by the ranks on "
              f"{', '.join(blind)}: every rank writes its checkpoint shards there, so it must be on a filesystem "
              f"all nodes share (an absolute path; docs/scale.md)", once=True)
@@ -86,18 +85,15 @@ def _linked(run_dir):
 
 
 def _take_over(run_dir, name):
-    ours = ("config.json", "metrics.jsonl", "samples.jsonl", "probe.jsonl", "checkpoints", "wandb", "tensorboard",
-            "tracker_ids.json")
-    files = sorted(f for f in os.listdir(run_dir) if f in ours or f.startswith("events.out."))
-    if files:
+    ours = WRITTEN - {"run.png", ".write_test"}
+    if files := sorted(f for f in os.listdir(run_dir) if f in ours or f.startswith("events.out.")):
         aside = _move_aside(run_dir, files, "earlier_attempt")
         print(f"{name}: --run_dir {run_dir}: the run there saved no checkpoint; starting afresh, its files "
               f"({', '.join(files)}) moved to {aside}", flush=True)
 
 
 def _move_aside(folder, files, prefix):
-    k = next(k for k in itertools.count(1) if not os.path.exists(os.path.join(folder, f"{prefix}_{k}")))
-    aside = os.path.join(folder, f"{prefix}_{k}")
+    aside = next(path for k in itertools.count(1) if not os.path.exists(path := os.path.join(folder, f"{prefix}_{k}")))
     os.makedirs(aside)
     for f in files:
         os.replace(os.path.join(folder, f), os.path.join(aside, f))
@@ -184,7 +180,6 @@ def checkpoint_bytes(n_parameters, export_bytes_per_parameter):
 
 def check_disk(run_dir, model, export_bytes_per_parameter):
     """Before the engine starts: room in run_dir for one more checkpoint, else one line (stale holds removed first)."""
-    from machinery.collectives import all_gather_objects
     need = checkpoint_bytes(sum(p.numel() for p in model.parameters()), export_bytes_per_parameter)
     free, (jobs, held) = None, ([], 0)
     if dist.get_rank() == 0:
@@ -198,7 +193,6 @@ def check_disk(run_dir, model, export_bytes_per_parameter):
 
 
 def open_output(path, flag, program, earlier=()):
-    from machinery.collectives import all_gather_objects
     error = claim_output(path, flag, program, earlier) if dist.get_rank() == 0 else None
     if error := all_gather_objects([error])[0]:
         fail(error, once=True)
@@ -225,7 +219,6 @@ def claim_output(path, flag, program, earlier=()):
 
 def shared_output(path, run_dir, program, what):
     """A file runs share (the toy's offline values): path, or the same name in run_dir where path is taken."""
-    from machinery.collectives import all_gather_objects
     if dist.get_rank() == 0 and not os.path.exists(path) and (error := claim_output(path, what, program)):
         kept = os.path.join(run_dir, os.path.basename(path))
         print(f"{program}: {error}; this run keeps its own in {kept}", flush=True)
@@ -252,8 +245,7 @@ def atomic_write(path):
 def resolve_model(path: str) -> str:
     """A model directory: an HF dir or hub name as is; of a run, its newest checkpoint's model/."""
     run = os.path.normpath(path)
-    found = checkpoint_dirs(os.path.dirname(run) if os.path.basename(run) == "checkpoints" else run)
-    if found:
+    if found := checkpoint_dirs(os.path.dirname(run) if os.path.basename(run) == "checkpoints" else run):
         path = found[-1]
     if os.path.isdir(os.path.join(path, "model")) and not os.path.isfile(os.path.join(path, "config.json")):
         path = os.path.join(path, "model")

@@ -123,18 +123,14 @@ def foreign_values(run_dir, settings, given, model_dir, built_in, shipped):
         toy = SHIPPED.fullmatch(path) if isinstance(path, str) else None
         here = toy and shipped and os.path.join(shipped, toy[1], toy[2])
         if here and os.path.isfile(here):
-            _say(f"--resume {run_dir}: --{flag} {path} is not there; using this checkout's {here} (the same "
-                 f"shipped toy: its prompts are checked against the run's)")
+            if os.environ.get("RANK", "0") == "0":  # every rank reads the config; one says it
+                print(f"--resume {run_dir}: --{flag} {path} is not there; using this checkout's {here} (the same "
+                      f"shipped toy: its prompts are checked against the run's)", flush=True)
             settings[flag] = here
         else:
             errors.append(f"--resume {run_dir}: its --{flag} {path} is not there (a run moved, or made in another "
                           f"checkout): name where the file is now with --{flag} (checked against the run's prompts)")
     return settings, errors
-
-
-def _say(line):
-    if os.environ.get("RANK", "0") == "0":  # every rank reads the config; one says it
-        print(line, flush=True)
 
 
 def same_held_out(settings, keys, resumed):

@@ -24,7 +24,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from machinery.data import prompt_key, read_rows
+from machinery.data import prompt_key, read_rows, unfinished_download
 from machinery.errors import fail
 from reward import BOX, extract_boxed
 
@@ -132,7 +132,6 @@ def fetch(source: Source) -> tuple[Path, str, list[str]]:
     files = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
     files = [f for f in files if any(fnmatch.fnmatch(f, pattern) for pattern in source.files)]
     if not files:
-        from machinery.data import unfinished_download
         fail(f"{source.name}: " + (unfinished_download(folder) or (
              f"the snapshot {folder.name} of {source.repo} has no file matching {', '.join(source.files)} (found: "
              f"{', '.join(p.name for p in folder.iterdir())[:200]}); has the dataset's layout changed? (SOURCES in "
@@ -151,8 +150,7 @@ def convert(source: Source, folder: Path, files: list[str], eval_prompt: str) ->
             rows, columns = read_rows(folder / file)
         except ValueError as e:
             fail(f"{source.name} ({source.repo}): {e}")
-        missing = [c for c in (source.problem, source.answer) if c not in columns]
-        if missing:
+        if missing := [c for c in (source.problem, source.answer) if c not in columns]:
             fail(f"{source.name} ({source.repo}): {file} has columns {columns}; the converter expects "
                  f"{source.problem!r} (the problem) and {source.answer!r} (the answer): has the layout changed?")
         for i, row in enumerate(rows):
@@ -243,8 +241,7 @@ def prepare(out, names=None, eval_prompt="authors"):
         # the paper's sets: 30 problems (100 for BeyondAIME), about 14.1k training prompts
         if abs(stats["rows_out"] - source.expected) > 0.01 * source.expected:
             print(f"warning: {source.name}: {stats['rows_out']} prompts, the paper's set has "
-                  f"{'about ' if source.train else ''}{source.expected}; "
-                  f"check {out / 'manifest.json'}", flush=True)
+                  f"{'about ' if source.train else ''}{source.expected}; check {out / 'manifest.json'}", flush=True)
     return manifest
 
 

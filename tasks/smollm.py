@@ -96,10 +96,9 @@ def convert(gguf_dir, gguf_name, out_dir):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     loaded = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_name, dtype=torch.float32)
-    config = loaded.config
     # The tensors are dequantized already; the entry only makes save_pretrained refuse ("quantized with GGUF").
-    del config.quantization_config
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    del loaded.config.quantization_config
+    model = AutoModelForCausalLM.from_config(loaded.config, dtype=torch.float32)
     model.load_state_dict(loaded.state_dict(), strict=True)  # every tensor, same names (tied embedding included)
     model.save_pretrained(out_dir)
     AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name).save_pretrained(out_dir)  # with the chat template
@@ -108,8 +107,7 @@ def convert(gguf_dir, gguf_name, out_dir):
 
 def build_smollm(out_dir, wheel=None, seed=0, n_train=128, n_test=96):
     """Build the model folder and the arithmetic set into out_dir atomically."""
-    missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
-    if missing:
+    if missing := [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]:
         fail(f"tasks/smollm.py reads the GGUF weights with transformers, which needs {' and '.join(missing)}: "
              f"pip install gguf accelerate (requirements.txt lists them)")
     t0 = time.time()

@@ -34,9 +34,8 @@ import json
 import os
 
 import numpy as np
-import torch
 
-from tasks.toy import build_atomically, encode_segments, response_logprob, warm_started
+from tasks.toy import build_atomically, success_probability, warm_started
 
 THINK_VERSION = 1  # bump when the recipe below changes, and rebuild the shipped folder
 RECIPE = "thinking"  # toy.json's "recipe" for this module's toys
@@ -94,18 +93,13 @@ def thinking_response(a, b, rng=None, noise=0.0, order=None, score_order=True, p
 LONGEST_TRACE = longest_trace(3)  # the three-digit toy's: four-digit box, two-digit sums
 
 
-@torch.no_grad()
 def correct_trace_probability(model, tokenizer, problems, shuffle=False):
     """Per problem, the exact probability at temperature 1.0 of the correct worked sum (shuffle: of its sums and
     box given one random order of the terms): a lower bound of the success probability (a trace with errors that
     cancel also ends in the right box)."""
-    out, order = [], np.random.default_rng(1) if shuffle else None
-    for i in range(0, len(problems), 256):
-        chunk = problems[i: i + 256]
-        ids, mask = encode_segments(tokenizer, [f"{a}+{b}=" for a, b in chunk],
-                                    [thinking_response(a, b, order=order, score_order=False) for a, b in chunk])
-        out.append(response_logprob(model, ids, mask).exp())
-    return torch.cat(out).numpy()
+    order = np.random.default_rng(1) if shuffle else None
+    return success_probability(model, tokenizer, problems,
+                               lambda a, b: thinking_response(a, b, order=order, score_order=False))
 
 
 # The mixed toy's strata by columns (the longer operand's digits): a share of the train and test sets each; sums of
@@ -161,8 +155,7 @@ def build_mixed_toy(toy_dir, seed=0, n_train=3000, n_test=500, steps=1200, lr=3e
             tmp, train, test, "+", seed, steps, lr, batch_size,
             lambda a, b, rng: thinking_response(a, b, rng, noise, order=rng, plain_noise=plain_noise, careful=careful),
             warm=[pair for pair in train if columns(*pair) <= MIXED_SEEN], source=stratum)
-        p_train = correct_trace_probability(model, tokenizer, train, shuffle=True)
-        p_test = correct_trace_probability(model, tokenizer, test, shuffle=True)
+        p_train, p_test = (correct_trace_probability(model, tokenizer, split, shuffle=True) for split in (train, test))
         tokens = np.mean([sum(len(tokenizer.encode(t)) for t, _ in thinking_response(a, b)) + 1 for a, b in test])
         return {"recipe": RECIPE, "version": THINK_VERSION, "mixed": True, "max_digits": max(MIXED_SHARES),
                 "seen_columns": MIXED_SEEN, "shares": MIXED_SHARES, "seed": seed, "n_train": n_train,
@@ -182,8 +175,7 @@ def build_thinking_toy(toy_dir, seed=0, n_train=2000, n_test=500, steps=600, lr=
         model, tokenizer, loss, seconds = warm_started(
             tmp, train, test, "+", seed, steps, lr, batch_size,
             lambda a, b, rng: thinking_response(a, b, rng, noise, order=rng if shuffle else None))
-        p_test = correct_trace_probability(model, tokenizer, test, shuffle)
-        p_train = correct_trace_probability(model, tokenizer, train, shuffle)
+        p_train, p_test = (correct_trace_probability(model, tokenizer, split, shuffle) for split in (train, test))
         tokens = np.mean([sum(len(tokenizer.encode(t)) for t, _ in thinking_response(a, b)) + 1 for a, b in test])
         return {"recipe": RECIPE, "version": THINK_VERSION, "seed": seed, "n_train": n_train, "n_test": n_test,
                 "steps": steps, "lr": lr, "noise": noise, "shuffle": shuffle, "final_sft_loss": loss,

@@ -123,12 +123,13 @@ def response_logprob(model, ids, mask):
 
 
 @torch.no_grad()
-def success_probability(model, tokenizer, problems):
-    """Exact probability of sampling the only correct response at temperature 1.0, per problem."""
+def success_probability(model, tokenizer, problems, response=lambda a, b: boxed(a + b)):
+    """Exact probability of sampling response(a, b) (as pieces; by default the only correct one) at temperature 1.0,
+    per problem of a+b."""
     out = []
     for i in range(0, len(problems), 256):
         chunk = problems[i: i + 256]
-        ids, mask = encode_segments(tokenizer, [f"{a}+{b}=" for a, b in chunk], [boxed(a + b) for a, b in chunk])
+        ids, mask = encode_segments(tokenizer, [f"{a}+{b}=" for a, b in chunk], [response(a, b) for a, b in chunk])
         out.append(response_logprob(model, ids, mask).exp())
     return torch.cat(out).numpy()
 
@@ -215,11 +216,9 @@ def default_toy_dir(tools=False):
 def build_toy(toy_dir, seed=0, n_train=2000, n_test=500, steps=800, lr=3e-3, batch_size=64, noise=0.3):
     def build(tmp):
         train, test = make_problems(seed, n_train, n_test)
-        model, tokenizer, loss, seconds = warm_started(
-            tmp, train, test, "+", seed, steps, lr, batch_size,
-            lambda a, b, rng: boxed(noisy_answer(a, b, rng, noise)))
-        p_test = success_probability(model, tokenizer, test)
-        p_train = success_probability(model, tokenizer, train)
+        model, tokenizer, loss, seconds = warm_started(tmp, train, test, "+", seed, steps, lr, batch_size,
+                                                       lambda a, b, rng: boxed(noisy_answer(a, b, rng, noise)))
+        p_train, p_test = (success_probability(model, tokenizer, split) for split in (train, test))
         return {"version": TOY_VERSION, "seed": seed, "n_train": n_train, "n_test": n_test, "steps": steps,
                 "lr": lr, "noise": noise, "final_sft_loss": loss, "warm_start_seconds": round(seconds, 1),
                 "test_accuracy_t1": float(p_test.mean()),
