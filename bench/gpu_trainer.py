@@ -169,7 +169,7 @@ def bench_gpu(shape="1.7b", prompts=8, samples=8, prompt_lens=(64, 512), respons
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
     import spo
-    from machinery import memory, trainer
+    from machinery import logprob_head, memory
     from machinery.device import prefer_flash_attention, setup_distributed
     started, (rank, world, device) = time.time(), setup_distributed()
     on_gpu = device.type == "cuda"
@@ -188,13 +188,13 @@ def bench_gpu(shape="1.7b", prompts=8, samples=8, prompt_lens=(64, 512), respons
     loss_fn = functools.partial(spo.ppo_clip_loss, clip_low=0.2, clip_high=0.28, dual_clip=10.0)
     lengths = [[len(r.prompt_ids) + len(r.response_ids) for r in batch] for batch in batches]
     heads = [sum(len(r.response_ids) for r in batch) for batch in batches]  # the output projection's positions
-    rows, packed_row = [], trainer.packed_row  # what the trainer packs, as it runs: each row's attention calls
+    rows, packed_row = [], logprob_head.packed_row  # what the trainer packs, as it runs: each row's attention calls
 
     def recorded(*args):
         row = packed_row(*args)
         rows.append([tuple(call.shape) for call in row[2].calls])  # (sequences side by side, length) per call
         return row
-    trainer.packed_row = recorded  # (response_logprobs finds it in trainer's namespace)
+    logprob_head.packed_row = recorded  # (response_logprobs finds it in logprob_head's namespace)
     with tempfile.TemporaryDirectory() as path:
         t0 = time.time()
         torch.manual_seed(0)
@@ -208,7 +208,7 @@ def bench_gpu(shape="1.7b", prompts=8, samples=8, prompt_lens=(64, 512), respons
             if k == 0:  # the new defaults' policy
                 _checks(policy, optimizer, config, device, batches, advantages, loss_fn, max_tokens, samples,
                         out, profile, say)
-    trainer.packed_row = packed_row
+    logprob_head.packed_row = packed_row
     say(f"(a) took {time.time() - started:.0f} s after its imports")
     torch.distributed.destroy_process_group()
 
