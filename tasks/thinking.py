@@ -196,10 +196,9 @@ if __name__ == "__main__":
     parser.add_argument("--mixed", action="store_true", help="the mixed-difficulty toy (1 to 5 columns, shuffled; "
                         "its own defaults for --steps and --noise unless given)")
     args = parser.parse_args()
+    given = {k: v for k, v in (("steps", args.steps), ("noise", args.noise)) if v is not None}  # 0 is a value
     if args.mixed:
-        given = {k: v for k, v in (("steps", args.steps), ("noise", args.noise)) if v is not None}
         info = build_mixed_toy(args.toy_dir, seed=args.seed, **given)
     else:
-        info = build_thinking_toy(args.toy_dir, seed=args.seed, steps=args.steps or 600, noise=args.noise or 0.3,
-                                  shuffle=args.shuffle)
+        info = build_thinking_toy(args.toy_dir, seed=args.seed, shuffle=args.shuffle, **given)
     print(json.dumps(info, indent=1))

@@ -10,7 +10,7 @@ import re
 import numpy as np
 import pytest
 
-from common import ok, one_thread, torchrun
+from common import ok, one_thread, python, torchrun
 from reward import boxed_reward
 from tasks import thinking, toy
 
@@ -70,6 +70,12 @@ def test_the_build_is_deterministic_in_its_data_and_model(tmp_path):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
     assert infos[0] == {**infos[1], "warm_start_seconds": infos[0]["warm_start_seconds"]}
     assert infos[0]["recipe"] == thinking.RECIPE and thinking.is_thinking(str(tmp_path / "a"))
+
+
+def test_a_zero_on_the_build_command_line_is_a_value_not_the_default(tmp_path):
+    info = json.loads(ok(python("-m", "tasks.thinking", "--toy_dir", str(tmp_path / "t"), "--steps", "1",
+                                "--noise", "0")).stdout)
+    assert (info["steps"], info["noise"]) == (1, 0.0)
 
 
 def test_a_built_thinking_toy_is_checked_not_rebuilt_as_the_plain_toy(tmp_path, monkeypatch):
