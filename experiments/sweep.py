@@ -26,6 +26,7 @@ import numpy as np
 from experiments.analysis import (archive, eval_curve, mean_ci, paired_difference, pct, prediction_interval,
                                   read_run, read_sweep, record_names, sweep_runs, write_archive)
 from experiments.plots import make_plots
+from machinery.run_dir import take_lock
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: spo.py runs from there
 
@@ -163,13 +164,10 @@ def error_lines(log_path, tail=30):
 
 
 def acquire_lock(out):
-    """One sweep per --out at a time (two would run the same runs); the lock names its host and process."""
+    """One sweep per --out at a time (two would run the same runs); a killed sweep's lock is taken over."""
     lock = os.path.join(out, ".sweep.lock")
-    try:
-        with open(lock, "x") as f:
-            f.write(f"{socket.gethostname()} {os.getpid()}\n")
-    except FileExistsError:
-        raise SystemExit(f"error: {out} is in use by another sweep ({lock}); if it is gone, delete the lock") from None
+    if busy := take_lock(lock, "sweep"):
+        raise SystemExit(f"error: {out} is {busy}")
     return lock
 
 

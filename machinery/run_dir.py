@@ -50,7 +50,7 @@ def claim_run_dir(run_dir, resume, name):
     lock, existed = os.path.join(run_dir, ".lock"), os.path.isdir(run_dir)
     try:
         os.makedirs(run_dir, exist_ok=True)
-        if busy := _take_lock(lock, name, _owner_line()):
+        if busy := take_lock(lock, name):
             return f"--run_dir {run_dir} is {busy}"
         if link := _linked(run_dir):
             os.remove(lock)
@@ -100,7 +100,8 @@ def _move_aside(folder, files, prefix):
     return aside
 
 
-def _take_lock(lock, name, owner):
+def take_lock(lock, name):
+    """None once this process holds `lock` (a dead job's is removed, with a line), else why not."""
     for _ in range(2):
         try:
             fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
@@ -114,7 +115,7 @@ def _take_lock(lock, name, owner):
                 os.remove(lock)
             continue
         with os.fdopen(fd, "w") as f:
-            f.write(owner)
+            f.write(_owner_line())
         return None
     return f"in use: another job keeps taking its lock {lock}; try again"
 
@@ -203,7 +204,7 @@ def claim_output(path, flag, program, earlier=()):
     lock = os.path.normpath(path) + ".lock"
     try:
         os.makedirs(os.path.dirname(os.path.abspath(lock)), exist_ok=True)
-        if busy := _take_lock(lock, program, _owner_line()):
+        if busy := take_lock(lock, program):
             return f"{flag} {path} is {busy}"
         atexit.register(_release, lock, path, True)
         files = sorted(f for f in os.listdir(path) if f.endswith(earlier)) if earlier and os.path.isdir(path) else []

@@ -10,6 +10,7 @@ import json
 import math
 import os
 import shutil
+import socket
 
 import numpy as np
 import pytest
@@ -135,6 +136,23 @@ def test_run_state(tmp_path):
     fake_run(str(tmp_path / "done"), {0: 0.1})
     assert sweep.run_state(str(tmp_path / "done"), 4) == "finished"
     assert sweep.run_state(str(tmp_path / "done"), 8) == "resume"  # the sweep now asks for more steps
+
+
+def test_a_killed_sweeps_lock_is_taken_over_a_live_ones_refuses(tmp_path, capsys):
+    import subprocess
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (tmp_path / ".sweep.lock").write_text(f"{socket.gethostname()} {dead.pid}\n")
+    lock = sweep.acquire_lock(str(tmp_path))
+    assert "removing a stale lock" in capsys.readouterr().out
+    live = subprocess.Popen(["sleep", "30"])
+    try:
+        (tmp_path / ".sweep.lock").write_text(f"{socket.gethostname()} {live.pid}\n")
+        with pytest.raises(SystemExit, match=f"is in use by another job \\(pid {live.pid} on"):
+            sweep.acquire_lock(str(tmp_path))
+    finally:
+        live.kill()
+    assert lock == str(tmp_path / ".sweep.lock")
 
 
 def test_a_record_stands_in_for_its_run(tmp_path):
