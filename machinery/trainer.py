@@ -191,7 +191,7 @@ def ppo_update(model, optimizer, rollouts, old, advantage, loss_fn, *, ppo_steps
         global_tokens = (float(sum(np.sum(s.mask) for s in everything)) if everything is not None  # exact
                          else all_reduce_np([sum(float(np.sum(s.mask)) for s in mini)])[0])
         sums, scored = _accumulate_gradients(model, mini, shares, loss_fn, global_tokens, temperature,
-                                             micro_batch_size, max_tokens, tis)
+                                             micro_batch_size, max_tokens, tis, reuse=old is None)
         step_norm = clip_grad_norm(model.parameters(), grad_clip)
         reduced = dict(zip(STEP_SUMS, all_reduce_np(sums)))  # one collective for the loss and the counts
         totals = {name: total + reduced[name] for name, total in totals.items()}
@@ -208,11 +208,11 @@ def ppo_update(model, optimizer, rollouts, old, advantage, loss_fn, *, ppo_steps
             "decoder_tokens": totals["decoder_tokens"] / world}  # per rank
 
 
-def _accumulate_gradients(model, mini, shares, loss_fn, global_tokens, temperature, micro_batch_size, max_tokens, tis):
-    """One step's gradient, reduced once: its STEP_SUMS (k3 KL; truncated: tokens at the --tis cap), and
-    where the sequences carry no old log-probs (ppo_update's old None) the forward's scores (_scores)."""
+def _accumulate_gradients(model, mini, shares, loss_fn, global_tokens, temperature, micro_batch_size, max_tokens, tis,
+                          reuse):
+    """One step's gradient, reduced once: its STEP_SUMS (k3 KL; truncated: tokens at the --tis cap), and with
+    reuse (ppo_update's old None: the sequences carry no old log-probs) the forward's scores (_scores)."""
     world, ran = dist.get_world_size(), getattr(model, "decoder_tokens", 0)
-    reuse = any(s.old is None for s in mini)  # (every sequence of a step alike)
     done, results = [], []  # as in old_logprobs
     plan = micro_batches(list(map(len, mini)), micro_batch_size, max_tokens, shares,
                          padded=model.config._attn_implementation != PACKED_ATTENTION)
