@@ -11,6 +11,7 @@ import math
 import os
 import shutil
 import socket
+import subprocess
 
 import numpy as np
 import pytest
@@ -139,7 +140,6 @@ def test_run_state(tmp_path):
 
 
 def test_a_killed_sweeps_lock_is_taken_over_a_live_ones_refuses(tmp_path, capsys):
-    import subprocess
     dead = subprocess.Popen(["true"])
     dead.wait()
     (tmp_path / ".sweep.lock").write_text(f"{socket.gethostname()} {dead.pid}\n")
