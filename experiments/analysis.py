@@ -3,8 +3,8 @@ metric and its power. The regime targets and the tracker's lag: regime.py; figur
 sweep.py.
 
 Records: a folder of runs D/NAME/ may be packed as one archive D.tar.gz of NAME/config.json, NAME/metrics.jsonl and
-NAME/probe.jsonl; read_run(D/NAME) reads either. Intervals are over training seeds only: every seed starts from the
-same model and pool and is evaluated on the same test set.
+NAME/probe.jsonl; read_run(D/NAME) reads either. Intervals are over training seeds: every seed starts from the
+same model and is evaluated on the same test set; with --pool_per_seed each seed also draws its own pool.
 
     python -m experiments.analysis primary experiments/calibrated --reference spo --budget 46592
     python -m experiments.analysis power 0.0057          # the seeds for 1 point at a paired sd of 0.57 points
@@ -254,13 +254,19 @@ def area_mean(curve, budget):
     return float(np.sum((grid[1:] - grid[:-1]) * (values[1:] + values[:-1]) / 2) / budget)
 
 
+def covers(configs):
+    """What a sweep's intervals cover: training randomness, and the pool's draw where each seed drew its own."""
+    per_seed = len({c.get("pool_seed", -1) for c in configs}) > 1
+    return "training randomness and the pool's draw (a pool per seed; the same model and test set)" if per_seed \
+        else "training randomness only: same model, pool and test set"
+
+
 def analyse(out, reference, budget=None, key="eval/exact", offline=True, family=()):
     """The preregistered analysis: primary metric = exact success (key: or another evaluation's metric, where no
     exact success exists) averaged over an equal budget of generated samples (offline values counted); secondary =
-    the same at the last evaluation; each paired with
-    `reference` by seed, with its sd and the difference its seeds detect at 80% power; Fig. 3a's zero-advantage
-    share. offline=False: over training samples only (the offline values' not counted). family: the contrasts whose
-    primary p-values (sign-flip) are Holm-adjusted together.
+    the same at the last evaluation; each paired with `reference` by seed, with its sd and the difference its seeds
+    detect at 80% power; Fig. 3a's zero-advantage share. offline=False: over training samples only (the offline
+    values' not counted). family: the contrasts whose primary p-values (the paired t-test's) are Holm-adjusted.
     {"budget", "reference", "variants": {name: {metric: {seed: v}}}, "paired": {name: {metric: {...}}}}."""
     runs = {(variant, seed): run for variant, seeds in sweep_runs(out).items() for seed, run in seeds.items()}
     curves = {name: exact_curve(run, pool_size(run["config"]) if offline else 0, key) for name, run in runs.items()}
@@ -288,19 +294,17 @@ def analyse(out, reference, budget=None, key="eval/exact", offline=True, family=
     for name, p in holm({name: paired[name]["primary"]["p"] for name in family if name in paired}).items():
         paired[name]["primary"]["p_holm"] = p
     return {"budget": budget, "reference": reference, "variants": variants, "paired": paired, "key": key,
-            "offline": offline, "family": list(family)}
+            "offline": offline, "family": list(family), "covers": covers([run["config"] for run in runs.values()])}
 
 
 def primary_markdown(result):
-    lines = [f"Primary metric: held-out `{result.get('key', 'eval/exact')}` averaged over {result['budget']:.0f} "
-             f"generated samples (offline values {'counted' if result.get('offline', True) else 'not counted'}); "
-             f"secondary: the same at the last evaluation. Mean [95% "
-             f"t-interval] "
-             f"over seeds (training randomness only: same model, pool and test set), %; paired difference to "
+    lines = [f"Primary metric: held-out `{result['key']}` averaged over {result['budget']:.0f} generated samples "
+             f"(offline values {'counted' if result['offline'] else 'not counted'}); secondary: the same at the last "
+             f"evaluation. Mean [95% t-interval] over seeds ({result['covers']}), %; paired difference to "
              f"`{result['reference']}` in points, its sd and the smallest difference its seeds detect with 80% power; "
              f"zero-advantage: the share of training samples with no signal (Fig. 3a), mean over steps and seeds; p: "
              f"the paired t-test of the primary difference, Holm's adjustment over the family "
-             f"{', '.join(result.get('family', [])) or '(none named)'}, and the exact sign-flip test's p.\n",
+             f"{', '.join(result['family']) or '(none named)'}, and the exact sign-flip test's p.\n",
              "| variant | seeds | primary | final | primary - ref | sd | detectable | final - ref | detectable | "
              "zero-advantage | p | Holm p | sign-flip p |", "| --- " * 13 + "|"]
     for name, v in result["variants"].items():
@@ -323,14 +327,10 @@ def main(argv=None):
     a = sub.add_parser("primary", help="the preregistered analysis of a sweep's runs or records")
     a.add_argument("out", help="a sweep's directory (experiments/sweep.py --out)")
     a.add_argument("--reference", default="spo", help="the variant paired differences are taken against")
-    a.add_argument("--budget", type=float, default=None, help="generated samples to average over (default: the "
-                   "smallest total of any run)")
-    a.add_argument("--metric", default="eval/exact", help="the evaluation's metric (eval/accuracy: avg@n where no "
-                   "exact success exists)")
-    a.add_argument("--training_samples", action="store_true", help="count training samples only (not the offline "
-                   "values')")
-    a.add_argument("--family", nargs="*", default=[], help="the preregistered contrasts with --reference whose "
-                   "p-values are Holm-adjusted together")
+    a.add_argument("--budget", type=float, help="samples to average over (default: the smallest total of any run)")
+    a.add_argument("--metric", default="eval/exact", help="the evaluation's metric (eval/accuracy: avg@n)")
+    a.add_argument("--training_samples", action="store_true", help="count training samples only (no offline values)")
+    a.add_argument("--family", nargs="*", default=[], help="the planned contrasts with --reference, Holm-adjusted")
     a = sub.add_parser("power", help="the seeds that detect --effect with 80%% power for a paired sd")
     a.add_argument("sd", type=float, help="the paired sd, a fraction (0.004 = 0.4 points)")
     a.add_argument("--effect", type=float, default=0.01, help="the effect to detect (0.01: 1 point)")

@@ -23,7 +23,7 @@ import time
 
 import numpy as np
 
-from experiments.analysis import (archive, eval_curve, mean_ci, paired_difference, pct, prediction_interval,
+from experiments.analysis import (archive, covers, eval_curve, mean_ci, paired_difference, pct, prediction_interval,
                                   read_run, read_sweep, record_names, sweep_runs, write_archive)
 from experiments.plots import make_plots
 from machinery.run_dir import take_lock
@@ -226,15 +226,17 @@ def run_sweep(args, extra):
 def summarize(out, sweep, only=None):
     """The summary dict from the finished runs in sweep.json (only: run names to include; None: all)."""
     entries = [e for e in sweep["runs"].values() if only is None or e["name"] in only]
+    groups = sweep_runs(out, sweep, only)
     curves = {variant: {seed: eval_curve(run) for seed, run in runs.items()}  # {seed: {step: (generated, acc)}}
-              for variant, runs in sweep_runs(out, sweep, only).items()}
+              for variant, runs in groups.items()}
     variants = list(dict.fromkeys(e["variant"] for e in entries))
     reference = sweep.get("reference", "spo")
     ref = curves.get(reference, {})
     summary = {"reference": reference, "variants": {}, "failed": [
         {"run": e["name"], "variant": e["variant"], "seed": e["seed"], "returncode": e.get("returncode"),
          "error": e.get("error"), "log": e.get("log")} for e in entries if e.get("status") == "failed"],
-        "not_run": [e["name"] for e in entries if e.get("status") not in ("finished", "failed")]}
+        "not_run": [e["name"] for e in entries if e.get("status") not in ("finished", "failed")],
+        "covers": covers([run["config"] for runs in groups.values() for run in runs.values()])}
     budgets = set()
     for variant in variants:
         runs = curves.get(variant, {})
@@ -268,7 +270,7 @@ def markdown(summary):
     lines = [f"# Sweep summary\n\nHeld-out accuracy (%) at each evaluation step: mean [95% t-interval over seeds] "
              f"of the seeds that finished (n: seeds used). Paired difference: variant minus `{ref}` on the seeds "
              f"both finished, in points, with its own 95% t-interval. No interval with fewer than 2 seeds. The "
-             f"intervals cover training randomness only (same initial model, pool and test set in every seed).\n"]
+             f"intervals cover {summary['covers']}.\n"]
     if len(summary["budgets"]) == 1:
         lines.append(f"Budget: every run generated {summary['budgets'][0][1]:.0f} samples in "
                      f"{summary['budgets'][0][0]} steps (equal budget).\n")

@@ -216,6 +216,24 @@ def test_summary_and_plots_on_hand_written_runs(tmp_path):
     assert analysis.read_run(os.path.join(out, "runs", "spo-s0"))["probe"][4]["success"][1] == pytest.approx(0.54)
 
 
+def test_the_intervals_say_they_cover_the_pool_where_each_seed_drew_its_own(tmp_path):
+    """With --pool_per_seed every seed trains on its own pool: the summary's and the primary's headers say their
+    intervals cover the pool's draw; with one pool for every seed, training randomness only."""
+    for per_seed in (False, True):
+        out, runs = str(tmp_path / str(per_seed)), {}
+        for variant, seed in [("spo", 0), ("spo", 1), ("grpo", 0), ("grpo", 1)]:
+            name = runs.setdefault(f"{variant}-s{seed}", {"name": f"{variant}-s{seed}", "variant": variant,
+                                                           "seed": seed, "status": "finished"})["name"]
+            fake_run(os.path.join(out, "runs", name), {0: 0.1, 4: 0.3 + seed / 10 + (variant == "spo") / 20})
+            with open(os.path.join(out, "runs", name, "config.json"), "w") as f:
+                json.dump({"steps": 4, "batch_size": 16, "train": "gone", "train_prompts": 8,
+                           "pool_seed": seed if per_seed else -1}, f)
+        sweep.save_json(os.path.join(out, "sweep.json"), {"reference": "spo", "runs": runs})
+        text = (sweep.markdown(sweep.summarize(out, sweep.read_sweep(out))) +
+                analysis.primary_markdown(analysis.analyse(out, "spo", key="eval/accuracy")))
+        assert text.count("the pool's draw") == 2 * per_seed and text.count("same model, pool") == 2 * (not per_seed)
+
+
 # ------------------------------------------------------------------------------------------------ a real sweep
 def sweep_cmd(out, small_toy, *argv):
     """sweep.py on the small toy: the flags of conftest's spo_run (4 steps, checkpoints every 2), so the SPO run
