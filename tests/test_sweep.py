@@ -222,8 +222,8 @@ def test_the_intervals_say_they_cover_the_pool_where_each_seed_drew_its_own(tmp_
     for per_seed in (False, True):
         out, runs = str(tmp_path / str(per_seed)), {}
         for variant, seed in [("spo", 0), ("spo", 1), ("grpo", 0), ("grpo", 1)]:
-            name = runs.setdefault(f"{variant}-s{seed}", {"name": f"{variant}-s{seed}", "variant": variant,
-                                                           "seed": seed, "status": "finished"})["name"]
+            name = f"{variant}-s{seed}"
+            runs[name] = {"name": name, "variant": variant, "seed": seed, "status": "finished"}
             fake_run(os.path.join(out, "runs", name), {0: 0.1, 4: 0.3 + seed / 10 + (variant == "spo") / 20})
             with open(os.path.join(out, "runs", name, "config.json"), "w") as f:
                 json.dump({"steps": 4, "batch_size": 16, "train": "gone", "train_prompts": 8,
