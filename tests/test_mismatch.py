@@ -65,6 +65,7 @@ for changed, new, adv in [(True, [old[0] + 0.1, old[1] - 0.1], [1.0, -1.0]),   #
                           (True, [old[0] - 0.1, old[1] + 0.1], [1.0, -1.0]),      # the wrong way
                           (True, [old[0] + 0.1, old[1] - 0.1], [0.0, 0.0])]:      # all advantages zero
     print(learning_warning(changed, old, new, adv, masks))
+dist.destroy_process_group()  # a gloo group left at exit can abort the interpreter
 """
 
 
