@@ -380,9 +380,10 @@ def boxed_reward(response_text: str, ground_truth: str, think_format: bool = Fal
 
 def rewards(rollouts, ground_truths, think_format=False, truncated_reward="zero", reward=DEFAULT_REWARD,
             timeout_s=VERIFIER_TIMEOUT_S):
-    """(B,) rewards of a batch of rollout.Rollout, as training and the offline values pass score them."""
-    scores = np.array([reward_and_answer(r.text, answer, think_format, reward, timeout_s)[0]
+    """(B,) rewards of a batch of rollout.Rollout, as training and the offline values pass score them; NaN for a
+    trajectory over-sampling aborted (None: Appendix B)."""
+    scores = np.array([reward_and_answer(r.text, answer, think_format, reward, timeout_s)[0] if r else np.nan
                        for r, answer in zip(rollouts, ground_truths)])
     if truncated_reward == "zero":
-        scores *= np.array([r.finish_reason != "length" for r in rollouts])
+        scores *= np.array([r is None or r.finish_reason != "length" for r in rollouts])
     return scores

@@ -30,7 +30,7 @@ import variants
 from machinery import checkpoint, device as devices, trainer, untrusted
 from machinery.collectives import all_gather_np, all_gather_objects, all_reduce_np, full_parameters
 from machinery.data import check_context, find_model, load_tokenizer, load_train_and_test
-from machinery.metrics import Logger, PromptReach, plot_run, run_summary, spo_metrics, step_metrics, timed
+from machinery.metrics import Logger, plot_run, run_summary, spo_metrics, step_metrics, timed
 from machinery.run_dir import check_disk, open_run_dir
 from machinery.trackers import add_logging_flags
 from offline_values import TrainingV0, add_v0_flags, check_values_header, claim_toy_values, init_tracker
@@ -134,8 +134,7 @@ def ppo_clip_token_loss(logprobs, old_logprobs, advantage, mask, clip_low, clip_
 # ------------------------------------------------------------------------------------------------ the step loop
 def main(argv=None):
     args, run = start(parse_args(argv))  # every flag final from here on; what the set-up built (Run)
-    rank, world, data, group, spo = run.rank, run.world, run.data, args.group_size, args.algo == "spo"
-    local, started = args.batch_size // world, variants.started_per_rank(args.batch_size, world, group, args.oversample)
+    rank, world, data, group, resampling = run.rank, run.world, run.data, args.group_size, run.resampling
     logger = Logger(args.run_dir, vars(args), rank == 0, args.report_to, run.start_step or None)  # resumed: its step
     logger.console(f"{len(data.keys)} training prompts, {len(run.test.keys) if run.test else 0} held-out, {world} "
                    f"ranks on {run.device.type}; run directory {args.run_dir}")
@@ -145,77 +144,85 @@ def main(argv=None):
         loss_fn = variants.make_loss(args.loss, args.loss_agg, ppo_clip_token_loss, clip_low=args.clip_low,
                                      clip_high=args.clip_high, dual_clip=DUAL_CLIP,
                                      n_sequences=args.batch_size // args.ppo_steps, max_len=args.max_response_len)
-    generate = functools.partial(run.engine.generate, max_tokens=args.max_response_len, tools=run.tools,
-                                 group_size=group, keep_first=local if started > local and not args.oversample_measure
-                                 else None)  # Appendix B: the first B to finish kept, the rest aborted (None)
-    score = functools.partial(rewards, think_format=args.think_format, truncated_reward=args.truncated_reward,
-                              reward=args.reward, timeout_s=args.reward_timeout)
-    score = functools.partial(variants.score_finished, score) if started > local else score  # aborted: NaN
     exact = exact_metric(run.policy, run.tokenizer, args.eval_reference, args.micro_batch_size,
                          args.max_tokens_per_micro_batch)  # the exact success probability, where one is known
     evaluate = functools.partial(evaluations, run.engine, run.test, data, run.tracker, tools=run.tools, exact=exact,
                                  settings=ProbeSettings.pick(vars(args)))  # held-out accuracy, the probe: when due
+    passes = dict(temperature=args.temperature, micro_batch_size=args.micro_batch_size,
+                  max_tokens=args.max_tokens_per_micro_batch)  # the trainer's forward passes (steps 4 and 6)
+
+    def sample(step, times, round_=0):
+        """Steps 1-3 for this rank's slots (round_ > 0: a refill round of DAPO's): (prompt indices, rollouts,
+        rewards)."""
+        n = resampling.started  # B / world; more under --oversample
+        with timed(times, "generate"):
+            # 1. B prompts (Eq. 11): every rank draws the same batch and takes its slots (GRPO: B/G prompts, G each)
+            prompts = np.repeat(run.sampler.draw(n * world // group), group)
+            mine = prompts[rank * n: (rank + 1) * n]
+            # 2. one response per slot from the engine (--oversample: the first to finish, the rest aborted, None)
+            rollouts = run.engine.generate([data.prompt_ids[i] for i in mine], step_seeds(args.seed, step, rank, n,
+                                                                                          round_),
+                                           max_tokens=args.max_response_len, tools=run.tools, group_size=group,
+                                           keep_first=resampling.keep_first)
+        with timed(times, "score"):  # 3. the verifier's reward of each response (NaN where aborted)
+            reward = rewards(rollouts, [data.answers[i] for i in mine], think_format=args.think_format,
+                             truncated_reward=args.truncated_reward, reward=args.reward, timeout_s=args.reward_timeout)
+        return mine, rollouts, reward
+
     started_at, nonfinite, on_gpu = time.time(), 0, run.device.type == "cuda"
     if run.start_step == 0 and (before := evaluate(step=0)):
         logger.log(0, before)
     for step in logger.progress(range(run.start_step + 1, args.steps + 1), total=args.steps, initial=run.start_step):
         t = {}  # each phase's seconds
-        with timed(t, "generate"):
-            # 1. B prompts (Eq. 11; GRPO: B/G prompts, G slots each): every rank draws the same batch, takes its slots
-            mine = np.repeat(run.sampler.draw(started * world // group), group)[rank * started: (rank + 1) * started]
-            # 2. one response per slot from the engine
-            rollouts = generate([data.prompt_ids[i] for i in mine], step_seeds(args.seed, step, rank, started))
-        with timed(t, "score"):  # 3. the verifier's reward of each response
-            reward = score(rollouts, [data.answers[i] for i in mine])
+        mine, rollouts, reward = sample(step, t)  # steps 1-3
         sampling = {"sampling/generated": args.batch_size, "sampling/used": args.batch_size}
-        if started > local or args.dynamic_sampling:  # Appendix B: the first B to finish; DAPO: refill flat groups
-            mine, rollouts, reward, sampling = variants.resampled(
-                (mine, rollouts, reward), run.sampler, generate, score, data, times=t, batch_size=args.batch_size,
-                group=group, rank=rank, world=world, dynamic=args.dynamic_sampling, reach=run.reach,
-                gather=all_gather_objects, seeds=functools.partial(step_seeds, args.seed, step, rank))
+        if resampling.on:  # Appendix B: the first B to finish kept; DAPO: groups of equal rewards refilled
+            mine, rollouts, reward, sampling = resampling((mine, rollouts, reward), functools.partial(sample, step, t),
+                                                          rank=rank, world=world, gather=all_gather_objects)
         devices.phase_end(on_gpu, "generate")  # (GPU: device memory in use with vLLM awake)
         run.engine.sleep()
-        # 4. old log-probs, one no-grad pass: SPO's revisited prompts' (D(x)); this batch's unless step 6 gives them
+        # 4. old log-probs, one no-grad pass: SPO's revisited prompts' (D(x)); the batch's unless step 6 gives them
         revisited = [(slot, run.previous[i]) for slot, i in enumerate(mine) if i in run.previous and slot % group == 0]
-        batch = [] if trainer.reuses_forward(args.ppo_steps, args.tis) else rollouts
         with timed(t, "old_logprobs"):
-            old = trainer.old_logprobs(run.policy, batch, [(data.prompt_ids[mine[slot]], p.response_ids, p.mask)
-                                                           for slot, p in revisited],
-                                       temperature=args.temperature, micro_batch_size=args.micro_batch_size,
-                                       max_tokens=args.max_tokens_per_micro_batch)
+            old = trainer.old_logprobs(run.policy, [] if trainer.reuses_forward(args.ppo_steps, args.tis) else rollouts,
+                                       [(data.prompt_ids[mine[slot]], p.response_ids, p.mask) for slot, p in revisited],
+                                       **passes)
         # 5. advantages and the state each algorithm carries to the next step (--adv_norm token: Eq. 9 per token)
         norm_weight = [sum(r.response_mask) for r in rollouts] if args.adv_norm == "token" else None
-        if spo:
-            value = run.tracker.value_at(mine) if args.baseline != "none" else np.zeros(local)  # v_{-1}(x)
+        if args.algo == "spo":
+            value = run.tracker.value_at(mine) if args.baseline != "none" else np.zeros(len(mine))  # v_{-1}(x)
             raw_advantage = spo_advantage(reward, value)  # Eq. 8, before the tracker absorbs r
             advantage = global_normalise(raw_advantage, weight=norm_weight)  # Eq. 9
-            divergences, revisit = np.zeros(local), np.zeros(local)  # D(x) per slot; 0 on a first visit
+            divergences, revisit = np.zeros(len(mine)), np.zeros(len(mine))  # D(x) per slot; 0 on a first visit
             for (slot, prev), now in zip(revisited, old["revisited"]):  # a prompt's G slots share D(x), one rho
                 divergences[slot: slot + group] = divergence(now[prev.mask > 0], prev.logprobs[prev.mask > 0],
                                                              args.divergence)
                 revisit[slot: slot + group] = 1.0
-            all_index, all_reward, all_divergences, all_revisit, all_raw_advantage = all_gather_np(
-                mine, reward, divergences, revisit, raw_advantage)  # one collective
-            rho = run.tracker.rho(all_divergences)  # Eq. 5: 2^(-D / D_half), clipped
+            batch_index, batch_reward, batch_divergences, batch_revisit, batch_raw_advantage = all_gather_np(
+                mine, reward, divergences, revisit, raw_advantage)  # the global batch's, in one collective
+            rho = run.tracker.rho(batch_divergences)  # Eq. 5: 2^(-D / D_half), clipped
             if args.baseline != "fixed":  # the fixed baseline keeps v0 forever (the A*-PO-like ablation)
-                run.tracker.update(all_index, all_reward, rho)  # Eq. 5: every rank applies the same update, once
+                run.tracker.update(batch_index, batch_reward, rho)  # Eq. 5: every rank applies the same update, once
             if args.sampler == "prioritized":  # Eq. 11 for the prompts whose value just changed
-                uniq = np.unique(all_index)
+                uniq = np.unique(batch_index)
                 run.sampler.set_weights(priority_weights(run.tracker.value_at(uniq), run.tracker.n_eff_at(uniq),
                                                          args.sampling_eps, args.sampling_gamma), uniq)
-            algo_metrics = spo_metrics(all_raw_advantage, run.tracker, all_divergences, rho, all_revisit > 0)
-            shown = {"value": value, "rho": rho[rank * local:], "divergence": divergences}  # in samples.jsonl
+            algo_metrics = spo_metrics(batch_raw_advantage, run.tracker, batch_divergences, rho, batch_revisit > 0)
+            shown = {"value": value, "rho": rho[rank * len(mine):], "divergence": divergences}  # in samples.jsonl
         elif args.algo == "reinforce_pp":  # REINFORCE++: no per-prompt baseline, r whitened over the global batch
             raw_advantage, advantage, algo_metrics, shown = reward, global_normalise(reward, weight=norm_weight), {}, {}
         else:  # the group baselines (variants.py): GRPO's z-score, RLOO's leave-one-out mean, Dr. GRPO's mean
             raw_advantage = advantage = variants.GROUP_BASELINES[args.algo](reward, group)
             algo_metrics, shown = {}, {}  # (all-equal groups: in step_metrics, for every estimator with groups)
-        # 6. PPO-clip (Eq. 10; or --loss, --loss_agg), `ppo_steps` optimiser steps over the global batch
+        # 6. PPO-clip (Eq. 10; or --loss, --loss_agg), `ppo_steps` optimiser steps over the global batch; acting:
+        # the batch's log-probs under the policy that sampled it (step 4's, or with one optimiser step its forward's)
         with timed(t, "update"):
-            stats = update(run, rollouts, old, advantage, args, loss_fn=loss_fn, first=step == run.start_step + 1)
-        if spo:  # for D(x) at the next visit: the acting policy's log-probs (old["batch"], step 4's or the update's)
-            remember(run.previous, all_index, all_gather_objects(
-                [PreviousResponse.of(r, logprobs) for r, logprobs in zip(rollouts, old["batch"])]))
+            stats, acting = trainer.update(run.policy, run.optimizer, rollouts, old, advantage, loss_fn=loss_fn,
+                                           check=step == run.start_step + 1, ppo_steps=args.ppo_steps,
+                                           grad_clip=args.grad_clip, tis=args.tis, **passes)
+        if args.algo == "spo":  # for D(x) at the next visit
+            remember(run.previous, batch_index, all_gather_objects(
+                [PreviousResponse.of(r, logprobs) for r, logprobs in zip(rollouts, acting["batch"])]))
         devices.phase_end(on_gpu, "update")
         # 7. weight push: the next rollouts come from the updated policy
         with timed(t, "weight_push"):
@@ -225,7 +232,7 @@ def main(argv=None):
         if nonfinite >= MAX_NONFINITE:
             raise SystemExit(f"error: {nonfinite} consecutive steps with a non-finite loss at step {step}; "
                              f"lower --lr or check the data (metrics in {args.run_dir}/metrics.jsonl)")
-        metrics = {**step_metrics(reward, raw_advantage, advantage, rollouts, old, stats=stats, times=t, group=group,
+        metrics = {**step_metrics(reward, raw_advantage, advantage, rollouts, acting, stats=stats, times=t, group=group,
                                   tools=run.tools is not None), **algo_metrics, **sampling,
                    **devices.peak_metrics(on_gpu)}
         metrics.update(evaluate(step=step))
@@ -240,20 +247,6 @@ def main(argv=None):
         default_run = run.on_toy and not set(args.given) - {"run_dir", "seed"}
         print(run_summary(args.run_dir, plot_run(args.run_dir), time.time() - started_at,
                           toy.DEFAULT_RUN_RANGE if default_run else None, args.test), flush=True)
-
-
-def update(run, rollouts, old, advantage, args, *, loss_fn, first):
-    """Step 6, and on a run's first step the check that it moved the policy the way the advantages say. old: step
-    4's; where the update's forward gives this batch's old log-probs (reuses_forward), they are put in it here."""
-    with trainer.learning_check(run.policy, run.optimizer, rollouts, old, advantage, on=first,
-                                temperature=args.temperature, micro_batch_size=args.micro_batch_size,
-                                max_tokens=args.max_tokens_per_micro_batch):
-        stats = trainer.ppo_update(run.policy, run.optimizer, rollouts, old["batch"] or None, advantage,
-                                   loss_fn=loss_fn, ppo_steps=args.ppo_steps, micro_batch_size=args.micro_batch_size,
-                                   temperature=args.temperature, grad_clip=args.grad_clip, tis=args.tis,
-                                   max_tokens=args.max_tokens_per_micro_batch)
-        old.update(stats.pop("old") or {})
-        return stats
 
 
 # ------------------------------------------------------------------------------------------------ set-up
@@ -370,18 +363,22 @@ def start(args):
                           gpu_memory_utilization=args.gpu_memory_utilization, engine_compile=args.compile)
     if state:
         checkpoint.restore_training_state(policy, optimizer, state["shards"])
-    # the state carried across steps: the tracker, the sampler's weights (Eq. 11), previous responses, reach
+    # the state carried across steps: the tracker, the sampler's weights (Eq. 11), previous responses, what
+    # over-sampling counts
     tracker = tracker_at_start(args, data, v0, engine, state, on_toy=on_toy, is_main=rank == 0)
-    sampler, reach = PromptSampler(len(data.keys), seed=args.seed, mode=args.sampler), PromptReach(len(data.keys))
+    sampler = PromptSampler(len(data.keys), seed=args.seed, mode=args.sampler)
+    resampling = variants.Resampling(args.batch_size, world, args.group_size, oversample=args.oversample,
+                                     measure=args.oversample_measure, dynamic=args.dynamic_sampling,
+                                     n_prompts=len(data.keys))
     if state:
         sampler.load_state_dict(state["sampler"])
-        reach.load_state_dict(state["reach"])
+        resampling.load_state_dict(state["reach"])
     if args.sampler == "prioritized":
         sampler.set_weights(priority_weights(tracker.value, tracker.n_eff, args.sampling_eps, args.sampling_gamma))
     previous = {i: PreviousResponse(**fields) for i, fields in state["previous"].items()} if state else {}
     return args, checkpoint.Run(rank=rank, world=world, device=device, tools=tools, tokenizer=tokenizer, data=data,
                                 test=test_data, on_toy=on_toy, policy=policy, optimizer=optimizer, engine=engine,
-                                tracker=tracker, sampler=sampler, previous=previous, reach=reach,
+                                tracker=tracker, sampler=sampler, previous=previous, resampling=resampling,
                                 start_step=state["step"] if state else 0)
 
 

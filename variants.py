@@ -19,14 +19,13 @@ gives each flag's formula and source, and which combination reproduces the paper
 import argparse
 import functools
 import math
-import time
 from types import SimpleNamespace
 
 import numpy as np
 import torch
 
 from machinery.errors import check_ranges, fail
-from machinery.metrics import oversample_metrics
+from machinery.collectives import all_gather_np
 from reward import check_reward_flag
 
 LOSSES = ("ppo_clip", "gspo", "cispo")
@@ -246,39 +245,64 @@ def started_per_rank(batch_size, world, group, oversample):
     return math.ceil(oversample * (batch_size // world) / group) * group
 
 
-def score_finished(score, rollouts, answers):
-    """Step 3 under over-sampling: the reward of each finished response; NaN where it was aborted (None)."""
-    done = np.array([r is not None for r in rollouts])
-    reward = np.full(len(rollouts), np.nan)
-    reward[done] = score([r for r in rollouts if r], [a for a, d in zip(answers, done) if d])
-    return reward
+class Resampling:
+    """What steps 1-3 start and keep under Appendix B's over-sampling (--oversample f: f x B trajectories started,
+    the first B to finish kept, the rest aborted; --oversample_measure: all let finish, to log kept against
+    aborted) or DAPO's dynamic sampling (refill rounds until B/G groups carry signal), and the state over-sampling
+    carries: each prompt's draws and trainings over the run (a slow prompt is aborted more often)."""
 
+    def __init__(self, batch_size, world, group, oversample, measure, dynamic, n_prompts):
+        self.local, self.group, self.dynamic = batch_size // world, group, dynamic
+        self.started = started_per_rank(batch_size, world, group, oversample)  # steps 1-3's slots per rank
+        self.oversampled = self.started > self.local
+        self.keep_first = self.local if self.oversampled and not measure else None  # the engine aborts the rest
+        self.on = self.oversampled or dynamic
+        self.drawn, self.kept = np.zeros(n_prompts, np.int64), np.zeros(n_prompts, np.int64)
 
-def resampled(first, sampler, generate, score, data, *, times, seeds, batch_size, group, rank, world, dynamic, reach,
-              gather, max_rounds=MAX_SAMPLING_ROUNDS):
-    """What spo.py trains on after steps 1-3 (first: this rank's prompt indices, rollouts, rewards) when asked for
-    over-sampling (Appendix B: f x B started, the first B to finish kept, the rest aborted; --oversample_measure:
-    let them finish, to log kept vs aborted) or DAPO's dynamic sampling (refill rounds, steps 1-3 again with
-    seeds(n, round_), until B/G groups carry signal; their seconds join `times`). Returns this rank's (prompt indices,
-    rollouts, rewards) and the sampling metrics (generated vs used)."""
-    local, started = batch_size // world, len(first[0])
+    def __call__(self, first, sample, *, rank, world, gather, max_rounds=MAX_SAMPLING_ROUNDS):
+        """What the loop trains on. first: steps 1-3's (this rank's prompt indices, rollouts, rewards); sample(k):
+        steps 1-3 again for DAPO's refill round k. Returns this rank's (indices, rollouts, rewards) and the
+        sampling metrics (generated vs used)."""
+        batch, metrics = self.keep(*first)
+        sampling = {"sampling/generated": self.started * world, "sampling/used": self.local * world, **metrics}
+        if self.dynamic:  # DAPO: drop the groups whose rewards are all equal, refill
+            *batch, sampling = dynamic_sampling(batch, lambda k: self.keep(*sample(k))[0], self.group, max_rounds,
+                                                rank, world, gather)
+        return (*batch, sampling)
 
-    def keep(mine, rollouts, reward):
-        kept = first_finished(rollouts, local, group) if started > local else np.ones(started, dtype=bool)
-        metrics = oversample_metrics(rollouts, reward, kept, mine, reach) if started > local else {}
-        return (mine[kept], [r for r, k in zip(rollouts, kept) if k], reward[kept]), metrics
+    def keep(self, mine, rollouts, reward):
+        if not self.oversampled:
+            return (mine, rollouts, reward), {}
+        kept = first_finished(rollouts, self.local, self.group)
+        return (mine[kept], [r for r, k in zip(rollouts, kept) if k], reward[kept]), self.metrics(rollouts, reward,
+                                                                                                  kept, mine)
 
-    def again(round_):
-        t0 = time.time()
-        mine = np.repeat(sampler.draw(started * world // group), group)[rank * started: (rank + 1) * started]
-        rollouts = generate([data.prompt_ids[i] for i in mine], seeds(started, round_))
-        t1 = time.time()
-        reward = score(rollouts, [data.answers[i] for i in mine])
-        times["generate"], times["score"] = times["generate"] + t1 - t0, times["score"] + time.time() - t1
-        return keep(mine, rollouts, reward)[0]
+    def metrics(self, rollouts, reward, kept, index):
+        """Kept against aborted trajectories (keeping the first to finish keeps the short ones), and the reach."""
+        finished = np.array([r is not None for r in rollouts], dtype=np.float64)
+        lengths = np.array([len(r.response_ids) if r is not None else np.nan for r in rollouts])
+        kept, finished, lengths, reward, index = (all_gather_np(np.asarray(x, dtype=np.float64))
+                                                  for x in (kept, finished, lengths, reward, index))
+        k, aborted = kept > 0, (kept == 0) & (finished > 0)
+        m = {"oversample/kept_share": k.mean(), "oversample/kept_length_mean": lengths[k].mean(),
+             "oversample/kept_reward_mean": reward[k].mean(), "oversample/aborted_finished": aborted.sum(),
+             **self.reach(index.astype(np.int64), index[k].astype(np.int64))}
+        if aborted.any():
+            m.update({"oversample/aborted_length_mean": lengths[aborted].mean(),
+                      "oversample/aborted_reward_mean": reward[aborted].mean()})
+        return {key: float(v) for key, v in m.items()}
 
-    batch, metrics = keep(*first)
-    sampling = {"sampling/generated": started * world, "sampling/used": batch_size, **metrics}
-    if dynamic:  # DAPO: drop the groups whose rewards are all equal, refill
-        *batch, sampling = dynamic_sampling(batch, again, group, max_rounds, rank, world, gather)
-    return (*batch, sampling)
+    def reach(self, drawn, kept):
+        """The run's count of draws and trainings per prompt, after this step's (drawn, kept prompt indices)."""
+        np.add.at(self.drawn, drawn, 1)
+        np.add.at(self.kept, kept, 1)
+        seen = self.drawn > 0
+        return {"oversample/prompts_drawn": seen.sum(),
+                "oversample/never_trained_share": (seen & (self.kept == 0)).sum() / max(seen.sum(), 1)}
+
+    def state_dict(self):
+        return {"drawn": self.drawn.copy(), "kept": self.kept.copy()}
+
+    def load_state_dict(self, state):
+        if state is not None:  # None: a checkpoint made without --oversample
+            self.drawn, self.kept = np.array(state["drawn"], np.int64), np.array(state["kept"], np.int64)

@@ -99,7 +99,7 @@ class Run:
     tracker: object  # tracker.ValueTracker
     sampler: object  # sampler.PromptSampler
     previous: dict  # prompt -> spo.PreviousResponse (SPO only)
-    reach: object  # metrics.PromptReach: --oversample's draws per prompt
+    resampling: object  # variants.Resampling: --oversample's draws per prompt
     start_step: int  # 0, or the checkpoint's
 
     def close(self):
@@ -111,7 +111,7 @@ class Run:
     def save(self, run_dir, step, config, export_dtype=None):
         save_checkpoint(run_dir, step, self.policy, self.optimizer, self.tokenizer, self.world, self.data.keys,
                         self.tracker.state_dict(), self.sampler.state_dict(),
-                        {i: vars(p) for i, p in self.previous.items()}, config, reach=self.reach.state_dict(),
+                        {i: vars(p) for i, p in self.previous.items()}, config, reach=self.resampling.state_dict(),
                         export_dtype=export_dtype)
 
 

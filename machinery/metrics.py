@@ -142,9 +142,10 @@ def _rows(path):
 
 @contextlib.contextmanager
 def timed(seconds, phase):
+    """seconds[phase] += the block's wall time (a phase may run several times in a step: DAPO's refill rounds)."""
     t0 = time.time()
     yield
-    seconds[phase] = time.time() - t0
+    seconds[phase] = seconds.get(phase, 0.0) + time.time() - t0
 
 
 def _open_cut(path, resume_step):
@@ -238,46 +239,6 @@ class Logger:
             self.samples_file.close()
             for log in self.trackers:
                 log(None, None)  # None: close
-
-
-class PromptReach:
-    """--oversample: each prompt's draws and trainings over the run (a slow prompt is aborted more often)."""
-
-    def __init__(self, n_prompts):
-        self.drawn, self.kept = np.zeros(n_prompts, np.int64), np.zeros(n_prompts, np.int64)
-
-    def update(self, drawn, kept):
-        np.add.at(self.drawn, drawn, 1)
-        np.add.at(self.kept, kept, 1)
-
-    def metrics(self):
-        seen = self.drawn > 0
-        return {"oversample/prompts_drawn": seen.sum(),
-                "oversample/never_trained_share": (seen & (self.kept == 0)).sum() / max(seen.sum(), 1)}
-
-    def state_dict(self):
-        return {"drawn": self.drawn.copy(), "kept": self.kept.copy()}
-
-    def load_state_dict(self, state):
-        if state is not None:  # None: a checkpoint made without --oversample
-            self.drawn, self.kept = np.array(state["drawn"], np.int64), np.array(state["kept"], np.int64)
-
-
-def oversample_metrics(rollouts, reward, kept, index, reach):
-    """--oversample: kept against aborted trajectories (keeping the first to finish keeps the short ones)."""
-    finished = np.array([r is not None for r in rollouts], dtype=np.float64)
-    lengths = np.array([len(r.response_ids) if r is not None else np.nan for r in rollouts])
-    kept, finished, lengths, reward, index = (all_gather_np(np.asarray(x, dtype=np.float64))
-                                              for x in (kept, finished, lengths, reward, index))
-    k, aborted = kept > 0, (kept == 0) & (finished > 0)
-    reach.update(index.astype(np.int64), index[k].astype(np.int64))
-    m = {"oversample/kept_share": k.mean(), "oversample/kept_length_mean": lengths[k].mean(),
-         "oversample/kept_reward_mean": reward[k].mean(), "oversample/aborted_finished": aborted.sum(),
-         **reach.metrics()}
-    if aborted.any():
-        m.update({"oversample/aborted_length_mean": lengths[aborted].mean(),
-                  "oversample/aborted_reward_mean": reward[aborted].mean()})
-    return {key: float(v) for key, v in m.items()}
 
 
 # The run's plot (plot_run): metrics.jsonl key, panel title; a panel without data is left out (GRPO: no tracker).

@@ -2,7 +2,6 @@
 
 FSDP2 averages gradients over ranks and spo.py's loss is a mean over the GLOBAL token count, so each rank scales
 it by the world size (set_gradient_divide_factor(1) would, but fails on gloo)."""
-import contextlib
 import functools
 import logging
 import sys
@@ -247,18 +246,24 @@ def _accumulate_gradients(model, mini, shares, loss_fn, global_tokens, temperatu
     return np.append(sums, getattr(model, "decoder_tokens", 0) - ran), scored
 
 
-@contextlib.contextmanager
-def learning_check(model, optimizer, rollouts, old, advantage, temperature, micro_batch_size, max_tokens, on=True):
-    """Around an update: a warning line unless it moved the policy the way the advantages say (one more pass).
-    old: old_logprobs' dict, its "batch" read after the update (which gives it where reuses_forward)."""
+def update(model, optimizer, rollouts, old, advantage, loss_fn, *, check, ppo_steps, micro_batch_size, temperature,
+           grad_clip, max_tokens=None, tis=0.0):
+    """Step 6: ppo_update, and with `check` (a run's first step) a warning line unless it moved the policy the way
+    the advantages say (one more pass). old: step 4's old_logprobs, whose "batch" is empty where reuses_forward.
+    Returns (stats, acting): acting is old_logprobs' dict of the batch under the policy that sampled it, step 4's
+    or, where it did not score the batch, this forward's (old itself is left as step 4 made it)."""
     def norms():  # (P,) fp64 norms of this rank's shards (the optimiser's: the model's may be unsharded copies now)
         return torch.stack([(p.to_local() if isinstance(p, DTensor) else p).detach().double().norm()
                             for group in optimizer.param_groups for p in group["params"]])
-    before = norms() if on else None
-    yield
-    if on:
-        changed = not torch.equal(before, norms())
+    before = norms() if check else None
+    stats = ppo_update(model, optimizer, rollouts, old["batch"] or None, advantage, loss_fn, ppo_steps=ppo_steps,
+                       micro_batch_size=micro_batch_size, temperature=temperature, grad_clip=grad_clip,
+                       max_tokens=max_tokens, tis=tis)
+    acting = {**old, **(stats.pop("old") or {})}
+    if check:
         new = old_logprobs(model, rollouts, [], temperature, micro_batch_size, max_tokens)["batch"]
-        warning = learning_warning(changed, old["batch"], new, advantage, [r.response_mask for r in rollouts])
+        warning = learning_warning(not torch.equal(before, norms()), acting["batch"], new, advantage,
+                                   [r.response_mask for r in rollouts])
         if warning and dist.get_rank() == 0:
             print(f"warning: {warning}", file=sys.stderr, flush=True)
+    return stats, acting

@@ -1,23 +1,25 @@
-"""What a run records (machinery/metrics.py): the prompts drawn but never trained on, the all-equal batch note,
-the console line's columns and the run's plot (plot_run).
+"""What a run records (machinery/metrics.py; over-sampling's reach: variants.py): the prompts drawn but never
+trained on, the all-equal batch note, the console line's columns and the run's plot (plot_run).
 
     .venv/bin/python -m pytest tests/test_metrics.py -q
 """
 import numpy as np
 
-from machinery.metrics import PromptReach
+from variants import Resampling
 
 
 def test_prompt_reach_counts_prompts_never_trained_on_and_restores():
     """--oversample's run-long count: a prompt drawn twice and kept once is reached; one only ever aborted is not."""
-    reach = PromptReach(5)
-    reach.update(np.array([0, 1, 2]), np.array([0, 2]))
-    reach.update(np.array([1, 3]), np.array([3]))
-    assert reach.metrics() == {"oversample/prompts_drawn": 4, "oversample/never_trained_share": 1 / 4}
-    restored = PromptReach(5)
-    restored.load_state_dict(reach.state_dict())
-    restored.update(np.array([1]), np.array([1]))  # counting goes on after a resume
-    assert restored.metrics()["oversample/never_trained_share"] == 0.0
+    def resampling():
+        return Resampling(4, 1, 1, oversample=1.5, measure=False, dynamic=False, n_prompts=5)
+    first = resampling()
+    first.reach(np.array([0, 1, 2]), np.array([0, 2]))
+    assert first.reach(np.array([1, 3]), np.array([3])) == {"oversample/prompts_drawn": 4,
+                                                            "oversample/never_trained_share": 1 / 4}
+    restored = resampling()
+    restored.load_state_dict(first.state_dict())
+    # counting goes on after a resume
+    assert restored.reach(np.array([1]), np.array([1]))["oversample/never_trained_share"] == 0.0
 
 
 def test_an_all_equal_batch_is_counted_and_said_once(tmp_path, capsys):

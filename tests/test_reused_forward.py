@@ -3,6 +3,7 @@
 
     .venv/bin/python -m pytest tests/test_reused_forward.py -q
 """
+import copy
 import functools
 import sys
 
@@ -27,7 +28,7 @@ def test_the_update_forward_gives_the_pass_step_and_log_probs(small_toy, tmp_pat
     """Two ranks, one SGD step at lr 1 (the weights move by the gradients): with and without step 4's pass over
     the batch the weights after the step, the log-probs SPO remembers for D(x) (each back on the rank that owns its
     response, also where token budgets dealt it to the other rank), the entropy and the engine gap agree to
-    rounding; the reused step's ratio is exactly 1."""
+    rounding; the reused step's ratio is exactly 1; step 4's log-probs are never written by step 6."""
     out = tmp_path / "out.pt"
     ok(torchrun(2, "tests/test_reused_forward.py", "worker", str(out), small_toy["model"], max_tokens))
     got = torch.load(out, weights_only=False)
@@ -44,6 +45,17 @@ def test_the_update_forward_gives_the_pass_step_and_log_probs(small_toy, tmp_pat
     assert abs(reused["entropy"] - passed["entropy"]) < 1e-5 and passed["entropy"] > 0.1
     assert abs(reused["gap"] - passed["gap"]) < 1e-5
     assert reused["approx_kl"] == 0.0 and reused["clip_fraction"] == 0.0
+    # data flows forward: step 6 hands back its own dict, of step 4's shape, and leaves step 4's as it was
+    assert passed["old_untouched"] and reused["old_untouched"] and passed["shape"] and reused["shape"]
+
+
+def same(a, b):
+    """a == b, arrays compared by value (step 4's dict holds lists of arrays)."""
+    if isinstance(a, dict):
+        return isinstance(b, dict) and sorted(a) == sorted(b) and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return bool(np.array_equal(a, b)) if isinstance(a, np.ndarray) else a == b
 
 
 # ---- the worker, run under torchrun by the test above
@@ -68,14 +80,16 @@ def worker(out, model_path, max_tokens):
         optimizer = torch.optim.SGD(policy.parameters(), lr=1.0)
         before = {k: v.clone() for k, v in collectives.full_parameters(policy)}
         old = trainer.old_logprobs(policy, [] if way == "reuse" else rollouts[mine], [], 1.0, 2, max_tokens)
-        stats = trainer.ppo_update(policy, optimizer, rollouts[mine], old["batch"] or None, advantage[mine],
-                                   loss_fn, ppo_steps=1, micro_batch_size=2, temperature=1.0, grad_clip=1e9,
-                                   max_tokens=max_tokens)
-        old.update(stats.pop("old") or {})
+        step_4 = copy.deepcopy(old)
+        stats, acting = trainer.update(policy, optimizer, rollouts[mine], old, advantage[mine], loss_fn, check=True,
+                                       ppo_steps=1, micro_batch_size=2, temperature=1.0, grad_clip=1e9,
+                                       max_tokens=max_tokens)
         result[way] = {"params": {k: v.clone() for k, v in collectives.full_parameters(policy)},
-                       "remembered": collectives.all_gather_objects(old["batch"]),  # (one list over the ranks)
-                       "entropy": old["entropy"], "gap": old["logprob_gap_mean"], "approx_kl": stats["approx_kl"],
-                       "clip_fraction": stats["clip_fraction"]}
+                       "remembered": collectives.all_gather_objects(acting["batch"]),  # (one list over the ranks)
+                       "entropy": acting["entropy"], "gap": acting["logprob_gap_mean"],
+                       "approx_kl": stats["approx_kl"], "clip_fraction": stats["clip_fraction"],
+                       "old_untouched": all(collectives.all_gather_objects([same(old, step_4)])),
+                       "shape": sorted(acting) == sorted(old)}
         result["before"] = before
     if rank == 0:
         torch.save(result, out)
