@@ -11,6 +11,7 @@ import contextlib
 
 import torch
 
+from machinery.memory import phase_end
 from rollout import Engine, Segment, run_trajectories, stop_strings
 
 GREEDY_BELOW = 1e-5  # temperatures below this sample greedily (vLLM's _SAMPLING_EPS)
@@ -232,7 +233,9 @@ class HFEngine:
             raise KeyError(f"HFEngine.push_weights: {len(missing)} parameters not pushed, e.g. {sorted(missing)[0]!r}")
 
     def sleep(self):
-        """Nothing is discarded; on GPU the KV cache's freed blocks go back to the card, for the trainer."""
+        """Nothing is discarded; on GPU the KV cache's freed blocks go back to the card, for the trainer (the memory in
+        use before: memory/generate_gib)."""
+        phase_end(self.on_gpu, "generate")
         if self.on_gpu:
             torch.cuda.empty_cache()
 

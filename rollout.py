@@ -21,6 +21,7 @@ import torch
 
 from machinery.console import quiet_vllm
 from machinery.data import plain_text_ids
+from machinery.memory import phase_end
 from sandbox import SandboxPool, interpreter_text, isolation, show_last_expression
 
 CODE_STOP = "</code>"
@@ -312,7 +313,9 @@ class Engine:
     # a push; no KV cache while the trainer's memory may be cached). Each wake first empties PyTorch's cache (vLLM
     # has its own pool) and goes through _wake (a part woken twice is mapped twice). CPU: always "awake".
     def sleep(self):
-        """GPU: free the card for the trainer (push_weights before the next generate)."""
+        """GPU: free the card for the trainer (push_weights before the next generate), noting first the memory in use
+        with the engine awake (memory/generate_gib)."""
+        phase_end(self.on_gpu, "generate")
         if self.on_gpu and self.state != "asleep":
             self._wake("kv_cache")  # only after a push without a generate since: sleep from a whole engine
             self.llm.sleep(level=2)  # also clears vLLM's prefix cache: its KV content is forgotten

@@ -18,6 +18,7 @@ marks where Algorithm 1 ends and the bookkeeping (metrics, evaluations, checkpoi
     torchrun --nproc_per_node=8 spo.py --model Qwen/Qwen3-8B --train dapo.parquet ...      (docs/scale.md)
 """
 import argparse
+import contextlib
 import functools
 import math
 import time
@@ -27,10 +28,11 @@ import numpy as np
 import torch
 
 import variants
-from machinery import checkpoint, device as devices, trainer, untrusted
+from machinery import checkpoint, memory, resume, trainer, untrusted
 from machinery.collectives import all_gather_np, all_gather_objects, all_reduce_np, full_parameters
+from machinery.device import start_program, use_bf16
 from machinery.data import check_context, find_model, load_tokenizer, load_train_and_test
-from machinery.metrics import Logger, plot_run, run_summary, spo_metrics, step_metrics, timed
+from machinery.metrics import Logger, plot_run, run_summary, spo_metrics, step_metrics
 from machinery.run_dir import check_disk, open_run_dir
 from machinery.trackers import add_logging_flags
 from offline_values import TrainingV0, add_v0_flags, check_values_header, claim_toy_values, init_tracker
@@ -132,6 +134,14 @@ def ppo_clip_token_loss(logprobs, old_logprobs, advantage, mask, clip_low, clip_
 
 
 # ------------------------------------------------------------------------------------------------ the step loop
+@contextlib.contextmanager
+def timed(seconds, phase):
+    """seconds[phase] += the block's wall time (a phase may run several times in a step: DAPO's refill rounds)."""
+    t0 = time.time()
+    yield
+    seconds[phase] = seconds.get(phase, 0.0) + time.time() - t0
+
+
 def main(argv=None):
     args, run = start(parse_args(argv))  # every flag final from here on; what the set-up built (Run)
     rank, world, data, group, resampling = run.rank, run.world, run.data, args.group_size, run.resampling
@@ -178,8 +188,7 @@ def main(argv=None):
         sampling = {"sampling/generated": args.batch_size, "sampling/used": args.batch_size}
         if resampling.on:  # Appendix B: the first B to finish kept; DAPO: groups of equal rewards refilled
             mine, rollouts, reward, sampling = resampling((mine, rollouts, reward), functools.partial(sample, step, t),
-                                                          rank=rank, world=world, gather=all_gather_objects)
-        devices.phase_end(on_gpu, "generate")  # (GPU: device memory in use with vLLM awake)
+                                                          rank=rank, world=world)
         run.engine.sleep()
         # 4. old log-probs, one no-grad pass: SPO's revisited prompts' (D(x)); the batch's unless step 6 gives them
         revisited = [(slot, run.previous[i]) for slot, i in enumerate(mine) if i in run.previous and slot % group == 0]
@@ -207,13 +216,12 @@ def main(argv=None):
                 uniq = np.unique(batch_index)
                 run.sampler.set_weights(priority_weights(run.tracker.value_at(uniq), run.tracker.n_eff_at(uniq),
                                                          args.sampling_eps, args.sampling_gamma), uniq)
-            algo_metrics = spo_metrics(batch_raw_advantage, run.tracker, batch_divergences, rho, batch_revisit > 0)
             shown = {"value": value, "rho": rho[rank * len(mine):], "divergence": divergences}  # in samples.jsonl
         elif args.algo == "reinforce_pp":  # REINFORCE++: no per-prompt baseline, r whitened over the global batch
-            raw_advantage, advantage, algo_metrics, shown = reward, global_normalise(reward, weight=norm_weight), {}, {}
+            raw_advantage, advantage, shown = reward, global_normalise(reward, weight=norm_weight), {}
         else:  # the group baselines (variants.py): GRPO's z-score, RLOO's leave-one-out mean, Dr. GRPO's mean
             raw_advantage = advantage = variants.GROUP_BASELINES[args.algo](reward, group)
-            algo_metrics, shown = {}, {}  # (all-equal groups: in step_metrics, for every estimator with groups)
+            shown = {}  # (all-equal groups: in step_metrics, for every estimator with groups)
         # 6. PPO-clip (Eq. 10; or --loss, --loss_agg), `ppo_steps` optimiser steps over the global batch; acting:
         # the batch's log-probs under the policy that sampled it (step 4's, or with one optimiser step its forward's)
         with timed(t, "update"):
@@ -223,7 +231,6 @@ def main(argv=None):
         if args.algo == "spo":  # for D(x) at the next visit
             remember(run.previous, batch_index, all_gather_objects(
                 [PreviousResponse.of(r, logprobs) for r, logprobs in zip(rollouts, acting["batch"])]))
-        devices.phase_end(on_gpu, "update")
         # 7. weight push: the next rollouts come from the updated policy
         with timed(t, "weight_push"):
             run.engine.push_weights(full_parameters(run.policy, torch.bfloat16 if args.bf16 == "on" else None))
@@ -233,8 +240,9 @@ def main(argv=None):
             raise SystemExit(f"error: {nonfinite} consecutive steps with a non-finite loss at step {step}; "
                              f"lower --lr or check the data (metrics in {args.run_dir}/metrics.jsonl)")
         metrics = {**step_metrics(reward, raw_advantage, advantage, rollouts, acting, stats=stats, times=t, group=group,
-                                  tools=run.tools is not None), **algo_metrics, **sampling,
-                   **devices.peak_metrics(on_gpu)}
+                                  tools=run.tools is not None), **sampling, **memory.peak_metrics(on_gpu)}
+        if args.algo == "spo":  # SPO's own: zero-signal samples (Fig. 3a), the tracker, D(x) and rho
+            metrics.update(spo_metrics(batch_raw_advantage, run.tracker, batch_divergences, rho, batch_revisit > 0))
         metrics.update(evaluate(step=step))
         logger.log(step, metrics, console=(step % args.log_every == 0 or step == args.steps))
         logger.samples(step, run.tokenizer.decode, [data.prompt_ids[i] for i in mine], rollouts,
@@ -304,10 +312,10 @@ def parse_args(argv=None):
     g.add_argument("--seed", type=int, default=0, help="seeds prompt sampling and generation")
     add_logging_flags(g)  # --report_to, and --log_every (hidden)
     g = p.add_argument_group("system: memory, micro-batches, engine")
-    devices.add_trainer_flags(g)  # micro-batches, gradient checkpointing, FSDP2 units, bf16, the estimate's override
+    memory.add_trainer_flags(g)  # micro-batches, gradient checkpointing, FSDP2 units, bf16, the estimate's override
     add_engine_flags(g, gpu_share=0.5)  # --engine, --gpu_memory_utilization, --compile
     args = p.parse_args(argv)
-    args.given = checkpoint.given_flags(p, argv)  # --resume accepts changes to some only
+    args.given = resume.given_flags(p, argv)  # --resume accepts changes to some only
     vars(args).update(toy.preset_values(args.preset, args.given, args.algo))  # --preset: defaults for the rest
     args.sampler = {"auto": "prioritized" if args.algo == "spo" else "uniform"}.get(args.sampler, args.sampler)
     args.group_size = (1 if args.algo == "spo" else 8) if args.group_size is None else args.group_size
@@ -319,13 +327,13 @@ def parse_args(argv=None):
 def start(args):
     """Everything checked before anything heavy starts (start_program: as eval.py and offline_values.py), then the
     final flags, once, and what the loop needs, new or resumed: (args, checkpoint.Run); nothing changes args after."""
-    rank, world, device, engine = devices.start_program(args.engine)
+    rank, world, device, engine = start_program(args.engine)
     # --resume: the run's own settings (running nothing it names); --resume auto: resumed if there is a checkpoint
-    args = argparse.Namespace(**checkpoint.resumed_flags(vars(args), BUILT_IN, toy.BUILT))
+    args = argparse.Namespace(**resume.resumed_flags(vars(args), BUILT_IN, toy.BUILT))
     variants.check_flags(vars(args), world)  # one clear line for a bad flag or combination
     thinking.check_budget(args.toy_dir, args.max_response_len)  # a worked sum must fit
     on_gpu, on_toy = device.type == "cuda", args.train is None  # on the toy, 'auto' offline values are built here
-    bf16 = devices.use_bf16(args.bf16, on_gpu)  # auto: on GPU only; "on" needs bf16 units
+    bf16 = use_bf16(args.bf16, on_gpu)  # auto: on GPU only; "on" needs bf16 units
     run_dir = open_run_dir(args.resume or args.run_dir, resumed=bool(args.resume), algo=args.algo, program="spo.py")
     eval_reference = exact_template(args.eval_reference, on_toy and not args.tools and not thinking.is_thinking(
         args.toy_dir), args.eval_top_p, args.eval_top_k)  # auto: the toy's only correct response (not a thinking toy)
@@ -348,7 +356,7 @@ def start(args):
     if args.algo == "spo" and not args.resume and args.offline_values not in ("auto", "none"):
         check_values_header(args.offline_values, v0.settings(), args.accept_offline_mismatch, model)
     v0 = claim_toy_values(v0, on_toy and args.algo == "spo" and not args.resume, run_dir)  # said before the engine
-    max_tokens, checkpointing, layer_units = devices.trainer_plan(vars(args), model, world, on_gpu, rank == 0)
+    max_tokens, checkpointing, layer_units = memory.trainer_plan(vars(args), model, world, on_gpu, rank == 0)
     args = argparse.Namespace(**{**vars(args), **here, "offline_values": v0.offline_values,
                                  "max_tokens_per_micro_batch": max_tokens})  # final
     # the policy, its optimiser and engine, once the memory estimate fits; a resumed run's model and state

@@ -1,5 +1,4 @@
-"""
-The SPO value tracker: one persistent baseline v(x) per prompt, instead of a group of G samples.
+"""The SPO value tracker: one persistent baseline v(x) per prompt, instead of a group of G samples.
 
 Paper (Xu & Ding, "Single-stream Policy Optimization", ICLR 2026), section 4.1 and Algorithm 2:
 - Eq. 5: per prompt a Beta(alpha, beta); on a reward r, alpha <- rho*alpha + r, beta <- rho*beta + (1 - r),

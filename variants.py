@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from machinery.errors import check_ranges, fail
-from machinery.collectives import all_gather_np
+from machinery.collectives import all_gather_np, all_gather_objects
 from reward import check_reward_flag
 
 LOSSES = ("ppo_clip", "gspo", "cispo")
@@ -259,7 +259,7 @@ class Resampling:
         self.on = self.oversampled or dynamic
         self.drawn, self.kept = np.zeros(n_prompts, np.int64), np.zeros(n_prompts, np.int64)
 
-    def __call__(self, first, sample, *, rank, world, gather, max_rounds=MAX_SAMPLING_ROUNDS):
+    def __call__(self, first, sample, *, rank, world, max_rounds=MAX_SAMPLING_ROUNDS):
         """What the loop trains on. first: steps 1-3's (this rank's prompt indices, rollouts, rewards); sample(k):
         steps 1-3 again for DAPO's refill round k. Returns this rank's (indices, rollouts, rewards) and the
         sampling metrics (generated vs used)."""
@@ -267,7 +267,7 @@ class Resampling:
         sampling = {"sampling/generated": self.started * world, "sampling/used": self.local * world, **metrics}
         if self.dynamic:  # DAPO: drop the groups whose rewards are all equal, refill
             *batch, sampling = dynamic_sampling(batch, lambda k: self.keep(*sample(k))[0], self.group, max_rounds,
-                                                rank, world, gather)
+                                                rank, world, all_gather_objects)
         return (*batch, sampling)
 
     def keep(self, mine, rollouts, reward):

@@ -147,10 +147,10 @@ def _settings(config, max_tokens, on_gpu, world, longest):
     layer units, compiled layers): the new defaults (memory.auto_budget; on a CPU max_tokens), eager; the settings
     of before this project's GPU work (max_tokens, checkpointing, per-layer units) on today's loops, which is not
     the old code; on a GPU the new defaults with compiled decoder layers (--compile on)."""
-    from machinery import device as devices, memory
+    from machinery import memory
     old = (f"old settings on today's loops (not the old code): {max_tokens} tokens a micro-batch (no-grad pass "
            f"{2 * max_tokens if on_gpu else max_tokens}), checkpointing, layer units", max_tokens, True, True, False)
-    units = devices.use_layer_units("auto", on_gpu, world)
+    units = memory.use_layer_units("auto", on_gpu, world)
     if not on_gpu:
         return [(f"new defaults: {max_tokens} tokens, checkpointing off, one unit, eager", max_tokens, False, False,
                  False), old]

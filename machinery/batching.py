@@ -1,4 +1,5 @@
-"""Stands in for padded (B, T) batches: token budgets, packed rows, shared prefixes once (gain: docs/benchmarks.md).
+"""Micro-batches by token budget, in packed rows with shared prefixes once, in place of padded (B, T) batches
+(the gain: docs/benchmarks.md).
 
 None of these choices changes the gradient (a token sum over a global count), only memory and time."""
 from dataclasses import dataclass

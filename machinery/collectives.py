@@ -1,4 +1,5 @@
-"""Stands in for torch.distributed's all_gather_object and all_reduce on numpy: one collective, not two (bench).
+"""Collectives on numpy arrays and objects, several in one (in place of torch.distributed's all_gather_object
+and all_reduce one by one: bench), and the policy's full parameters gathered from FSDP2's shards.
 
 On gloo each collective has a fixed cost that dominates small messages (docs/design.md), so few travel."""
 import math

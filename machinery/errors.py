@@ -1,5 +1,5 @@
-"""Stands in for argparse's error() where argparse cannot check: one line per node, not one traceback per rank; and
-the flags' ranges (check_ranges), beside the one line they end in.
+"""One error line per node, not one traceback per rank (argparse's error() where argparse cannot check), and the
+flags' ranges (check_ranges), beside the one line they end in.
 """
 import os
 import socket

@@ -1,5 +1,7 @@
-"""No library estimates a rank's memory before it starts; this buys one line instead of a SIGKILL minutes in.
+"""A rank's memory: the estimate before anything starts, the trainer's layout that fits it (its flags and their
+`auto` values: tokens per micro-batch, gradient checkpointing, FSDP2 units), and what a run used (memory/*).
 
+No library estimates a rank's memory before it starts; the estimate buys one line instead of a SIGKILL minutes in.
 Arithmetic from the config and the flags; it errs high on CPU, and the GPU constants are unchecked (docs/scale.md).
 
     python -m machinery.memory --model smollm/model --tokens 2048   # the estimate for 2 ranks, nothing started
@@ -177,6 +179,75 @@ def check_rank_memory(model, *, world, on_gpu, is_main, batch_size, micro_batch_
     if is_main:
         print(f"warning: {message}", flush=True)
     return max_tokens, checkpointing
+
+
+# ------------------------------------------------------------------------------------------------ the trainer's layout
+def use_layer_units(choice, on_gpu, world=1):
+    """--fsdp_units -> per-layer FSDP2 units (auto: on more than one GPU: one GPU has no gather to overlap)."""
+    return on_gpu and world > 1 if choice == "auto" else choice == "layers"
+
+
+def _tokens_or_off(value):
+    return None if value == "off" else value if value == "auto" else int(value)
+
+
+def add_trainer_flags(p):
+    """spo.py's trainer flags, resolved here and by memory.check_rank_memory."""
+    p.add_argument("--micro_batch_size", type=int, default=64, help=argparse.SUPPRESS)  # sequences per pass, at most
+    p.add_argument("--max_tokens_per_micro_batch", type=_tokens_or_off, default="auto",
+                   help="the update's token budget per forward pass, as the packed row runs it (sequences packed "
+                        "longest first and dealt to the ranks by tokens; the no-grad pass takes twice on GPU; auto: "
+                        f"{CPU_TOKENS} on CPU, on GPU {GPU_TOKENS} or what the memory estimate fits; 'off': "
+                        "micro_batch_size sequences each)")
+    p.add_argument("--gradient_checkpointing", choices=["auto", "on", "off"], default="auto", help="recompute each "
+                   "decoder layer in the backward pass (auto: on GPU where the budget does not fit without it)")
+    # FSDP2's units, per decoder layer or the whole model (bench/gpu_trainer.py compares them; auto: use_layer_units)
+    p.add_argument("--fsdp_units", choices=["auto", "layers", "model"], default="auto", help=argparse.SUPPRESS)
+    p.add_argument("--bf16", choices=["auto", "on", "off"], default="auto",
+                   help="compute in bf16: the trainer (FSDP2 mixed precision, fp32 master weights) and the engine "
+                        "(auto: on GPU only; on a CPU with bf16 instructions 'on' is faster: docs/benchmarks.md)")
+    p.add_argument("--ignore_memory_estimate", action="store_true",
+                   help="start even when the per-rank memory estimate exceeds what a rank has (it errs high)")
+
+
+def trainer_plan(flags, model, world, on_gpu, is_main):
+    """spo.py's trainer layout, 'auto' resolved here and by the memory estimate (printed; one line if it will not
+    fit): (tokens per micro-batch, gradient checkpointing, per-layer FSDP2 units)."""
+    layer_units = use_layer_units(flags["fsdp_units"], on_gpu, world)
+    max_tokens, checkpointing = check_rank_memory(
+        model, world=world, on_gpu=on_gpu, is_main=is_main, batch_size=flags["batch_size"], layer_units=layer_units,
+        micro_batch_size=flags["micro_batch_size"], max_tokens=flags["max_tokens_per_micro_batch"],
+        max_sequence_len=flags["max_prompt_len"] + flags["max_response_len"], ignore=flags["ignore_memory_estimate"],
+        gradient_checkpointing=flags["gradient_checkpointing"], gpu_memory_utilization=flags["gpu_memory_utilization"])
+    return max_tokens, checkpointing, layer_units
+
+
+# ------------------------------------------------------------------------------------------------ memory used
+_gpu = {"phases": {}, "peak": 0.0}  # GPU: memory in use at this step's phase ends (phase_end), the largest so far
+
+
+def phase_end(on_gpu, phase):
+    """GPU: the memory in use at a phase's end, total - free (max_memory_allocated would miss the CUDA context)."""
+    if on_gpu:
+        import torch
+        free, total = torch.cuda.mem_get_info()
+        _gpu["phases"][phase] = total - free
+
+
+def peak_resident_bytes():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
+def peak_metrics(on_gpu):
+    """memory/peak_gib over the ranks so far (CPU: VmHWM; GPU: phase_end's), against the estimate at start."""
+    from machinery.collectives import all_reduce_np
+    if not on_gpu:
+        return {"memory/peak_gib": float(all_reduce_np([peak_resident_bytes()], op="max")[0]) / GIB}
+    names = sorted(_gpu["phases"])
+    used = all_reduce_np([_gpu["phases"].pop(name) for name in names] + [0.0], op="max") / GIB  # every rank alike
+    _gpu["peak"] = max(_gpu["peak"], float(used.max()))
+    return {"memory/peak_gib": _gpu["peak"], **{f"memory/{name}_gib": float(v) for name, v in zip(names, used)}}
 
 
 def main():

@@ -140,14 +140,6 @@ def _rows(path):
     return rows
 
 
-@contextlib.contextmanager
-def timed(seconds, phase):
-    """seconds[phase] += the block's wall time (a phase may run several times in a step: DAPO's refill rounds)."""
-    t0 = time.time()
-    yield
-    seconds[phase] = seconds.get(phase, 0.0) + time.time() - t0
-
-
 def _open_cut(path, resume_step):
     """path for appending, its rows after resume_step (steps a resumed run replays) cut first; and the rows kept."""
     kept = []

@@ -1,4 +1,5 @@
-"""Stands in for libseccomp (a C library, no wheel here): the filter in readable Python, tested (tests/test_sandbox).
+"""The sandbox's seccomp filter in readable Python, tested (tests/test_sandbox), in place of libseccomp (a C
+library, no wheel here).
 
 A seccomp filter for sandbox.py: a classic-BPF program, built here in readable Python, that makes the system calls a
 snippet's namespaces do not cover fail; machinery/isolation.py's launcher installs it just before the snippet's exec.

@@ -15,6 +15,7 @@ from machinery.batching import IDLE, PACKED_ATTENTION, Sequence, deal_by_tokens,
     to_device
 from machinery.collectives import all_gather_np, all_gather_objects, all_reduce_np
 from machinery.logprob_head import attach_logprob_forward, token_logprobs
+from machinery.memory import phase_end
 from machinery.metrics import learning_warning, vllm_gap
 
 
@@ -266,4 +267,5 @@ def update(model, optimizer, rollouts, old, advantage, loss_fn, *, check, ppo_st
                                    [r.response_mask for r in rollouts])
         if warning and dist.get_rank() == 0:
             print(f"warning: {warning}", file=sys.stderr, flush=True)
+    phase_end(next(model.parameters()).is_cuda, "update")  # (GPU: memory/update_gib)
     return stats, acting

@@ -279,11 +279,11 @@ def test_a_live_lock_keeps_a_second_job_out_and_a_stale_one_is_taken_over(tmp_pa
 
 
 def test_resume_keeps_the_runs_settings_and_names_each_changed_one():
-    from machinery import checkpoint
+    from machinery import resume
     saved = {"lr": 2e-4, "seed": 0, "steps": 20, "algo": "spo", "eval_every": 25}
-    settings, errors = checkpoint.resumed_settings(saved, {"steps": 40, "eval_every": 5})
+    settings, errors = resume.resumed_settings(saved, {"steps": 40, "eval_every": 5})
     assert not errors and settings == {**saved, "steps": 40, "eval_every": 5}
-    settings, errors = checkpoint.resumed_settings(saved, {"lr": 1e-3, "seed": 0, "algo": "grpo"})
+    settings, errors = resume.resumed_settings(saved, {"lr": 1e-3, "seed": 0, "algo": "grpo"})
     assert len(errors) == 2 and settings["lr"] == 2e-4
     assert errors[0].startswith("--algo grpo: the run being resumed has spo")
     assert errors[1].startswith("--lr 0.001: the run being resumed has 0.0002")
@@ -396,10 +396,10 @@ if __name__ == "__main__":  # [torchrun] tests/test_checkpoint.py WORKER OUT [AR
 def test_a_config_that_parses_but_is_not_a_runs_is_one_line(tmp_path, capsys, content):
     """JSON from a file, of any depth or shape: a config.json that is a list (or lacks the run's steps) was a
     traceback on --resume, and one nested deeply a RecursionError."""
-    from machinery import checkpoint
+    from machinery.untrusted import read_config
     (tmp_path / "config.json").write_text(content)
     with pytest.raises(SystemExit):
-        checkpoint.read_config(str(tmp_path))
+        read_config(str(tmp_path))
     err = capsys.readouterr().err
     assert err.startswith(f"error: --resume {tmp_path}: its config.json is not a run's configuration")
     assert len(err.strip().splitlines()) == 1

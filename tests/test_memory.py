@@ -119,15 +119,15 @@ def test_gpu_memory_is_read_at_the_end_of_each_phase(tmp_path):
     script = (
         "import json, torch, torch.distributed as dist\n"
         "dist.init_process_group('gloo', init_method='tcp://127.0.0.1:0', rank=0, world_size=1)\n"
-        "from machinery import device\n"
+        "from machinery import memory\n"
         "used = iter([30, 50, 20, 10])\n"
         "torch.cuda.mem_get_info = lambda: ((80 - next(used)) * 2**30, 80 * 2**30)\n"
         "steps = []\n"
         "for _ in range(2):\n"
-        "    device.phase_end(True, 'generate'); device.phase_end(True, 'update')\n"
-        "    steps.append(device.peak_metrics(True))\n"
-        "device.phase_end(False, 'generate')  # CPU: nothing noted, VmHWM read\n"
-        "steps.append(sorted(device.peak_metrics(False)))\n"
+        "    memory.phase_end(True, 'generate'); memory.phase_end(True, 'update')\n"
+        "    steps.append(memory.peak_metrics(True))\n"
+        "memory.phase_end(False, 'generate')  # CPU: nothing noted, VmHWM read\n"
+        "steps.append(sorted(memory.peak_metrics(False)))\n"
         "print(json.dumps(steps))\n"
         "dist.destroy_process_group()\n")  # a gloo group left at exit can abort the interpreter (seen in CI)
     proc = python("-c", script)
@@ -145,9 +145,9 @@ def test_whole_model_units_hold_every_weight_and_gradient_at_once(tmp_path):
     whole = memory.rank_memory(shape, layer_units=False, **common)["gathered weights and their gradients"]
     assert by_layer == 2 * 4 * (shape.root_parameters + 2 * shape.layer_parameters)  # fp32 on CPU
     assert whole == 2 * 4 * shape.parameters > by_layer
-    assert [device.use_layer_units(c, gpu) for c in ("auto", "layers", "model") for gpu in (False, True)] == \
+    assert [memory.use_layer_units(c, gpu) for c in ("auto", "layers", "model") for gpu in (False, True)] == \
         [False, False, True, True, False, False]  # auto: one GPU is one unit (nothing to gather, no casts per layer)
-    assert device.use_layer_units("auto", True, world=2) and not device.use_layer_units("auto", False, world=2)
+    assert memory.use_layer_units("auto", True, world=2) and not memory.use_layer_units("auto", False, world=2)
 
 
 @pytest.mark.slow

@@ -41,17 +41,17 @@ def _in_mount_namespace(setup, command, tmp_path):
 def test_resume_runs_no_verifier_that_its_config_names(saved_run, tmp_path, capsys):
     """A run directory from elsewhere whose config.json names a verifier file: --resume stops with one line before
     anything imports it; named on the command line it is the user's choice."""
-    from machinery import checkpoint
+    from machinery import resume
     from reward import BUILT_IN
     run = shutil.copytree(saved_run, tmp_path / "run")
     hook = run / "hook.py"
     hook.write_text(f"open({str(tmp_path / 'ran')!r}, 'w').close()\ndef score(text, truth):\n    return 1\n")
     for reward in (f"{hook}:score", "hook.py:score", "hook:score"):
         (run / "config.json").write_text(json.dumps({"steps": 4, "reward": reward, "train": str(run / "hook.py")}))
-        err = _one_error(capsys, lambda: checkpoint.resumed_config(str(run), {"steps": 8}, BUILT_IN))
+        err = _one_error(capsys, lambda: resume.resumed_config(str(run), {"steps": 8}, BUILT_IN))
         assert f"names the verifier {reward!r}, which is not built in" in err and f"--reward {reward}" in err, err
     assert not (tmp_path / "ran").exists()
-    settings = checkpoint.resumed_config(str(run), {"steps": 8, "reward": "hook:score"}, BUILT_IN)
+    settings = resume.resumed_config(str(run), {"steps": 8, "reward": "hook:score"}, BUILT_IN)
     assert settings["reward"] == "hook:score"
     assert settings["model"] == str(run / "checkpoints" / "step_000004" / "model")  # the checkpoint's own
 

@@ -18,7 +18,7 @@ from common import ENV, ROOT
 CASES = {
     "--offline_values": ("values.json", "import offline_values; offline_values.check_values_header(PATH, {})",
                          "error: --offline_values {path}: not an offline-values file ({kind}, not a regular file;"),
-    "config.json": ("config.json", "from machinery import checkpoint; checkpoint.read_config(RUN)",
+    "config.json": ("config.json", "from machinery.untrusted import read_config; read_config(RUN)",
                     "error: --resume {run}: its config.json is not a run's configuration (a JSON object of spo.py's "
                     "flags, with steps: {kind}, not a regular file)"),
     "checkpoints/latest": ("checkpoints/latest", "from machinery import checkpoint; print(checkpoint.latest_step(RUN))",
