@@ -15,8 +15,33 @@ import torch.distributed as dist
 
 from machinery import collectives
 from machinery.errors import check_finite, check_sampling, fail
-from machinery.metrics import POOL_PROMPTS, pool_statistics, probe_stats
 from reward import DEFAULT_REWARD, VERIFIER_TIMEOUT_S, check_reward_flag, reward_and_answer
+
+
+def probe_stats(value, success, n_samples, n_eff=None):
+    """v(x) against the measured success rate: MAE, bias, and the MAE a PERFECT tracker would show from the
+    n-sample measurement alone; with n_eff, an UNBIASED tracker's of N_eff samples (E|p_hat - p| approximations)."""
+    value, success = np.asarray(value, np.float64), np.asarray(success, np.float64)
+    spread = success * (1 - success) * n_samples / max(n_samples - 1, 1)  # unbiased p(1-p) from n Bernoulli draws
+    stats = {"probe/mae": float(np.mean(np.abs(value - success))), "probe/bias": float(np.mean(value - success)),
+             "probe/mae_floor": float(np.mean(np.sqrt(2 / np.pi * spread / n_samples)))}
+    if n_eff is not None:
+        noise = spread * (1 / np.asarray(n_eff, np.float64) + 1 / n_samples)
+        stats["probe/mae_unbiased"] = float(np.mean(np.sqrt(2 / np.pi * noise)))
+    return stats
+
+
+POOL_PROMPTS = 2048  # the training prompts pool_statistics reads (a fixed subset of a larger set)
+
+
+def pool_statistics(p, group=8, mastered=0.9):
+    """Whether a baseline and a sampler have work to do; between_share: the most a per-prompt baseline removes."""
+    p = np.asarray(p, np.float64)
+    total = p.mean() * (1 - p.mean())
+    return {"pool/exact": float(p.mean()), "pool/mastered": float(np.mean(p >= mastered)),
+            "pool/unsolved": float(np.mean(p <= 1 - mastered)),
+            "pool/all_agree8": float(np.mean(p ** group + (1 - p) ** group)),
+            "pool/between_share": float(p.var() / total) if total > 0 else 0.0}
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
-"""On json, tqdm and matplotlib (--report_to's trackers if asked): the metrics no library knows for SPO (docs/flags.md),
-and run.png."""
+"""What a run records: each step's metrics no library knows for SPO (docs/flags.md), the logger (metrics.jsonl, the
+console line, tqdm, --report_to's trackers if asked) and run.png, on json, tqdm and matplotlib."""
 import contextlib
 import json
 import os
@@ -26,47 +26,16 @@ def tool_metrics(all_reward, rollouts):
             "tools/timeout_rate": timeouts.sum() / max(calls.sum(), 1)}
 
 
-def vllm_gap(batch, rollouts):
-    """The trainer's and the engine's log-probs of the sampled tokens compared (a failed weight push shows here)."""
-    if not rollouts:
-        return {"logprob_gap_mean": 0.0, "logprob_gap_max": 0.0, "ratio_outside": 0, "ratio_max": 0.0, "tokens": 0}
-    diff = np.concatenate([(lp - np.asarray(r.logprobs))[np.asarray(r.response_mask) > 0]
-                           for lp, r in zip(batch, rollouts)])
-    ratio = np.exp(diff)
-    return {"logprob_gap_mean": float(np.abs(diff).mean()), "logprob_gap_max": float(np.abs(diff).max()),
-            "ratio_outside": int(((ratio < 0.9) | (ratio > 1.1)).sum()), "ratio_max": float(ratio.max()),
-            "tokens": len(diff)}
-
-
-def learning_warning(changed, old, new, advantage, masks):
-    """None if the first update moved the policy the way the advantages say, else a warning (else it is silent)."""
-    sums = np.zeros(5)  # changed; the log-prob change summed over positive-advantage tokens, their count; negative
-    sums[0] = changed
-    for o, n, a, m in zip(old, new, advantage, masks):
-        delta = (np.asarray(n) - np.asarray(o))[np.asarray(m) > 0]
-        if a > 0:
-            sums[1:3] += [delta.sum(), len(delta)]
-        elif a < 0:
-            sums[3:5] += [delta.sum(), len(delta)]
-    total = all_gather_np(sums).reshape(-1, 5).sum(0)
-    rose, fell = total[1] / max(total[2], 1), total[3] / max(total[4], 1)
-    if total[0] > 0 and rose > 0 and fell < 0:
-        return None
-    return (f"the first update did not move the policy the way the advantages say (parameters "
-            f"{'changed' if total[0] else 'unchanged'}; mean log-prob change of positive-advantage tokens {rose:+.2e} "
-            f"over {total[2]:.0f}, of negative-advantage ones {fell:+.2e} over {total[4]:.0f}): likely a zero learning "
-            f"rate (--lr), all advantages zero (every reward equal to its baseline), or frozen parameters")
-
-
-def step_metrics(reward, raw_advantage, advantage, rollouts, old, stats, times, group=1, tools=False):
-    """What every algorithm reports over the global batch (each metric: docs/flags.md)."""
+def step_metrics(reward, raw_advantage, advantage, rollouts, acting, stats, times, group=1, tools=False):
+    """What every algorithm reports over the global batch (each metric: docs/flags.md). acting: trainer.update's,
+    the batch's log-probs under the acting policy and step 4's count of rescored sequences."""
     world = dist.get_world_size()
     reward, raw, adv, lengths, policy_tokens, truncated, scalars = all_gather_np(  # one collective
         reward, raw_advantage, np.asarray(advantage), np.array([len(r.response_ids) for r in rollouts]),
         np.array([sum(r.response_mask) for r in rollouts]),  # policy tokens: tool output left out
         np.array([r.finish_reason == "length" for r in rollouts], dtype=np.float64),
-        np.array([old["entropy"], old["logprob_gap_mean"], old["sequences"], old["logprob_gap_max"],
-                  old["ratio_max"], old["ratio_outside"], old["tokens"]]))
+        np.array([acting["entropy"], acting["logprob_gap_mean"], acting["sequences"], acting["logprob_gap_max"],
+                  acting["ratio_max"], acting["ratio_outside"], acting["tokens"]]))
     # per rank: entropy, mean gap, rescored sequences; max gap, max ratio; ratios outside [0.9, 1.1], tokens
     scalars = scalars.reshape(world, 7)
     gap_max, ratio_max, (outside, tokens) = scalars[:, 3].max(), scalars[:, 4].max(), scalars[:, 5:].sum(0)
@@ -237,32 +206,6 @@ class Logger:
 RUN_PLOT_PANELS = (("eval/accuracy", "held-out accuracy"), ("reward/mean", "training reward"),
                    ("tracker/value_mean", "tracker: mean value v(x)"), ("tracker/rho_mean", "tracker: mean rho"),
                    ("policy/entropy", "entropy"))
-
-
-def probe_stats(value, success, n_samples, n_eff=None):
-    """v(x) against the measured success rate: MAE, bias, and the MAE a PERFECT tracker would show from the
-    n-sample measurement alone; with n_eff, an UNBIASED tracker's of N_eff samples (E|p_hat - p| approximations)."""
-    value, success = np.asarray(value, np.float64), np.asarray(success, np.float64)
-    spread = success * (1 - success) * n_samples / max(n_samples - 1, 1)  # unbiased p(1-p) from n Bernoulli draws
-    stats = {"probe/mae": float(np.mean(np.abs(value - success))), "probe/bias": float(np.mean(value - success)),
-             "probe/mae_floor": float(np.mean(np.sqrt(2 / np.pi * spread / n_samples)))}
-    if n_eff is not None:
-        noise = spread * (1 / np.asarray(n_eff, np.float64) + 1 / n_samples)
-        stats["probe/mae_unbiased"] = float(np.mean(np.sqrt(2 / np.pi * noise)))
-    return stats
-
-
-POOL_PROMPTS = 2048  # the training prompts pool_statistics reads (a fixed subset of a larger set)
-
-
-def pool_statistics(p, group=8, mastered=0.9):
-    """Whether a baseline and a sampler have work to do; between_share: the most a per-prompt baseline removes."""
-    p = np.asarray(p, np.float64)
-    total = p.mean() * (1 - p.mean())
-    return {"pool/exact": float(p.mean()), "pool/mastered": float(np.mean(p >= mastered)),
-            "pool/unsolved": float(np.mean(p <= 1 - mastered)),
-            "pool/all_agree8": float(np.mean(p ** group + (1 - p) ** group)),
-            "pool/between_share": float(p.var() / total) if total > 0 else 0.0}
 
 
 def plot_run(run_dir):

@@ -16,7 +16,6 @@ from machinery.batching import IDLE, PACKED_ATTENTION, Sequence, deal_by_tokens,
 from machinery.collectives import all_gather_np, all_gather_objects, all_reduce_np
 from machinery.logprob_head import attach_logprob_forward, token_logprobs
 from machinery.memory import phase_end
-from machinery.metrics import learning_warning, vllm_gap
 
 
 def build_policy(path, device, lr, weight_decay, gradient_checkpointing=None, layer_units=None, bf16=None,
@@ -143,6 +142,39 @@ def _owned(scored, n, rollouts, dealt):
             entropy_sum, token_count = entropy_sum + row_entropy, token_count + tokens
     return out, {"batch": out[: len(rollouts)], "entropy": entropy_sum / max(token_count, 1.0),
                  **vllm_gap(out[: len(rollouts)], rollouts)}
+
+
+# ---- the trainer's diagnostics: its log-probs against the engine's, and whether the first update moved the policy
+def vllm_gap(batch, rollouts):
+    """The trainer's and the engine's log-probs of the sampled tokens compared (a failed weight push shows here)."""
+    if not rollouts:
+        return {"logprob_gap_mean": 0.0, "logprob_gap_max": 0.0, "ratio_outside": 0, "ratio_max": 0.0, "tokens": 0}
+    diff = np.concatenate([(lp - np.asarray(r.logprobs))[np.asarray(r.response_mask) > 0]
+                           for lp, r in zip(batch, rollouts)])
+    ratio = np.exp(diff)
+    return {"logprob_gap_mean": float(np.abs(diff).mean()), "logprob_gap_max": float(np.abs(diff).max()),
+            "ratio_outside": int(((ratio < 0.9) | (ratio > 1.1)).sum()), "ratio_max": float(ratio.max()),
+            "tokens": len(diff)}
+
+
+def learning_warning(changed, old, new, advantage, masks):
+    """None if the first update moved the policy the way the advantages say, else a warning (else it is silent)."""
+    sums = np.zeros(5)  # changed; the log-prob change summed over positive-advantage tokens, their count; negative
+    sums[0] = changed
+    for o, n, a, m in zip(old, new, advantage, masks):
+        delta = (np.asarray(n) - np.asarray(o))[np.asarray(m) > 0]
+        if a > 0:
+            sums[1:3] += [delta.sum(), len(delta)]
+        elif a < 0:
+            sums[3:5] += [delta.sum(), len(delta)]
+    total = all_gather_np(sums).reshape(-1, 5).sum(0)
+    rose, fell = total[1] / max(total[2], 1), total[3] / max(total[4], 1)
+    if total[0] > 0 and rose > 0 and fell < 0:
+        return None
+    return (f"the first update did not move the policy the way the advantages say (parameters "
+            f"{'changed' if total[0] else 'unchanged'}; mean log-prob change of positive-advantage tokens {rose:+.2e} "
+            f"over {total[2]:.0f}, of negative-advantage ones {fell:+.2e} over {total[4]:.0f}): likely a zero learning "
+            f"rate (--lr), all advantages zero (every reward equal to its baseline), or frozen parameters")
 
 
 def tis_weights(old_logprobs, engine_logprobs, mask, cap):

@@ -1,4 +1,4 @@
-"""The calibrated regime: the pool statistics every toy evaluation logs (machinery/metrics.py:pool_statistics), the
+"""The calibrated regime: the pool statistics every toy evaluation logs (probes.py:pool_statistics), the
 preregistered primary metric and power (experiments/analysis.py), and the sharper warm start --preset calibrated
 ships.
 
@@ -11,7 +11,7 @@ import pytest
 
 import spo
 import variants
-from machinery.metrics import pool_statistics
+from probes import pool_statistics
 from experiments.analysis import area_mean, detectable, exact_curve, seeds_for
 
 

@@ -50,7 +50,7 @@ def test_a_run_logs_the_exact_metric_and_the_pool_at_each_evaluation_and_the_pro
                         "--eval_reference", "\\boxed{{answer}}"), timeout=900))
     rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
     assert [0.0 < rows[i]["eval/exact"] < 1.0 for i in (0, 2)] == [True, True] and "eval/exact" not in rows[1]
-    # the training pool's regime beside it (machinery/metrics.py:pool_statistics), for every algorithm
+    # the training pool's regime beside it (probes.py:pool_statistics), for every algorithm
     assert [0.0 < rows[i]["pool/exact"] < 1.0 for i in (0, 2)] == [True, True] and "pool/exact" not in rows[1]
     assert {"pool/mastered", "pool/unsolved", "pool/all_agree8", "pool/between_share"} <= set(rows[2])
     probes = [json.loads(line) for line in open(run / "probe.jsonl")]

@@ -1,6 +1,6 @@
 """The engine/trainer mismatch and silent no-learning: truncated importance sampling (--tis: trainer.tis_weights and
 the loss's weights), the mismatch metrics, and the warning after a first update that did not move the policy
-(metrics.learning_warning). The runs with --bf16 on (where the mismatch is real) and --lr 0 are slow.
+(trainer.learning_warning). The runs with --bf16 on (where the mismatch is real) and --lr 0 are slow.
 
     .venv/bin/python -m pytest tests/test_mismatch.py -q
 """
@@ -24,7 +24,7 @@ def test_tis_weights_are_the_ratio_capped_and_one_off_the_policy_tokens():
 
 
 def test_the_mismatch_metrics_count_policy_tokens_outside_the_band():
-    from machinery.metrics import vllm_gap
+    from machinery.trainer import vllm_gap
     from rollout import Rollout
     rollouts = [Rollout([1], [5, 6, 7], list(np.log([0.5, 0.5, 0.5])), "", "stop", response_mask=[1, 1, 0]),
                 Rollout([1], [5, 6], list(np.log([0.5, 0.5])), "", "stop", response_mask=[1, 1])]
@@ -56,7 +56,7 @@ def test_the_weights_scale_each_tokens_loss(loss):
 
 LEARNING = """
 import torch.distributed as dist, numpy as np
-from machinery.metrics import learning_warning
+from machinery.trainer import learning_warning
 dist.init_process_group('gloo', init_method='tcp://127.0.0.1:0', rank=0, world_size=1)
 old = [np.array([-1.0, -2.0, -3.0]), np.array([-1.0, -1.0])]
 masks = [[1, 1, 0], [1, 1]]

@@ -5,7 +5,7 @@ steady drift predicts, and the bounds, read from a run's probe.jsonl and metrics
 """
 import json
 
-from machinery.metrics import probe_stats
+from probes import probe_stats
 from experiments import regime
 
 
