@@ -93,7 +93,7 @@ def accountings(runs, budget):
     ways = {"training_samples": lambda run: area(run, 0), "at_budget_end": at_end,
             "offline_shared": lambda run: area(run, 1024 / run["config"]["n0"])}
     return {variant: {name: paired([way(seeds[s]) - way(spo[s]) for s in sorted(spo)]) for name, way in ways.items()}
-            for variant, seeds in runs.items() if variant != "spo"}
+            for variant, seeds in runs.items() if variant != "spo" and set(seeds) >= set(spo)}  # complete arms
 
 
 def regime(runs, budget):
