@@ -227,6 +227,8 @@ def main(argv=None):
         with timed(t, "update"):
             stats, acting = trainer.update(run.policy, run.optimizer, rollouts, old, advantage, loss_fn=loss_fn,
                                            check=step == run.start_step + 1, ppo_steps=args.ppo_steps,
+                                           lr=trainer.scheduled_lr(step, args.lr, args.warmup_steps, args.lr_schedule,
+                                                                   args.steps),
                                            grad_clip=args.grad_clip, tis=args.tis, **passes)
         if args.algo == "spo":  # for D(x) at the next visit
             remember(run.previous, batch_index, all_gather_objects(
@@ -303,6 +305,9 @@ def parse_args(argv=None):
     g.add_argument("--lr", type=float, default=2e-4, help="AdamW learning rate (paper: 1e-6 for Qwen3-8B)")
     g.add_argument("--grad_clip", type=float, default=1.0, help="global gradient 2-norm clip")
     g.add_argument("--ppo_steps", type=int, default=1, help="optimiser steps per rollout batch (paper: 8)")
+    g.add_argument("--lr_schedule", choices=["constant", "cosine"], default="constant",
+                   help="after the warmup: --lr throughout (the paper), or a cosine decay over the run's --steps")
+    g.add_argument("--warmup_steps", type=int, default=0, help="linear warmup of the learning rate over N steps")
     g = p.add_argument_group("evaluation and probe")
     add_eval_flags(g)  # --eval_every, --eval_samples, ..., and the tracker probe's
     g = p.add_argument_group("run directory and logging")

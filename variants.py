@@ -1,7 +1,7 @@
 """The estimators and policy losses SPO is compared against, one flag away.
 
-An ablation changes one thing: the baseline (GRPO, RLOO, Dr. GRPO: G consecutive responses per prompt), the
-per-token policy loss (GSPO, CISPO; PPO-clip itself, Eq. 10, is spo.ppo_clip_token_loss), the loss aggregation
+An ablation changes one thing: the baseline (GRPO, RLOO, Dr. GRPO, MaxRL: G consecutive responses per prompt), the
+per-token policy loss (GSPO, CISPO, SAPO; PPO-clip itself, Eq. 10, is spo.ppo_clip_token_loss), the loss aggregation
 (a sum over micro-batch pieces divided by a GLOBAL constant), or which samples are kept (DAPO's dynamic sampling,
 which counts the samples generated and used so that equal-budget comparisons stay honest; group-free
 over-sampling, Appendix B, kept by rollout.Engine.generate). Each member is a small pure function of explicit
@@ -28,16 +28,17 @@ from machinery.errors import check_ranges, fail
 from machinery.collectives import all_gather_np, all_gather_objects
 from reward import check_reward_flag
 
-LOSSES = ("ppo_clip", "gspo", "cispo")
+LOSSES = ("ppo_clip", "gspo", "cispo", "sapo")
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "token_sum")
-GROUP_ALGOS = ("grpo", "rloo", "dr_grpo")  # need G >= 2 responses per prompt
+GROUP_ALGOS = ("grpo", "rloo", "dr_grpo", "max_rl")  # need G >= 2 responses per prompt
 
 
 def add_variant_flags(sampling, p):
     """The family's sampling flags (into `sampling`: steps 1-3) and policy-loss flags (into p; the estimator is
     spo.py's --algo and --baseline)."""
     p.add_argument("--loss", choices=LOSSES, default="ppo_clip",
-                   help="policy loss: PPO-clip (Eq. 10), GSPO's sequence ratio, CISPO's clipped IS weight")
+                   help="policy loss: PPO-clip (Eq. 10), GSPO's sequence ratio, CISPO's clipped IS weight, SAPO's soft "
+                        "gate")
     p.add_argument("--loss_agg", choices=AGGREGATIONS, default="token_mean",
                    help="token mean over the global mini-batch, mean over sequences of their token mean, or "
                         "token sum / (sequences x --max_response_len)")
@@ -113,7 +114,18 @@ def dr_grpo_advantage(reward, group_size):
     return (r - r.mean(1, keepdims=True)).reshape(-1)
 
 
-GROUP_BASELINES = {"grpo": grpo_advantage, "rloo": rloo_advantage, "dr_grpo": dr_grpo_advantage}
+def max_rl_advantage(reward, group_size, eps=1e-6):
+    """MaxRL (Tajwar et al. 2026, "Maximum Likelihood Reinforcement Learning", arXiv 2602.02710; TRL's MaxRLTrainer,
+    prime-rl): (r - mean_G) / mean_G within each group. With binary rewards a success's weight is 1/p_hat - 1, so
+    the expected gradient follows log p(x), not p(x): hard prompts weigh more. A group without a success gets 0
+    (its numerator is 0; eps only keeps the division finite)."""
+    r = reward.reshape(-1, group_size)  # (B/G, G)
+    mean = r.mean(1, keepdims=True)
+    return ((r - mean) / (mean + eps)).reshape(-1)
+
+
+GROUP_BASELINES = {"grpo": grpo_advantage, "rloo": rloo_advantage, "dr_grpo": dr_grpo_advantage,
+                   "max_rl": max_rl_advantage}
 
 
 # ------------------------------------------------------------------------------------------------ policy losses
@@ -141,6 +153,20 @@ def cispo_token_loss(logprobs, old_logprobs, advantage, mask, clip_low, clip_hig
     clipped = (ratio < 1 - clip_low) | (ratio > 1 + clip_high)
     logprobs = torch.where(mask > 0, logprobs, torch.zeros_like(logprobs))  # masked positions may hold anything
     return -weight * advantage[:, None] * logprobs, clipped
+
+
+SAPO_TAU = (1.0, 1.05)  # SAPO's gate temperatures for A > 0 and A < 0: the paper's, TRL's and verl's defaults
+
+
+def sapo_token_loss(logprobs, old_logprobs, advantage, mask, clip_low, clip_high, tau=SAPO_TAU):
+    """SAPO (Gao et al. 2025, "Soft Adaptive Policy Optimization", arXiv 2511.20347; TRL's loss_type="sapo"): the
+    hard clip replaced by a soft gate, loss = -A (4 / tau) sigmoid(tau (ratio - 1)), tau = tau_pos where A > 0,
+    tau_neg where A < 0. At ratio 1 its gradient is exactly the policy gradient's (d/d ratio = A); off-policy it
+    fades smoothly instead of stopping. Nothing is clipped (clip_low, clip_high unused; `clipped` is all False)."""
+    adv = advantage[:, None]  # (B, 1)
+    ratio = torch.exp((logprobs - old_logprobs) * mask)  # (B, T); masked tokens: ratio 1
+    t = torch.where(adv > 0, tau[0], tau[1])  # (B, 1)
+    return -adv * (4 / t) * torch.sigmoid(t * (ratio - 1)), torch.zeros_like(mask, dtype=torch.bool)
 
 
 # ------------------------------------------------------------------------------------------------ aggregations
@@ -181,7 +207,7 @@ def make_loss(loss, aggregation, ppo_clip_token_loss, *, clip_low, clip_high, du
     """loss_fn(logprobs, old_logprobs, advantage, mask, n_tokens) for --loss and --loss_agg. n_sequences: the
     global mini-batch (batch_size // ppo_steps); max_len: the response budget (token_sum's constant)."""
     token_loss = {"ppo_clip": functools.partial(ppo_clip_token_loss, dual_clip=dual_clip),
-                  "gspo": gspo_token_loss, "cispo": cispo_token_loss}[loss]
+                  "gspo": gspo_token_loss, "cispo": cispo_token_loss, "sapo": sapo_token_loss}[loss]
     return functools.partial(policy_loss, token_loss=functools.partial(token_loss, clip_low=clip_low,
                                                                        clip_high=clip_high),
                              aggregation=aggregation, n_sequences=n_sequences, max_len=max_len)

@@ -47,7 +47,7 @@ def check_sampling(temperature, top_p, top_k, prefix=""):
 AT_LEAST = {"batch_size": 1, "group_size": 1, "steps": 1, "max_prompt_len": 1, "max_response_len": 1,
             "micro_batch_size": 1, "ppo_steps": 1, "n0": 1, "eval_samples": 1, "eval_every": 0, "save_every": 0,
             "log_every": 1, "eval_max_prompts": 0, "probe_every": 0, "probe_prompts": 1, "probe_samples": 1,
-            "train_prompts": 0, "pool_seed": -1, "seed": 0, "max_tool_output_chars": 1}
+            "train_prompts": 0, "pool_seed": -1, "seed": 0, "max_tool_output_chars": 1, "warmup_steps": 0}
 POSITIVE = ("temperature", "eval_temperature", "d_half", "grad_clip", "gpu_memory_utilization")
 NON_NEGATIVE = ("lr", "tis", "clip_low", "clip_high", "sampling_eps", "sampling_gamma")
 

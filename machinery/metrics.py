@@ -51,7 +51,7 @@ def step_metrics(reward, raw_advantage, advantage, rollouts, acting, stats, time
          "policy/ratio_outside": outside / max(tokens, 1), "policy/ratio_max": ratio_max,
          "policy/tis_truncated": stats["tis_truncated"], "policy/rescored_sequences": scalars[2],
          "policy/clip_fraction": stats["clip_fraction"], "policy/approx_kl": stats["approx_kl"],
-         "policy/grad_norm": stats["grad_norm"], "policy/loss": stats["loss"],
+         "policy/grad_norm": stats["grad_norm"], "policy/loss": stats["loss"], "policy/lr": stats["lr"],
          "policy/decoder_tokens": stats["decoder_tokens"]}
     m.update(signal_metrics(raw, adv, reward, group))
     m.update({f"time/{k}": v for k, v in times.items()})

@@ -4,6 +4,7 @@ FSDP2 averages gradients over ranks and spo.py's loss is a mean over the GLOBAL 
 it by the world size (set_gradient_divide_factor(1) would, but fails on gloo)."""
 import functools
 import logging
+import math
 import sys
 
 import numpy as np
@@ -279,8 +280,21 @@ def _accumulate_gradients(model, mini, shares, loss_fn, global_tokens, temperatu
     return np.append(sums, getattr(model, "decoder_tokens", 0) - ran), scored
 
 
+def scheduled_lr(step, lr, warmup_steps, schedule, total_steps):
+    """The learning rate of rollout step `step` (from 1), for each of its optimiser steps: a linear warmup, lr x
+    step / warmup_steps up to step warmup_steps, then lr ("constant"), or a cosine from lr towards 0 over the steps
+    left, lr (1 + cos(pi k / n)) / 2 at the k-th of the n = total_steps - warmup_steps (k from 0: the first step
+    after the warmup has lr, the last still a little; transformers' cosine schedule, counted in rollout steps).
+    A function of the step alone: a resumed run gets the same rates."""
+    if step <= warmup_steps:
+        return lr * step / warmup_steps
+    if schedule == "cosine":
+        return lr * (1 + math.cos(math.pi * (step - warmup_steps - 1) / (total_steps - warmup_steps))) / 2
+    return lr
+
+
 def update(model, optimizer, rollouts, old, advantage, loss_fn, *, check, ppo_steps, micro_batch_size, temperature,
-           grad_clip, max_tokens=None, tis=0.0):
+           grad_clip, lr, max_tokens=None, tis=0.0):
     """Step 6: ppo_update, and with `check` (a run's first step) a warning line unless it moved the policy the way
     the advantages say (one more pass). old: step 4's old_logprobs, whose "batch" is empty where reuses_forward.
     Returns (stats, acting): acting is old_logprobs' dict of the batch under the policy that sampled it, step 4's
@@ -289,6 +303,8 @@ def update(model, optimizer, rollouts, old, advantage, loss_fn, *, check, ppo_st
         return torch.stack([(p.to_local() if isinstance(p, DTensor) else p).detach().double().norm()
                             for group in optimizer.param_groups for p in group["params"]])
     before = norms() if check else None
+    for group in optimizer.param_groups:  # (scheduled_lr's: the optimiser keeps no schedule of its own)
+        group["lr"] = lr
     stats = ppo_update(model, optimizer, rollouts, old["batch"] or None, advantage, loss_fn, ppo_steps=ppo_steps,
                        micro_batch_size=micro_batch_size, temperature=temperature, grad_clip=grad_clip,
                        max_tokens=max_tokens, tis=tis)
@@ -300,4 +316,4 @@ def update(model, optimizer, rollouts, old, advantage, loss_fn, *, check, ppo_st
         if warning and dist.get_rank() == 0:
             print(f"warning: {warning}", file=sys.stderr, flush=True)
     phase_end(next(model.parameters()).is_cuda, "update")  # (GPU: memory/update_gib)
-    return stats, acting
+    return {**stats, "lr": lr}, acting

@@ -18,7 +18,7 @@ from test_layout import tracked_files
 # are counted in code tokens (the standard tokenize module, without comments, docstrings, newlines and
 # indentation): explaining costs nothing, and packing lines tighter buys nothing.
 FILE_LINES, COLUMNS, POSITIONAL_ARGUMENTS = 450, 120, 5
-ALL_FLAGS, UNGROUPED_FLAGS = 76, 6  # every flag, hidden ones too; public flags outside a --help group
+ALL_FLAGS, UNGROUPED_FLAGS = 78, 6  # every flag, hidden ones too (76 until the learning-rate schedule's two); ungrouped
 # the library a fork reads; the notebook (bench/, experiments/); spo.py. At 57226b3: 60,934, 23,073 and 4,282;
 # the way down is simpler code, to 58,000, 23,000 and 4,000
 REFERENCE_TOKENS, NOTEBOOK_TOKENS, SPO_TOKENS = 60800, 23100, 4170

@@ -172,6 +172,21 @@ def test_resume_is_exact(small_toy, spo_run, tmp_path):
 
 
 @pytest.mark.slow
+def test_the_learning_rate_schedule_resumes_exactly(small_toy, tmp_path):
+    """--warmup_steps 2 --lr_schedule cosine: the rates by hand (lr / 2, lr, then the cosine's first two of two
+    steps, lr and lr / 2), and 4 steps straight == 2, stop, --resume, 2 more (the schedule is the step's)."""
+    schedule = ("--warmup_steps", "2", "--lr_schedule", "cosine", "--save_every", "2")
+    ok(torchrun(2, *toy_args(small_toy, tmp_path / "straight", "--steps", "4", *schedule)))
+    ok(torchrun(2, *toy_args(small_toy, tmp_path / "resumed", "--steps", "2", *schedule)))
+    ok(torchrun(2, *toy_args(small_toy, tmp_path / "resumed", "--steps", "4", "--resume", str(tmp_path / "resumed"))))
+    lr = json.loads((tmp_path / "straight" / "config.json").read_text())["lr"]
+    for run in ("straight", "resumed"):
+        rates = [r["policy/lr"] for r in _metrics(tmp_path / run) if "policy/lr" in r]
+        np.testing.assert_allclose(rates, [lr / 2, lr, lr, lr / 2], rtol=1e-12)
+    _assert_same_checkpoint(tmp_path / "straight", tmp_path / "resumed", tmp_path)
+
+
+@pytest.mark.slow
 def test_two_nodes_train_and_resume_as_one_node_does(small_toy, spo_run, tmp_path):
     """docs/scale.md's multi-node command, as two one-process "nodes" on this machine (c10d rendezvous on
     localhost, local rank 0 on both): 2 steps, a checkpoint, 2 more, into one shared run directory, the same

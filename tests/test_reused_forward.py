@@ -82,7 +82,7 @@ def worker(out, model_path, max_tokens):
         old = trainer.old_logprobs(policy, [] if way == "reuse" else rollouts[mine], [], 1.0, 2, max_tokens)
         step_4 = copy.deepcopy(old)
         stats, acting = trainer.update(policy, optimizer, rollouts[mine], old, advantage[mine], loss_fn, check=True,
-                                       ppo_steps=1, micro_batch_size=2, temperature=1.0, grad_clip=1e9,
+                                       lr=1.0, ppo_steps=1, micro_batch_size=2, temperature=1.0, grad_clip=1e9,
                                        max_tokens=max_tokens)
         result[way] = {"params": {k: v.clone() for k, v in collectives.full_parameters(policy)},
                        "remembered": collectives.all_gather_objects(acting["batch"]),  # (one list over the ranks)

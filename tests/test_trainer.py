@@ -5,6 +5,7 @@ as one process, the weight push makes vLLM sample from the trained policy, and a
 """
 import contextlib
 import functools
+import math
 import sys
 
 import numpy as np
@@ -366,3 +367,13 @@ def push_worker(out, model_path):
 
 if __name__ == "__main__":  # torchrun tests/test_trainer.py WORKER OUT [ARGS...]
     globals()[sys.argv[1]](*sys.argv[2:])
+
+
+def test_the_learning_rate_schedule_by_hand():
+    """Warmup lr x step / 4 over 4 steps, then constant, or a cosine over the 4 steps left: lr, (1 + cos(pi / 4)) / 2,
+    1/2, (1 + cos(3 pi / 4)) / 2 of lr (never 0: the last step still learns)."""
+    from machinery.trainer import scheduled_lr
+    assert [scheduled_lr(s, 1.0, 4, "constant", 8) for s in range(1, 9)] == [0.25, 0.5, 0.75, 1, 1, 1, 1, 1]
+    cosine = [scheduled_lr(s, 2.0, 4, "cosine", 8) for s in range(1, 9)]
+    np.testing.assert_allclose(cosine, [0.5, 1, 1.5, 2, 2, 1 + math.cos(math.pi / 4), 1, 1 + math.cos(3 * math.pi / 4)])
+    assert scheduled_lr(1, 3e-6, 0, "constant", 10) == 3e-6  # no warmup: --lr from step 1 (the paper, the default)

@@ -18,7 +18,7 @@ from machinery.metrics import signal_metrics
 from tasks import toy
 from tracker import ValueTracker
 from variants import (cispo_token_loss, dr_grpo_advantage, dynamic_sampling, grpo_advantage, gspo_token_loss,
-                      make_loss, rloo_advantage, select_groups)
+                      make_loss, max_rl_advantage, rloo_advantage, sapo_token_loss, select_groups)
 
 
 # ---- group baselines ----------------------------------------------------------------------------------------
@@ -113,6 +113,31 @@ def test_cispo_keeps_the_gradient_of_a_clipped_token_with_its_weight_capped():
     out, _ = cispo_token_loss(garbage, old, torch.tensor([1.0], dtype=torch.float64), torch.tensor([[1.0, 0.0]]),
                               0.2, 0.28)
     assert out.tolist() == [[1.0, 0.0]]
+
+
+def test_max_rl_weighs_a_success_by_one_over_its_groups_success_rate():
+    """(r - p) / p per group of 4: one success in 4 (p = 1/4): 3 and -1; two (p = 1/2): 1 and -1; none: all 0, not a
+    division by zero; a group all solved: 0 (nothing to learn, as for GRPO)."""
+    reward = np.array([1.0, 0, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1])
+    np.testing.assert_allclose(max_rl_advantage(reward, 4), [3, -1, -1, -1, 1, 1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0],
+                               rtol=1e-5, atol=1e-12)
+    assert np.all(np.isfinite(max_rl_advantage(np.zeros(8), 4)))
+
+
+def test_sapo_gates_softly_with_the_policy_gradient_at_ratio_one():
+    """-A (4 / tau) sigmoid(tau (ratio - 1)), tau 1.0 for A > 0 and 1.05 for A < 0: at ratio 1 the loss is -2A / tau
+    and its gradient in log pi is -A (the plain policy gradient); at ratio e^0.5 with A = -1 the loss is
+    (4 / 1.05) sigmoid(1.05 (e^0.5 - 1)); masked tokens keep ratio 1; nothing counts as clipped."""
+    old = torch.tensor([[-1.0, -1.0], [-1.0, -1.0]], dtype=torch.float64)
+    logprobs = _logprobs([[-1.0, -1.0], [-0.5, -1e30]])
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]], dtype=torch.float64)
+    loss, clipped = sapo_token_loss(logprobs, old, torch.tensor([2.0, -1.0], dtype=torch.float64), mask, 0.2, 0.28)
+    sigmoid = 1 / (1 + math.exp(-1.05 * (math.exp(0.5) - 1)))
+    torch.testing.assert_close(loss.detach(), torch.tensor([[-4.0, -4.0], [4 / 1.05 * sigmoid, 2 / 1.05]],
+                                                           dtype=torch.float64))
+    assert not clipped.any()
+    loss[0, 0].backward()
+    assert logprobs.grad[0, 0].item() == pytest.approx(-2.0) and logprobs.grad[0, 1].item() == 0.0
 
 
 TOKEN_LOSS = torch.tensor([[1.0, 2.0, 3.0, 99.0], [4.0, 99.0, 99.0, 99.0], [0.5, 0.5, 99.0, 99.0]])
@@ -424,6 +449,20 @@ def test_rloo_with_dynamic_sampling(small_toy, tmp_path):
         assert r["sampling/used"] == 16 and r["sampling/generated"] == 16 * r["sampling/rounds"]
         assert r["zero_signal/degenerate_groups"] == r["sampling/degenerate_used"]
         assert r["sampling/degenerate_used"] == 0.0 or r["sampling/rounds"] == 1 + variants.MAX_SAMPLING_ROUNDS
+
+
+@pytest.mark.slow
+def test_max_rl_with_sapo_four_steps(small_toy, tmp_path):
+    """MaxRL's advantage and SAPO's loss, four steps on the toy: every metric finite, the policy moving exactly on the
+    steps where some group carries signal; SAPO clips nothing."""
+    ok(torchrun(2, *toy_args(small_toy, tmp_path, "--eval_every", "0", "--steps", "4", "--algo", "max_rl",
+                             "--group_size", "4", "--loss", "sapo")))
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and all(np.isfinite(v) for r in rows for v in r.values())
+    assert all(r["policy/clip_fraction"] == 0.0 for r in rows)
+    # MaxRL gives an all-equal group (all 0 or all 1) no advantage: the policy moves exactly when some group has signal
+    assert all((r["policy/grad_norm"] > 0) == (r["zero_signal/degenerate_groups"] < 1) for r in rows)
+    assert any(r["zero_signal/degenerate_groups"] < 1 for r in rows)
 
 
 @pytest.mark.slow
