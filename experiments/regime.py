@@ -66,12 +66,14 @@ def measure(run, after=20, lag_by=100):
     revisits = [r for r in rows if r.get("tracker/revisit_share", 0) > 0]
     weights = col("tracker/revisit_share", revisits)
     share = lambda key: float(np.sum(col(key, revisits) * weights) / np.sum(weights)) if revisits else nan  # noqa
+    mean = lambda xs: float(np.mean(xs)) if len(xs) else nan  # noqa: E731  (nan, not numpy's warning, for none)
+    largest = lambda xs: float(np.max(np.abs(xs))) if len(xs) else nan  # noqa: E731
     probes = [run["probe"][s] for s in sorted(run["probe"])]
     key = "exact" if probes and all("exact" in p for p in probes) else "success"
     p_of = lambda probe: np.asarray(probe[key], np.float64)  # noqa: E731
     late = [p for p in probes if p["step"] > after]
-    lag = [np.mean((np.asarray(p["value"]) - p_of(p))[(p_of(p) > LEARNING[0]) & (p_of(p) < LEARNING[1])])
-           for p in late if ((p_of(p) > LEARNING[0]) & (p_of(p) < LEARNING[1])).any()]
+    learning = lambda p: (p_of(p) > LEARNING[0]) & (p_of(p) < LEARNING[1])  # noqa: E731
+    lag = [np.mean((np.asarray(p["value"]) - p_of(p))[learning(p)]) for p in late if learning(p).any()]
     first, n = (probes[0], probes[0].get("n_samples", 1)) if probes else (None, 1)
     by = [p for p in late if p["step"] <= lag_by]
     accuracy, times = col("eval/exact"), col("time")
@@ -87,15 +89,13 @@ def measure(run, after=20, lag_by=100):
             "between_free": between_share_free(first["value"], p_of(first), config.get("n0", 8),
                                                config.get("init_smoothing", "kt")) if first and first["step"] == 0
             and config.get("offline_values") != "none" else nan,
-            "clip": float(np.mean(col("policy/clip_fraction"))),
+            "clip": mean(col("policy/clip_fraction")),
             "window": 1 - at_min - at_max, "above": at_min, "below": at_max,  # D above the window: rho at rho_min
-            "d_mean": float(np.mean(col("tracker/divergence_revisit_mean", revisits))) if revisits else nan,
-            "lag_by": float(np.mean([lag_share(p, key) for p in by])) if by else nan,
-            "lag_share": float(np.mean([lag_share(p, key) for p in late])) if late else nan,
-            "lag_shared": float(np.mean([lag_share(p, key, True) for p in late])) if late else nan,
-            "bias": float(np.max(np.abs([p["probe/bias"] for p in late]))) if late else nan,
-            "bias_mean": float(np.mean([p["probe/bias"] for p in late])) if late else nan,
-            "lag": float(np.max(np.abs(lag))) if lag else nan, "lag_mean": float(np.mean(lag)) if lag else nan,
+            "d_mean": mean(col("tracker/divergence_revisit_mean", revisits)),
+            "lag_by": mean([lag_share(p, key) for p in by]), "lag_share": mean([lag_share(p, key) for p in late]),
+            "lag_shared": mean([lag_share(p, key, True) for p in late]),
+            "bias": largest([p["probe/bias"] for p in late]), "bias_mean": mean([p["probe/bias"] for p in late]),
+            "lag": largest(lag), "lag_mean": mean(lag),
             "rising": float(accuracy[-1] - accuracy[-2]) if len(accuracy) > 1 else nan,
             "minutes": float(np.ptp(times)) / 60 if len(times) > 1 else nan}
 
@@ -168,14 +168,11 @@ def regime(run_dir):
     metrics = [run["rows"][s] for s in sorted(run["rows"])]
     rho_at = {m["step"]: m["tracker/rho_mean"] for m in metrics if "tracker/rho_mean" in m}
     p_key = "exact" if probes and all("exact" in p for p in probes) else "success"  # exact: no sampling noise
-    rows = []
-    for p in probes:
-        ratio = p["probe/mae"] / p["probe/mae_unbiased"] if p.get("probe/mae_unbiased") else float("nan")
-        rows.append({"step": p["step"], "bias": p["probe/bias"], "mae": p["probe/mae"],
-                     "mae_unbiased": p.get("probe/mae_unbiased", float("nan")), "mae_ratio": ratio,
-                     "success": float(np.mean(p["success"])), "value": float(np.mean(p["value"])),
-                     "n_eff": float(np.mean(p["n_eff"])), "visits": float(np.mean(p["visits"])),
-                     "bias_exact": p.get("probe/bias_exact", float("nan"))})
+    rows = [{"step": p["step"], "bias": p["probe/bias"], "mae": p["probe/mae"],
+             "mae_unbiased": p.get("probe/mae_unbiased", np.nan),
+             "mae_ratio": p["probe/mae"] / p["probe/mae_unbiased"] if p.get("probe/mae_unbiased") else np.nan,
+             **{k: float(np.mean(p[k])) for k in ("success", "value", "n_eff", "visits")},
+             "bias_exact": p.get("probe/bias_exact", np.nan)} for p in probes]
     intervals = []
     whole = [(probes[0], probes[-1])] if len(probes) > 2 else []
     for a, b in list(zip(probes, probes[1:])) + whole:
