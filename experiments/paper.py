@@ -129,7 +129,7 @@ def paper_table(ours):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    cut = argv.index("--") if "--" in argv else len(argv)  # flags after -- go to spo.py
     p = argparse.ArgumentParser(description="The paper's Table 1: offline values, training, evaluation, the table")
     p.add_argument("--data", default=None, help="the prepared directory (python -m tasks.paper prepare)")
     p.add_argument("--out", required=True, help="the pipeline's directory (a rerun continues it)")
@@ -140,7 +140,7 @@ def main(argv=None):
                    help="tool-integrated reasoning, as the paper (--no-tools: plain reasoning)")
     p.add_argument("--engine", choices=["auto", "vllm", "hf"], default="auto", help="every stage's rollout engine")
     p.add_argument("--dry_run", action="store_true", help="the toy and tiny budgets: every stage in minutes on a CPU")
-    args = p.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
+    args, extra = p.parse_args(argv[:cut]), argv[cut + 1:]
     if args.nproc < 1:
         p.error(f"--nproc must be at least 1, got {args.nproc}")
     settings = SETTINGS["dry_run" if args.dry_run else "paper"]

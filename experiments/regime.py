@@ -81,7 +81,7 @@ def measure(run, after=20, lag_by=100):
     at_min, at_max = share("tracker/rho_at_min"), share("tracker/rho_at_max")
     return {"drawn": config["batch_size"] / config["group_size"] / pool, "samples": config["batch_size"] * steps / pool,
             "pool": pool, "batch": config["batch_size"], "steps": steps,
-            "all_agree": (np.mean(agree[:tenth]), np.mean(agree[-tenth:])) if len(agree) else (nan, nan),
+            "all_agree": (mean(agree[:tenth]), mean(agree[-tenth:])),
             "all_agree_probe": all_agree_estimate(p_of(first), n) if first and n >= GROUP else nan,
             "mastered": tuple(np.mean(p_of(p) >= 0.9) for p in (probes[0], probes[-1])) if probes else (nan, nan),
             "unsolved": tuple(np.mean(p_of(p) <= 0.1) for p in (probes[0], probes[-1])) if probes else (nan, nan),
@@ -137,9 +137,8 @@ def sweep_report(out, after=20):
     seeds = sorted(int(n[5:]) for n in names if n.startswith("spo-s") and f"grpo-s{n[5:]}" in names)
     if not seeds:
         raise SystemExit(f"error: {out}: no seed with both an spo and a grpo run")
-    none = lambda s: measure(load(out, f"rho_none-s{s}"), after) if f"rho_none-s{s}" in names else None  # noqa
-    columns = [targets(measure(load(out, f"spo-s{s}"), after), measure(load(out, f"grpo-s{s}"), after), none(s))
-               for s in seeds]
+    measured = {n: measure(load(out, n), after) for n in names}  # each run once, for both tables
+    columns = [targets(measured[f"spo-s{s}"], measured[f"grpo-s{s}"], measured.get(f"rho_none-s{s}")) for s in seeds]
     lines = ["| target | the paper | " + " | ".join(f"seed {s}" for s in seeds) + " | seeds met |",
              "| --- | --- | " + "--- | " * len(seeds) + "--- |"]
     for i, (name, paper, _, _) in enumerate(columns[0]):
@@ -151,7 +150,7 @@ def sweep_report(out, after=20):
               "variance after centring / the reward noise | its shared part, squared / the reward noise |",
               "|---" * 11 + "|"]
     for variant in sorted({n.rsplit("-s", 1)[0] for n in names}):
-        runs = [measure(load(out, n), after) for n in names if n.rsplit("-s", 1)[0] == variant]
+        runs = [measured[n] for n in names if n.rsplit("-s", 1)[0] == variant]
         if all(np.isnan(m["bias"]) for m in runs):
             continue  # no probe: a group estimator
         cell = lambda k: "{:+.3f} [{:+.3f}, {:+.3f}]".format(*mean_ci([m[k] for m in runs])[:3])  # noqa: E731
