@@ -7,8 +7,8 @@ NAME/probe.jsonl; read_run(D/NAME) reads either. Intervals are over training see
 same model and is evaluated on the same test set; with --pool_per_seed each seed also draws its own pool.
 
     python -m experiments.analysis primary experiments/calibrated --reference spo --budget 46592
-    python -m experiments.analysis contrasts experiments/mixed --metric eval/accuracy --family spo-grpo:total \
-        spo-grpo:training uniform-spo:total      # planned differences A - B, each at its accounting, Holm-adjusted
+    python -m experiments.analysis contrasts experiments/mixed --metric eval/accuracy \\
+        --family spo-grpo:total spo-grpo:training uniform-spo:total  # A - B at its accounting, Holm over the family
     python -m experiments.analysis power 0.0057          # the seeds for 1 point at a paired sd of 0.57 points
 """
 import functools
@@ -200,17 +200,16 @@ def eval_curve(run, key="eval/accuracy"):
     """{step: (generated samples so far, held-out `key`)} at the run's evaluation steps (step 0: 0 samples)."""
     out, generated = {}, 0.0
     per_step = run["config"].get("batch_size", np.nan)  # runs from before sampling/generated was logged
-    for step in sorted(run["rows"]):
-        row = run["rows"][step]
+    for step, row in sorted(run["rows"].items()):
         generated += row.get("sampling/generated", per_step) if step > 0 else 0.0
         if key in row:
             out[step] = (generated, row[key])
     return out
 
 
-def run_mean(run, key, first=1):
-    """The mean of a per-step metric over the run's steps from `first` on (NaN where never logged)."""
-    values = [row[key] for step, row in run["rows"].items() if step >= first and key in row]
+def run_mean(run, key):
+    """The mean of a per-step metric over the run's steps that logged it (NaN where none did)."""
+    values = [row[key] for row in run["rows"].values() if key in row]
     return float(np.mean(values)) if values else np.nan
 
 
@@ -226,15 +225,12 @@ def pool_size(config):
     return min(rows, config["train_prompts"]) if config.get("train_prompts") else rows
 
 
-def offline_samples(config, pool):
-    """Generations spent on the offline values before step 1: n0 per pool prompt for SPO with --offline_values."""
-    return config.get("n0", 0) * pool if config.get("algo") == "spo" and config.get("offline_values") != "none" else 0
-
-
 def exact_curve(run, pool, key="eval/exact"):
     """[(generated samples, key)] at the run's evaluations, the offline values' samples counted first (spent at the
     base model's value, step 0's): the primary metric's curve."""
-    offline = float(offline_samples(run["config"], pool))
+    config = run["config"]  # the offline values' generations: n0 per pool prompt, for SPO with --offline_values
+    offline = float(config.get("n0", 0) * pool if config.get("algo") == "spo" and config.get("offline_values") != "none"
+                    else 0)
     curve = [(generated + offline if step > 0 else 0.0, exact)
              for step, (generated, exact) in sorted(eval_curve(run, key).items())]
     if len(curve) > 1 and offline:
@@ -284,13 +280,20 @@ def analyse(out, reference, budget=None, key="eval/exact", offline=True, family=
     for (variant, seed), curve in sorted(curves.items()):
         v = variants.setdefault(variant, {"primary": {}, "final": {}, "zero_advantage": {}})
         v["primary"][seed], v["final"][seed] = area_mean(curve, budget), curve[-1][1]
-        v["zero_advantage"][seed] = run_mean(runs[(variant, seed)], "signal/zero_advantage", 0)
+        v["zero_advantage"][seed] = run_mean(runs[(variant, seed)], "signal/zero_advantage")
     paired = {name: {metric: paired_test(v[metric], variants[reference][metric]) for metric in ("primary", "final")}
               for name, v in variants.items() if name != reference and reference in variants}
     for name, p in holm({name: paired[name]["primary"]["p"] for name in family if name in paired}).items():
         paired[name]["primary"]["p_holm"] = p
     return {"budget": budget, "reference": reference, "variants": variants, "paired": paired, "key": key,
             "offline": offline, "family": list(family), "covers": covers([run["config"] for run in runs.values()])}
+
+
+def cells(d, keys):
+    """A paired_test() entry's `keys` as table cells: the mean with its 95% t-interval, the sd and the detectable
+    difference in points, p's to three decimals ("" for a p it lacks)."""
+    return [pct(d["mean"], *d["ci95"], "+.2f") if k == "mean" else pct(d[k], spec=".2f") if k in ("sd", "detectable")
+            else f"{d[k]:.3f}" if k in d else "" for k in keys]
 
 
 def primary_markdown(result):
@@ -304,15 +307,13 @@ def primary_markdown(result):
              "| variant | seeds | primary | final | primary - ref | sd | detectable | final - ref | detectable | "
              "zero-advantage | p | Holm p | sign-flip p |", "| --- " * 13 + "|"]
     for name, v in result["variants"].items():
-        cells = [pct(*mean_ci(v[metric].values())[:3], ".2f") for metric in ("primary", "final")]
+        means = [pct(*mean_ci(v[metric].values())[:3], ".2f") for metric in ("primary", "final")]
         d = result["paired"].get(name)
-        diff = [""] * 5 if d is None else [
-            pct(d["primary"]["mean"], *d["primary"]["ci95"], "+.2f"), pct(d["primary"]["sd"], spec=".2f"),
-            pct(d["primary"]["detectable"], spec=".2f"), pct(d["final"]["mean"], *d["final"]["ci95"], "+.2f"),
-            pct(d["final"]["detectable"], spec=".2f")]
+        diff = [""] * 5 if d is None else (cells(d["primary"], ("mean", "sd", "detectable"))
+                                            + cells(d["final"], ("mean", "detectable")))
         zero_share = f"{100 * np.mean(list(v['zero_advantage'].values())):.1f}%"
-        p = [f"{d['primary'][k]:.3f}" if d and k in d["primary"] else "" for k in ("p", "p_holm", "p_sign_flip")]
-        lines.append(f"| {name} | {len(v['primary'])} | " + " | ".join(cells + diff + [zero_share] + p) + " |")
+        p = cells(d["primary"], ("p", "p_holm", "p_sign_flip")) if d else [""] * 3
+        lines.append(f"| {name} | {len(v['primary'])} | " + " | ".join(means + diff + [zero_share] + p) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -343,14 +344,13 @@ def contrasts_markdown(result):
              f"values counted; training, training samples only), and at the last evaluation (the same at either "
              f"accounting). Mean [95% t-interval] over seeds ({result['covers']}) in points, the paired sd and the "
              f"smallest difference the seeds detect with 80% power; p: the paired t-test, Holm's adjustment over the "
-             f"family's averages, and the exact sign-flip test's p.\n",
+             f"family's averages (none at the last evaluation, a secondary), and the exact sign-flip test's p.\n",
              "| contrast A-B:accounting | budget | seeds | A - B | sd | detectable | p | Holm p | sign-flip p | "
-             "final A - B | sd | detectable | p | sign-flip p |", "| --- " * 14 + "|"]
+             "final A - B | sd | detectable | p | Holm p | sign-flip p |", "| --- " * 15 + "|"]
     for member, row in result["rows"].items():
-        cells = [cell for d in (row["primary"], row["final"]) for cell in (
-            pct(d["mean"], *d["ci95"], "+.2f"), pct(d["sd"], spec=".2f"), pct(d["detectable"], spec=".2f"),
-            *(f"{d[k]:.3f}" for k in ("p", "p_holm", "p_sign_flip") if k in d))]
-        lines.append(f"| {member} | {row['budget']:.0f} | {row['primary']['n']} | " + " | ".join(cells) + " |")
+        row_cells = [cell for d in (row["primary"], row["final"])  # no Holm p at the final evaluation: ""
+                     for cell in cells(d, ("mean", "sd", "detectable", "p", "p_holm", "p_sign_flip"))]
+        lines.append(f"| {member} | {row['budget']:.0f} | {row['primary']['n']} | " + " | ".join(row_cells) + " |")
     return "\n".join(lines) + "\n"
 
 

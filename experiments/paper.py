@@ -114,16 +114,15 @@ def paper_table(ours):
     """Table 1's shape in markdown: the paper's rows, then ours. ours: {row name: eval.py summary.json "results"}
     (benchmark stem -> metrics as fractions). Cells are "maj@n / avg@n" in percent; the average is the unweighted
     mean over the five benchmarks, as the paper's (its SPO row: 63.8 = the mean of 84.0, 76.5, 46.9, 64.0, 47.5)."""
-    header = "| | " + " | ".join(title for _, title in BENCHMARKS) + " | Average |"
-    lines = [header, "|---" * (len(BENCHMARKS) + 2) + "|"]
-    for name, cells in PAPER.items():
-        lines.append(f"| {name} (paper, n = 32) | " + " | ".join(f"{m:.1f} / {a:.1f}" for m, a in cells) + " |")
+    rows = {f"{name} (paper, n = 32)": cells for name, cells in PAPER.items()}
     for name, results in ours.items():
         n = results[BENCHMARKS[0][0]]["samples"]
         cells = [(100 * results[stem][f"maj@{n}_boot_mean"], 100 * results[stem][f"avg@{n}"])
                  for stem, _ in BENCHMARKS]
-        cells.append(tuple(sum(c[i] for c in cells) / len(cells) for i in (0, 1)))  # the average
-        lines.append(f"| {name} (ours, n = {n}) | " + " | ".join(f"{m:.1f} / {a:.1f}" for m, a in cells) + " |")
+        rows[f"{name} (ours, n = {n})"] = cells + [tuple(sum(c[i] for c in cells) / len(cells) for i in (0, 1))]
+    header = "| | " + " | ".join(title for _, title in BENCHMARKS) + " | Average |"
+    lines = [header, "|---" * (len(BENCHMARKS) + 2) + "|"] + [
+        f"| {title} | " + " | ".join(f"{m:.1f} / {a:.1f}" for m, a in cells) + " |" for title, cells in rows.items()]
     return "\n".join(lines) + "\n\nEach cell: maj@n / avg@n in percent (maj@n: bootstrap expectation of the vote).\n"
 
 

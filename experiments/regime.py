@@ -60,7 +60,7 @@ def measure(run, after=20, lag_by=100):
     """{quantity: value} of one run (read_run's; nan where the run did not log it). p(x) is the probe's exact
     probability where it logged one, else its sampled success (which leaves sampling noise in the lag)."""
     config, rows = run["config"], [run["rows"][s] for s in sorted(run["rows"])]
-    pool, steps, nan = pool_size(config), max(run["rows"]), float("nan")
+    pool, steps, nan = pool_size(config), max(run["rows"]), np.nan
     col = lambda key, rs=rows: np.array([r[key] for r in rs if key in r], np.float64)  # noqa: E731
     agree, tenth = col("zero_signal/degenerate_groups"), max(1, steps // 10)
     revisits = [r for r in rows if r.get("tracker/revisit_share", 0) > 0]
@@ -104,8 +104,8 @@ def targets(spo, grpo, rho_none=None):
     """[(target, paper value, measured text, met: bool)]: the mixed preset's eight, from measure() of an SPO run, a
     GRPO run and (for the manipulation check) an SPO run without forgetting (--rho none)."""
     pct = lambda x: f"{100 * x:.0f}%"  # noqa: E731
-    lag_none = rho_none["lag_by"] if rho_none else float("nan")
-    ratio = lag_none / spo["lag_by"] if spo["lag_by"] > 0 else float("nan")
+    lag_none = rho_none["lag_by"] if rho_none else np.nan
+    ratio = lag_none / spo["lag_by"] if spo["lag_by"] > 0 else np.nan
     return [
         ("between-prompt share of reward variance at step 0: noise-free (v0 x probe covariance); probe less "
          "binomial noise", PAPER["between"], f"{spo['between_free']:.2f}; {spo['between']:.2f}",
