@@ -7,6 +7,8 @@ NAME/probe.jsonl; read_run(D/NAME) reads either. Intervals are over training see
 same model and is evaluated on the same test set; with --pool_per_seed each seed also draws its own pool.
 
     python -m experiments.analysis primary experiments/calibrated --reference spo --budget 46592
+    python -m experiments.analysis contrasts experiments/mixed --metric eval/accuracy \\
+        --family spo-grpo:total spo-grpo:training uniform-spo:total  # A - B at its accounting, Holm over the family
     python -m experiments.analysis power 0.0057          # the seeds for 1 point at a paired sd of 0.57 points
 """
 import functools
@@ -14,6 +16,7 @@ import gzip
 import io
 import json
 import os
+import re
 import tarfile
 
 import numpy as np
@@ -32,7 +35,7 @@ T80 = [1.376, 1.061, 0.978, 0.941, 0.920, 0.906, 0.896, 0.889, 0.883, 0.879, 0.8
 def t975(df):
     """t_{0.975, df} from the table; past 30 degrees of freedom (no sweep here has half as many seeds) its last value,
     which only widens an interval (t falls to 1.96)."""
-    return T975[min(int(df), 30) - 1] if df >= 1 else float("nan")
+    return T975[min(int(df), 30) - 1] if df >= 1 else np.nan
 
 
 def _finite(values):
@@ -43,32 +46,26 @@ def mean_ci(values):
     """(mean, low, high, n) of the finite values with a 95% t-interval; with fewer than two values there is no
     interval (low = high = NaN), never a fake zero width."""
     x = _finite(values)
-    if x.size == 0:
-        return float("nan"), float("nan"), float("nan"), 0
-    if x.size < 2:
-        return float(x.mean()), float("nan"), float("nan"), 1
-    half = t975(x.size - 1) * float(x.std(ddof=1)) / np.sqrt(x.size)
-    return float(x.mean()), float(x.mean()) - half, float(x.mean()) + half, x.size
+    mean = float(x.mean()) if x.size else np.nan
+    half = t975(x.size - 1) * float(x.std(ddof=1)) / np.sqrt(x.size) if x.size > 1 else np.nan
+    return mean, mean - half, mean + half, x.size
 
 
 def prediction_interval(values):
     """(low, high): where ONE more run falls with 95% probability (normal model), mean +- t_{0.975, n-1} sd
-    sqrt(1 + 1/n): what a single run on another machine is checked against. NaN with fewer than two values."""
-    x = _finite(values)
-    if x.size < 2:
-        return float("nan"), float("nan")
-    half = t975(x.size - 1) * float(x.std(ddof=1)) * np.sqrt(1 + 1 / x.size)
-    return float(x.mean()) - half, float(x.mean()) + half
+    sqrt(1 + 1/n), sqrt(n + 1) times the mean's: what a single run on another machine is checked against. NaN with
+    fewer than two values."""
+    mean, low, _, n = mean_ci(values)
+    return mean - (mean - low) * np.sqrt(n + 1), mean + (mean - low) * np.sqrt(n + 1)
 
 
 def paired_difference(values, reference):
     """mean_ci of values[s] - reference[s] ({seed: number}) over the seeds both have: runs of one seed share the
-    start and the held-out samples' seeds, and pairing removes what they share."""
-    common = sorted(s for s in set(values) & set(reference) if np.isfinite(values[s]) and np.isfinite(reference[s]))
-    return mean_ci([values[s] - reference[s] for s in common])
+    start and the held-out samples' seeds, and pairing removes what they share (a NaN difference: left out)."""
+    return mean_ci([values[s] - reference[s] for s in sorted(set(values) & set(reference))])
 
 
-def pct(mean, low=float("nan"), high=float("nan"), spec=".1f"):
+def pct(mean, low=np.nan, high=np.nan, spec=".1f"):
     """100 x mean and its interval as text, "12.3 [11.0, 13.6]": no interval where there is none, "" for no mean."""
     if not np.isfinite(mean):
         return ""
@@ -78,20 +75,21 @@ def pct(mean, low=float("nan"), high=float("nan"), spec=".1f"):
 def detectable(sd, n):
     """The smallest true paired difference that n seeds detect with 80% power (two-sided 5% t-test), for a paired
     standard deviation sd: (t_{0.975, n-1} + t_{0.80, n-1}) sd / sqrt(n). NaN below 2 seeds."""
-    return (t975(n - 1) + (T80[n - 2] if n <= 31 else 0.8416)) * sd / np.sqrt(n) if n >= 2 else float("nan")
+    return (t975(n - 1) + (T80[n - 2] if n <= 31 else 0.8416)) * sd / np.sqrt(n) if n >= 2 else np.nan
 
 
 def t_test_p(diffs):
-    """Two-sided p of the paired t-test: twice the t density's tail beyond |t| (n - 1 degrees of freedom), by the
-    trapezoid rule on a geometric grid (no scipy here)."""
-    from math import gamma, pi, sqrt
+    """Two-sided p of the paired t-test (n - 1 degrees of freedom) without scipy: with t = sqrt(n - 1) tan(theta)
+    the t density is proportional to cos(theta)^(n - 2) on [0, pi/2), so p is that curve's area beyond |t|'s angle
+    over its whole area (the trapezoid rule; no normalising constant, no infinite tail)."""
     d = np.asarray(list(diffs), np.float64)
     if d.size < 2 or not d.std(ddof=1) > 0:
-        return float("nan")
-    df, t = d.size - 1, abs(d.mean()) / (d.std(ddof=1) / np.sqrt(d.size))
-    x = t + np.geomspace(1e-9, 1e6, 400001) - 1e-9
-    density = gamma((df + 1) / 2) / (sqrt(df * pi) * gamma(df / 2)) * (1 + x ** 2 / df) ** (-(df + 1) / 2)
-    return float(min(1.0, 2 * np.sum((density[1:] + density[:-1]) / 2 * np.diff(x))))
+        return np.nan
+
+    def area(low):
+        theta = np.linspace(low, np.pi / 2, 100001)
+        return np.trapezoid(np.cos(theta) ** (d.size - 2), theta)
+    return float(area(np.arctan(abs(d.mean()) / d.std(ddof=1) * np.sqrt(d.size / (d.size - 1)))) / area(0.0))
 
 
 def sign_flip_p(diffs):
@@ -99,7 +97,7 @@ def sign_flip_p(diffs):
     differences whose |sum| is at least the one observed (no normal model; at 8 seeds its smallest p is 1/128)."""
     d = np.asarray(list(diffs), np.float64)
     signs = 1 - 2 * ((np.arange(2 ** d.size)[:, None] >> np.arange(d.size)) & 1)  # (2^n, n) of +-1
-    return float(np.mean(np.abs(signs @ d) >= abs(d.sum()) * (1 - 1e-12))) if d.size else float("nan")
+    return float(np.mean(np.abs(signs @ d) >= abs(d.sum()) * (1 - 1e-12))) if d.size else np.nan
 
 
 def holm(p_values):
@@ -201,19 +199,18 @@ def sweep_runs(out, sweep=None, only=None):
 def eval_curve(run, key="eval/accuracy"):
     """{step: (generated samples so far, held-out `key`)} at the run's evaluation steps (step 0: 0 samples)."""
     out, generated = {}, 0.0
-    per_step = run["config"].get("batch_size", float("nan"))  # runs from before sampling/generated was logged
-    for step in sorted(run["rows"]):
-        row = run["rows"][step]
+    per_step = run["config"].get("batch_size", np.nan)  # runs from before sampling/generated was logged
+    for step, row in sorted(run["rows"].items()):
         generated += row.get("sampling/generated", per_step) if step > 0 else 0.0
         if key in row:
             out[step] = (generated, row[key])
     return out
 
 
-def run_mean(run, key, first=1):
-    """The mean of a per-step metric over the run's steps from `first` on (NaN where never logged)."""
-    values = [row[key] for step, row in run["rows"].items() if step >= first and key in row]
-    return float(np.mean(values)) if values else float("nan")
+def run_mean(run, key):
+    """The mean of a per-step metric over the run's steps that logged it (NaN where none did)."""
+    values = [row[key] for row in run["rows"].values() if key in row]
+    return float(np.mean(values)) if values else np.nan
 
 
 # ------------------------------------------------------------------------------------------------ the primary metric
@@ -228,18 +225,15 @@ def pool_size(config):
     return min(rows, config["train_prompts"]) if config.get("train_prompts") else rows
 
 
-def offline_samples(config, pool):
-    """Generations spent on the offline values before step 1: n0 per pool prompt for SPO with --offline_values."""
-    return config.get("n0", 0) * pool if config.get("algo") == "spo" and config.get("offline_values") != "none" else 0
-
-
 def exact_curve(run, pool, key="eval/exact"):
     """[(generated samples, key)] at the run's evaluations, the offline values' samples counted first (spent at the
     base model's value, step 0's): the primary metric's curve."""
-    offline = float(offline_samples(run["config"], pool))
+    config = run["config"]  # the offline values' generations: n0 per pool prompt, for SPO with --offline_values
+    offline = float(config.get("n0", 0) * pool if config.get("algo") == "spo" and config.get("offline_values") != "none"
+                    else 0)
     curve = [(generated + offline if step > 0 else 0.0, exact)
              for step, (generated, exact) in sorted(eval_curve(run, key).items())]
-    if curve and len(curve) > 1 and offline:
+    if len(curve) > 1 and offline:
         curve.insert(1, (offline, curve[0][1]))  # the budget v0 spent: flat
     return curve
 
@@ -250,8 +244,7 @@ def area_mean(curve, budget):
     if x[-1] < budget - 1e-9:
         raise ValueError(f"the curve ends at {x[-1]:.0f} samples, before the budget {budget:.0f}")
     grid = np.append(x[x < budget], budget)
-    values = np.interp(grid, x, y)
-    return float(np.sum((grid[1:] - grid[:-1]) * (values[1:] + values[:-1]) / 2) / budget)
+    return float(np.trapezoid(np.interp(grid, x, y), grid) / budget)
 
 
 def covers(configs):
@@ -259,6 +252,16 @@ def covers(configs):
     per_seed = len({c.get("pool_seed", -1) for c in configs}) > 1
     return "training randomness and the pool's draw (a pool per seed; the same model and test set)" if per_seed \
         else "training randomness only: same model, pool and test set"
+
+
+def paired_test(values, reference):
+    """values[s] - reference[s] ({seed: number}) over the seeds both have: mean, 95% t-interval, n, paired sd, the
+    difference those seeds detect with 80% power, the t-test's p and the exact sign-flip test's p."""
+    diffs = [values[s] - reference[s] for s in sorted(set(values) & set(reference))]
+    mean, low, high, n = mean_ci(diffs)
+    sd = float(np.std(diffs, ddof=1)) if n > 1 else np.nan
+    return {"mean": mean, "ci95": [low, high], "n": n, "sd": sd, "detectable": detectable(sd, n), "p": t_test_p(diffs),
+            "p_sign_flip": sign_flip_p(diffs)}
 
 
 def analyse(out, reference, budget=None, key="eval/exact", offline=True, family=()):
@@ -277,24 +280,20 @@ def analyse(out, reference, budget=None, key="eval/exact", offline=True, family=
     for (variant, seed), curve in sorted(curves.items()):
         v = variants.setdefault(variant, {"primary": {}, "final": {}, "zero_advantage": {}})
         v["primary"][seed], v["final"][seed] = area_mean(curve, budget), curve[-1][1]
-        v["zero_advantage"][seed] = run_mean(runs[(variant, seed)], "signal/zero_advantage", 0)
-    paired = {}
-    for name, v in variants.items():
-        if name == reference or reference not in variants:
-            continue
-        paired[name] = {}
-        for metric in ("primary", "final"):
-            ref = variants[reference][metric]
-            diffs = [v[metric][s] - ref[s] for s in sorted(set(v[metric]) & set(ref))]
-            mean, low, high, n = mean_ci(diffs)
-            sd = float(np.std(diffs, ddof=1)) if n > 1 else float("nan")
-            paired[name][metric] = {"mean": mean, "ci95": [low, high], "n": n, "sd": sd,
-                                    "detectable": detectable(sd, n), "p": t_test_p(diffs),
-                                    "p_sign_flip": sign_flip_p(diffs)}
+        v["zero_advantage"][seed] = run_mean(runs[(variant, seed)], "signal/zero_advantage")
+    paired = {name: {metric: paired_test(v[metric], variants[reference][metric]) for metric in ("primary", "final")}
+              for name, v in variants.items() if name != reference and reference in variants}
     for name, p in holm({name: paired[name]["primary"]["p"] for name in family if name in paired}).items():
         paired[name]["primary"]["p_holm"] = p
     return {"budget": budget, "reference": reference, "variants": variants, "paired": paired, "key": key,
             "offline": offline, "family": list(family), "covers": covers([run["config"] for run in runs.values()])}
+
+
+def cells(d, keys):
+    """A paired_test() entry's `keys` as table cells: the mean with its 95% t-interval, the sd and the detectable
+    difference in points, p's to three decimals ("" for a p it lacks)."""
+    return [pct(d["mean"], *d["ci95"], "+.2f") if k == "mean" else pct(d[k], spec=".2f") if k in ("sd", "detectable")
+            else f"{d[k]:.3f}" if k in d else "" for k in keys]
 
 
 def primary_markdown(result):
@@ -308,15 +307,50 @@ def primary_markdown(result):
              "| variant | seeds | primary | final | primary - ref | sd | detectable | final - ref | detectable | "
              "zero-advantage | p | Holm p | sign-flip p |", "| --- " * 13 + "|"]
     for name, v in result["variants"].items():
-        cells = [pct(*mean_ci(v[metric].values())[:3], ".2f") for metric in ("primary", "final")]
+        means = [pct(*mean_ci(v[metric].values())[:3], ".2f") for metric in ("primary", "final")]
         d = result["paired"].get(name)
-        diff = ["", "", "", "", ""] if d is None else [
-            pct(d["primary"]["mean"], *d["primary"]["ci95"], "+.2f"), pct(d["primary"]["sd"], spec=".2f"),
-            pct(d["primary"]["detectable"], spec=".2f"), pct(d["final"]["mean"], *d["final"]["ci95"], "+.2f"),
-            pct(d["final"]["detectable"], spec=".2f")]
+        diff = [""] * 5 if d is None else (cells(d["primary"], ("mean", "sd", "detectable"))
+                                            + cells(d["final"], ("mean", "detectable")))
         zero_share = f"{100 * np.mean(list(v['zero_advantage'].values())):.1f}%"
-        p = [f"{d['primary'][k]:.3f}" if d and k in d["primary"] else "" for k in ("p", "p_holm", "p_sign_flip")]
-        lines.append(f"| {name} | {len(v['primary'])} | " + " | ".join(cells + diff + [zero_share] + p) + " |")
+        p = cells(d["primary"], ("p", "p_holm", "p_sign_flip")) if d else [""] * 3
+        lines.append(f"| {name} | {len(v['primary'])} | " + " | ".join(means + diff + [zero_share] + p) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def contrasts(out, family, key="eval/exact"):
+    """A planned family of paired differences by seed, each member A-B:total (offline values counted, the primary's
+    default) or A-B:training (training samples only, as --training_samples): analyse()'s arithmetic with B as the
+    reference, so A's paired entry is A - B, over analyse()'s budget (the smallest total of any run in the sweep at
+    that accounting, as for the primary); Holm's adjustment over the family's primary t-test p's.
+    {"key", "covers", "rows": {member: {"budget", "primary": paired_test(...), "final": paired_test(...)}}}."""
+    rows = {}
+    for member in family:
+        match = re.fullmatch(r"([^-:]+)-([^-:]+):(total|training)", member)
+        if not match:
+            raise SystemExit(f"error: {member!r}: a contrast is A-B:total or A-B:training, arm names without '-'")
+        a, b, accounting = match.groups()
+        result = analyse(out, b, key=key, offline=accounting == "total")
+        if a not in result["paired"]:
+            raise SystemExit(f"error: {member}: {out} has no runs of {a} to pair with runs of {b}")
+        rows[member] = {**result["paired"][a], "budget": result["budget"]}
+    for member, p in holm({member: row["primary"]["p"] for member, row in rows.items()}).items():
+        rows[member]["primary"]["p_holm"] = p
+    return {"key": key, "covers": result["covers"], "rows": rows}
+
+
+def contrasts_markdown(result):
+    lines = [f"Planned contrasts A - B, paired by seed: held-out `{result['key']}` averaged over an equal budget of "
+             f"generated samples (the smallest total of any run in the sweep at the row's accounting: total, offline "
+             f"values counted; training, training samples only), and at the last evaluation (the same at either "
+             f"accounting). Mean [95% t-interval] over seeds ({result['covers']}) in points, the paired sd and the "
+             f"smallest difference the seeds detect with 80% power; p: the paired t-test, Holm's adjustment over the "
+             f"family's averages (none at the last evaluation, a secondary), and the exact sign-flip test's p.\n",
+             "| contrast A-B:accounting | budget | seeds | A - B | sd | detectable | p | Holm p | sign-flip p | "
+             "final A - B | sd | detectable | p | Holm p | sign-flip p |", "| --- " * 15 + "|"]
+    for member, row in result["rows"].items():
+        row_cells = [cell for d in (row["primary"], row["final"])  # no Holm p at the final evaluation: ""
+                     for cell in cells(d, ("mean", "sd", "detectable", "p", "p_holm", "p_sign_flip"))]
+        lines.append(f"| {member} | {row['budget']:.0f} | {row['primary']['n']} | " + " | ".join(row_cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -324,11 +358,15 @@ def main(argv=None):
     import argparse
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="what", required=True)
-    a = sub.add_parser("primary", help="the preregistered analysis of a sweep's runs or records")
-    a.add_argument("out", help="a sweep's directory (experiments/sweep.py --out)")
+    a, family = (sub.add_parser("primary", help="the preregistered analysis of a sweep's runs or records"),
+                 sub.add_parser("contrasts", help="a planned family of paired differences A - B, Holm-adjusted"))
+    for parser in (a, family):
+        parser.add_argument("out", help="a sweep's directory (experiments/sweep.py --out)")
+        parser.add_argument("--metric", default="eval/exact", help="the evaluation's metric (eval/accuracy: avg@n)")
+    family.add_argument("--family", nargs="+", required=True,
+                        help="A-B:total (offline values counted) or A-B:training (training samples only), each")
     a.add_argument("--reference", default="spo", help="the variant paired differences are taken against")
     a.add_argument("--budget", type=float, help="samples to average over (default: the smallest total of any run)")
-    a.add_argument("--metric", default="eval/exact", help="the evaluation's metric (eval/accuracy: avg@n)")
     a.add_argument("--training_samples", action="store_true", help="count training samples only (no offline values)")
     a.add_argument("--family", nargs="*", default=[], help="the planned contrasts with --reference, Holm-adjusted")
     a = sub.add_parser("power", help="the seeds that detect --effect with 80%% power for a paired sd")
@@ -339,9 +377,11 @@ def main(argv=None):
         n = seeds_for(args.effect, args.sd)
         print(f"paired sd {100 * args.sd:.2f} points: {n or 'more than 30'} seeds detect {100 * args.effect:.1f} "
               f"points with 80% power" + (f" (detectable with {n}: {100 * detectable(args.sd, n):.2f})" if n else ""))
+    elif not os.path.isdir(args.out):
+        raise SystemExit(f"error: {args.out}: not a sweep directory")
+    elif args.what == "contrasts":
+        print(contrasts_markdown(contrasts(args.out, args.family, args.metric)))
     else:
-        if not os.path.isdir(args.out):
-            raise SystemExit(f"error: {args.out}: not a sweep directory")
         print(primary_markdown(analyse(args.out, args.reference, args.budget, args.metric,
                                        not args.training_samples, args.family)))
 

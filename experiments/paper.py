@@ -114,22 +114,21 @@ def paper_table(ours):
     """Table 1's shape in markdown: the paper's rows, then ours. ours: {row name: eval.py summary.json "results"}
     (benchmark stem -> metrics as fractions). Cells are "maj@n / avg@n" in percent; the average is the unweighted
     mean over the five benchmarks, as the paper's (its SPO row: 63.8 = the mean of 84.0, 76.5, 46.9, 64.0, 47.5)."""
-    header = "| | " + " | ".join(title for _, title in BENCHMARKS) + " | Average |"
-    lines = [header, "|---" * (len(BENCHMARKS) + 2) + "|"]
-    for name, cells in PAPER.items():
-        lines.append(f"| {name} (paper, n = 32) | " + " | ".join(f"{m:.1f} / {a:.1f}" for m, a in cells) + " |")
+    rows = {f"{name} (paper, n = 32)": cells for name, cells in PAPER.items()}
     for name, results in ours.items():
         n = results[BENCHMARKS[0][0]]["samples"]
         cells = [(100 * results[stem][f"maj@{n}_boot_mean"], 100 * results[stem][f"avg@{n}"])
                  for stem, _ in BENCHMARKS]
-        cells.append(tuple(sum(c[i] for c in cells) / len(cells) for i in (0, 1)))  # the average
-        lines.append(f"| {name} (ours, n = {n}) | " + " | ".join(f"{m:.1f} / {a:.1f}" for m, a in cells) + " |")
+        rows[f"{name} (ours, n = {n})"] = cells + [tuple(sum(c[i] for c in cells) / len(cells) for i in (0, 1))]
+    header = "| | " + " | ".join(title for _, title in BENCHMARKS) + " | Average |"
+    lines = [header, "|---" * (len(BENCHMARKS) + 2) + "|"] + [
+        f"| {title} | " + " | ".join(f"{m:.1f} / {a:.1f}" for m, a in cells) + " |" for title, cells in rows.items()]
     return "\n".join(lines) + "\n\nEach cell: maj@n / avg@n in percent (maj@n: bootstrap expectation of the vote).\n"
 
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    cut = argv.index("--") if "--" in argv else len(argv)  # flags after -- go to spo.py
     p = argparse.ArgumentParser(description="The paper's Table 1: offline values, training, evaluation, the table")
     p.add_argument("--data", default=None, help="the prepared directory (python -m tasks.paper prepare)")
     p.add_argument("--out", required=True, help="the pipeline's directory (a rerun continues it)")
@@ -140,7 +139,7 @@ def main(argv=None):
                    help="tool-integrated reasoning, as the paper (--no-tools: plain reasoning)")
     p.add_argument("--engine", choices=["auto", "vllm", "hf"], default="auto", help="every stage's rollout engine")
     p.add_argument("--dry_run", action="store_true", help="the toy and tiny budgets: every stage in minutes on a CPU")
-    args = p.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
+    args, extra = p.parse_args(argv[:cut]), argv[cut + 1:]
     if args.nproc < 1:
         p.error(f"--nproc must be at least 1, got {args.nproc}")
     settings = SETTINGS["dry_run" if args.dry_run else "paper"]

@@ -11,22 +11,22 @@ from experiments.analysis import eval_curve, mean_ci
 SMOOTH = 10  # steps in the trailing mean of per-step curves (one step is 64 samples: noisy)
 
 
-def _smooth(y, window):
-    """Trailing mean over `window` steps, NaN-aware (a step without the metric does not count)."""
+def _smooth(y):
+    """Trailing mean over SMOOTH steps, NaN-aware (a step without the metric does not count)."""
     out = np.full(len(y), np.nan)
     for i in range(len(y)):
-        chunk = y[max(0, i - window + 1): i + 1]
+        chunk = y[max(0, i - SMOOTH + 1): i + 1]
         if np.isfinite(chunk).any():
             out[i] = np.nanmean(chunk)
     return out
 
 
-def step_matrix(runs, key, window=SMOOTH):
-    """(steps, (runs, steps) matrix) of a per-step metric over training (step 0 left out), smoothed per run."""
+def step_matrix(runs, key):
+    """(steps, (runs, steps) matrix) of a per-step metric over training (step 0 left out), smoothed per run; no step
+    logged it: (runs, 0)."""
     steps = sorted({s for run in runs for s, row in run["rows"].items() if s > 0 and key in row})
-    matrix = np.array([_smooth(np.array([run["rows"].get(s, {}).get(key, np.nan) for s in steps], np.float64),
-                               window) for run in runs]) if steps else np.zeros((len(runs), 0))
-    return np.array(steps), matrix
+    return np.array(steps), np.array([_smooth(np.array([run["rows"].get(s, {}).get(key, np.nan) for s in steps],
+                                                       np.float64)) for run in runs])
 
 
 # ------------------------------------------------------------------------------------------------ the plots

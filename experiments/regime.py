@@ -60,18 +60,20 @@ def measure(run, after=20, lag_by=100):
     """{quantity: value} of one run (read_run's; nan where the run did not log it). p(x) is the probe's exact
     probability where it logged one, else its sampled success (which leaves sampling noise in the lag)."""
     config, rows = run["config"], [run["rows"][s] for s in sorted(run["rows"])]
-    pool, steps, nan = pool_size(config), max(run["rows"]), float("nan")
+    pool, steps, nan = pool_size(config), max(run["rows"]), np.nan
     col = lambda key, rs=rows: np.array([r[key] for r in rs if key in r], np.float64)  # noqa: E731
     agree, tenth = col("zero_signal/degenerate_groups"), max(1, steps // 10)
     revisits = [r for r in rows if r.get("tracker/revisit_share", 0) > 0]
     weights = col("tracker/revisit_share", revisits)
     share = lambda key: float(np.sum(col(key, revisits) * weights) / np.sum(weights)) if revisits else nan  # noqa
+    mean = lambda xs: float(np.mean(xs)) if len(xs) else nan  # noqa: E731  (nan, not numpy's warning, for none)
+    largest = lambda xs: float(np.max(np.abs(xs))) if len(xs) else nan  # noqa: E731
     probes = [run["probe"][s] for s in sorted(run["probe"])]
     key = "exact" if probes and all("exact" in p for p in probes) else "success"
     p_of = lambda probe: np.asarray(probe[key], np.float64)  # noqa: E731
     late = [p for p in probes if p["step"] > after]
-    lag = [np.mean((np.asarray(p["value"]) - p_of(p))[(p_of(p) > LEARNING[0]) & (p_of(p) < LEARNING[1])])
-           for p in late if ((p_of(p) > LEARNING[0]) & (p_of(p) < LEARNING[1])).any()]
+    learning = lambda p: (p_of(p) > LEARNING[0]) & (p_of(p) < LEARNING[1])  # noqa: E731
+    lag = [np.mean((np.asarray(p["value"]) - p_of(p))[learning(p)]) for p in late if learning(p).any()]
     first, n = (probes[0], probes[0].get("n_samples", 1)) if probes else (None, 1)
     by = [p for p in late if p["step"] <= lag_by]
     accuracy, times = col("eval/exact"), col("time")
@@ -79,7 +81,7 @@ def measure(run, after=20, lag_by=100):
     at_min, at_max = share("tracker/rho_at_min"), share("tracker/rho_at_max")
     return {"drawn": config["batch_size"] / config["group_size"] / pool, "samples": config["batch_size"] * steps / pool,
             "pool": pool, "batch": config["batch_size"], "steps": steps,
-            "all_agree": (np.mean(agree[:tenth]), np.mean(agree[-tenth:])) if len(agree) else (nan, nan),
+            "all_agree": (mean(agree[:tenth]), mean(agree[-tenth:])),
             "all_agree_probe": all_agree_estimate(p_of(first), n) if first and n >= GROUP else nan,
             "mastered": tuple(np.mean(p_of(p) >= 0.9) for p in (probes[0], probes[-1])) if probes else (nan, nan),
             "unsolved": tuple(np.mean(p_of(p) <= 0.1) for p in (probes[0], probes[-1])) if probes else (nan, nan),
@@ -87,15 +89,13 @@ def measure(run, after=20, lag_by=100):
             "between_free": between_share_free(first["value"], p_of(first), config.get("n0", 8),
                                                config.get("init_smoothing", "kt")) if first and first["step"] == 0
             and config.get("offline_values") != "none" else nan,
-            "clip": float(np.mean(col("policy/clip_fraction"))),
+            "clip": mean(col("policy/clip_fraction")),
             "window": 1 - at_min - at_max, "above": at_min, "below": at_max,  # D above the window: rho at rho_min
-            "d_mean": float(np.mean(col("tracker/divergence_revisit_mean", revisits))) if revisits else nan,
-            "lag_by": float(np.mean([lag_share(p, key) for p in by])) if by else nan,
-            "lag_share": float(np.mean([lag_share(p, key) for p in late])) if late else nan,
-            "lag_shared": float(np.mean([lag_share(p, key, True) for p in late])) if late else nan,
-            "bias": float(np.max(np.abs([p["probe/bias"] for p in late]))) if late else nan,
-            "bias_mean": float(np.mean([p["probe/bias"] for p in late])) if late else nan,
-            "lag": float(np.max(np.abs(lag))) if lag else nan, "lag_mean": float(np.mean(lag)) if lag else nan,
+            "d_mean": mean(col("tracker/divergence_revisit_mean", revisits)),
+            "lag_by": mean([lag_share(p, key) for p in by]), "lag_share": mean([lag_share(p, key) for p in late]),
+            "lag_shared": mean([lag_share(p, key, True) for p in late]),
+            "bias": largest([p["probe/bias"] for p in late]), "bias_mean": mean([p["probe/bias"] for p in late]),
+            "lag": largest(lag), "lag_mean": mean(lag),
             "rising": float(accuracy[-1] - accuracy[-2]) if len(accuracy) > 1 else nan,
             "minutes": float(np.ptp(times)) / 60 if len(times) > 1 else nan}
 
@@ -104,8 +104,8 @@ def targets(spo, grpo, rho_none=None):
     """[(target, paper value, measured text, met: bool)]: the mixed preset's eight, from measure() of an SPO run, a
     GRPO run and (for the manipulation check) an SPO run without forgetting (--rho none)."""
     pct = lambda x: f"{100 * x:.0f}%"  # noqa: E731
-    lag_none = rho_none["lag_by"] if rho_none else float("nan")
-    ratio = lag_none / spo["lag_by"] if spo["lag_by"] > 0 else float("nan")
+    lag_none = rho_none["lag_by"] if rho_none else np.nan
+    ratio = lag_none / spo["lag_by"] if spo["lag_by"] > 0 else np.nan
     return [
         ("between-prompt share of reward variance at step 0: noise-free (v0 x probe covariance); probe less "
          "binomial noise", PAPER["between"], f"{spo['between_free']:.2f}; {spo['between']:.2f}",
@@ -137,9 +137,8 @@ def sweep_report(out, after=20):
     seeds = sorted(int(n[5:]) for n in names if n.startswith("spo-s") and f"grpo-s{n[5:]}" in names)
     if not seeds:
         raise SystemExit(f"error: {out}: no seed with both an spo and a grpo run")
-    none = lambda s: measure(load(out, f"rho_none-s{s}"), after) if f"rho_none-s{s}" in names else None  # noqa
-    columns = [targets(measure(load(out, f"spo-s{s}"), after), measure(load(out, f"grpo-s{s}"), after), none(s))
-               for s in seeds]
+    measured = {n: measure(load(out, n), after) for n in names}  # each run once, for both tables
+    columns = [targets(measured[f"spo-s{s}"], measured[f"grpo-s{s}"], measured.get(f"rho_none-s{s}")) for s in seeds]
     lines = ["| target | the paper | " + " | ".join(f"seed {s}" for s in seeds) + " | seeds met |",
              "| --- | --- | " + "--- | " * len(seeds) + "--- |"]
     for i, (name, paper, _, _) in enumerate(columns[0]):
@@ -151,7 +150,7 @@ def sweep_report(out, after=20):
               "variance after centring / the reward noise | its shared part, squared / the reward noise |",
               "|---" * 11 + "|"]
     for variant in sorted({n.rsplit("-s", 1)[0] for n in names}):
-        runs = [measure(load(out, n), after) for n in names if n.rsplit("-s", 1)[0] == variant]
+        runs = [measured[n] for n in names if n.rsplit("-s", 1)[0] == variant]
         if all(np.isnan(m["bias"]) for m in runs):
             continue  # no probe: a group estimator
         cell = lambda k: "{:+.3f} [{:+.3f}, {:+.3f}]".format(*mean_ci([m[k] for m in runs])[:3])  # noqa: E731
@@ -168,14 +167,11 @@ def regime(run_dir):
     metrics = [run["rows"][s] for s in sorted(run["rows"])]
     rho_at = {m["step"]: m["tracker/rho_mean"] for m in metrics if "tracker/rho_mean" in m}
     p_key = "exact" if probes and all("exact" in p for p in probes) else "success"  # exact: no sampling noise
-    rows = []
-    for p in probes:
-        ratio = p["probe/mae"] / p["probe/mae_unbiased"] if p.get("probe/mae_unbiased") else float("nan")
-        rows.append({"step": p["step"], "bias": p["probe/bias"], "mae": p["probe/mae"],
-                     "mae_unbiased": p.get("probe/mae_unbiased", float("nan")), "mae_ratio": ratio,
-                     "success": float(np.mean(p["success"])), "value": float(np.mean(p["value"])),
-                     "n_eff": float(np.mean(p["n_eff"])), "visits": float(np.mean(p["visits"])),
-                     "bias_exact": p.get("probe/bias_exact", float("nan"))})
+    rows = [{"step": p["step"], "bias": p["probe/bias"], "mae": p["probe/mae"],
+             "mae_unbiased": p.get("probe/mae_unbiased", np.nan),
+             "mae_ratio": p["probe/mae"] / p["probe/mae_unbiased"] if p.get("probe/mae_unbiased") else np.nan,
+             **{k: float(np.mean(p[k])) for k in ("success", "value", "n_eff", "visits")},
+             "bias_exact": p.get("probe/bias_exact", np.nan)} for p in probes]
     intervals = []
     whole = [(probes[0], probes[-1])] if len(probes) > 2 else []
     for a, b in list(zip(probes, probes[1:])) + whole:

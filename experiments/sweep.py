@@ -233,8 +233,8 @@ def summarize(out, sweep, only=None):
     reference = sweep.get("reference", "spo")
     ref = curves.get(reference, {})
     summary = {"reference": reference, "variants": {}, "failed": [
-        {"run": e["name"], "variant": e["variant"], "seed": e["seed"], "returncode": e.get("returncode"),
-         "error": e.get("error"), "log": e.get("log")} for e in entries if e.get("status") == "failed"],
+        {"run": e["name"], **{k: e.get(k) for k in ("variant", "seed", "returncode", "error", "log")}}
+        for e in entries if e.get("status") == "failed"],
         "not_run": [e["name"] for e in entries if e.get("status") not in ("finished", "failed")],
         "covers": covers([run["config"] for runs in groups.values() for run in runs.values()])}
     budgets = set()
@@ -323,8 +323,8 @@ def write_summary(out, sweep, only=None):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
-    extra = argv[argv.index("--") + 1:] if "--" in argv else []
-    argv = argv[:argv.index("--")] if "--" in argv else argv
+    cut = argv.index("--") if "--" in argv else len(argv)  # flags after -- go to every run
+    argv, extra = argv[:cut], argv[cut + 1:]
     p = argparse.ArgumentParser(description="spo.py over variants x seeds; flags after -- go to every run")
     p.add_argument("--variants", nargs="+", default=["spo", "grpo"],
                    help=f"NAME or NAME:SEEDS (e.g. spo:0-4); known: {', '.join(VARIANTS)}")
