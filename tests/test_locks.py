@@ -4,7 +4,10 @@ through): of many jobs that find a dead job's lock at once, exactly one holds it
     .venv/bin/python -m pytest tests/test_locks.py -q
 """
 import multiprocessing
+import os
 import socket
+
+import pytest
 
 from machinery.run_dir import take_lock
 
@@ -19,11 +22,15 @@ def _job(folder, barrier, holders):
         holders.put((k, take_lock(f"{folder}/{k}.lock", "job") is None))
 
 
-def test_of_a_crowd_that_finds_a_stale_lock_exactly_one_holds_it(tmp_path):
+@pytest.mark.parametrize("stale", ["its pid is gone", "its pid is another process's now", "empty, not new"])
+def test_of_a_crowd_that_finds_a_stale_lock_exactly_one_holds_it(tmp_path, stale):
     """The old takeover read the dead owner, then removed whatever lock was there, maybe one another job had just
     taken: two jobs held it at once in 24 of 200 rounds."""
     for k in range(ROUNDS):
-        (tmp_path / f"{k}.lock").write_text(f"{socket.gethostname()} {DEAD} 1\n")
+        lock = tmp_path / f"{k}.lock"
+        lock.write_text({"its pid is gone": f"{socket.gethostname()} {DEAD} 1\n", "empty, not new": "",
+                         "its pid is another process's now": f"{socket.gethostname()} {os.getpid()} 1\n"}[stale])
+        os.utime(lock, (0, 0))  # (an empty lock younger than 10 s is a job starting there)
     fork = multiprocessing.get_context("fork")  # real processes, started without importing torch again
     barrier, holders = fork.Barrier(JOBS), fork.Queue()
     jobs = [fork.Process(target=_job, args=(str(tmp_path), barrier, holders)) for _ in range(JOBS)]
