@@ -35,9 +35,7 @@ from machinery.seccomp import SYSCALLS, seccomp_program
 UID_BASE, UID_SLOTS = 60000, 256  # dedicated uids for runs; outside normal user ranges, inside 16 bits
 _LOCK_DIR = "/run/spo_sandbox_uids"  # only root claims uids, and only root can write /run: no one can plant files here
 _SCRATCH_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")  # fresh capped tmpfs: all a snippet may write
-# Files, dirs, links and hard links each take an inode of a tmpfs (unbounded: half of RAM's pages) and pin about 1 KiB
-# of kernel memory that no rlimit counts and `size=` does not cover (0.9 million empty files made 1.1 GiB in 7 s).
-SCRATCH_INODES = 4096  # per tmpfs the sandbox mounts: past it, ENOSPC
+SCRATCH_INODES = 4096  # per tmpfs, then ENOSPC: a file, dir or link pins ~1 KiB of kernel memory nothing else counts
 _SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")  # read-only in the root
 _DEVICES = ("null", "zero", "random", "urandom")
 

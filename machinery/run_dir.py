@@ -101,39 +101,29 @@ def _move_aside(folder, files, prefix):
 
 
 def take_lock(lock, name):
-    """None once this process holds `lock` (a dead job's is removed, with a line), else why not."""
+    """None once this process holds `lock` (a dead job's is removed, with a line), else why not. Of many jobs that
+    find a dead job's lock at once one removes it: each judges it under a flock on it, and removes it only while it is
+    still the file at `lock` (removing whatever lock was there, two held it at once). Another host's lock stays."""
+    import fcntl  # Unix only, as the sandbox's: here so that this module loads on Windows too
     for _ in range(3):
         try:
             fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
         except FileExistsError:
-            with contextlib.suppress(FileNotFoundError):  # released or removed meanwhile: try again
-                if busy := _remove_if_stale(lock, name):
-                    return busy
+            with contextlib.suppress(FileNotFoundError), open(  # (gone meanwhile: try again; a FIFO opens at once)
+                    lock, "rb", opener=lambda path, _: os.open(path, os.O_RDONLY | os.O_NONBLOCK)) as f:
+                fcntl.flock(f, fcntl.LOCK_EX)  # released when closed
+                if _held(lock, holder := _lock_owner(lock)):
+                    job = f"pid {holder[1]} on {holder[0]}" if holder else "one starting now"
+                    return f"in use by another job ({job}, {lock}); if that job is gone, delete the lock file"
+                if os.path.samestat(os.fstat(f.fileno()), os.stat(lock)):  # else removed, maybe taken, meanwhile
+                    print(f"{name}: removing a stale lock {lock} (its process {holder and holder[:2]} is gone)",
+                          flush=True)
+                    os.remove(lock)  # (its owner is dead: only a remover holding the flock changes `lock` now)
             continue
         with os.fdopen(fd, "w") as f:
             f.write(_owner_line())
         return None
     return f"in use: another job keeps taking its lock {lock}; try again"
-
-
-def _remove_if_stale(lock, name):
-    """Why `lock` is busy, or None once it is removed (a dead job's) or gone. Of many jobs that find a dead job's lock
-    at once, one removes it: each judges it under a flock on it, and removes it only if it is still the file at `lock`
-    (by removing whatever lock was there, two jobs held it at once). Another host's lock is never removed."""
-    import fcntl  # Unix only, as the sandbox's: here so that this module loads on Windows too
-    fd = os.open(lock, os.O_RDONLY | os.O_NONBLOCK)  # (a FIFO: opened at once)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        if _held(lock, holder := _lock_owner(lock)):
-            job = f"pid {holder[1]} on {holder[0]}" if holder else "one starting now"
-            return f"in use by another job ({job}, {lock}); if that job is gone, delete the lock file"
-        # Else another job removed it (and maybe took it) meanwhile. Once it is, only its dead owner could remove it.
-        if os.path.samestat(os.fstat(fd), os.stat(lock)):
-            print(f"{name}: removing a stale lock {lock} (its process {holder and holder[:2]} is gone)", flush=True)
-            os.remove(lock)
-    finally:
-        os.close(fd)
-    return None
 
 
 def _owner_line():
