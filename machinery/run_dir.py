@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from machinery.checkpoint import MANIFEST, STEP, checkpoint_dirs, damaged, no_checkpoint
 from machinery.collectives import all_gather_objects
-from machinery.errors import fail
+from machinery.errors import fail, shown
 from machinery.untrusted import read_file
 
 
@@ -89,7 +89,7 @@ def _take_over(run_dir, name):
     if files := sorted(f for f in os.listdir(run_dir) if f in ours or f.startswith("events.out.")):
         aside = _move_aside(run_dir, files, "earlier_attempt")
         print(f"{name}: --run_dir {run_dir}: the run there saved no checkpoint; starting afresh, its files "
-              f"({', '.join(files)}) moved to {aside}", flush=True)
+              f"({shown(', '.join(files))}) moved to {aside}", flush=True)
 
 
 def _move_aside(folder, files, prefix):
@@ -142,7 +142,7 @@ def _start_time(pid):
 def _lock_owner(lock):
     try:
         host, pid, *start = read_file(lock, 4096).decode().split()
-        return host, int(pid), int(start[0]) if start and start[0].isdigit() else None
+        return shown(host), int(pid), int(start[0]) if start and start[0].isdigit() else None  # (host: printed)
     except (OSError, ValueError):  # (a FIFO too: its read would wait for ever)
         return None
 
@@ -215,7 +215,7 @@ def claim_output(path, flag, program, earlier=()):
         atexit.register(_release, lock, path, True)
         files = sorted(f for f in os.listdir(path) if f.endswith(earlier)) if earlier and os.path.isdir(path) else []
         if files:
-            print(f"{program}: {flag} {path} holds an earlier run's results ({', '.join(files)}): moved to "
+            print(f"{program}: {flag} {path} holds an earlier run's results ({shown(', '.join(files))}): moved to "
                   f"{_move_aside(path, files, 'earlier')}", flush=True)
         if earlier:
             os.makedirs(path, exist_ok=True)
