@@ -22,9 +22,9 @@ and last halves kept); at the wall-clock limit every process of the run is SIGKI
 
 NOT protected: kernel exploits (not a security boundary: use a VM or gVisor for hostile code); reading the
 bound dirs (/etc, the venv); CPU contention with the trainer; memory beyond max_processes * memory_mb plus the four
-tmpfs dirs (max_file_bytes each) and the kernel's own buffers (pipes, sockets: bounded by max_open_files; a memory
-cgroup would be the fix); without root on Linux before 5.14, a fork bomb up to the user's process limit. Linux only
-(rollout.make_tools refuses --tools elsewhere).
+tmpfs dirs (max_file_bytes and 4096 inodes each) and the kernel's own buffers (pipes, sockets: bounded by
+max_open_files; a memory cgroup would be the fix); without root on Linux before 5.14, a fork bomb up to the user's
+process limit. Linux only (rollout.make_tools refuses --tools elsewhere).
 """
 import ast
 import contextlib

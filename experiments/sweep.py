@@ -26,6 +26,7 @@ import numpy as np
 from experiments.analysis import (archive, covers, eval_curve, mean_ci, paired_difference, pct, prediction_interval,
                                   read_run, read_sweep, record_names, sweep_runs, write_archive)
 from experiments.plots import make_plots
+from machinery.errors import shown
 from machinery.run_dir import take_lock
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: spo.py runs from there
@@ -153,10 +154,10 @@ def run_logged(cmd, log_path, env=None):
 
 
 def error_lines(log_path, tail=30):
-    """What a failed run said: its `error:` lines (spo.py's one-line refusals), else the exception lines of a
-    traceback (torchrun's own ChildFailedError report left out), else the last lines of its log."""
+    """What a failed run said, escaped (a log holds model output): its `error:` lines (spo.py's one-line refusals),
+    else the exception lines of a traceback (torchrun's ChildFailedError report left out), else its last lines."""
     with open(log_path, errors="replace") as f:
-        lines = [line.rstrip() for line in f if line.strip()]
+        lines = [shown(line.rstrip()) for line in f if line.strip()]
     refusals = [line for line in lines if line.lstrip().startswith("error:")]
     raised = [line for line in lines if re.match(r"^\s*[\w.]*(Error|Exception|Exit)\b", line)
               and "ChildFailedError" not in line]
@@ -165,8 +166,7 @@ def error_lines(log_path, tail=30):
 
 def acquire_lock(out):
     """One sweep per --out at a time (two would run the same runs); a killed sweep's lock is taken over."""
-    lock = os.path.join(out, ".sweep.lock")
-    if busy := take_lock(lock, "sweep"):
+    if busy := take_lock(lock := os.path.join(out, ".sweep.lock"), "sweep"):
         raise SystemExit(f"error: {out} is {busy}")
     return lock
 

@@ -2,10 +2,11 @@
 one-line file errors; a hub dataset by name (owner/name[:config][@split]) through the hub's parquet export.
 
 A prompt's key is a hash of its chat messages, not its row number: programs and files agree on it."""
+import fnmatch
 import functools
+import glob
 import hashlib
 import json
-import glob
 import math
 import os
 from dataclasses import dataclass
@@ -107,47 +108,56 @@ def _answer(value, where: str) -> str:
 PARQUET_EXPORT = "refs/convert/parquet"  # the hub's own parquet copy of every dataset: <config>/<split>/*.parquet
 
 
-def hub_rows(name):
-    """A hub dataset's rows and columns from its parquet export, through huggingface_hub's cache (what is cached is
-    read without the hub under HF_HUB_OFFLINE=1, or when the hub cannot be reached); config default, split train."""
+def hub_rows(name, flag):
+    """Rows and columns of a hub dataset's parquet export (config default, split train), via huggingface_hub's
+    cache: read under HF_HUB_OFFLINE=1 and whatever the hub says (unreachable, refusing, a proxy's 503). Each request
+    has a deadline (HF_HUB_ETAG_TIMEOUT, 10 s): huggingface_hub's lookups have none (a mute proxy held one forever)."""
     match = HUB_DATASET.fullmatch(name)
     repo, config, split = match[1], match[2] or "default", match[3] or "train"
-    from huggingface_hub import HfApi, constants, snapshot_download
-    where = dict(repo_id=repo, repo_type="dataset", revision=PARQUET_EXPORT)
-    try:
-        folder = snapshot_download(**where, allow_patterns=f"{config}/{split}/*.parquet")
-    except Exception as e:  # noqa: BLE001 - not on the hub, not cached, gated: none of them is a dataset to read
-        raise FileNotFoundError(f"{name}: no such file, nor a dataset on the hub or in its cache "
-                                f"({constants.HF_HUB_CACHE}): {type(e).__name__}") from None
-    files = sorted(glob.glob(os.path.join(glob.escape(folder), config, split, "*.parquet")))
+    for what, part in (("config", config), ("split", split)):  # a folder's name, never a path to another ("..")
+        if part[0] in ".-":  # (HUB_DATASET: all else is letters, digits, '_', '.', '-')
+            raise ValueError(f"{flag} {name}: the {what} {part!r} is not a plain name (letters, digits, '_', '.', "
+                             f"'-', not first): a hub dataset is owner/name[:config][@split]")
+    from huggingface_hub import HfApi, constants, hf_hub_download, snapshot_download
+    where, deadline = dict(repo_id=repo, repo_type="dataset", revision=PARQUET_EXPORT), constants.HF_HUB_ETAG_TIMEOUT
+    pattern = f"{config}/{split}/*.parquet"
+    try:  # the hub lists every config and split
+        listed = [s.rfilename for s in HfApi().dataset_info(repo, revision=PARQUET_EXPORT, timeout=deadline).siblings]
+        files = [hf_hub_download(**where, filename=f, etag_timeout=deadline) for f in fnmatch.filter(listed, pattern)]
+    except Exception as e:  # noqa: BLE001 - whatever the hub said, the cache (which holds only what was read)
+        try:
+            folder = snapshot_download(**where, allow_patterns=pattern, local_files_only=True)
+        except Exception:  # noqa: BLE001 - not cached either: none of them is a dataset to read
+            raise FileNotFoundError(f"{name}: no such file, nor a dataset on the hub or in its cache "
+                                    f"({constants.HF_HUB_CACHE}): {type(e).__name__}") from None
+        listed = [os.path.relpath(f, folder) for f in glob.glob(os.path.join(glob.escape(folder), "*", "*", "*"))]
+        files = glob.glob(os.path.join(glob.escape(folder), config, split, "*.parquet"))
     if not files:
-        try:  # the hub names every split; a cache only those it holds
-            listed = HfApi().list_repo_files(**where)
-        except Exception:  # noqa: BLE001 - offline, unreachable
-            listed = [os.path.relpath(f, folder) for f in glob.glob(os.path.join(glob.escape(folder), "*", "*"))]
-        parts = [f.replace(os.sep, "/").split("/") for f in listed]
-        splits = sorted({p[1] for p in parts if len(p) > 1 and p[0] == config})
+        parts = [p for f in listed if len(p := f.replace(os.sep, "/").split("/")) == 3]  # <config>/<split>/<file>
+        splits, named = sorted({p[1] for p in parts if p[0] == config}), f"{repo}:{match[2]}" if match[2] else repo
+        if not splits:
+            raise ValueError(f"{name}: the dataset {repo} has no config {config!r} (configs there: "
+                             f"{', '.join(sorted({p[0] for p in parts})) or 'none'}; name one as {repo}:CONFIG)")
         raise ValueError(f"{name}: the dataset {repo} has no split {split!r} in config {config!r} (splits there: "
-                         f"{', '.join(splits) or 'none'}; name one as {repo}" + (f":{match[2]}" if match[2] else "")
-                         + "@SPLIT)")
+                         f"{', '.join(splits)}; name one as {named}@SPLIT)")
     rows, columns = [], []
-    for f in files:  # the export's shards, in order
+    for f in sorted(files):  # the export's shards, in order
         more, names = read_rows(Path(f))
         rows += more
         columns += [c for c in names if c not in columns]
     return rows, columns
 
 
-def load_prompts(path) -> PromptSet:
-    """Prompts and answers of a parquet / JSONL file or a hub dataset, one key per distinct prompt (the first answer
-    kept)."""
+def load_prompts(path, flag="--data") -> PromptSet:
+    """Prompts and answers of a parquet / JSONL file or a hub dataset (named by `flag`), one key per distinct prompt
+    (the first answer kept)."""
     path = Path(path)
     if kind := special(path):  # a FIFO would hang the read
         raise ValueError(f"{path}: {kind}, not a data file")
     if path.is_file():
         rows, columns = read_rows(path)
     elif HUB_DATASET.fullmatch(str(path)) and path.suffix not in (".parquet", ".jsonl", ".ndjson", ".json"):
-        rows, columns = hub_rows(str(path))
+        rows, columns = hub_rows(str(path), flag)
     else:
         raise FileNotFoundError(f"{path}: no such file")
     if not rows:
@@ -358,10 +368,10 @@ def with_system(messages, system_prompt):
     return [{"role": "system", "content": system_prompt}] + messages
 
 
-def load_dataset(path, tokenizer, max_prompt_len, verbose, system_prompt=None):
+def load_dataset(path, tokenizer, max_prompt_len, verbose, system_prompt=None, flag="--data"):
     """Chat-formatted prompt token ids; system_prompt changes what the model sees, not the keys."""
     try:
-        prompts = load_prompts(path)
+        prompts = load_prompts(path, flag)
     except (ValueError, FileNotFoundError) as e:
         fail(str(e), once=True)  # every rank reads the same file: one line, not one per rank
     texts = []
@@ -396,7 +406,7 @@ def load_train_and_test(tokenizer, train, test, *, max_prompt_len, train_prompts
                         system_prompt, verbose, pool_seed=-1):
     """The training prompts (the first train_prompts, or with pool_seed >= 0 that many drawn by it, kept in file
     order) and the held-out ones."""
-    data = load_dataset(train, tokenizer, max_prompt_len, verbose, system_prompt)
+    data = load_dataset(train, tokenizer, max_prompt_len, verbose, system_prompt, "--train")
     if train_prompts > len(data.keys):
         fail(f"--train_prompts {train_prompts}: --train {train} has only {len(data.keys)} prompts", once=True)
     if train_prompts and pool_seed >= 0:
@@ -407,7 +417,7 @@ def load_train_and_test(tokenizer, train, test, *, max_prompt_len, train_prompts
              f"draws (--batch_size / --group_size, x --oversample)", once=True)
     if test is None:
         return data, None
-    test = load_dataset(test, tokenizer, max_prompt_len, verbose, system_prompt)[: test_prompts or None]
+    test = load_dataset(test, tokenizer, max_prompt_len, verbose, system_prompt, "--test")[: test_prompts or None]
     if verbose and (shared := len(set(test.keys) & set(data.keys))):  # e.g. --test = --train
         print(f"warning: {shared} of the {len(test.keys)} held-out prompts (--test) are also training prompts "
               f"(--train): held-out accuracy counts them", flush=True)

@@ -1,10 +1,16 @@
-"""One error line per node, not one traceback per rank (argparse's error() where argparse cannot check), and the
-flags' ranges (check_ranges), beside the one line they end in.
+"""One error line per node, not one traceback per rank (argparse's error() where argparse cannot check), what came
+from outside in it escaped (`shown`, for every line that shows such text); and the flags' ranges (check_ranges).
 """
 import os
 import socket
 import sys
 from types import SimpleNamespace
+
+
+def shown(text):
+    """Text from outside (model or tool output, a file's name, a key) fit for a console or a summary: unprintable
+    characters as repr writes them (ESC, which starts a cursor move or a title change, is \\x1b), all else as is."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text))
 
 
 def fail(message, once=False):
@@ -16,7 +22,7 @@ def fail(message, once=False):
         from tqdm import tqdm
         nodes = env("WORLD_SIZE", "1") != env("LOCAL_WORLD_SIZE", env("WORLD_SIZE", "1"))
         where = f"[{socket.gethostname()}, rank {env('RANK')}] " if nodes else ""
-        tqdm.write(f"error: {where}{message}", file=sys.stderr)  # on a line of its own, also below a progress bar
+        tqdm.write(f"error: {where}{shown(message)}", file=sys.stderr)  # a line of its own, also below a progress bar
         sys.stderr.flush()
     # a live gloo group can abort the exit (seen in CI): destroy it now, unless vLLM's own teardown will
     dist, vllm_groups = sys.modules.get("torch.distributed"), sys.modules.get("vllm.distributed.parallel_state")

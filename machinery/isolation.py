@@ -6,8 +6,8 @@ root, the dirs a snippet may read). sandbox.py runs the command, reads its outpu
 start in one line; there is no weaker fallback). The plan is made once per process; every run builds it afresh:
   unshare   network namespace (a downed loopback: no network, no abstract Unix socket of the host), pid namespace
             (all of the run dies with it), IPC namespace (POSIX message queues; SysV IPC is refused), and
-            a mount namespace with a root of its own (_root_setup): fresh size-capped tmpfs on /tmp, /var/tmp,
-            /dev/shm, /run/lock (all it may write), the system's and the interpreter's dirs read-only, then
+            a mount namespace with a root of its own (_root_setup): fresh tmpfs capped in bytes and inodes on /tmp,
+            /var/tmp, /dev/shm, /run/lock (all it may write), the system's and the interpreter's dirs read-only, then
             pivot_root: the repository, the data and their answers, the run directory, homes are not there.
   limits    memory (RLIMIT_AS), CPU seconds, processes, open files, file size, no core dumps.
   seccomp   a fresh empty session keyring, then a filter (machinery/seccomp.py) fails what no namespace covers:
@@ -34,7 +34,8 @@ from machinery.seccomp import SYSCALLS, seccomp_program
 
 UID_BASE, UID_SLOTS = 60000, 256  # dedicated uids for runs; outside normal user ranges, inside 16 bits
 _LOCK_DIR = "/run/spo_sandbox_uids"  # only root claims uids, and only root can write /run: no one can plant files here
-_SCRATCH_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")  # fresh size-capped tmpfs: all a snippet may write
+_SCRATCH_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")  # fresh capped tmpfs: all a snippet may write
+SCRATCH_INODES = 4096  # per tmpfs, then ENOSPC: a file, dir or link pins ~1 KiB of kernel memory nothing else counts
 _SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")  # read-only in the root
 _DEVICES = ("null", "zero", "random", "urandom")
 
@@ -109,9 +110,10 @@ def _root_setup(scratch_bytes: int) -> tuple:
     makes its mount point if missing."""
     root, bind, recursive = _mount_point(), 0x1000, 0x5000  # MS_BIND, MS_BIND | MS_REC
     links = [d for d in visible_dirs() if d in _SYSTEM_DIRS and os.path.islink(d)]  # /bin -> usr/bin
-    steps = [("mount", "tmpfs", root, "tmpfs", 0, "size=1m,mode=755"), ("mkdir", root + "/dev")]
-    # The scratch dirs first: a venv under /tmp goes on its tmpfs.
-    steps += [("mount", "tmpfs", root + d, "tmpfs", 0, f"size={scratch_bytes},mode=1777") for d in _SCRATCH_DIRS]
+    def tmpfs(target, size, mode):
+        return "mount", "tmpfs", target, "tmpfs", 0, f"size={size},nr_inodes={SCRATCH_INODES},mode={mode}"
+    steps = [tmpfs(root, "1m", "755"), ("mkdir", root + "/dev")]
+    steps += [tmpfs(root + d, scratch_bytes, "1777") for d in _SCRATCH_DIRS]  # first: a venv under /tmp goes on it
     for d in (d for d in visible_dirs() if d not in links):  # read-only, each submount too
         steps += [("mount", d, root + d, None, recursive, None)]
         steps += [("readonly", root + p) for p in _mount_points_under(d)]

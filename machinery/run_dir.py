@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from machinery.checkpoint import MANIFEST, STEP, checkpoint_dirs, damaged, no_checkpoint
 from machinery.collectives import all_gather_objects
-from machinery.errors import fail
+from machinery.errors import fail, shown
 from machinery.untrusted import read_file
 
 
@@ -89,7 +89,7 @@ def _take_over(run_dir, name):
     if files := sorted(f for f in os.listdir(run_dir) if f in ours or f.startswith("events.out.")):
         aside = _move_aside(run_dir, files, "earlier_attempt")
         print(f"{name}: --run_dir {run_dir}: the run there saved no checkpoint; starting afresh, its files "
-              f"({', '.join(files)}) moved to {aside}", flush=True)
+              f"({shown(', '.join(files))}) moved to {aside}", flush=True)
 
 
 def _move_aside(folder, files, prefix):
@@ -101,18 +101,24 @@ def _move_aside(folder, files, prefix):
 
 
 def take_lock(lock, name):
-    """None once this process holds `lock` (a dead job's is removed, with a line), else why not."""
-    for _ in range(2):
+    """None once this process holds `lock` (a dead job's is removed, with a line), else why not. Of many jobs that
+    find a dead job's lock at once one removes it: each judges it under a flock on it, and removes it only while it is
+    still the file at `lock` (removing whatever lock was there, two held it at once). Another host's lock stays."""
+    import fcntl  # Unix only, as the sandbox's: here so that this module loads on Windows too
+    for _ in range(3):
         try:
             fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
         except FileExistsError:
-            holder = _lock_owner(lock)
-            if _held(lock, holder):
-                job = f"pid {holder[1]} on {holder[0]}" if holder else "one starting now"
-                return f"in use by another job ({job}, {lock}); if that job is gone, delete the lock file"
-            print(f"{name}: removing a stale lock {lock} (its process {holder and holder[:2]} is gone)", flush=True)
-            with contextlib.suppress(FileNotFoundError):  # another job may have removed it first
-                os.remove(lock)
+            with contextlib.suppress(FileNotFoundError), open(  # (gone meanwhile: try again; a FIFO opens at once)
+                    lock, "rb", opener=lambda path, _: os.open(path, os.O_RDONLY | os.O_NONBLOCK)) as f:
+                fcntl.flock(f, fcntl.LOCK_EX)  # released when closed
+                if _held(lock, holder := _lock_owner(lock)):
+                    job = f"pid {holder[1]} on {holder[0]}" if holder else "one starting now"
+                    return f"in use by another job ({job}, {lock}); if that job is gone, delete the lock file"
+                if os.path.samestat(os.fstat(f.fileno()), os.stat(lock)):  # else removed, maybe taken, meanwhile
+                    print(f"{name}: removing a stale lock {lock} (its process {holder and holder[:2]} is gone)",
+                          flush=True)
+                    os.remove(lock)  # (its owner is dead: only a remover holding the flock changes `lock` now)
             continue
         with os.fdopen(fd, "w") as f:
             f.write(_owner_line())
@@ -136,7 +142,7 @@ def _start_time(pid):
 def _lock_owner(lock):
     try:
         host, pid, *start = read_file(lock, 4096).decode().split()
-        return host, int(pid), int(start[0]) if start and start[0].isdigit() else None
+        return shown(host), int(pid), int(start[0]) if start and start[0].isdigit() else None  # (host: printed)
     except (OSError, ValueError):  # (a FIFO too: its read would wait for ever)
         return None
 
@@ -209,7 +215,7 @@ def claim_output(path, flag, program, earlier=()):
         atexit.register(_release, lock, path, True)
         files = sorted(f for f in os.listdir(path) if f.endswith(earlier)) if earlier and os.path.isdir(path) else []
         if files:
-            print(f"{program}: {flag} {path} holds an earlier run's results ({', '.join(files)}): moved to "
+            print(f"{program}: {flag} {path} holds an earlier run's results ({shown(', '.join(files))}): moved to "
                   f"{_move_aside(path, files, 'earlier')}", flush=True)
         if earlier:
             os.makedirs(path, exist_ok=True)

@@ -13,7 +13,7 @@ import stat
 
 import torch
 
-from machinery.errors import fail
+from machinery.errors import fail, shown
 
 _KINDS = {stat.S_IFIFO: "a FIFO (named pipe)", stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a character device",
           stat.S_IFBLK: "a block device", stat.S_IFDIR: "a directory"}
@@ -124,8 +124,8 @@ def foreign_values(run_dir, settings, given, model_dir, built_in, shipped):
         here = toy and shipped and os.path.join(shipped, toy[1], toy[2])
         if here and os.path.isfile(here):
             if os.environ.get("RANK", "0") == "0":  # every rank reads the config; one says it
-                print(f"--resume {run_dir}: --{flag} {path} is not there; using this checkout's {here} (the same "
-                      f"shipped toy: its prompts are checked against the run's)", flush=True)
+                print(f"--resume {run_dir}: --{flag} {shown(path)} is not there; using this checkout's {here} (the "
+                      f"same shipped toy: its prompts are checked against the run's)", flush=True)
             settings[flag] = here
         else:
             errors.append(f"--resume {run_dir}: its --{flag} {path} is not there (a run moved, or made in another "

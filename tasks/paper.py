@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from machinery.data import prompt_key, read_rows, unfinished_download
-from machinery.errors import fail
+from machinery.errors import fail, shown
 from reward import BOX, extract_boxed
 
 CONVERTER_VERSION = 1  # bump when the conversion below changes, so that a rerun rewrites every dataset
@@ -235,7 +235,7 @@ def prepare(out, names=None, eval_prompt="authors"):
             "sha256": sha256(output), **stats, "expected_rows": source.expected}
         write_atomically(out / "manifest.json", json.dumps(manifest, indent=1, ensure_ascii=False) + "\n")
         drops = "".join(f"; {n} {why}" for why, n in stats["rows_dropped"].items())
-        print(f"{source.name}: {source.repo}@{revision[:12]} {', '.join(files)}: {stats['rows_in']} rows -> "
+        print(f"{source.name}: {source.repo}@{revision[:12]} {shown(', '.join(files))}: {stats['rows_in']} rows -> "
               f"{stats['rows_out']} prompts (duplicates dropped: {stats['duplicates_dropped']}{drops}) -> {output}",
               flush=True)
         # the paper's sets: 30 problems (100 for BeyondAIME), about 14.1k training prompts

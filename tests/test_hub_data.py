@@ -1,13 +1,18 @@
 """A hub dataset by name (owner/name[:config][@split]) as --train / --test / --data: read from huggingface_hub's
-cache of the hub's parquet export, with no network (HF_HUB_OFFLINE=1); a name that is neither a file nor a cached
-dataset, and a split the dataset lacks, are one line each.
+cache of the hub's parquet export, with no network (HF_HUB_OFFLINE=1), or whatever the network says (a loopback
+proxy or hub that answers 503, or never: within a deadline); a name that is neither a file nor a cached dataset, a
+config or split the dataset lacks, and a config or split that is no plain name ("..") are one line each.
 
     .venv/bin/python -m pytest tests/test_hub_data.py -q
 """
+import contextlib
+import http.server
 import json
 import shutil
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
@@ -35,9 +40,11 @@ def hub(tmp_path):
         write_parquet(snapshot / config / split / f"{shard}.parquet", {"problem": problems, "answer": answers})
     (repo / "refs" / "refs" / "convert").mkdir(parents=True)
     (repo / "refs" / "refs" / "convert" / "parquet").write_text(COMMIT)
+    write_parquet(repo / "outside.parquet", {"problem": ["secret="], "answer": ["0"]})  # two levels above the snapshot
     env = {**ENV, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_CACHE": str(tmp_path / "hf" / "hub"), "HF_HUB_OFFLINE": "1"}
-    return lambda name, cwd=ROOT: subprocess.run([sys.executable, "-c", READ, name], cwd=cwd, env=env,
-                                                 capture_output=True, text=True, timeout=300)
+    return lambda name, cwd=ROOT, **more: subprocess.run([sys.executable, "-c", READ, name], cwd=cwd,
+                                                         env={**env, **more}, capture_output=True, text=True,
+                                                         timeout=300)
 
 
 def _read(proc):
@@ -60,12 +67,65 @@ def test_a_cached_hub_dataset_reads_by_name_offline(hub, name, problems, answers
                                "config 'default' (splits there: test, train; name one as owner/maths@SPLIT)"),
     ("owner/maths:hard@test", "error: owner/maths:hard@test: the dataset owner/maths has no split 'test' in config "
                               "'hard' (splits there: train; name one as owner/maths:hard@SPLIT)"),
+    ("owner/maths:hardest", "error: owner/maths:hardest: the dataset owner/maths has no config 'hardest' (configs "
+                            "there: default, hard; name one as owner/maths:CONFIG)"),
     ("owner/missing", "error: owner/missing: no such file, nor a dataset on the hub or in its cache ("),
     ("data/missing.parquet", "error: data/missing.parquet: no such file")])
 def test_a_name_that_is_no_file_and_no_cached_dataset_or_split_is_one_line(hub, name, says):
     proc = hub(name)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 1 and len(lines) == 1 and lines[0].startswith(says), proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("name, what, part", [("owner/maths:..@..", "config", ".."), ("owner/maths@..", "split", ".."),
+                                              ("owner/maths:hard@.", "split", "."), ("owner/maths:.x", "config", ".x")])
+def test_a_config_or_split_is_a_plain_name_never_a_path(hub, name, what, part):
+    """Names are data: owner/maths:..@.. read the parquet files two levels above the dataset's snapshot."""
+    proc = hub(name)
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [
+        f"error: --data {name}: the {what} {part!r} is not a plain name (letters, digits, '_', '.', '-', not first): "
+        f"a hub dataset is owner/name[:config][@split]"], proc.stderr[-3000:]
+
+
+@contextlib.contextmanager
+def loopback(status):
+    """An HTTP server on 127.0.0.1 that answers every request (a proxy's CONNECT too) with `status`, or never."""
+    never = threading.Event()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def answer(self):
+            if status is None:
+                never.wait()
+            else:
+                self.send_error(status)
+        do_GET = do_HEAD = do_POST = do_CONNECT = answer
+
+        def log_message(self, *args):
+            pass
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        never.set()
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.parametrize("via", ["proxy", "hub"])
+@pytest.mark.parametrize("status", [503, None], ids=["answers 503", "never answers"])
+def test_a_cached_dataset_is_read_whatever_the_network_says_within_a_deadline(hub, via, status):
+    """The cache is read "when the hub cannot be reached": behind a proxy that answered 503 it was not, and behind one
+    that never answered the lookup waited for ever. Every request's deadline is HF_HUB_ETAG_TIMEOUT (2 s here)."""
+    with loopback(status) as url:
+        network = {"HF_HUB_OFFLINE": "0", "HF_HUB_ETAG_TIMEOUT": "2", "NO_PROXY": "", "no_proxy": ""}
+        network.update({k: url if via == "proxy" else "" for k in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY",
+                                                                   "http_proxy", "ALL_PROXY", "all_proxy")})
+        if via == "hub":
+            network["HF_ENDPOINT"] = url
+        start = time.monotonic()
+        proc = hub("owner/maths:hard", **network)
+    assert _read(proc) == (["99+1="], ["100"], 1) and time.monotonic() - start < 120
 
 
 def test_a_file_named_like_a_dataset_is_read_as_the_file(hub, tmp_path):

@@ -1,6 +1,6 @@
 """What no namespace covers (machinery/seccomp.py): the kernel keyrings (a snippet cannot read the trainer's keys,
-plant any, or leave any for the next run) and memory no limit counts (memfds, SysV IPC), as root and as an
-ordinary user, against the real sandbox.
+plant any, or leave any for the next run) and memory no limit counts (memfds, SysV IPC, the inodes of the scratch
+tmpfs), as root and as an ordinary user, against the real sandbox.
 
     .venv/bin/python -m pytest tests/test_sandbox_keys_memory.py -q
 """
@@ -10,6 +10,7 @@ import subprocess
 import pytest
 
 from common import ENV, PYTHON, ROOT, SNIPPET_TIMEOUT_S
+from machinery.isolation import SCRATCH_INODES
 from machinery.seccomp import _SYSCALL_NR
 from sandbox import run_code
 from test_sandbox_root import _as_an_ordinary_user
@@ -93,6 +94,36 @@ def test_memfds_and_sysv_shm_cannot_hold_more_than_the_documented_bound():
     assert r.exit_code == 0, r
     held = eval(r.stdout)
     assert "memfd" not in held and "sysv" not in held and held["/dev/shm"] <= 64 and held["/tmp"] <= 64, r
+
+
+# Each scratch dir filled with another kind of inode, up to 4 times the bound (an unbounded tmpfs stops there).
+INODES = f'''
+import errno, os
+def fill(folder, make):
+    try:
+        for i in range({4 * SCRATCH_INODES}):
+            make(f"{{folder}}/{{i}}")
+    except OSError as e:
+        return i, errno.errorcode[e.errno]
+    return i + 1, None
+open("/dev/shm/target", "w").close()
+print({{folder: fill(folder, make) for folder, make in [
+    ("/tmp", lambda p: os.close(os.open(p, os.O_CREAT | os.O_WRONLY))), ("/var/tmp", os.mkdir),
+    ("/dev/shm", lambda p: os.link("/dev/shm/target", p)), ("/run/lock", lambda p: os.symlink("target", p))]}})
+'''
+
+
+def test_a_snippet_cannot_make_more_inodes_than_the_bound_and_an_ordinary_one_still_writes():
+    """Empty files, dirs, hard links and symlinks take no bytes but an inode each, and about 1 KiB of kernel memory
+    that no rlimit counts (0.9 million empty files held 1.1 GiB): every scratch tmpfs says ENOSPC at the bound."""
+    r = run_code(INODES, timeout_s=SNIPPET_TIMEOUT_S, memory_mb=128, max_processes=2, max_file_bytes=4 << 20)
+    assert r.exit_code == 0, r
+    made = eval(r.stdout)  # (at most 4 x SCRATCH_INODES creations: it stops at once either way)
+    assert all(error == "ENOSPC" and 0 < n <= SCRATCH_INODES for n, error in made.values()), made
+    r = run_code("for d in ('/tmp', '/var/tmp', '/dev/shm', '/run/lock'):\n    open(d + '/a', 'w').write(d)\n"
+                 "    print(open(d + '/a').read())", timeout_s=SNIPPET_TIMEOUT_S, memory_mb=128, max_processes=2,
+                 max_file_bytes=4 << 20)
+    assert (r.exit_code, r.stdout.split()) == (0, ["/tmp", "/var/tmp", "/dev/shm", "/run/lock"]), r
 
 
 # ---- kernel interfaces no namespace covers: socket families, new namespaces, kernel-wide syscalls
