@@ -1,4 +1,5 @@
-"""On torch.distributed.checkpoint (shards) and transformers (export); buys atomic steps, named damage, exact resume.
+"""The checkpoint format: atomic steps, named damage, exact resume, on torch.distributed.checkpoint (shards) and
+transformers (export).
 
 step_N.tmp, fsynced, renamed when complete: shards/ (each rank its own), model/ (for vLLM and eval.py), state.pt
 and manifest.json (every file's size). A damaged newest checkpoint is never stepped back from silently."""

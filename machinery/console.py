@@ -1,4 +1,5 @@
-"""No library drops another's known-harmless warnings; this does, one logger and exact message each (test_console).
+"""The libraries' known-harmless warnings dropped at their source, one logger and exact message each (no library
+drops another's: test_console).
 """
 import logging
 import os

@@ -1,4 +1,5 @@
-"""Stands in for bubblewrap or nsjail (no wheel here): util-linux's unshare, then a launcher of ours (syscalls).
+"""A snippet's isolation: util-linux's unshare, then a launcher of ours (syscalls), in place of bubblewrap or nsjail
+(no wheel here).
 
 The command line that isolates one snippet run of sandbox.py, and what it needs from the host (a dedicated uid as
 root, the dirs a snippet may read). sandbox.py runs the command, reads its output and kills what is left;

@@ -1,4 +1,5 @@
-"""No library guards a run directory or an output: lock files and holds, so that no run overwrites another."""
+"""Run directories and outputs guarded: lock files and holds, so that no run overwrites another (no library does).
+"""
 import atexit
 import contextlib
 import itertools

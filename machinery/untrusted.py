@@ -1,4 +1,4 @@
-"""What pickle and a config file would otherwise do: a run directory from elsewhere read as data, nothing in it run.
+"""A run directory from elsewhere read as data, nothing in it run: what pickle and a config file would otherwise do.
 
 Its pickles are read allowing no code; a value that names code or a place is used only where the command agrees.
 Every file from outside (data, offline values, a run's files, a checkpoint's headers) is read by read_file, and its
