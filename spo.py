@@ -34,7 +34,7 @@ from machinery.device import start_program, use_bf16
 from machinery.data import check_context, find_model, load_tokenizer, load_train_and_test
 from machinery.metrics import Logger, plot_run, run_summary, spo_metrics, step_metrics
 from machinery.run_dir import check_disk, open_run_dir
-from machinery.trackers import add_logging_flags
+from machinery.trackers import add_logging_flags, check_trackers
 from offline_values import TrainingV0, add_v0_flags, check_values_header, claim_toy_values, init_tracker
 from reward import BUILT_IN, add_reward_flags, rewards
 from hf_engine import add_engine_flags, start_engine
@@ -335,6 +335,7 @@ def start(args):
     rank, world, device, engine = start_program(args.engine)
     # --resume: the run's own settings (running nothing it names); --resume auto: resumed if there is a checkpoint
     args = argparse.Namespace(**resume.resumed_flags(vars(args), BUILT_IN, toy.BUILT))
+    check_trackers(args.report_to, args.resume)  # --resume's come from the run's config.json, unchecked at parse time
     variants.check_flags(vars(args), world)  # one clear line for a bad flag or combination
     thinking.check_budget(args.toy_dir, args.max_response_len)  # a worked sum must fit
     on_gpu, on_toy = device.type == "cuda", args.train is None  # on the toy, 'auto' offline values are built here

@@ -21,11 +21,16 @@ SAMPLES_MAX_BYTES = 64 * 2 ** 20  # ... and the file stops growing here, said on
 SAMPLE_COLUMNS = ("step", "prompt", "response", "truncated", "reward", "advantage", "value", "rho", "divergence")
 
 
-def check_trackers(names):
-    """Each tracker --report_to names is installed, before anything heavy (else one line naming the pip command)."""
+def check_trackers(names, run_dir=None):
+    """Each tracker --report_to names is installed, before anything heavy (else one line naming the pip command);
+    with a run directory (--resume's), TensorBoard's folder there is a folder."""
     for name in names:
         if name != "none" and importlib.util.find_spec(name) is None:
             fail(f"--report_to {name}: {name} is not installed; pip install {name}", once=True)
+    board = os.path.join(run_dir or "", "tensorboard")
+    if run_dir and "tensorboard" in names and os.path.lexists(board) and not os.path.isdir(board):
+        fail(f"--report_to tensorboard: {board} is not a directory (TensorBoard writes its events there); move it "
+             f"aside and resume again", once=True)
 
 
 class _ReportTo(argparse.Action):
@@ -107,7 +112,7 @@ def open_trackers(run_dir, config, report_to, resume_step):
     history: TensorBoard drops the events past the checkpoint (purge_step), wandb and trackio resume their run by
     its id."""
     names = [n for n in (report_to or ()) if n != "none"]
-    check_trackers(names)  # --resume takes the trackers from the run's config.json: not checked at parse time
+    check_trackers(names, run_dir)  # (spo.py's start checked them already: --resume's come from config.json)
     ids, logs = tracker_ids(run_dir, resume_step is not None) if names else {}, []
     project = os.environ.get("WANDB_PROJECT", "spo")  # wandb's own variable; trackio shares it
     if "tensorboard" in names:

@@ -89,3 +89,25 @@ def test_tensorboard_keeps_one_history_through_a_kill_and_resume(small_toy, tmp_
     assert sorted(tables) == [1, 2, 3, 4]
     for step, text in tables.items():
         assert text == _markdown([r for r in samples if r["step"] == step]), step
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["wandb missing", "tensorboard a file"])
+def test_resume_says_what_is_wrong_with_its_trackers_before_anything_heavy(spo_run, tmp_path, case):
+    """--resume takes --report_to from the run's config.json, which the parser never saw: a tracker not installed
+    there, or a run whose tensorboard/ is a file, is one line before the memory estimate, the policy or the engine."""
+    import shutil
+    run = tmp_path / "run"
+    shutil.copytree(spo_run[0], run)
+    config = json.loads((run / "config.json").read_text())
+    config["report_to"] = ["wandb"] if case == "wandb missing" else ["tensorboard"]
+    (run / "config.json").write_text(json.dumps(config))
+    if case == "tensorboard a file":
+        shutil.rmtree(run / "tensorboard", ignore_errors=True)
+        (run / "tensorboard").write_text("not a folder")
+    proc = subprocess.run([sys.executable, "-c", WITHOUT, "wandb", "spo.py", "--resume", str(run), "--steps", "6"],
+                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: --report_to "), proc.stderr[-3000:]
+    assert ("wandb is not installed" if case == "wandb missing" else "is not a directory") in lines[0]
+    assert "memory per rank" not in proc.stdout and "Traceback" not in proc.stderr
