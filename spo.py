@@ -362,6 +362,9 @@ def start(args):
     if args.algo == "spo" and not args.resume and args.offline_values not in ("auto", "none"):
         check_values_header(args.offline_values, v0.settings(), args.accept_offline_mismatch, model)
     v0 = claim_toy_values(v0, on_toy and args.algo == "spo" and not args.resume, run_dir)  # said before the engine
+    untrusted.same_everywhere({"--train": untrusted.digest(data.keys), "--test": here["held_out"], "--model":
+                               untrusted.digest(model), "--offline_values": untrusted.digest(v0.offline_values)},
+                              all_gather_objects)  # nodes read node-local copies
     max_tokens, checkpointing, layer_units = memory.trainer_plan(vars(args), model, world, on_gpu, rank == 0)
     args = argparse.Namespace(**{**vars(args), **here, "offline_values": v0.offline_values,
                                  "max_tokens_per_micro_batch": max_tokens})  # final

@@ -142,6 +142,43 @@ def same_held_out(settings, keys, resumed):
     return digest
 
 
+def digest(path_or_lines):
+    """A short digest of what a rank reads: a list of lines (prompt keys, in order), a file's bytes, or a folder's
+    file names and sizes with the bytes of its files under 1 MiB (a model's config and tokenizer, not its weights:
+    reading 16 GB of weights on every rank to compare them would cost minutes). None for None or nothing there."""
+    h = hashlib.sha1()
+    if isinstance(path_or_lines, list):
+        h.update("\n".join(path_or_lines).encode())
+    elif path_or_lines is None or not os.path.exists(path_or_lines):
+        return None
+    elif os.path.isfile(path_or_lines):
+        h.update(read_file(path_or_lines, 2 ** 31))
+    else:
+        for folder, _, names in sorted(os.walk(path_or_lines)):
+            for name in sorted(names):
+                path = os.path.join(folder, name)
+                size = os.path.getsize(path) if os.path.exists(path) else -1  # (a link to nothing: -1)
+                h.update(f"{os.path.relpath(path, path_or_lines)} {size}\n".encode())
+                h.update(read_file(path, size) if 0 <= size < 2 ** 20 and not special(path) else b"")
+    return h.hexdigest()[:16]
+
+
+def same_everywhere(inputs, gather):
+    """Every rank reads what rank 0 reads: inputs {flag: digest} (nodes read node-local copies: a --train copy with
+    its rows in another order would put another prompt behind each of the tracker's keys). gather: all_gather_objects.
+    A difference is one line naming the flag and the hosts that differ, on every rank."""
+    import socket
+    seen = gather([(socket.gethostname(), inputs)])
+    (host0, first), hosts = seen[0], {}
+    for host, mine in seen:
+        for flag in (f for f in first if mine[f] != first[f]):
+            hosts.setdefault(flag, set()).add(host)
+    for flag, where in hosts.items():
+        fail(f"{flag}: the ranks on {', '.join(sorted(where))} read other contents than rank 0 on {host0} (node-local "
+             f"copies that differ: other rows, another order, another model or values file); give every node the "
+             f"same", once=True)
+
+
 def nested(x, f):
     return {k: nested(v, f) for k, v in x.items()} if isinstance(x, dict) else f(x)
 

@@ -66,3 +66,23 @@ def test_a_file_missing_on_one_node_is_said_by_that_node(small_toy, tmp_path):
     errors = [line for line in node1.stderr.splitlines() if line.startswith("error:")]
     assert errors and errors[0].startswith(f"error: [{socket.gethostname()}, rank 1] ") and "train.parquet" in \
         errors[0], node1.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_nodes_whose_train_copies_differ_in_order_stop_with_one_line(small_toy, tmp_path):
+    """--train relative, node-local copies of the same rows in another order on node 1: each index would stand for
+    another prompt on each node (the tracker and sampler mixing two prompts per key). Both nodes stop in one line
+    naming --train and the host, before the engine starts."""
+    import pyarrow.parquet as pq
+    table = pq.read_table(small_toy["train"])
+    for node, rows in (("node0", range(table.num_rows)), ("node1", reversed(range(table.num_rows)))):
+        (tmp_path / node).mkdir()
+        pq.write_table(table.take(list(rows)), tmp_path / node / "train.parquet")
+    spo, *args = toy_args(small_toy, tmp_path / "run")
+    args[args.index("--train") + 1] = "train.parquet"
+    nodes = torchrun_nodes(2, os.path.join(ROOT, spo), *args, "--steps", "1", "--eval_every", "0",
+                           cwds=[tmp_path / "node0", tmp_path / "node1"], timeout=600)
+    for node in nodes:
+        errors = [line for line in node.stderr.splitlines() if line.startswith("error:")]
+        assert node.returncode and len(errors) == 1 and "--train: the ranks on" in errors[0], node.stderr[-3000:]
+        assert socket.gethostname() in errors[0] and "memory per rank" not in node.stdout
