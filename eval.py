@@ -214,6 +214,7 @@ def evaluate(args, written):
     from rollout import TOOL_INSTRUCTION, make_tools
     from tasks import toy
     rank, world, device, args.engine = start_program(args.engine)  # as spo.py
+    open_output(args.out_dir, "--out_dir", "eval.py")  # first: of two eval.py into one --out_dir, one goes on
     args.toy_dir, args.model, args.data, _ = toy.fill_in(args.toy_dir, args.tools, args.model, args.data, "test")
     args.data = [args.data] if isinstance(args.data, str) else args.data  # --data takes several files
     args.model, source, error = all_gather_objects([checkpoint_model(args.model) if rank == 0 else None])[0]
@@ -230,9 +231,9 @@ def evaluate(args, written):
                                         TOOL_INSTRUCTION if args.tool_instruction else None)
     longest = max(len(p) for data in benchmarks.values() for p in data.prompt_ids) + args.max_response_len
     check_context(source, longest, "--max_response_len + the longest prompt")
-    # One eval.py per --out_dir at a time; an earlier evaluation there (of any model) moves to earlier_K/ rather than
-    # being refused: experiments/paper.py reruns its stage into the same directory once training goes further.
-    open_output(args.out_dir, "--out_dir", "eval.py", earlier=(".samples.jsonl", "summary.json", "summary.md"))
+    # An earlier evaluation there (of any model) moves to earlier_K/ rather than being refused, now that the input is
+    # checked: experiments/paper.py reruns its stage into the same directory once training goes further.
+    open_output(args.out_dir, "--out_dir", "eval.py", (".samples.jsonl", "summary.json", "summary.md"), locked=True)
     tools = make_tools(args.tools, args.max_turns, args.sandbox_workers, args.sandbox_timeout, args.sandbox_memory_mb,
                        args.max_tool_output_chars, {**{path: "data" for path in args.data}, args.out_dir: "out_dir"})
     engine = start_engine(args.engine, source, seed=args.seed, max_model_len=longest, device=device,

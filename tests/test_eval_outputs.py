@@ -6,6 +6,7 @@ nothing of its evaluation and no lock; of two at once into one --out_dir one wri
 import json
 import os
 import signal
+import socket
 import subprocess
 import time
 
@@ -52,3 +53,25 @@ def test_a_stopped_evaluation_says_one_line_and_leaves_nothing(tmp_path, sig):
     rerun = python("eval.py", "--engine", "hf", "--data", _small(tmp_path), "--n_samples", "1", "--out_dir", str(out))
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert sorted(os.listdir(out)) == ["small.samples.jsonl", "summary.json", "summary.md"]
+
+
+def test_of_two_evaluations_into_one_out_dir_the_second_stops_in_one_line(tmp_path):
+    """The second starts while the first samples: into the same directory by another name (a link) it is refused,
+    as it is, before it reads its model, by the plain name (its model here does not exist)."""
+    out, alias = tmp_path / "eval", tmp_path / "alias"
+    alias.symlink_to(out)
+    first = _start("--n_samples", "64", "--out_dir", str(out))
+    try:
+        _wait_for(out, first)  # made once its lock is held and its input checked
+        seconds = [_start("--data", _small(tmp_path), "--n_samples", "1", "--out_dir", str(alias)),
+                   _start("--model", str(tmp_path / "no_model"), "--out_dir", str(out))]
+        for name, proc in zip((alias, out), seconds):
+            _, err = proc.communicate(timeout=300)
+            assert proc.returncode == 2, err[-3000:]
+            assert [line for line in err.splitlines() if line.startswith("error:")] == [
+                f"error: --out_dir {name} is in use by another job (pid {first.pid} on {socket.gethostname()}, "
+                f"{out}.lock); if that job is gone, delete the lock file"], err[-3000:]
+        assert first.poll() is None and os.listdir(out) == []  # the first samples on, alone
+    finally:
+        first.kill()
+        first.communicate()
