@@ -190,13 +190,31 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
+    """Ctrl-C or kill -TERM: one line, exit code 130, none of this evaluation's files left (its lock and hold go at
+    exit)."""
+    import signal
+    args = parse_args(argv)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # raises KeyboardInterrupt, as Ctrl-C does
+    written = []
+    try:
+        evaluate(args, written)
+    except KeyboardInterrupt:
+        for path in written:
+            with contextlib.suppress(OSError):
+                os.remove(path)
+        with contextlib.suppress(SystemExit):
+            fail(f"eval.py: interrupted; nothing of this evaluation is left in --out_dir {args.out_dir}", once=True)
+        raise SystemExit(130) from None
+
+
+def evaluate(args, written):
     from machinery.data import check_context, find_model, load_dataset, load_tokenizer
     from hf_engine import start_engine
     from machinery.device import start_program
     from rollout import TOOL_INSTRUCTION, make_tools
     from tasks import toy
-    args = parse_args(argv)
     rank, world, device, args.engine = start_program(args.engine)  # as spo.py
+    open_output(args.out_dir, "--out_dir", "eval.py")  # first: of two eval.py into one --out_dir, one goes on
     args.toy_dir, args.model, args.data, _ = toy.fill_in(args.toy_dir, args.tools, args.model, args.data, "test")
     args.data = [args.data] if isinstance(args.data, str) else args.data  # --data takes several files
     args.model, source, error = all_gather_objects([checkpoint_model(args.model) if rank == 0 else None])[0]
@@ -213,9 +231,9 @@ def main(argv=None):
                                         TOOL_INSTRUCTION if args.tool_instruction else None)
     longest = max(len(p) for data in benchmarks.values() for p in data.prompt_ids) + args.max_response_len
     check_context(source, longest, "--max_response_len + the longest prompt")
-    # One eval.py per --out_dir at a time; an earlier evaluation there (of any model) moves to earlier_K/ rather than
-    # being refused: experiments/paper.py reruns its stage into the same directory once training goes further.
-    open_output(args.out_dir, "--out_dir", "eval.py", earlier=(".samples.jsonl", "summary.json", "summary.md"))
+    # An earlier evaluation there (of any model) moves to earlier_K/ rather than being refused, now that the input is
+    # checked: experiments/paper.py reruns its stage into the same directory once training goes further.
+    open_output(args.out_dir, "--out_dir", "eval.py", (".samples.jsonl", "summary.json", "summary.md"), locked=True)
     tools = make_tools(args.tools, args.max_turns, args.sandbox_workers, args.sandbox_timeout, args.sandbox_memory_mb,
                        args.max_tool_output_chars, {**{path: "data" for path in args.data}, args.out_dir: "out_dir"})
     engine = start_engine(args.engine, source, seed=args.seed, max_model_len=longest, device=device,
@@ -228,7 +246,8 @@ def main(argv=None):
                                              top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_response_len,
                                              rank=rank, world=world, think_format=args.think_format, tools=tools,
                                              reward=args.reward, reward_timeout=args.reward_timeout)
-        write_samples(os.path.join(args.out_dir, f"{name}.samples.jsonl"), data, samples, rollouts, n, rank, world)
+        written.append(os.path.join(args.out_dir, f"{name}.samples.jsonl"))
+        write_samples(written[-1], data, samples, rollouts, n, rank, world)
         if rank == 0:
             summaries[name] = summarize(samples, ks=ks, n_boot=args.n_boot, seed=args.seed)
     if rank == 0:
@@ -238,9 +257,11 @@ def main(argv=None):
                                f"top_k {args.top_k}, max_response_len {args.max_response_len}, reward {args.reward}"
                                f"\n\n{table}\n"}
         for name, text in texts.items():
-            with writing(os.path.join(args.out_dir, name)) as f:
+            written.append(os.path.join(args.out_dir, name))
+            with writing(written[-1]) as f:
                 f.write(text)
         print(table, flush=True)
+    written.clear()  # whole: kept from here on, however it ends
     if tools:
         tools.pool.close()
     engine.shutdown()  # also tears down the process group

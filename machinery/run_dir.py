@@ -200,20 +200,31 @@ def check_disk(run_dir, model, export_bytes_per_parameter):
              f"hold rotated-out checkpoints ({', '.join(jobs)}) until they exit" if held else ""), once=True)
 
 
-def open_output(path, flag, program, earlier=()):
-    error = claim_output(path, flag, program, earlier) if dist.get_rank() == 0 else None
+def open_output(path, flag, program, earlier=(), locked=False):
+    """An output claimed by rank 0 (locked: already, by an earlier call); an error stops every rank."""
+    error = (set_aside(path, flag, program, earlier) if locked else claim_output(path, flag, program, earlier)) \
+        if dist.get_rank() == 0 else None
     if error := all_gather_objects([error])[0]:
         fail(error, once=True)
 
 
 def claim_output(path, flag, program, earlier=()):
-    """Rank 0's lock on an output, or an error line; an earlier run's results (`earlier`) move into earlier_K/."""
-    lock = os.path.normpath(path) + ".lock"
+    """Rank 0's lock on an output, or an error line; an earlier run's results (`earlier`) move into earlier_K/. The
+    lock is named by the output's real path: two spellings of one directory (a link) take one lock."""
+    lock = os.path.realpath(path) + ".lock"
     try:
-        os.makedirs(os.path.dirname(os.path.abspath(lock)), exist_ok=True)
+        os.makedirs(os.path.dirname(lock), exist_ok=True)
         if busy := take_lock(lock, program):
             return f"{flag} {path} is {busy}"
-        atexit.register(_release, lock, path, True)
+    except OSError as e:
+        return f"{flag} {path}: cannot write there ({e.strerror or e})"
+    atexit.register(_release, lock, path, True)
+    return set_aside(path, flag, program, earlier)
+
+
+def set_aside(path, flag, program, earlier):
+    """Under the output's lock: its earlier results (`earlier`) moved into earlier_K/, or an error line."""
+    try:
         files = sorted(f for f in os.listdir(path) if f.endswith(earlier)) if earlier and os.path.isdir(path) else []
         if files:
             print(f"{program}: {flag} {path} holds an earlier run's results ({shown(', '.join(files))}): moved to "
