@@ -1,9 +1,9 @@
 """The device check: spo.py's GPU path, measured with only torch and transformers (a GPU machine may lack vLLM).
 
-Two commands, each planned for at most 4 minutes on one H200 with its model's build and compile warm-up, so that
-both, the machine's start and a rerun of one fit 15 minutes of GPU time (docs/benchmarks.md: what to run, what each
-number means, the ranges expected). `--log FILE`: every line unbuffered to the console and to FILE, torch's
-recompiles and CUDA graph records with them (TORCH_LOGS). "tiny" shapes run both on a CPU (tests/test_device_check.py).
+Two commands, each planned for at most 4 minutes on one H200 with its model's build and compile warm-up (since
+2026-12-06, 270a46d; docs/benchmarks.md: what to run, what each number means, the ranges expected). `--log FILE`:
+every line unbuffered to the console and to FILE, torch's recompiles and CUDA graph records with them (TORCH_LOGS).
+"tiny" shapes run both on a CPU (tests/test_device_check.py).
 (a) `--part trainer` (bench/gpu_trainer.py): the trainer alone on packed, shared-prompt micro-batches of a Qwen3
 shape, its first round timed apart from the rest: the new defaults first, then the old settings, then compiled.
 (b) `--part loop` (here): spo.py `--engine hf` on the toy (the engine under CUDA graphs, the evaluation, the weight
