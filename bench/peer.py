@@ -67,7 +67,7 @@ def trl_worker(run_dir, spec):
     import trl
     from datasets import Dataset
     from machinery.data import load_dataset, load_tokenizer
-    from machinery.device import peak_resident_bytes
+    from machinery.memory import peak_resident_bytes
     from reward import boxed_reward
     torch.set_num_threads(spec["threads"])
     tokenizer = load_tokenizer(spec["model"])
