@@ -235,7 +235,7 @@ class HFEngine:
     def sleep(self):
         """Nothing is discarded; on GPU the KV cache's freed blocks go back to the card, for the trainer (the memory in
         use before: memory/generate_gib)."""
-        phase_end(self.on_gpu, "generate")
+        phase_end(self.on_gpu and torch.cuda.is_available(), "generate")  # (tests fake on_gpu on a CPU)
         if self.on_gpu:
             torch.cuda.empty_cache()
 

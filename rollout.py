@@ -315,7 +315,7 @@ class Engine:
     def sleep(self):
         """GPU: free the card for the trainer (push_weights before the next generate), noting first the memory in use
         with the engine awake (memory/generate_gib)."""
-        phase_end(self.on_gpu, "generate")
+        phase_end(self.on_gpu and torch.cuda.is_available(), "generate")  # (tests fake on_gpu on a CPU)
         if self.on_gpu and self.state != "asleep":
             self._wake("kv_cache")  # only after a push without a generate since: sleep from a whole engine
             self.llm.sleep(level=2)  # also clears vLLM's prefix cache: its KV content is forgotten
