@@ -162,18 +162,16 @@ def main(argv=None):
                   max_tokens=args.max_tokens_per_micro_batch)  # the trainer's forward passes (steps 4 and 6)
 
     def sample(step, times, round_=0):
-        """Steps 1-3 for this rank's slots (round_ > 0: a refill round of DAPO's): (prompt indices, rollouts,
-        rewards)."""
+        """Steps 1-3 for this rank's slots (round_ > 0: DAPO's refill): (prompt indices, rollouts, rewards)."""
         n = resampling.started  # B / world; more under --oversample
+        seeds = step_seeds(args.seed, step, rank, n, round_)
         with timed(times, "generate"):
             # 1. B prompts (Eq. 11): every rank draws the same batch and takes its slots (GRPO: B/G prompts, G each)
             prompts = np.repeat(run.sampler.draw(n * world // group), group)
             mine = prompts[rank * n: (rank + 1) * n]
             # 2. one response per slot from the engine (--oversample: the first to finish, the rest aborted, None)
-            rollouts = run.engine.generate([data.prompt_ids[i] for i in mine], step_seeds(args.seed, step, rank, n,
-                                                                                          round_),
-                                           max_tokens=args.max_response_len, tools=run.tools, group_size=group,
-                                           keep_first=resampling.keep_first)
+            rollouts = run.engine.generate([data.prompt_ids[i] for i in mine], seeds, max_tokens=args.max_response_len,
+                                           tools=run.tools, group_size=group, keep_first=resampling.keep_first)
         with timed(times, "score"):  # 3. the verifier's reward of each response (NaN where aborted)
             reward = rewards(rollouts, [data.answers[i] for i in mine], think_format=args.think_format,
                              truncated_reward=args.truncated_reward, reward=args.reward, timeout_s=args.reward_timeout)
