@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from machinery import collectives
 from machinery.errors import check_finite, check_sampling, fail
+from machinery.run_dir import run_file
 from reward import DEFAULT_REWARD, VERIFIER_TIMEOUT_S, check_reward_flag, reward_and_answer
 
 
@@ -249,7 +250,7 @@ def tracker_probe(engine, data, tracker, settings: ProbeSettings, step, tools, e
         stats.update({"probe/mae_exact": float(np.mean(np.abs(value - exact_p["exact"]))),
                       "probe/bias_exact": float(np.mean(value - exact_p["exact"]))})
     if dist.get_rank() == 0:
-        with open(os.path.join(settings.run_dir, "probe.jsonl"), "a") as f:
+        with run_file(settings.run_dir, "probe.jsonl"), open(os.path.join(settings.run_dir, "probe.jsonl"), "a") as f:
             f.write(json.dumps({"step": step, "prompt": index.tolist(), "value": value.tolist(),
                                 "success": measured.tolist(), **exact_p, "n_eff": n_eff.tolist(),
                                 "visits": tracker.visits[index].tolist(), "n_samples": n, **stats}) + "\n")

@@ -154,6 +154,9 @@ def main(argv=None):
         loss_fn = variants.make_loss(args.loss, args.loss_agg, ppo_clip_token_loss, clip_low=args.clip_low,
                                      clip_high=args.clip_high, dual_clip=DUAL_CLIP,
                                      n_sequences=args.batch_size // args.ppo_steps, max_len=args.max_response_len)
+    kl = None  # --kl_coef: a penalty to the initial policy, the coefficient times a per-token KL estimate
+    if args.kl_coef:
+        kl = (args.kl_coef, functools.partial(variants.kl_to_reference, estimator=args.kl_estimator))
     exact = exact_metric(run.policy, run.tokenizer, args.eval_reference, args.micro_batch_size,
                          args.max_tokens_per_micro_batch)  # the exact success probability, where one is known
     evaluate = functools.partial(evaluations, run.engine, run.test, data, run.tracker, tools=run.tools, exact=exact,
@@ -194,6 +197,8 @@ def main(argv=None):
             old = trainer.old_logprobs(run.policy, [] if trainer.reuses_forward(args.ppo_steps, args.tis) else rollouts,
                                        [(data.prompt_ids[mine[slot]], p.response_ids, p.mask) for slot, p in revisited],
                                        **passes)
+            # --kl_coef: the reference policy's log-probs of the batch, for step 6's penalty
+            ref = trainer.old_logprobs(run.reference, rollouts, [], **passes)["batch"] if run.reference else None
         # 5. advantages and the state each algorithm carries to the next step (--adv_norm token: Eq. 9 per token)
         norm_weight = [sum(r.response_mask) for r in rollouts] if args.adv_norm == "token" else None
         if args.algo == "spo":
@@ -227,7 +232,7 @@ def main(argv=None):
                                            check=step == run.start_step + 1, ppo_steps=args.ppo_steps,
                                            lr=trainer.scheduled_lr(step, args.lr, args.warmup_steps, args.lr_schedule,
                                                                    args.steps),
-                                           grad_clip=args.grad_clip, tis=args.tis, **passes)
+                                           grad_clip=args.grad_clip, tis=args.tis, reference=ref, kl=kl, **passes)
         if args.algo == "spo":  # for D(x) at the next visit
             remember(run.previous, batch_index, all_gather_objects(
                 [PreviousResponse.of(r, logprobs) for r, logprobs in zip(rollouts, acting["batch"])]))
@@ -354,8 +359,8 @@ def start(args):
         train_prompts=args.train_prompts, pool_seed=args.pool_seed, test_prompts=args.eval_max_prompts,
         verbose=rank == 0, min_prompts=math.ceil(args.oversample * args.batch_size / world / args.group_size) * world)
     here = dict(engine=engine, bf16=bf16, run_dir=run_dir, eval_reference=eval_reference, toy_dir=toy_dir, model=model,
-                train=train, test=test, held_out=untrusted.same_held_out(vars(args), test_data and test_data.keys,
-                                                                         args.resume))  # --test: by content
+                train=train, test=test, kl_reference=vars(args).get("kl_reference") if args.resume else model,
+                held_out=untrusted.same_held_out(vars(args), test_data and test_data.keys, args.resume))  # by content
     v0 = TrainingV0.pick({**vars(args), **here}, tools=tools, system_prompt=system_prompt)  # Algorithm 2's settings
     if args.algo == "spo" and not args.resume and args.offline_values not in ("auto", "none"):
         check_values_header(args.offline_values, v0.settings(), args.accept_offline_mismatch, model)
@@ -372,6 +377,10 @@ def start(args):
     policy, optimizer = trainer.build_policy(model_path, device, lr=args.lr, weight_decay=WEIGHT_DECAY,
                                              gradient_checkpointing=checkpointing, layer_units=layer_units,
                                              bf16=args.bf16 == "on", compile_layers=args.compile == "on")
+    # --kl_coef's reference: the run's initial policy (resumed: still that one, not the checkpoint's --model)
+    reference = trainer.build_policy(find_model(args.kl_reference), device, lr=0.0, weight_decay=0.0,
+                                     gradient_checkpointing=False, layer_units=layer_units,
+                                     bf16=args.bf16 == "on")[0] if args.kl_coef else None
     check_disk(args.run_dir, policy, export_bytes_per_parameter=2 if on_gpu else 4)
     engine = start_engine(args.engine, model_path, seed=args.seed, device=device, temperature=args.temperature,
                           max_model_len=args.max_prompt_len + args.max_response_len, bf16=args.bf16 == "on",
@@ -392,7 +401,8 @@ def start(args):
         sampler.set_weights(priority_weights(tracker.value, tracker.n_eff, args.sampling_eps, args.sampling_gamma))
     previous = {i: PreviousResponse(**fields) for i, fields in state["previous"].items()} if state else {}
     return args, checkpoint.Run(rank=rank, world=world, device=device, tools=tools, tokenizer=tokenizer, data=data,
-                                test=test_data, on_toy=on_toy, policy=policy, optimizer=optimizer, engine=engine,
+                                test=test_data, on_toy=on_toy, policy=policy, optimizer=optimizer,
+                                reference=reference, engine=engine,
                                 tracker=tracker, sampler=sampler, previous=previous, resampling=resampling,
                                 start_step=state["step"] if state else 0)
 

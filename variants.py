@@ -2,12 +2,12 @@
 
 An ablation changes one thing: the baseline (GRPO, RLOO, Dr. GRPO, MaxRL: G consecutive responses per prompt), the
 per-token policy loss (GSPO, CISPO, SAPO; PPO-clip itself, Eq. 10, is spo.ppo_clip_token_loss), the loss aggregation
-(a sum over micro-batch pieces divided by a GLOBAL constant), or which samples are kept (DAPO's dynamic sampling,
-which counts the samples generated and used so that equal-budget comparisons stay honest; group-free
-over-sampling, Appendix B, kept by rollout.Engine.generate). Each member is a small pure function of explicit
-arguments that cites where its formula comes from, so that a fork can swap one part and trust the others did not
-move. REINFORCE++'s whitening is spo.global_normalise applied to r; Batch SPO (`--group_size` with spo), the fixed
-offline baseline and rho = 1 are SPO's own tracker with another setting, in spo.py's step 5.
+(a sum over micro-batch pieces divided by a GLOBAL constant), a KL penalty to the initial policy, or which samples
+are kept (DAPO's dynamic sampling, which counts the samples generated and used so that equal-budget comparisons stay
+honest; group-free over-sampling, Appendix B, kept by rollout.Engine.generate). Each member is a small pure function
+of explicit arguments that cites where its formula comes from, so that a fork can swap one part and trust the others
+did not move. REINFORCE++'s whitening is spo.global_normalise applied to r; Batch SPO (`--group_size` with spo), the
+fixed offline baseline and rho = 1 are SPO's own tracker with another setting, in spo.py's step 5.
 
 Why here and not in spo.py: the default run reads SPO's step without these detours, and each variant is one
 `if/elif` branch in spo.py's step 5 (advantages) or one entry in `make_loss` (losses). docs/variants.md's table
@@ -29,6 +29,7 @@ from machinery.collectives import all_gather_np, all_gather_objects
 from reward import check_reward_flag
 
 LOSSES = ("ppo_clip", "gspo", "cispo", "sapo")
+KL_ESTIMATORS = ("k1", "k2", "k3")
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "token_sum")
 GROUP_ALGOS = ("grpo", "rloo", "dr_grpo", "max_rl")  # need G >= 2 responses per prompt
 
@@ -51,6 +52,10 @@ def add_variant_flags(sampling, p):
     p.add_argument("--tis", type=float, default=0.0,
                    help="truncated importance sampling against the engine/trainer mismatch: each token's loss times "
                         "min(pi_trainer / pi_engine, C) (verl's, OpenRLHF's form); 0: off (the paper)")
+    p.add_argument("--kl_coef", type=float, default=0.0, help="a KL penalty to the initial policy, this times its "
+                   "token mean added to the loss (TRL's beta); 0: off, no reference kept (the paper)")
+    p.add_argument("--kl_estimator", choices=KL_ESTIMATORS, default="k3", help="the penalty's per-token estimate of "
+                   "KL(pi || pi_ref): k1 log-ratio, k2 its square / 2, k3 e^l - 1 - l (TRL's, verl's low_var_kl)")
 
 
 MAX_SAMPLING_ROUNDS = 4  # DAPO's refill rounds at most; then all-equal groups fill the batch
@@ -167,6 +172,21 @@ def sapo_token_loss(logprobs, old_logprobs, advantage, mask, clip_low, clip_high
     ratio = torch.exp((logprobs - old_logprobs) * mask)  # (B, T); masked tokens: ratio 1
     t = torch.where(adv > 0, tau[0], tau[1])  # (B, 1)
     return -adv * (4 / t) * torch.sigmoid(t * (ratio - 1)), torch.zeros_like(mask, dtype=torch.bool)
+
+
+def kl_to_reference(logprobs, ref_logprobs, estimator):
+    """--kl_coef's per-token estimate of KL(pi || pi_ref) on tokens y sampled from pi, from l = log pi_ref(y) -
+    log pi(y) (Schulman 2020, "Approximating KL Divergence"): k1 = -l (unbiased, often negative), k2 = l^2 / 2
+    (biased, low variance), k3 = e^l - 1 - l (unbiased, never negative; TRL's beta term, verl's "low_var_kl",
+    OpenRLHF's "k3"). As a loss their gradients are another matter (Tang & Munos 2025): k1's is 0 in expectation,
+    k2's is the reverse KL's, k3's the forward KL's. verl clamps k3 to [-10, 10]; TRL and OpenRLHF do not, nor here.
+    logprobs, ref_logprobs: (B, T); masked positions may hold anything (the caller multiplies by the mask)."""
+    log_ratio = ref_logprobs - logprobs
+    if estimator == "k1":
+        return -log_ratio
+    if estimator == "k2":
+        return log_ratio ** 2 / 2
+    return torch.exp(log_ratio) - 1 - log_ratio
 
 
 # ------------------------------------------------------------------------------------------------ aggregations

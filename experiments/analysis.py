@@ -21,6 +21,8 @@ import tarfile
 
 import numpy as np
 
+from machinery.errors import shown
+
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
 # Two-sided 95% quantiles t_{0.975, df} of Student's t, df = 1..30 (standard tables; scipy is not a dependency).
@@ -219,7 +221,7 @@ def pool_size(config):
     if not os.path.exists(config["train"]):  # a record read on another machine: its --train_prompts, if it said
         if config.get("train_prompts"):
             return config["train_prompts"]
-        raise SystemExit(f"error: {config['train']} (the run's --train) is not here: its pool size is unknown")
+        raise SystemExit(f"error: {shown(config['train'])} (the run's --train) is not here: its pool size is unknown")
     import pyarrow.parquet as pq
     rows = pq.ParquetFile(config["train"]).metadata.num_rows
     return min(rows, config["train_prompts"]) if config.get("train_prompts") else rows

@@ -104,6 +104,28 @@ def run_state(run_dir, steps_wanted, record_dir=None):
     return "finished" if latest == steps == steps_wanted else "resume"
 
 
+def settings_differ(config, flags):
+    """How a run's config.json differs from the settings spo.py's parser makes of the plan's flags (seed included):
+    ['--lr 1e-05 (the run: 2e-05)', ...], [] where they agree. Left out: what --resume may change, the paths, and
+    what the parser leaves to spo.py's start (None, 'auto')."""
+    import spo
+    from machinery.resume import LOCATIONS, RESUME_MAY_CHANGE
+    planned = vars(spo.parse_args(list(flags)))
+    return [f"--{k} {v} (the run: {config[k]})" for k, v in sorted(planned.items())
+            if k in config and config[k] != v and v is not None and v != "auto" and k != "steps"
+            and k not in RESUME_MAY_CHANGE | LOCATIONS]
+
+
+def check_runs_are_the_plans(runs, out):
+    """One line for the first run under OUT (its directory or its record) made with settings the plan does not
+    have (a sweep restarted with another plan): it would be skipped as finished, or resumed, and counted."""
+    for name, _, seed, flags in runs:
+        for where in (os.path.join(out, "runs", name), os.path.join(out, "records", name)):  # ({}: none there)
+            if differ := settings_differ(read_run(where)["config"], (*flags, "--seed", str(seed))):
+                raise SystemExit(f"error: {shown(where)} was made with other settings than this plan's: "
+                                 f"{'; '.join(differ)}; give this plan another --out, or move that run away")
+
+
 def start_flags(run_dir, state):
     """spo.py's flags that continue a run_state() (deleting a run that died before its first checkpoint)."""
     if state == "restart":
@@ -181,6 +203,11 @@ def run_sweep(args, extra):
     runs = plan(args, extra)
     os.makedirs(os.path.join(args.out, "logs"), exist_ok=True)
     lock = acquire_lock(args.out)
+    try:
+        check_runs_are_the_plans(runs, args.out)
+    except SystemExit:
+        os.remove(lock)
+        raise
     sweep_path = os.path.join(args.out, "sweep.json")
     sweep = json.load(open(sweep_path)) if os.path.exists(sweep_path) else {"runs": {}}
     sweep["reference"] = args.reference

@@ -70,6 +70,7 @@ class Sequence:
     old: object = None
     advantage: float = 0.0
     weights: object = None
+    ref: object = None  # the reference policy's log-probs (--kl_coef)
     owner: int = 0
     index: int = 0
 
@@ -92,15 +93,16 @@ def pack(sequences, device="cpu"):
 
 
 def loss_terms(sequences):
+    """Each sequence's old log-probs, per-token weights (1 where none) and reference log-probs, laid out as pack's
+    (B, T-1) mask, and the (B,) advantages."""
     old = np.zeros((len(sequences), max(map(len, sequences)) - 1), dtype=np.float32)
-    weights = np.ones_like(old)
+    weights, ref = np.ones_like(old), np.zeros_like(old)
     for i, s in enumerate(sequences):
-        if s.old is not None:
-            old[i, len(s.prompt) - 1: len(s) - 1] = s.old
-        if s.weights is not None:
-            weights[i, len(s.prompt) - 1: len(s) - 1] = s.weights
+        for values, row in ((s.old, old), (s.weights, weights), (s.ref, ref)):
+            if values is not None:
+                row[i, len(s.prompt) - 1: len(s) - 1] = values
     advantage = np.array([s.advantage for s in sequences], dtype=np.float32)
-    return torch.from_numpy(old), torch.from_numpy(weights), torch.from_numpy(advantage)
+    return torch.from_numpy(old), torch.from_numpy(weights), torch.from_numpy(ref), torch.from_numpy(advantage)
 
 
 def to_device(tensors, device):

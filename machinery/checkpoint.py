@@ -36,6 +36,7 @@ class Run:
     on_toy: bool
     policy: torch.nn.Module  # FSDP2
     optimizer: torch.optim.Optimizer
+    reference: object  # --kl_coef's reference, the initial policy (FSDP2, never trained), or None at 0
     engine: object  # the colocated rollout engine
     tracker: object  # tracker.ValueTracker
     sampler: object  # sampler.PromptSampler

@@ -40,6 +40,12 @@ def setup_distributed():
 
 def start_program(engine):
     """What the three programs do first. Returns (rank, world, device, engine kind)."""
+    if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:  # said by the first try's first rank only
+        if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0" or os.environ.get("RANK", "0") != "0":
+            raise SystemExit(2)
+        fail(f"torchrun --max-restarts {os.environ['TORCHELASTIC_MAX_RESTARTS']}: restarting the ranks inside one "
+             f"torchrun is not supported (the restarted ranks' groups failed to connect or hung in trials); start "
+             f"torchrun without it, and rerun or requeue the whole job with --resume auto (docs/scale.md)")
     rank, world, device = setup_distributed()
     quiet_vllm()
     if error := set_cpu_kv_cache():

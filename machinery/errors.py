@@ -55,7 +55,7 @@ AT_LEAST = {"batch_size": 1, "group_size": 1, "steps": 1, "max_prompt_len": 1, "
             "log_every": 1, "eval_max_prompts": 0, "probe_every": 0, "probe_prompts": 1, "probe_samples": 1,
             "train_prompts": 0, "pool_seed": -1, "seed": 0, "max_tool_output_chars": 1, "warmup_steps": 0}
 POSITIVE = ("temperature", "eval_temperature", "d_half", "grad_clip", "gpu_memory_utilization")
-NON_NEGATIVE = ("lr", "tis", "clip_low", "clip_high", "sampling_eps", "sampling_gamma")
+NON_NEGATIVE = ("lr", "tis", "kl_coef", "clip_low", "clip_high", "sampling_eps", "sampling_gamma")
 
 
 def check_ranges(flags):

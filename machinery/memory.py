@@ -65,8 +65,9 @@ def tokens_per_forward(micro_batch_size, max_tokens_per_micro_batch, sequences_p
 
 
 def rank_memory(shape, *, world, tokens, on_gpu, gradient_checkpointing, layer_units=True, kv_cache_gib=1.0,
-                gpu_bytes=0, gpu_memory_utilization=0.5, engine=True):
-    """Estimated peak bytes of one rank, {item: bytes}, "peak" the total (engine False: the trainer alone)."""
+                gpu_bytes=0, gpu_memory_utilization=0.5, engine=True, reference=False):
+    """Estimated peak bytes of one rank, {item: bytes}, "peak" the total (engine False: the trainer alone;
+    reference: --kl_coef's frozen initial policy, fp32 shards beside the policy's)."""
     compute = 2 if on_gpu else 4  # bytes per activation: bf16 compute on GPU, fp32 on CPU
     per_layer_token = (ACT_HIDDEN * shape.hidden + ACT_MLP * shape.intermediate) * compute
     if gradient_checkpointing:  # each layer's input kept, one layer's activations recomputed at a time
@@ -79,6 +80,8 @@ def rank_memory(shape, *, world, tokens, on_gpu, gradient_checkpointing, layer_u
              "gathered weights and their gradients": 2 * gathered,
              "activations": tokens * per_token,
              "log-prob chunks": 3 * min(LOGIT_CHUNK_BYTES, tokens * shape.vocab * 4)}
+    if reference:  # its passes gather a unit as the policy's do, never at the same time: only the shards add
+        items["reference weights (sharded)"] = shape.parameters * 4 / world
     if on_gpu:
         items["fp32 output projection"] = 2 * shape.vocab * shape.hidden * 4  # the fp32 copy and its gradient
         # foreach_reduce casts a unit's bf16 gradients into one full-size fp32 buffer: the root unit's and the
@@ -89,7 +92,8 @@ def rank_memory(shape, *, world, tokens, on_gpu, gradient_checkpointing, layer_u
                     "engine asleep (while training)": GPU_ENGINE_ASLEEP_BYTES if engine else 0}
         training = sum(items.values()) + sum(resident.values())
         # while vLLM generates: the trainer's shards and the root unit the weight push left gathered
-        generating = (shape.parameters * 12 / world + gathered + gpu_memory_utilization * gpu_bytes
+        # (and the reference's shards)
+        generating = ((12 + 4 * reference) * shape.parameters / world + gathered + gpu_memory_utilization * gpu_bytes
                       + resident["CUDA context"] + resident["NCCL communicator"]) if engine else 0
         items.update(resident)
         items["peak"] = max(training, generating)
@@ -143,14 +147,14 @@ def auto_budget(shape, budget, max_tokens, checkpointing, *, max_sequence_len, *
 
 
 def check_rank_memory(model, *, world, on_gpu, is_main, batch_size, micro_batch_size, max_tokens, max_sequence_len,
-                      gradient_checkpointing, layer_units, gpu_memory_utilization, ignore=False):
+                      gradient_checkpointing, layer_units, gpu_memory_utilization, ignore=False, reference=False):
     """spo.py's check: (tokens per micro-batch, checkpointing) resolved and printed, or one line if they won't fit."""
     from machinery.errors import fail
     shape = model_shape(model)
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     kv = float(os.environ.get("VLLM_CPU_KVCACHE_SPACE", 1))
     budget = available_per_rank(on_gpu, local_ranks)  # on a GPU: the card's total
-    common = dict(world=world, on_gpu=on_gpu, layer_units=layer_units, kv_cache_gib=kv,
+    common = dict(world=world, on_gpu=on_gpu, layer_units=layer_units, kv_cache_gib=kv, reference=reference,
                   gpu_bytes=budget if on_gpu else 0, gpu_memory_utilization=gpu_memory_utilization)
     max_tokens, checkpointing, why = auto_budget(shape, budget, max_tokens, gradient_checkpointing,
                                                  max_sequence_len=max_sequence_len, **common)
@@ -218,7 +222,8 @@ def trainer_plan(flags, model, world, on_gpu, is_main):
         model, world=world, on_gpu=on_gpu, is_main=is_main, batch_size=flags["batch_size"], layer_units=layer_units,
         micro_batch_size=flags["micro_batch_size"], max_tokens=flags["max_tokens_per_micro_batch"],
         max_sequence_len=flags["max_prompt_len"] + flags["max_response_len"], ignore=flags["ignore_memory_estimate"],
-        gradient_checkpointing=flags["gradient_checkpointing"], gpu_memory_utilization=flags["gpu_memory_utilization"])
+        gradient_checkpointing=flags["gradient_checkpointing"], gpu_memory_utilization=flags["gpu_memory_utilization"],
+        reference=flags["kl_coef"] != 0)
     return max_tokens, checkpointing, layer_units
 
 

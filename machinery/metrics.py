@@ -10,7 +10,7 @@ import numpy as np
 import torch.distributed as dist
 
 from machinery.collectives import all_gather_np
-from machinery.run_dir import atomic_write
+from machinery.run_dir import atomic_write, run_file
 from machinery.trackers import SAMPLES, SAMPLES_MAX_BYTES, open_trackers, sample_rows
 from machinery.untrusted import parse_json, read_file
 
@@ -53,6 +53,8 @@ def step_metrics(reward, raw_advantage, advantage, rollouts, acting, stats, time
          "policy/clip_fraction": stats["clip_fraction"], "policy/approx_kl": stats["approx_kl"],
          "policy/grad_norm": stats["grad_norm"], "policy/loss": stats["loss"], "policy/lr": stats["lr"],
          "policy/decoder_tokens": stats["decoder_tokens"]}
+    if "kl_ref" in stats:  # --kl_coef: the estimate of KL(pi || pi_ref) per token (variants.kl_to_reference)
+        m["policy/kl_ref"] = stats["kl_ref"]
     m.update(signal_metrics(raw, adv, reward, group))
     m.update({f"time/{k}": v for k, v in times.items()})
     m["time/step"] = sum(times.values())
@@ -124,7 +126,7 @@ class Logger:
     samples.jsonl."""
 
     def __init__(self, run_dir, config, is_main, report_to=(), resume_step=None):
-        self.is_main, self.bar, self.trackers = is_main, None, []
+        self.is_main, self.bar, self.trackers, self.run_dir = is_main, None, [], run_dir
         self.config, self.all_equal_steps = config, 0  # steps whose rewards were all equal, so far
         if not is_main:
             return
@@ -157,10 +159,11 @@ class Logger:
                              f"reward/all_equal_steps; said once). SPO still moves the policy (Eq. 9 scales r - v(x) "
                              f"to unit spread); GRPO-like estimators get no signal")
             self.all_equal_steps = metrics["reward/all_equal_steps"]
-        self.file.write(json.dumps({"step": step, "time": time.time(), **metrics}) + "\n")
-        self.file.flush()
-        for log in self.trackers:
-            log(step, {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
+        with run_file(self.run_dir, "metrics.jsonl and the trackers' logs"):
+            self.file.write(json.dumps({"step": step, "time": time.time(), **metrics}) + "\n")
+            self.file.flush()
+            for log in self.trackers:
+                log(step, {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
         if self.bar is not None and "reward/mean" in metrics:
             self.bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}")
         if console or (self.bar is None) or "eval/accuracy" in metrics:
@@ -173,10 +176,11 @@ class Logger:
         if not self.is_main or self.samples_file.closed:
             return
         rows = sample_rows(step, decode, prompt_ids, rollouts, columns)
-        self.samples_file.writelines(json.dumps(row) + "\n" for row in rows)
-        self.samples_file.flush()
-        for log in self.trackers:
-            log(step, None, rows)
+        with run_file(self.run_dir, f"{SAMPLES} and the trackers' tables"):
+            self.samples_file.writelines(json.dumps(row) + "\n" for row in rows)
+            self.samples_file.flush()
+            for log in self.trackers:
+                log(step, None, rows)
         if self.samples_file.tell() >= SAMPLES_MAX_BYTES:
             self.samples_file.close()
             self.console(f"step {step}: {SAMPLES} reached {SAMPLES_MAX_BYTES >> 20} MiB; no more samples this run")

@@ -2,6 +2,7 @@
 """
 import atexit
 import contextlib
+import errno
 import itertools
 import os
 import shutil
@@ -243,6 +244,21 @@ def shared_output(path, run_dir, program, what):
         print(f"{program}: {error}; this run keeps its own in {kept}", flush=True)
         path = kept
     return all_gather_objects([path])[0]
+
+
+@contextlib.contextmanager
+def run_file(run_dir, name):
+    """Writing a run's log (metrics.jsonl, samples.jsonl, the trackers', probe.jsonl): a full disk stops the run in
+    one line that says which checkpoint is intact, as a checkpoint's own write does, instead of a traceback."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        kept = ([f"the last checkpoint ({os.path.basename(p)}) is intact" for p in checkpoint_dirs(run_dir)]
+                or ["there is no checkpoint yet"])[-1]
+        fail(f"disk full ({e.strerror}) while writing {name} in {run_dir}: {kept}; free space, then --resume "
+             f"{run_dir}")
 
 
 @contextlib.contextmanager

@@ -195,7 +195,7 @@ def clip_grad_norm(parameters, max_norm):
 
 
 # _accumulate_gradients' sums over a mini-batch's tokens, in order; ppo_update reduces them over ranks by name
-STEP_SUMS = ("loss", "clipped", "kl", "tokens", "truncated", "decoder_tokens")
+STEP_SUMS = ("loss", "clipped", "kl", "kl_ref", "tokens", "truncated", "decoder_tokens")
 
 
 def reuses_forward(ppo_steps, tis):
@@ -206,16 +206,19 @@ def reuses_forward(ppo_steps, tis):
 
 
 def ppo_update(model, optimizer, rollouts, old, advantage, loss_fn, *, ppo_steps, micro_batch_size, temperature,
-               grad_clip, max_tokens=None, tis=0.0):
+               grad_clip, max_tokens=None, tis=0.0, reference=None, kl=None):
     """`ppo_steps` optimiser steps over consecutive mini-batches, each loss from loss_fn(logprobs, old_logprobs,
     advantage, mask, n_tokens=the GLOBAL mini-batch's tokens) -> (loss, clipped) (Eq. 10). A step whose loss or
     gradient norm is not finite is skipped on every rank. tis: tis_weights' cap, passed as weights (0: off).
     old None (one step, no --tis: reuses_forward): the forward's own log-probs, detached, are the old ones (the
-    ratio is exactly 1) and come back as stats["old"], what old_logprobs gives of the batch."""
+    ratio is exactly 1) and come back as stats["old"], what old_logprobs gives of the batch. kl: (coefficient,
+    kl_estimate(logprobs, ref_logprobs) -> (B, T)) adds coefficient x its token mean to each loss, reference: the
+    batch's log-probs under the reference policy (old_logprobs' "batch" of it)."""
     per, world, rank = len(rollouts) // ppo_steps, dist.get_world_size(), dist.get_rank()
     sequences = [Sequence(r.prompt_ids, r.response_ids, r.response_mask, None if old is None else old[i],
                           float(advantage[i]), tis_weights(old[i], r.logprobs, r.response_mask, tis) if tis else None,
-                          owner=rank, index=i) for i, r in enumerate(rollouts)]
+                          None if reference is None else reference[i], owner=rank, index=i)
+                 for i, r in enumerate(rollouts)]
     # over all ranks and mini-batches: the STEP_SUMS but the loss (its steps may be skipped)
     totals, loss, grad_norm, nonfinite = dict.fromkeys(STEP_SUMS[1:], 0.0), 0.0, 0.0, False
     for k in range(ppo_steps):
@@ -224,7 +227,7 @@ def ppo_update(model, optimizer, rollouts, old, advantage, loss_fn, *, ppo_steps
         global_tokens = (float(sum(np.sum(s.mask) for s in everything)) if everything is not None  # exact
                          else all_reduce_np([sum(float(np.sum(s.mask)) for s in mini)])[0])
         sums, scored = _accumulate_gradients(model, mini, shares, loss_fn, global_tokens, temperature,
-                                             micro_batch_size, max_tokens, tis, reuse=old is None)
+                                             micro_batch_size, max_tokens, tis, kl, reuse=old is None)
         step_norm = clip_grad_norm(model.parameters(), grad_clip)
         reduced = dict(zip(STEP_SUMS, all_reduce_np(sums)))  # one collective for the loss and the counts
         totals = {name: total + reduced[name] for name, total in totals.items()}
@@ -238,13 +241,15 @@ def ppo_update(model, optimizer, rollouts, old, advantage, loss_fn, *, ppo_steps
     return {"old": scored, "loss": loss / ppo_steps, "grad_norm": grad_norm / ppo_steps,
             "clip_fraction": totals["clipped"] / totals["tokens"], "approx_kl": totals["kl"] / totals["tokens"],
             "nonfinite": nonfinite, "tis_truncated": totals["truncated"] / totals["tokens"],  # weight = the cap
-            "decoder_tokens": totals["decoder_tokens"] / world}  # per rank
+            "decoder_tokens": totals["decoder_tokens"] / world,  # per rank
+            **({"kl_ref": totals["kl_ref"] / totals["tokens"]} if kl else {})}
 
 
 def _accumulate_gradients(model, mini, shares, loss_fn, global_tokens, temperature, micro_batch_size, max_tokens, tis,
-                          reuse):
-    """One step's gradient, reduced once: its STEP_SUMS (k3 KL; truncated: tokens at the --tis cap), and with
-    reuse (ppo_update's old None: the sequences carry no old log-probs) the forward's scores (_scores)."""
+                          kl, reuse):
+    """One step's gradient, reduced once: its STEP_SUMS (k3 KL to the old policy, kl's estimate to the reference;
+    truncated: tokens at the --tis cap), and with reuse (ppo_update's old None: the sequences carry no old
+    log-probs) the forward's scores (_scores)."""
     world, ran = dist.get_world_size(), getattr(model, "decoder_tokens", 0)
     done, results = [], []  # as in old_logprobs
     plan = micro_batches(list(map(len, mini)), micro_batch_size, max_tokens, shares,
@@ -260,17 +265,21 @@ def _accumulate_gradients(model, mini, shares, loss_fn, global_tokens, temperatu
         if reuse:  # one optimiser step: the policy before it is this forward's (the ratio exactly 1)
             done.append((real, mask.numpy()))
             results += [logp.detach().flatten().double(), entropy.sum(1).double()]
-        mask, old_logp, weights, adv = to_device([mask, *loss_terms(sequences)], logp.device)  # (b, T), (b,)
+        mask, old_logp, weights, ref_logp, adv = to_device([mask, *loss_terms(sequences)], logp.device)  # (b,T), (b,)
         old_logp = logp.detach() if reuse else old_logp
         loss, clipped = loss_fn(logp, old_logp, adv, mask, n_tokens=global_tokens,
                                 **({"weights": weights} if tis else {}))
+        # (masked positions: both log-probs 0, so no estimate overflows there; its gradient is 0 too)
+        kl_ref = (kl[1](logp * mask, ref_logp * mask) * mask).sum() if kl else mask.new_zeros(())
+        loss = loss + kl[0] * kl_ref / global_tokens if kl else loss  # a token mean, whatever --loss_agg
         model.set_requires_gradient_sync(m == len(plan) - 1)  # the reduce-scatter after the last backward only
         (loss * world).backward()  # x world: FSDP2 averages gradients, our loss is already a global mean
         with torch.no_grad():
             log_ratio = (logp - old_logp) * mask
             parts.append(torch.stack([loss.detach().float(), (clipped.float() * mask).sum(),
                                       ((torch.exp(log_ratio) - 1 - log_ratio) * mask).sum(),  # k3, KL(old||new)
-                                      mask.sum(), ((weights == tis) * mask).sum() if tis else mask.new_zeros(())]))
+                                      kl_ref.detach().float(), mask.sum(),
+                                      ((weights == tis) * mask).sum() if tis else mask.new_zeros(())]))
     for unit in layers:  # (the no-grad pass: one layer gathered at a time)
         unit.set_reshard_after_forward(True)
     host = torch.cat([torch.stack(parts).double().flatten(), *results]).cpu().numpy() if parts else []  # one read
@@ -294,7 +303,7 @@ def scheduled_lr(step, lr, warmup_steps, schedule, total_steps):
 
 
 def update(model, optimizer, rollouts, old, advantage, loss_fn, *, check, ppo_steps, micro_batch_size, temperature,
-           grad_clip, lr, max_tokens=None, tis=0.0):
+           grad_clip, lr, max_tokens=None, tis=0.0, reference=None, kl=None):
     """Step 6: ppo_update, and with `check` (a run's first step) a warning line unless it moved the policy the way
     the advantages say (one more pass). old: step 4's old_logprobs, whose "batch" is empty where reuses_forward.
     Returns (stats, acting): acting is old_logprobs' dict of the batch under the policy that sampled it, step 4's
@@ -307,7 +316,7 @@ def update(model, optimizer, rollouts, old, advantage, loss_fn, *, check, ppo_st
         group["lr"] = lr
     stats = ppo_update(model, optimizer, rollouts, old["batch"] or None, advantage, loss_fn, ppo_steps=ppo_steps,
                        micro_batch_size=micro_batch_size, temperature=temperature, grad_clip=grad_clip,
-                       max_tokens=max_tokens, tis=tis)
+                       max_tokens=max_tokens, tis=tis, reference=reference, kl=kl)
     acting = {**old, **(stats.pop("old") or {})}
     if check:
         new = old_logprobs(model, rollouts, [], temperature, micro_batch_size, max_tokens)["batch"]

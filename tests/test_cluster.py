@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from common import ENV, ROOT, toy_args, torchrun_nodes
+from common import ENV, ROOT, toy_args, torchrun, torchrun_nodes
 
 
 @pytest.mark.parametrize("task", ["0", "1"])
@@ -28,6 +28,19 @@ def test_srun_without_torchrun_is_one_line_from_the_first_task(task, tmp_path):
             in lines[0], proc.stderr[-3000:]
     else:
         assert lines == []  # the other tasks stop silently: srun shows one line, not one per task
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("program", ["spo.py", "eval.py"])  # (offline_values.py: the same start_program)
+def test_torchrun_max_restarts_is_one_line_before_anything_starts(program, tmp_path):
+    """torchrun --max-restarts 1 (not supported: docs/scale.md): one line from the first try's rank 0, the
+    restarted try silent, and nothing made (no run directory)."""
+    proc = torchrun(2, "--max-restarts=1", program, *(["--run_dir", str(tmp_path / "run")] * (program == "spo.py")),
+                    timeout=300)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 1 and len(errors) == 1, proc.stderr[-3000:]
+    assert errors[0].startswith("error: torchrun --max-restarts 1: restarting the ranks inside one torchrun is not "
+                                "supported") and "--resume auto" in errors[0]
     assert not (tmp_path / "run").exists()
 
 

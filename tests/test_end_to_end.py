@@ -172,21 +172,6 @@ def test_resume_is_exact(small_toy, spo_run, tmp_path):
 
 
 @pytest.mark.slow
-def test_the_learning_rate_schedule_resumes_exactly(small_toy, tmp_path):
-    """--warmup_steps 2 --lr_schedule cosine: the rates by hand (lr / 2, lr, then the cosine's first two of two
-    steps, lr and lr / 2), and 4 steps straight == 2, stop, --resume, 2 more (the schedule is the step's)."""
-    schedule = ("--warmup_steps", "2", "--lr_schedule", "cosine", "--save_every", "2")
-    ok(torchrun(2, *toy_args(small_toy, tmp_path / "straight", "--steps", "4", *schedule)))
-    ok(torchrun(2, *toy_args(small_toy, tmp_path / "resumed", "--steps", "2", *schedule)))
-    ok(torchrun(2, *toy_args(small_toy, tmp_path / "resumed", "--steps", "4", "--resume", str(tmp_path / "resumed"))))
-    lr = json.loads((tmp_path / "straight" / "config.json").read_text())["lr"]
-    for run in ("straight", "resumed"):
-        rates = [r["policy/lr"] for r in _metrics(tmp_path / run) if "policy/lr" in r]
-        np.testing.assert_allclose(rates, [lr / 2, lr, lr, lr / 2], rtol=1e-12)
-    _assert_same_checkpoint(tmp_path / "straight", tmp_path / "resumed", tmp_path)
-
-
-@pytest.mark.slow
 def test_two_nodes_train_and_resume_as_one_node_does(small_toy, spo_run, tmp_path):
     """docs/scale.md's multi-node command, as two one-process "nodes" on this machine (c10d rendezvous on
     localhost, local rank 0 on both): 2 steps, a checkpoint, 2 more, into one shared run directory, the same
@@ -296,6 +281,20 @@ def disk_full_at_step_2(*argv):
     spo.main(list(argv))
 
 
+def metrics_disk_full_at_step_3(*argv):
+    """spo.py, except that from step 3 on metrics.jsonl is /dev/full (every write there: ENOSPC, as on a full disk)."""
+    from machinery import metrics
+    import spo
+    log = metrics.Logger.log
+
+    def full_from_step_3(self, step, *args, **kwargs):
+        if step == 3 and self.is_main:
+            self.file = open("/dev/full", "w")
+        return log(self, step, *args, **kwargs)
+    metrics.Logger.log = full_from_step_3
+    spo.main(list(argv))
+
+
 @pytest.mark.slow
 def test_killed_during_a_checkpoint_write_resumes_from_the_previous_one_exactly(small_toy, spo_run, tmp_path):
     """Killed between writing step 4 and renaming it: `latest` still names step 2, the resume replays steps 3-4,
@@ -320,6 +319,18 @@ def test_a_full_disk_stops_the_run_with_one_line_and_no_partial_checkpoint(small
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "No space left on device" in errors[0] and "previous checkpoint" in errors[0]
     assert os.listdir(run / "checkpoints") == []  # the partial step_000002.tmp was removed
+
+
+@pytest.mark.slow
+def test_a_full_disk_under_the_metrics_is_one_line_and_the_last_checkpoint_stays(small_toy, tmp_path):
+    run = tmp_path / "run"
+    proc = torchrun(2, "tests/test_end_to_end.py", "metrics_disk_full_at_step_3",
+                    *toy_args(small_toy, run, "--steps", "4", "--save_every", "2", "--eval_every", "0")[1:])
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode != 0 and len(errors) == 1, proc.stderr[-3000:]
+    assert errors[0].startswith("error: disk full (No space left on device) while writing metrics.jsonl") and \
+        "the last checkpoint (step_000002) is intact" in errors[0] and "OSError" not in proc.stderr
+    assert [os.path.basename(p) for p in checkpoint.checkpoint_dirs(str(run))] == ["step_000002"]
 
 
 # ---- training and evaluation with tools, on the scripted model (conftest.py)

@@ -49,6 +49,16 @@ def test_the_activation_estimate_covers_what_autograd_saves(tmp_path, checkpoint
         assert estimate <= 2 * measured, (measured, estimate)
 
 
+@pytest.mark.parametrize("on_gpu", [False, True])
+def test_the_estimate_counts_a_reference_policy_only_with_a_kl_penalty(tmp_path, on_gpu):
+    """--kl_coef: the reference's fp32 shards, 4 bytes a parameter over the ranks, added to the peak; 0: nothing."""
+    shape = memory.model_shape(_llama_dir(tmp_path))
+    common = dict(world=2, tokens=1000, on_gpu=on_gpu, gradient_checkpointing=False, gpu_bytes=80 * memory.GIB)
+    without, with_ = memory.rank_memory(shape, **common), memory.rank_memory(shape, reference=True, **common)
+    assert "reference weights (sharded)" not in without
+    assert with_["peak"] - without["peak"] == pytest.approx(shape.parameters * 4 / 2)
+
+
 def test_model_shape_counts_parameters_on_the_meta_device(tmp_path):
     shape = memory.model_shape(_llama_dir(tmp_path))
     H, I, V, L = 64, 176, 300, 3

@@ -137,3 +137,15 @@ def test_a_write_stopped_midway_leaves_no_half_file_at_the_final_name(tmp_path, 
     with pytest.raises(SystemExit):
         eval.write_samples(str(path), data, {0: [("2", True, None)]}, rollouts, 1, 0, 1)
     assert path.read_text() == "earlier\n" and sorted(os.listdir(tmp_path)) == [path.name]  # no .tmp, no shard
+
+
+def test_a_full_disk_under_a_run_log_is_one_line(tmp_path, capsys, name="probe.jsonl"):
+    """A run's log written to a full disk (/dev/full: every write ENOSPC): one line naming the file and the state of
+    the checkpoints, no traceback; another OSError is not dressed up as a full disk."""
+    with pytest.raises(SystemExit), run_dir.run_file(str(tmp_path), name), open("/dev/full", "w") as f:
+        f.write("{}\n")
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"error: disk full (No space left on device) while writing {name} in {tmp_path}: there is no checkpoint yet; "
+        f"free space, then --resume {tmp_path}"]
+    with pytest.raises(PermissionError), run_dir.run_file(str(tmp_path), name):
+        raise PermissionError(13, "Permission denied")

@@ -117,7 +117,8 @@ def fake_run(run_dir, accuracy, steps=4, generated=16, checkpoint=None, metrics=
     steps), checkpoints/latest at `checkpoint` (default: the last step), and per-step `metrics` {key: value}."""
     os.makedirs(os.path.join(run_dir, "checkpoints"), exist_ok=True)
     with open(os.path.join(run_dir, "config.json"), "w") as f:
-        json.dump({"steps": steps, "batch_size": generated, "baseline": "tracker"}, f)
+        json.dump({"steps": steps, "batch_size": generated, "baseline": "tracker", "lr": 2e-5, "n0": 8, "seed": 0,
+                   "offline_values": "tasks/built/toy/offline_values.json"}, f)
     with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
         for step in range(steps + 1):
             row = {"step": step, **({"eval/accuracy": accuracy[step]} if step in accuracy else {})}
@@ -137,6 +138,24 @@ def test_run_state(tmp_path):
     fake_run(str(tmp_path / "done"), {0: 0.1})
     assert sweep.run_state(str(tmp_path / "done"), 4) == "finished"
     assert sweep.run_state(str(tmp_path / "done"), 8) == "resume"  # the sweep now asks for more steps
+
+
+def test_a_run_of_another_plan_is_one_line_not_a_finished_run(tmp_path):
+    """A sweep restarted under the same --out with another plan (here another --lr, then another --n0 in a record
+    only): one line naming the run and the setting, before anything runs, and its lock given back."""
+    out = str(tmp_path)
+    fake_run(os.path.join(out, "runs", "spo-s0"), {0: 0.1}, steps=150, generated=64)
+    argv = ["--out", out, "--variants", "spo:0", "--", "--lr", "1e-05"]
+    with pytest.raises(SystemExit, match=r"runs/spo-s0 was made with other settings than this plan's: --lr 1e-05 "
+                                         r"\(the run: 2e-05\);"):
+        sweep.main(argv)
+    assert not os.path.exists(os.path.join(out, ".sweep.lock"))
+    assert sweep.settings_differ(json.load(open(os.path.join(out, "runs", "spo-s0", "config.json"))),
+                                 ("--lr", "2e-05", "--seed", "0")) == []  # (what the parser leaves to start: not)
+    sweep.write_record(os.path.join(out, "runs", "spo-s0"), os.path.join(out, "records", "spo-s0"))
+    shutil.rmtree(os.path.join(out, "runs"))
+    with pytest.raises(SystemExit, match=r"records/spo-s0 was made with .*: --n0 4 \(the run: 8\)"):
+        sweep.main(["--out", out, "--variants", "spo:0", "--", "--lr", "2e-05", "--n0", "4"])
 
 
 def test_a_killed_sweeps_lock_is_taken_over_a_live_ones_refuses(tmp_path, capsys):

@@ -16,7 +16,8 @@ from common import ok, toy_args, torchrun
 from machinery import checkpoint
 from tracker import ValueTracker
 from variants import (cispo_token_loss, dr_grpo_advantage, dynamic_sampling, grpo_advantage, gspo_token_loss,
-                      make_loss, max_rl_advantage, rloo_advantage, sapo_token_loss, select_groups)
+                      kl_to_reference, make_loss, max_rl_advantage, rloo_advantage, sapo_token_loss,
+                      select_groups)
 
 
 # ---- group baselines ----------------------------------------------------------------------------------------
@@ -136,6 +137,21 @@ def test_sapo_gates_softly_with_the_policy_gradient_at_ratio_one():
     assert not clipped.any()
     loss[0, 0].backward()
     assert logprobs.grad[0, 0].item() == pytest.approx(-2.0) and logprobs.grad[0, 1].item() == 0.0
+
+
+def test_kl_estimates_by_hand_and_their_gradients():
+    """l = log pi_ref - log pi at two tokens, l = 0.5 and -1: k1 = -l, k2 = l^2 / 2, k3 = e^l - 1 - l; their
+    gradients in log pi are 1, -l and 1 - e^l (Schulman 2020's estimators; zero where pi is pi_ref)."""
+    ref = torch.tensor([[-1.0, -2.0, -0.7]], dtype=torch.float64)
+    for estimator, values, grads in (
+            ("k1", [-0.5, 1.0, 0.0], [1.0, 1.0, 1.0]),
+            ("k2", [0.125, 0.5, 0.0], [-0.5, 1.0, 0.0]),
+            ("k3", [math.exp(0.5) - 1.5, math.exp(-1.0), 0.0], [1 - math.exp(0.5), 1 - math.exp(-1.0), 0.0])):
+        logprobs = _logprobs([[-1.5, -1.0, -0.7]])
+        kl = kl_to_reference(logprobs, ref, estimator)
+        kl.sum().backward()
+        torch.testing.assert_close(kl.detach(), torch.tensor([values], dtype=torch.float64))
+        torch.testing.assert_close(logprobs.grad, torch.tensor([grads], dtype=torch.float64))
 
 
 TOKEN_LOSS = torch.tensor([[1.0, 2.0, 3.0, 99.0], [4.0, 99.0, 99.0, 99.0], [0.5, 0.5, 99.0, 99.0]])
