@@ -13,6 +13,11 @@ def shown(text):
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text))
 
 
+# torchrun's ranks on this node, read before anything runs: vLLM's CPU engine sets LOCAL_WORLD_SIZE to its own
+# tensor-parallel size once it starts, which would make every later error look as if it came from another node
+LOCAL_WORLD = os.environ.get("LOCAL_WORLD_SIZE")
+
+
 def fail(message, once=False):
     """A one-line error instead of a traceback; once: every rank of a node reaches it alike, so only the node's
     first rank prints it, and with several nodes its host name with it (a file missing on one node only is said
@@ -20,7 +25,7 @@ def fail(message, once=False):
     env = os.environ.get
     if not once or env("LOCAL_RANK", env("RANK", "0")) == "0":
         from tqdm import tqdm
-        nodes = env("WORLD_SIZE", "1") != env("LOCAL_WORLD_SIZE", env("WORLD_SIZE", "1"))
+        nodes = env("WORLD_SIZE", "1") != (LOCAL_WORLD or env("WORLD_SIZE", "1"))
         where = f"[{socket.gethostname()}, rank {env('RANK')}] " if nodes else ""
         tqdm.write(f"error: {where}{shown(message)}", file=sys.stderr)  # a line of its own, also below a progress bar
         sys.stderr.flush()

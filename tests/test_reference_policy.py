@@ -30,7 +30,7 @@ def count_models(*argv):
 def test_no_reference_policy_without_a_kl_penalty(small_toy, tmp_path):
     """--kl_coef 0 (the default): one model built, the policy, and no policy/kl_ref computed."""
     ok(torchrun(1, "tests/test_reference_policy.py", "count_models",
-                *toy_args(small_toy, tmp_path, "--steps", "1", "--eval_every", "0")))
+                *toy_args(small_toy, tmp_path, "--steps", "1", "--eval_every", "0")[1:]))
     assert (tmp_path / "models.0").read_text() == "1"
     assert not any("policy/kl_ref" in r for r in _metrics(tmp_path))
 
@@ -39,11 +39,11 @@ def test_no_reference_policy_without_a_kl_penalty(small_toy, tmp_path):
 def test_the_learning_rate_schedule_and_the_kl_penalty_resume_exactly(small_toy, tmp_path):
     """--warmup_steps 2 --lr_schedule cosine --kl_coef 0.05: the rates by hand (lr / 2, lr, then the cosine's first
     two of two steps, lr and lr / 2); a reference built beside the policy, as far from it as k3 says (0 before the
-    first update, more after); and 4 steps straight == 2, stop, --resume, 2 more (the schedule is the step's, the
+    first update, never negative, above 1e-4 by the last step); and 4 steps straight == 2, stop, --resume, 2 more (the schedule is the step's, the
     reference the initial policy, not the checkpoint's)."""
     schedule = ("--warmup_steps", "2", "--lr_schedule", "cosine", "--save_every", "2", "--kl_coef", "0.05")
     ok(torchrun(2, "tests/test_reference_policy.py", "count_models",
-                *toy_args(small_toy, tmp_path / "straight", "--steps", "4", *schedule)))
+                *toy_args(small_toy, tmp_path / "straight", "--steps", "4", *schedule)[1:]))
     ok(torchrun(2, *toy_args(small_toy, tmp_path / "resumed", "--steps", "2", *schedule)))
     ok(torchrun(2, *toy_args(small_toy, tmp_path / "resumed", "--steps", "4", "--resume", str(tmp_path / "resumed"))))
     assert [(tmp_path / "straight" / f"models.{rank}").read_text() for rank in (0, 1)] == ["2", "2"]
@@ -52,7 +52,7 @@ def test_the_learning_rate_schedule_and_the_kl_penalty_resume_exactly(small_toy,
         rows = [r for r in _metrics(tmp_path / run) if "policy/lr" in r]
         np.testing.assert_allclose([r["policy/lr"] for r in rows], [lr / 2, lr, lr, lr / 2], rtol=1e-12)
         kl = [r["policy/kl_ref"] for r in rows]
-        assert abs(kl[0]) < 1e-6 and all(k > 0 for k in kl[1:]), kl
+        assert abs(kl[0]) < 1e-6 and min(kl) >= 0 and kl[-1] > 1e-4, kl  # (k3 is never negative)
     _assert_same_checkpoint(tmp_path / "straight", tmp_path / "resumed", tmp_path)
 
 
