@@ -39,8 +39,8 @@ def test_no_reference_policy_without_a_kl_penalty(small_toy, tmp_path):
 def test_the_learning_rate_schedule_and_the_kl_penalty_resume_exactly(small_toy, tmp_path):
     """--warmup_steps 2 --lr_schedule cosine --kl_coef 0.05: the rates by hand (lr / 2, lr, then the cosine's first
     two of two steps, lr and lr / 2); a reference built beside the policy, as far from it as k3 says (0 before the
-    first update, never negative, above 1e-4 by the last step); and 4 steps straight == 2, stop, --resume, 2 more (the schedule is the step's, the
-    reference the initial policy, not the checkpoint's)."""
+    first update, never negative, above 1e-4 by the last step); and 4 steps straight == 2, stop, --resume, 2 more
+    (the schedule is the step's, the reference the initial policy, not the checkpoint's)."""
     schedule = ("--warmup_steps", "2", "--lr_schedule", "cosine", "--save_every", "2", "--kl_coef", "0.05")
     ok(torchrun(2, "tests/test_reference_policy.py", "count_models",
                 *toy_args(small_toy, tmp_path / "straight", "--steps", "4", *schedule)[1:]))
