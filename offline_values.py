@@ -273,9 +273,7 @@ def shipped_name(path):
 def init_tracker(tracker, run: TrainingV0, engine, data, on_toy, is_main):
     """spo.py's Algorithm 2: the tracker from --offline_values (on the toy, measured once where claim_toy_values put
     it, with the run's own engine and settings: they match by construction), or the uninformed prior."""
-    path = run.offline_values
-    if on_toy and path == "auto":  # (spo.py's start has settled it: claim_toy_values)
-        path = toy_values_path(run.toy_dir, run.n0, run.seed, run.settings(), run.train_prompts, run.pool_seed)
+    path = run.offline_values  # (on the toy, "auto" is settled by then: claim_toy_values)
     if on_toy and path != "none" and not os.path.exists(path):
         estimate_offline_values(engine, data, path, n0=run.n0, temperature=run.temperature,
                                 max_tokens=run.max_response_len, seed=run.seed,

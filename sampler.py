@@ -19,8 +19,6 @@ import numpy as np
 def priority_weights(value, n_eff, eps=0.05, gamma=0.0):
     """Eq. 11: sqrt(v(1-v)) / n_eff**gamma + eps, vectorised. v is clipped into [0, 1] first: the Eq. 7
     EMA of rewards outside [0, 1] can leave it, and sqrt of a negative number would be NaN."""
-    if eps < 0 or gamma < 0:
-        raise ValueError(f"sampler.priority_weights: need eps >= 0 and gamma >= 0, got {eps}, {gamma}")
     v = np.clip(np.asarray(value, dtype=np.float64), 0.0, 1.0)
     spread = np.sqrt(v * (1.0 - v))
     if gamma != 0:
@@ -34,8 +32,6 @@ class PromptSampler:
     def __init__(self, n_prompts, seed, mode="prioritized"):
         if int(n_prompts) != n_prompts or n_prompts < 1:
             raise ValueError(f"sampler: n_prompts must be a positive integer, got {n_prompts!r}")
-        if mode not in ("prioritized", "uniform"):
-            raise ValueError(f"sampler: mode must be 'prioritized' or 'uniform', got {mode!r}")
         self.n_prompts, self.mode = int(n_prompts), mode
         self.rng = np.random.default_rng(seed)
         self._weights = np.ones(self.n_prompts) if mode == "prioritized" else None  # uniform until set

@@ -197,8 +197,6 @@ def main(argv=None):
             old = trainer.old_logprobs(run.policy, [] if trainer.reuses_forward(args.ppo_steps, args.tis) else rollouts,
                                        [(data.prompt_ids[mine[slot]], p.response_ids, p.mask) for slot, p in revisited],
                                        **passes)
-            # --kl_coef: the reference policy's log-probs of the batch, for step 6's penalty
-            ref = trainer.old_logprobs(run.reference, rollouts, [], **passes)["batch"] if run.reference else None
         # 5. advantages and the state each algorithm carries to the next step (--adv_norm token: Eq. 9 per token)
         norm_weight = [sum(r.response_mask) for r in rollouts] if args.adv_norm == "token" else None
         if args.algo == "spo":
@@ -231,8 +229,8 @@ def main(argv=None):
             stats, acting = trainer.update(run.policy, run.optimizer, rollouts, old, advantage, loss_fn=loss_fn,
                                            check=step == run.start_step + 1, ppo_steps=args.ppo_steps,
                                            lr=trainer.scheduled_lr(step, args.lr, args.warmup_steps, args.lr_schedule,
-                                                                   args.steps),
-                                           grad_clip=args.grad_clip, tis=args.tis, reference=ref, kl=kl, **passes)
+                                                                   args.steps), grad_clip=args.grad_clip, tis=args.tis,
+                                           reference=run.reference, kl=kl, **passes)
         if args.algo == "spo":  # for D(x) at the next visit
             remember(run.previous, batch_index, all_gather_objects(
                 [PreviousResponse.of(r, logprobs) for r, logprobs in zip(rollouts, acting["batch"])]))
@@ -358,8 +356,12 @@ def start(args):
         tokenizer, train, test, system_prompt=system_prompt, max_prompt_len=args.max_prompt_len,
         train_prompts=args.train_prompts, pool_seed=args.pool_seed, test_prompts=args.eval_max_prompts,
         verbose=rank == 0, min_prompts=math.ceil(args.oversample * args.batch_size / world / args.group_size) * world)
+    # --kl_coef's reference is the initial model: resume replaces --model by the checkpoint's, so config.json keeps it
+    kl_reference = vars(args).get("kl_reference") if args.resume else model
+    if args.resume and args.kl_coef:
+        kl_reference = find_model(kl_reference, f"kl_reference (--kl_coef's initial model, {run_dir}/config.json)")
     here = dict(engine=engine, bf16=bf16, run_dir=run_dir, eval_reference=eval_reference, toy_dir=toy_dir, model=model,
-                train=train, test=test, kl_reference=vars(args).get("kl_reference") if args.resume else model,
+                train=train, test=test, kl_reference=kl_reference,
                 held_out=untrusted.same_held_out(vars(args), test_data and test_data.keys, args.resume))  # by content
     v0 = TrainingV0.pick({**vars(args), **here}, tools=tools, system_prompt=system_prompt)  # Algorithm 2's settings
     if args.algo == "spo" and not args.resume and args.offline_values not in ("auto", "none"):
@@ -377,8 +379,7 @@ def start(args):
     policy, optimizer = trainer.build_policy(model_path, device, lr=args.lr, weight_decay=WEIGHT_DECAY,
                                              gradient_checkpointing=checkpointing, layer_units=layer_units,
                                              bf16=args.bf16 == "on", compile_layers=args.compile == "on")
-    # --kl_coef's reference: the run's initial policy (resumed: still that one, not the checkpoint's --model)
-    reference = trainer.build_policy(find_model(args.kl_reference), device, lr=0.0, weight_decay=0.0,
+    reference = trainer.build_policy(args.kl_reference, device, lr=0.0, weight_decay=0.0,
                                      gradient_checkpointing=False, layer_units=layer_units,
                                      bf16=args.bf16 == "on")[0] if args.kl_coef else None
     check_disk(args.run_dir, policy, export_bytes_per_parameter=2 if on_gpu else 4)

@@ -33,14 +33,7 @@ class ValueTracker:
     """
 
     def __init__(self, n_prompts, rho_min=0.875, rho_max=0.96, d_half=0.06, rho_constant=None):
-        if int(n_prompts) != n_prompts or n_prompts < 1:
-            raise ValueError(f"tracker: n_prompts must be a positive integer, got {n_prompts!r}")
-        if not 0.0 < rho_min <= rho_max < 1.0:
-            raise ValueError(f"tracker: need 0 < rho_min <= rho_max < 1, got {rho_min}, {rho_max}")
-        if not d_half > 0:
-            raise ValueError(f"tracker: d_half must be > 0, got {d_half}")
-        if rho_constant is not None and not 0.0 <= rho_constant <= 1.0:
-            raise ValueError(f"tracker: rho_constant must lie in [0, 1], got {rho_constant}")
+        # (the ranges: spo.py's flags, errors.check_ranges: 0 < rho_min <= rho_max < 1, d_half > 0)
         self.n_prompts = int(n_prompts)
         self.rho_min, self.rho_max, self.d_half = float(rho_min), float(rho_max), float(d_half)
         self.rho_constant = None if rho_constant is None else float(rho_constant)
@@ -84,18 +77,7 @@ class ValueTracker:
         index = self._check_index(index)
         successes = np.asarray(successes, dtype=np.float64)
         counts = np.asarray(counts, dtype=np.float64)
-        if successes.shape != index.shape or counts.shape != index.shape:
-            raise ValueError(f"tracker.init_from_scores: index, successes, counts must have the same length, "
-                             f"got {index.shape}, {successes.shape}, {counts.shape}")
-        if len(np.unique(index)) != len(index):
-            raise ValueError("tracker.init_from_scores: index has repeated prompts; aggregate their scores first")
-        if not (np.isfinite(successes).all() and np.isfinite(counts).all()):
-            raise ValueError("tracker.init_from_scores: successes and counts must be finite")
-        if (counts < 0).any() or (successes < 0).any() or (successes > counts).any():
-            raise ValueError("tracker.init_from_scores: need 0 <= successes <= counts for every prompt")
-        if smoothing not in ("kt", "mean"):
-            raise ValueError(f"tracker.init_from_scores: smoothing must be 'kt' or 'mean', got {smoothing!r}")
-
+        # (distinct prompts, 0 <= successes <= counts: offline_values.py:init_tracker_from_file reads them so)
         seen = counts > 0
         if not seen.all():
             warnings.warn(f"tracker.init_from_scores: {int((~seen).sum())} prompts have 0 offline samples; "

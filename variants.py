@@ -175,8 +175,9 @@ def sapo_token_loss(logprobs, old_logprobs, advantage, mask, clip_low, clip_high
 
 
 def kl_to_reference(logprobs, ref_logprobs, estimator):
-    """--kl_coef's per-token estimate of KL(pi || pi_ref) on tokens y sampled from pi, from l = log pi_ref(y) -
-    log pi(y) (Schulman 2020, "Approximating KL Divergence"): k1 = -l (unbiased, often negative), k2 = l^2 / 2
+    """--kl_coef's per-token estimate of KL(pi || pi_ref) from l = log pi_ref(y) - log pi(y) (Schulman 2020,
+    "Approximating KL Divergence"; unbiased for y sampled from pi: the tokens come from the engine's pi_old, the
+    same policy with one optimiser step, nearly so after more): k1 = -l (unbiased, often negative), k2 = l^2 / 2
     (biased, low variance), k3 = e^l - 1 - l (unbiased, never negative; TRL's beta term, verl's "low_var_kl",
     OpenRLHF's "k3"). As a loss their gradients are another matter (Tang & Munos 2025): k1's is 0 in expectation,
     k2's is the reverse KL's, k3's the forward KL's. verl clamps k3 to [-10, 10]; TRL and OpenRLHF do not, nor here.

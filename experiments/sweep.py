@@ -201,13 +201,9 @@ def save_json(path, obj):
 
 def run_sweep(args, extra):
     runs = plan(args, extra)
+    check_runs_are_the_plans(runs, args.out)  # (before the lock: a refused plan leaves nothing behind)
     os.makedirs(os.path.join(args.out, "logs"), exist_ok=True)
     lock = acquire_lock(args.out)
-    try:
-        check_runs_are_the_plans(runs, args.out)
-    except SystemExit:
-        os.remove(lock)
-        raise
     sweep_path = os.path.join(args.out, "sweep.json")
     sweep = json.load(open(sweep_path)) if os.path.exists(sweep_path) else {"runs": {}}
     sweep["reference"] = args.reference

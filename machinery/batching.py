@@ -92,30 +92,34 @@ def pack(sequences, device="cpu"):
     return to_device([torch.from_numpy(ids), torch.from_numpy(mask)], torch.device(device))
 
 
-def loss_terms(sequences):
+def loss_terms(sequences, weights=False, ref=False):
     """Each sequence's old log-probs, per-token weights (1 where none) and reference log-probs, laid out as pack's
-    (B, T-1) mask, and the (B,) advantages."""
+    (B, T-1) mask, and the (B,) advantages. Weights and reference log-probs only where asked for (None else): a
+    run without --tis or --kl_coef builds and moves nothing for them."""
     old = np.zeros((len(sequences), max(map(len, sequences)) - 1), dtype=np.float32)
-    weights, ref = np.ones_like(old), np.zeros_like(old)
+    weights, ref = np.ones_like(old) if weights else None, np.zeros_like(old) if ref else None
     for i, s in enumerate(sequences):
         for values, row in ((s.old, old), (s.weights, weights), (s.ref, ref)):
-            if values is not None:
+            if values is not None and row is not None:
                 row[i, len(s.prompt) - 1: len(s) - 1] = values
-    advantage = np.array([s.advantage for s in sequences], dtype=np.float32)
-    return torch.from_numpy(old), torch.from_numpy(weights), torch.from_numpy(ref), torch.from_numpy(advantage)
+    return [None if a is None else torch.from_numpy(a) for a in (old, weights, ref)] + [
+        torch.from_numpy(np.array([s.advantage for s in sequences], dtype=np.float32))]
 
 
 def to_device(tensors, device):
-    """Host tensors on `device`; on CUDA in ONE non-blocking copy from a pinned buffer, so the host never waits."""
+    """Host tensors on `device` (None stays None); on CUDA in ONE non-blocking copy from a pinned buffer, so the
+    host never waits."""
     if device.type != "cuda":
         return list(tensors)
-    raw = [t.contiguous().reshape(-1).view(torch.uint8) for t in tensors]
+    present = [t for t in tensors if t is not None]
+    raw = [t.contiguous().reshape(-1).view(torch.uint8) for t in present]
     offsets = np.cumsum([0] + [-(-r.numel() // 8) * 8 for r in raw])  # each part 8-byte aligned, for its view
     buffer = torch.empty(int(offsets[-1]), dtype=torch.uint8, pin_memory=True)
     for r, at in zip(raw, offsets):
         buffer[at: at + r.numel()] = r
     moved = buffer.to(device, non_blocking=True)
-    return [moved[at: at + r.numel()].view(t.dtype).view(t.shape) for t, r, at in zip(tensors, raw, offsets)]
+    parts = iter([moved[at: at + r.numel()].view(t.dtype).view(t.shape) for t, r, at in zip(present, raw, offsets)])
+    return [None if t is None else next(parts) for t in tensors]
 
 
 def shared_prefix_groups(sequences):

@@ -187,13 +187,14 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
-def find_model(name):
-    """A --model every loader can open, asked once: an unreachable hub costs each loader a minute of retries."""
+def find_model(name, flag="--model"):
+    """A --model every loader can open, asked once: an unreachable hub costs each loader a minute of retries (flag:
+    what the errors name it)."""
     import urllib.request
     if Path(name).expanduser().is_dir() or os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "false", ""):
         return name  # local, or offline by request: the libraries then read the cache without retrying
     if name.startswith((".", "/", "~")) or name.count("/") > 1:
-        fail(f"--model {name}: no such directory", once=True)
+        fail(f"{flag} {name}: no such directory", once=True)
     from huggingface_hub import constants, snapshot_download
     try:
         urllib.request.urlopen(constants.ENDPOINT, timeout=10).close()
@@ -205,10 +206,10 @@ def find_model(name):
     try:
         path = snapshot_download(name, local_files_only=True)
     except Exception:  # noqa: BLE001 - not cached (or not a valid name): either way there is nothing to load
-        fail(f"--model {name}: not a local directory, and the Hugging Face hub cannot be reached ({offline}) nor has "
+        fail(f"{flag} {name}: not a local directory, and the Hugging Face hub cannot be reached ({offline}) nor has "
              f"the cache ({constants.HF_HUB_CACHE}) a copy of it", once=True)
     if os.environ.get("RANK", "0") == "0":
-        print(f"--model {name}: the hub cannot be reached ({offline}); using the cached copy {path}", flush=True)
+        print(f"{flag} {name}: the hub cannot be reached ({offline}); using the cached copy {path}", flush=True)
     return path
 
 

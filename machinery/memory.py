@@ -268,9 +268,9 @@ def main():
     p.add_argument("--fsdp_units", choices=["auto", "layers", "model"], default="auto",
                    help="FSDP2 units (auto: layers on more than one GPU, else model)")
     args = p.parse_args()
-    layer_units = args.gpu and args.world > 1 if args.fsdp_units == "auto" else args.fsdp_units == "layers"
     items = rank_memory(model_shape(args.model), world=args.world, tokens=args.tokens, on_gpu=args.gpu,
-                        gradient_checkpointing=args.gradient_checkpointing, layer_units=layer_units,
+                        gradient_checkpointing=args.gradient_checkpointing,
+                        layer_units=use_layer_units(args.fsdp_units, args.gpu, args.world),
                         kv_cache_gib=args.cpu_kv_cache_gib or 1,
                         gpu_bytes=args.gpu_gib * GIB, gpu_memory_utilization=args.gpu_memory_utilization)
     for name, value in items.items():

@@ -95,8 +95,9 @@ def prepare_for_training(model, gradient_checkpointing):
 
 
 @torch.no_grad()
-def old_logprobs(model, rollouts, revisited, temperature, micro_batch_size, max_tokens=None):
-    """Before the update, in one pass: old log-probs of the batch and of `revisited` triples (D(x)), entropy, gap."""
+def old_logprobs(model, rollouts, revisited, temperature, micro_batch_size, max_tokens=None, entropy=True):
+    """Before the update, in one pass: old log-probs of the batch and of `revisited` triples (D(x)), entropy (the
+    full vocabulary's: entropy=False spares it where only the log-probs are read, as the reference's), gap."""
     rank, padded = dist.get_rank(), model.config._attn_implementation != PACKED_ATTENTION
     if max_tokens is not None and next(model.parameters()).is_cuda:  # no activations kept: twice the update's
         max_tokens *= 2  # budget on GPU (verl sizes its log-prob passes so)
@@ -110,9 +111,9 @@ def old_logprobs(model, rollouts, revisited, temperature, micro_batch_size, max_
         sequences = [work[j] for j in group]
         ids, mask = pack(sequences or [IDLE])  # an idle rank still joins the collective forward
         # (the entropy is of this batch's responses only: a pass of revisited ones alone skips it)
-        logp, entropy = token_logprobs(model, ids, mask, temperature, with_entropy=bool(rollouts))
+        logp, token_entropy = token_logprobs(model, ids, mask, temperature, with_entropy=entropy and bool(rollouts))
         done.append((sequences, mask.numpy()))
-        results += [logp.flatten(), (torch.zeros_like(logp) if entropy is None else entropy).sum(1)]
+        results += [logp.flatten(), (torch.zeros_like(logp) if token_entropy is None else token_entropy).sum(1)]
     host = torch.cat(results).cpu().numpy() if results else None  # the loop's one read
     model.train()
     out, batch = _owned(_scores(done, host), len(rollouts) + len(revisited), rollouts, max_tokens is not None)
@@ -265,13 +266,14 @@ def _accumulate_gradients(model, mini, shares, loss_fn, global_tokens, temperatu
         if reuse:  # one optimiser step: the policy before it is this forward's (the ratio exactly 1)
             done.append((real, mask.numpy()))
             results += [logp.detach().flatten().double(), entropy.sum(1).double()]
-        mask, old_logp, weights, ref_logp, adv = to_device([mask, *loss_terms(sequences)], logp.device)  # (b,T), (b,)
+        mask, old_logp, weights, ref_logp, adv = to_device([mask, *loss_terms(sequences, bool(tis), bool(kl))],
+                                                           logp.device)  # (b, T) each, (b,)
         old_logp = logp.detach() if reuse else old_logp
         loss, clipped = loss_fn(logp, old_logp, adv, mask, n_tokens=global_tokens,
                                 **({"weights": weights} if tis else {}))
         # (masked positions: both log-probs 0, so no estimate overflows there; its gradient is 0 too)
         kl_ref = (kl[1](logp * mask, ref_logp * mask) * mask).sum() if kl else mask.new_zeros(())
-        loss = loss + kl[0] * kl_ref / global_tokens if kl else loss  # a token mean, whatever --loss_agg
+        loss = loss + kl[0] * kl_ref / global_tokens if kl else loss  # a token mean whatever --loss_agg: one scale
         model.set_requires_gradient_sync(m == len(plan) - 1)  # the reduce-scatter after the last backward only
         (loss * world).backward()  # x world: FSDP2 averages gradients, our loss is already a global mean
         with torch.no_grad():
@@ -306,6 +308,8 @@ def update(model, optimizer, rollouts, old, advantage, loss_fn, *, check, ppo_st
            grad_clip, lr, max_tokens=None, tis=0.0, reference=None, kl=None):
     """Step 6: ppo_update, and with `check` (a run's first step) a warning line unless it moved the policy the way
     the advantages say (one more pass). old: step 4's old_logprobs, whose "batch" is empty where reuses_forward.
+    reference: --kl_coef's reference policy (None: no penalty), whose log-probs of the batch one no-grad pass
+    gives first.
     Returns (stats, acting): acting is old_logprobs' dict of the batch under the policy that sampled it, step 4's
     or, where it did not score the batch, this forward's (old itself is left as step 4 made it)."""
     def norms():  # (P,) fp64 norms of this rank's shards (the optimiser's: the model's may be unsharded copies now)
@@ -314,6 +318,8 @@ def update(model, optimizer, rollouts, old, advantage, loss_fn, *, check, ppo_st
     before = norms() if check else None
     for group in optimizer.param_groups:  # (scheduled_lr's: the optimiser keeps no schedule of its own)
         group["lr"] = lr
+    if reference is not None:
+        reference = old_logprobs(reference, rollouts, [], temperature, micro_batch_size, max_tokens, False)["batch"]
     stats = ppo_update(model, optimizer, rollouts, old["batch"] or None, advantage, loss_fn, ppo_steps=ppo_steps,
                        micro_batch_size=micro_batch_size, temperature=temperature, grad_clip=grad_clip,
                        max_tokens=max_tokens, tis=tis, reference=reference, kl=kl)

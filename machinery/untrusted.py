@@ -135,11 +135,11 @@ def foreign_values(run_dir, settings, given, model_dir, built_in, shipped):
 
 def same_held_out(settings, keys, resumed):
     """A digest of the held-out prompts' keys (None: no held-out set); on --resume another set's is one line."""
-    digest = hashlib.sha1("\n".join(keys).encode()).hexdigest()[:16] if keys is not None else None
-    if resumed and settings.get("held_out", digest) != digest:
+    held_out = digest(list(keys)) if keys is not None else None
+    if resumed and settings.get("held_out", held_out) != held_out:
         fail(f"--test {settings['test']}: not the run's held-out set (its prompts differ from those the run "
              f"evaluated on): name the run's held-out file with --test", once=True)
-    return digest
+    return held_out
 
 
 def digest(path_or_lines):

@@ -414,6 +414,10 @@ def test_a_path_that_does_not_exist_is_not_taken_for_a_hub_name(tmp_path, capsys
     with pytest.raises(SystemExit):
         find_model(str(tmp_path / "no" / "model"))
     assert capsys.readouterr().err.strip() == f"error: --model {tmp_path / 'no' / 'model'}: no such directory"
+    with pytest.raises(SystemExit):  # a resumed --kl_coef run's reference, moved away: named as where it is set
+        find_model(str(tmp_path / "gone"), "kl_reference (config.json)")
+    assert capsys.readouterr().err.strip() == f"error: kl_reference (config.json) {tmp_path / 'gone'}: no such " \
+                                              f"directory"
 
 
 def test_an_interrupted_model_download_is_named(toy_model, no_hub, capsys):

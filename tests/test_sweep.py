@@ -6,6 +6,7 @@ and left out, the plots written, and the tracker probe leaving training's metric
     python -m pytest tests/test_sweep.py -q              # everything here
     python -m pytest tests/test_sweep.py -q -m "not slow"
 """
+import argparse
 import json
 import math
 import os
@@ -311,3 +312,22 @@ def test_sweep_resumes_reports_failures_and_leaves_training_alone(small_toy, spo
     assert [row["step"] for row in probed if "probe/mae" in row] == [0, 2, 4]
     probe = [json.loads(line) for line in open(out / "runs" / "spo-s0" / "probe.jsonl")]
     assert len(probe[-1]["value"]) == 8 and all(0 <= s <= 1 for s in probe[-1]["success"])
+
+
+def test_the_mixed_sweeps_records_agree_with_their_plans():
+    """The plan check on real runs: every record of experiments/mixed (the sweep and its addendum, made at
+    50177b3) against the flags its PLAN.md's commands give it, parsed by today's spo.py: no setting differs (a
+    check that refused its own sweep would stop every restart)."""
+    from experiments.analysis import read_run, record_names
+    out = os.path.join(ROOT, "experiments", "mixed")
+    planned = [argparse.Namespace(variants=variants, define=define, seeds="10-17", probe_every=50, probe_prompts=256,
+                                  probe_samples=16, pool_per_seed=True)
+               for variants, define in ((["spo", "grpo", "uniform", "no_baseline", "rho_none"], []),
+                                        (["no_offline", "spo_g8"], ["spo_g8=--group_size 8"]))]
+    runs = {name: (seed, flags) for args in planned for name, _, seed, flags in sweep.plan(args, ["--preset", "mixed"])}
+    records = record_names(os.path.join(out, "records"))
+    assert len(records) >= 49 and set(records) <= set(runs)
+    for name in records:
+        seed, flags = runs[name]
+        config = read_run(os.path.join(out, "records", name))["config"]
+        assert sweep.settings_differ(config, (*flags, "--seed", str(seed))) == [], name

@@ -53,6 +53,13 @@ def test_two_rank_fsdp2_gradients_and_normalisation_equal_one_process(small_toy,
         (ours, theirs), (clipped_ours, clipped_theirs) = (c["norms"] for c in out[run]["clip"])
         assert ours == theirs and clipped_ours == clipped_theirs and clipped_ours > 0.5, run
         assert all(c["same_grads"] for c in out[run]["clip"]), run
+    # --kl_coef's penalty reaches the gradient at its scale, on any number of ranks and micro-batches: the trainer's
+    # step with zero advantages is minus the gradient of coef x k3's token mean (autograd over the global batch)
+    for run in out:
+        moved = max(float(step.abs().max()) for step, _ in out[run]["kl_step"].values())
+        assert moved > 1e-5, run  # the penalty alone moved the weights (without it the step is 0)
+        for name, (step, expected) in out[run]["kl_step"].items():
+            torch.testing.assert_close(step, expected, atol=1e-6, rtol=1e-4, msg=f"{run} {name}")
 
 
 @pytest.mark.slow
@@ -179,12 +186,15 @@ def _fixed_batch(tokenizer_size, n=8, seed=0):
     return rollouts, advantage
 
 
+def _update_loss():
+    from spo import ppo_clip_loss
+    return functools.partial(ppo_clip_loss, clip_low=0.2, clip_high=0.28, dual_clip=10.0)
+
+
 def _update(policy, optimizer, rollouts, old, advantage, micro_batch_size, grad_clip, max_tokens=None):
     """One optimiser step of Eq. 10 with the paper's clip settings, through the trainer's machinery."""
     from machinery import trainer
-    from spo import ppo_clip_loss
-    loss_fn = functools.partial(ppo_clip_loss, clip_low=0.2, clip_high=0.28, dual_clip=10.0)
-    return trainer.ppo_update(policy, optimizer, rollouts, old, advantage, loss_fn, ppo_steps=1,
+    return trainer.ppo_update(policy, optimizer, rollouts, old, advantage, _update_loss(), ppo_steps=1,
                               micro_batch_size=micro_batch_size, temperature=1.0, grad_clip=grad_clip,
                               max_tokens=max_tokens)
 
@@ -228,12 +238,38 @@ def grad_worker(out, model_path, max_tokens, units):
                            [p.grad.full_tensor().clone() for p in policy.parameters()])
         clip.append({"norms": (result["ours"][0], result["torch"][0]),
                      "same_grads": all(torch.equal(a, b) for a, b in zip(result["ours"][1], result["torch"][1]))})
+    kl_policy = build(device)[0]  # at the initial weights (the lr-1 step above leaves a policy too far for this)
+    kl_step = _kl_step(kl_policy, torch.optim.SGD(kl_policy.parameters(), lr=1.0), rollouts[mine], old, device,
+                       max_tokens)
     if rank == 0:
         torch.save({"params": params, "before": before, "raw_advantage": advantage, "normalised": normalised,
                     "micro_batches": micro_batches, "old": old_all, "entropy": entropy / world,
                     "clip": clip, "compiled": [getattr(layer, "_compiled_call_impl", None) is not None
-                                               for layer in policy.model.layers]}, out)
+                                               for layer in policy.model.layers], "kl_step": kl_step}, out)
     end_worker()
+
+
+def _kl_step(policy, optimizer, rollouts, old, device, max_tokens, coef=0.5):
+    """--kl_coef's penalty alone (every advantage 0, so Eq. 10's loss and gradient are 0): one SGD step (lr 1) of
+    the trainer against the gradient of coef x k3's token mean over the global batch computed here by autograd,
+    {name: (the step, minus that gradient)}."""
+    from machinery import batching, collectives, trainer
+    from variants import kl_to_reference
+    ref = [lp + 0.2 * np.cos(np.arange(len(lp))) for lp in old]  # a reference policy's log-probs, fixed
+    sequences = [batching.Sequence(r.prompt_ids, r.response_ids, r.response_mask, ref=f) for r, f in zip(rollouts, ref)]
+    ids, mask = batching.pack(sequences, device)
+    ref_logp = batching.loss_terms(sequences, ref=True)[2].to(device)
+    logp = logprob_head.token_logprobs(policy, ids, mask, 1.0)[0]
+    tokens = collectives.all_reduce_np([float(mask.sum())])[0]
+    (coef * (kl_to_reference(logp * mask, ref_logp * mask, "k3") * mask).sum() / tokens
+     * torch.distributed.get_world_size()).backward()  # x world: FSDP2 averages the ranks' gradients
+    expected = {name: -p.grad.full_tensor().clone() for name, p in policy.named_parameters()}
+    optimizer.zero_grad(set_to_none=True)
+    start = {k: v.clone() for k, v in collectives.full_parameters(policy)}
+    trainer.ppo_update(policy, optimizer, rollouts, old, np.zeros(len(rollouts)), _update_loss(), ppo_steps=1,
+                       micro_batch_size=2, temperature=1.0, grad_clip=1e9, max_tokens=max_tokens, reference=ref,
+                       kl=(coef, functools.partial(kl_to_reference, estimator="k3")))
+    return {k: (v - start[k], expected[k]) for k, v in collectives.full_parameters(policy) if k in expected}
 
 
 class HostReads(torch.utils._python_dispatch.TorchDispatchMode):

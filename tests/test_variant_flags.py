@@ -4,6 +4,7 @@ anything heavy starts, every float flag a number, a preset only the flags left u
     .venv/bin/python -m pytest tests/test_variant_flags.py -q
 """
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -117,6 +118,7 @@ def test_the_default_offline_values_are_silently_unused_without_a_tracker(algo, 
         path = toy_values_path(args.toy_dir, args.n0, args.seed, v0_settings.settings())
         with open(path, "w") as f:
             json.dump({"header": {}, "prompts": {key: {"scores": [1] * 8} for key in data.keys}}, f)
+        v0_settings = replace(v0_settings, offline_values=path)  # where spo.py's start claims it (claim_toy_values)
         return spo.tracker_at_start(args, data, v0_settings, None, None, on_toy=True, is_main=False)
     assert np.all(tracker_of([]).value > 0.9)  # SPO: v0 = (8 + 0.5) / (8 + 1) from the cached file
     tracker = tracker_of(["--algo", algo])
