@@ -1,6 +1,6 @@
 """The README's results hold to their data: every number with a decimal point that a paragraph of "Results on the
-toy" quotes is a value of the sweep the paragraph links (experiments/NAME/: its primary.json and summary.json, or
-recomputed from its records.tar.gz), at the precision printed. A quoted number cannot drift from its data: a test
+toy" quotes is a value of the sweep the paragraph links (experiments/NAME/: its primary.json, summary.json and
+contrasts.json, or recomputed from its records.tar.gz), at the precision printed. A quoted number cannot drift from its data: a test
 changes each quoted digit in a copy of the README and sees the check report it.
 
     .venv/bin/python -m pytest tests/test_readme_numbers.py -q
@@ -115,10 +115,11 @@ RECOMPUTED = {"mixed": (accountings, regime), "forgetting": (regime,)}
 
 @functools.lru_cache(maxsize=None)
 def sources(folder):
-    """flatten() of {"primary": primary.json, "summary": summary.json, and what RECOMPUTED adds from the records
+    """flatten() of {"primary": primary.json, "summary": summary.json, "contrasts": contrasts.json (a planned family's
+    differences: experiments/analysis.py contrasts --json), and what RECOMPUTED adds from the records
     (read once), by its function's name}; None for a folder with neither file."""
     out = os.path.join(ROOT, "experiments", folder)
-    trees = {f[:-5]: json.load(open(os.path.join(out, f))) for f in ("primary.json", "summary.json")
+    trees = {f[:-5]: json.load(open(os.path.join(out, f))) for f in ("primary.json", "summary.json", "contrasts.json")
              if os.path.exists(os.path.join(out, f))}
     if "primary" in trees and folder in RECOMPUTED:
         runs = sweep_runs(out)
