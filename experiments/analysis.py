@@ -365,7 +365,6 @@ def main(argv=None):
     for parser in (a, family):
         parser.add_argument("out", help="a sweep's directory (experiments/sweep.py --out)")
         parser.add_argument("--metric", default="eval/exact", help="the evaluation's metric (eval/accuracy: avg@n)")
-        parser.add_argument("--json", help="also write the result as JSON to this path (primary.json, contrasts.json)")
     family.add_argument("--family", nargs="+", required=True,
                         help="A-B:total (offline values counted) or A-B:training (training samples only), each")
     a.add_argument("--reference", default="spo", help="the variant paired differences are taken against")
@@ -382,14 +381,11 @@ def main(argv=None):
               f"points with 80% power" + (f" (detectable with {n}: {100 * detectable(args.sd, n):.2f})" if n else ""))
     elif not os.path.isdir(args.out):
         raise SystemExit(f"error: {args.out}: not a sweep directory")
+    elif args.what == "contrasts":
+        print(contrasts_markdown(contrasts(args.out, args.family, args.metric)))
     else:
-        result = (contrasts(args.out, args.family, args.metric) if args.what == "contrasts" else
-                  analyse(args.out, args.reference, args.budget, args.metric, not args.training_samples, args.family))
-        print((contrasts_markdown if args.what == "contrasts" else primary_markdown)(result))
-        if args.json:
-            with open(args.json + ".tmp", "w") as f:
-                json.dump(result, f, indent=1)
-            os.replace(args.json + ".tmp", args.json)
+        print(primary_markdown(analyse(args.out, args.reference, args.budget, args.metric,
+                                       not args.training_samples, args.family)))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The README's results hold to their data: every number with a decimal point that a paragraph of "Results on the
-toy" quotes is a value of the sweep the paragraph links (experiments/NAME/: its primary.json, summary.json and
-contrasts.json, or recomputed from its records.tar.gz), at the precision printed. A quoted number cannot drift from its data: a test
+toy" quotes is a value of the sweep the paragraph links (experiments/NAME/: its primary.json and summary.json, or
+recomputed from its records.tar.gz), at the precision printed. A quoted number cannot drift from its data: a test
 changes each quoted digit in a copy of the README and sees the check report it.
 
     .venv/bin/python -m pytest tests/test_readme_numbers.py -q
@@ -12,7 +12,7 @@ import re
 
 import numpy as np
 
-from experiments.analysis import area_mean, exact_curve, mean_ci, sweep_runs
+from experiments.analysis import area_mean, contrasts, exact_curve, mean_ci, sweep_runs
 from experiments.regime import measure
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -109,17 +109,26 @@ def regime(runs, budget):
     return out
 
 
+# The addendum's planned family, as experiments/mixed/PLAN.md ("Addendum") names it and primary.md prints it.
+ADDENDUM = ("no_offline-grpo:total", "spo-no_offline:total", "spo_g8-grpo:training", "spo-spo_g8:training")
+
+
+def addendum(runs, budget):
+    """experiments/analysis.py:contrasts of the addendum's family over the mixed sweep's records (its own budget per
+    accounting, as primary.md's command)."""
+    return contrasts(os.path.join(ROOT, "experiments", "mixed"), ADDENDUM, "eval/accuracy")["rows"]
+
+
 # What the README quotes that a sweep's JSON files do not hold, recomputed from its records.
-RECOMPUTED = {"mixed": (accountings, regime), "forgetting": (regime,)}
+RECOMPUTED = {"mixed": (accountings, regime, addendum), "forgetting": (regime,)}
 
 
 @functools.lru_cache(maxsize=None)
 def sources(folder):
-    """flatten() of {"primary": primary.json, "summary": summary.json, "contrasts": contrasts.json (a planned family's
-    differences: experiments/analysis.py contrasts --json), and what RECOMPUTED adds from the records
+    """flatten() of {"primary": primary.json, "summary": summary.json, and what RECOMPUTED adds from the records
     (read once), by its function's name}; None for a folder with neither file."""
     out = os.path.join(ROOT, "experiments", folder)
-    trees = {f[:-5]: json.load(open(os.path.join(out, f))) for f in ("primary.json", "summary.json", "contrasts.json")
+    trees = {f[:-5]: json.load(open(os.path.join(out, f))) for f in ("primary.json", "summary.json")
              if os.path.exists(os.path.join(out, f))}
     if "primary" in trees and folder in RECOMPUTED:
         runs = sweep_runs(out)
