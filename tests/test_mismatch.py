@@ -63,7 +63,8 @@ masks = [[1, 1, 0], [1, 1]]
 for changed, new, adv in [(True, [old[0] + 0.1, old[1] - 0.1], [1.0, -1.0]),   # as the advantages say
                           (False, old, [1.0, -1.0]),                              # --lr 0
                           (True, [old[0] - 0.1, old[1] + 0.1], [1.0, -1.0]),      # the wrong way
-                          (True, [old[0] + 0.1, old[1] - 0.1], [0.0, 0.0])]:      # all advantages zero
+                          (True, [old[0] + 0.1, old[1] - 0.1], [0.0, 0.0]),       # all advantages zero
+                          (True, [old[0] - 0.01, old[1] - 0.2], [1.0, -1.0])]:    # both fall, the negatives more
     print(learning_warning(changed, old, new, adv, masks))
 dist.destroy_process_group()  # a gloo group left at exit can abort the interpreter
 """
@@ -72,8 +73,9 @@ dist.destroy_process_group()  # a gloo group left at exit can abort the interpre
 def test_the_learning_warning_speaks_only_when_the_update_did_not_follow_the_advantages():
     proc = subprocess.run([PYTHON, "-c", LEARNING], env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=120)
     lines = proc.stdout.splitlines()
-    assert proc.returncode == 0 and len(lines) == 4, proc.stderr[-2000:]
-    assert lines[0] == "None" and all(line.startswith("the first update did not move") for line in lines[1:])
+    assert proc.returncode == 0 and len(lines) == 5, proc.stderr[-2000:]
+    assert lines[0] == lines[4] == "None"
+    assert all(line.startswith("the first update did not move") for line in lines[1:4])
     assert "parameters unchanged" in lines[1] and "parameters changed" in lines[2] and "over 0" in lines[3]
     assert "zero learning rate (--lr)" in lines[1]
 
