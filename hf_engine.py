@@ -11,8 +11,9 @@ import contextlib
 
 import torch
 
+from machinery.collectives import full_parameters
 from machinery.memory import phase_end
-from rollout import Engine, Segment, run_trajectories, stop_strings
+from rollout import Engine, Segment
 
 GREEDY_BELOW = 1e-5  # temperatures below this sample greedily (vLLM's _SAMPLING_EPS)
 DECODE_ATTENTION = "spo_decode"  # decode_attention's name in transformers' AttentionInterface
@@ -96,8 +97,9 @@ def use_decode_attention(model):
     return model
 
 
-class HFEngine:
-    """rollout.Engine's interface on transformers, on its own copy of the policy."""
+class HFEngine(Engine):
+    """rollout.Engine on transformers, on its own copy of the policy: its generate, its own requests, weights and
+    sleep."""
 
     def __init__(self, model_path, *, seed, max_model_len, device, temperature=1.0, gpu_memory_utilization=None,
                  compile_model=None, bf16=None):
@@ -106,8 +108,8 @@ class HFEngine:
         from transformers import AutoModelForCausalLM, AutoTokenizer, CompileConfig
         self.device, self.on_gpu = device, device.type == "cuda"
         self.temperature, self.max_model_len = temperature, max_model_len
-        dtype = torch.bfloat16 if (self.on_gpu if bf16 is None else bf16) else torch.float32  # as vLLM's and as pushed
-        self.model = use_decode_attention(AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device))
+        self.dtype = torch.bfloat16 if (self.on_gpu if bf16 is None else bf16) else torch.float32  # as vLLM's; pushes
+        self.model = use_decode_attention(AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype).to(device))
         self.model.eval()
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         eos = self.model.generation_config.eos_token_id  # an id, a list of ids, or None
@@ -121,11 +123,8 @@ class HFEngine:
         self.cache = (None, None)  # compiled: ((rows, length bucket), its StaticCache), reused while the key holds
         self.requests_sent = 0
 
-    def generate(self, prompt_ids, seeds, *, max_tokens, temperature=None, top_p=1.0, top_k=-1, stop=None,
-                 tools=None, keep_first=None, group_size=1, progress=None):
-        """rollout.Engine.generate: each step decodes every segment started since the last one, to its end."""
-        temperature = self.temperature if temperature is None else temperature
-        stop = stop_strings(stop, tools)
+    def requests(self, temperature, top_p, top_k, stop):
+        """rollout.Engine.requests: each step decodes every segment started since the last one, to its end."""
         waiting = {}  # request id -> (ids, room, seed)
 
         def start(ids, room, seed):
@@ -141,9 +140,7 @@ class HFEngine:
         def abort(request_ids):
             for request_id in request_ids:
                 waiting.pop(request_id, None)
-        return run_trajectories(start, step, abort, self.tokenizer, prompt_ids, seeds, max_tokens=max_tokens,
-                                max_model_len=self.max_model_len, tools=tools, keep_first=keep_first,
-                                group_size=group_size, progress=progress)
+        return start, step, abort
 
     @torch.inference_mode()
     def decode_segments(self, requests, temperature, top_k, top_p, stop):
@@ -220,11 +217,12 @@ class HFEngine:
             return text[:end], "stop", found[k]
         return text, "stop" if ids[-1] in self.end_ids else "length", None
 
-    def push_weights(self, named_tensors):
-        """(name, full tensor) pairs into the engine's model; every parameter must come (else stale weights stay)."""
+    def push_weights(self, policy):
+        """The policy's weights, gathered whole in the engine's dtype, into its model; every parameter must come (else
+        stale weights stay)."""
         pushed = set()
         with torch.no_grad():
-            for name, tensor in named_tensors:
+            for name, tensor in full_parameters(policy, self.dtype):
                 if name not in self.params:
                     raise KeyError(f"HFEngine.push_weights: the engine's model has no parameter {name!r}")
                 self.params[name].copy_(tensor)

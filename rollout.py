@@ -19,6 +19,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from machinery.collectives import full_parameters
 from machinery.console import quiet_vllm
 from machinery.data import plain_text_ids
 from machinery.memory import phase_end
@@ -279,12 +280,19 @@ class Engine:
 
     def generate(self, prompt_ids, seeds, *, max_tokens, temperature=None, top_p=1.0, top_k=-1, stop=None,
                  tools=None, keep_first=None, group_size=1, progress=None):
-        """run_trajectories, each segment a request to vLLM's engine (`add_request`; `step` decodes one token each)."""
+        """run_trajectories (the tool loop; --oversample's first to finish), each segment one of requests()'s."""
+        self.wake_up()
+        stop = stop_strings(stop, tools)
+        start, step, abort = self.requests(self.temperature if temperature is None else temperature, top_p, top_k, stop)
+        return run_trajectories(start, step, abort, self.tokenizer, prompt_ids, seeds, max_tokens=max_tokens,
+                                max_model_len=self.max_model_len, tools=tools, keep_first=keep_first,
+                                group_size=group_size, progress=progress)
+
+    def requests(self, temperature, top_p, top_k, stop):
+        """(start, step, abort) of run_trajectories: each segment a request to vLLM's engine (`add_request`; `step`
+        decodes one token of each running request and returns the finished ones)."""
         from vllm.inputs import tokens_input  # an engine input: token ids, no rendering
         from vllm.sampling_params import RequestOutputKind, SamplingParams
-        self.wake_up()
-        temperature = self.temperature if temperature is None else temperature
-        stop = stop_strings(stop, tools)
         llm_engine = self.llm.llm_engine  # vLLM's engine under our Engine
 
         def start(ids, room, seed):
@@ -304,9 +312,7 @@ class Engine:
                 list(o.token_ids), [lp[tok].logprob for tok, lp in zip(o.token_ids, o.logprobs)],
                 o.text if stop else self.tokenizer.decode(o.token_ids, skip_special_tokens=True), o.finish_reason,
                 o.stop_reason)) for out in outputs if out.finished for o in out.outputs[:1]]
-        return run_trajectories(start, step, llm_engine.abort_request, self.tokenizer, prompt_ids, seeds,
-                                max_tokens=max_tokens, max_model_len=self.max_model_len, tools=tools,
-                                keep_first=keep_first, group_size=group_size, progress=progress)
+        return start, step, llm_engine.abort_request
 
     # ---- sleep mode (GPU): one state, "awake", "asleep" (vLLM level 2: weights and KV cache discarded, since level 1
     # would copy 16 GB each way per step for an 8B model only for the push to overwrite them) or "weights" (back for
@@ -337,11 +343,11 @@ class Engine:
     def wake_up(self):
         self._wake("kv_cache")
 
-    def push_weights(self, named_tensors):
-        """An iterator of (name, full tensor), never None: without weights vLLM reloads the checkpoint from disk."""
+    def push_weights(self, policy):
+        """The policy's weights into vLLM, each gathered whole from its shards in the engine's dtype, bucket by bucket
+        (collectives.full_parameters); never an empty push: without weights vLLM reloads the checkpoint from disk."""
         self._wake("weights")  # weights back on the GPU before they are overwritten; the KV cache stays asleep
-        self.llm.collective_rpc("reload_weights",
-                                kwargs={"weights_iterator": ((n, t.to(self.dtype)) for n, t in named_tensors)})
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": full_parameters(policy, self.dtype)})
         if self.state == "awake" and self.prefix_caching:  # (off on CPU: nothing cached, nothing to forget)
             self.llm.reset_prefix_cache()  # cached KV was computed by the old weights (sleep already cleared it)
 

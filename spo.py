@@ -29,7 +29,7 @@ import torch
 
 import variants
 from machinery import checkpoint, memory, resume, trainer, untrusted
-from machinery.collectives import all_gather_np, all_gather_objects, all_reduce_np, full_parameters
+from machinery.collectives import all_gather_np, all_gather_objects, all_reduce_np
 from machinery.device import start_program, use_bf16
 from machinery.data import check_context, find_model, load_tokenizer, load_train_and_test
 from machinery.metrics import Logger, plot_run, run_summary, spo_metrics, step_metrics
@@ -101,10 +101,11 @@ def divergence(now, then, estimator="abs"):
     raise ValueError(f"divergence: estimator must be 'abs' or 'k3', got {estimator!r}")
 
 
-def remember(previous, index, responses):
-    """previous[i] = the latest PreviousResponse of prompt i. Pass the responses of ALL ranks (a prompt may land
-    on any rank next time); for a prompt drawn twice in one batch the later response wins."""
-    for i, response in zip(index, responses):
+def remember(previous, index, responses, all_gather=all_gather_objects):
+    """previous[i] = the latest PreviousResponse of prompt i, for the global batch's prompt indices: `all_gather`
+    concatenates every rank's responses in rank order (a prompt may land on any rank next time). For a prompt drawn
+    twice in one batch the later response wins."""
+    for i, response in zip(index, all_gather(responses)):
         previous[int(i)] = response
 
 
@@ -232,11 +233,11 @@ def main(argv=None):
                                                                    args.steps), grad_clip=args.grad_clip, tis=args.tis,
                                            reference=run.reference, kl=kl, **passes)
         if args.algo == "spo":  # for D(x) at the next visit
-            remember(run.previous, batch_index, all_gather_objects(
-                [PreviousResponse.of(r, logprobs) for r, logprobs in zip(rollouts, acting["batch"])]))
+            remember(run.previous, batch_index,
+                     [PreviousResponse.of(r, logprobs) for r, logprobs in zip(rollouts, acting["batch"])])
         # 7. weight push: the next rollouts come from the updated policy
         with timed(t, "weight_push"):
-            run.engine.push_weights(full_parameters(run.policy, torch.bfloat16 if args.bf16 == "on" else None))
+            run.engine.push_weights(run.policy)  # gathered whole in the engine's dtype (bf16 with --bf16 on)
         # ---- Algorithm 1 ends here: what follows records the step (metrics, evaluations, checkpoints)
         nonfinite = nonfinite + 1 if stats["nonfinite"] else 0
         if nonfinite >= MAX_NONFINITE:

@@ -309,8 +309,8 @@ def test_remember_keeps_each_prompts_latest_response():
     def response(token):
         return PreviousResponse(np.array([token], np.int32), np.array([-1.0], np.float32), np.array([1], np.int8))
     previous = {}
-    remember(previous, np.array([3, 5]), [response(1), response(2)])
-    remember(previous, np.array([5, 7]), [response(3), response(4)])
+    remember(previous, np.array([3, 5]), [response(1), response(2)], all_gather=list)  # a world of one
+    remember(previous, np.array([5, 7]), [response(3), response(4)], all_gather=list)
     assert {i: int(p.response_ids[0]) for i, p in previous.items()} == {3: 1, 5: 3, 7: 4}
 
 

@@ -23,6 +23,15 @@ from machinery import logprob_head
 SAMPLED = {"temperature": 0.7, "top_k": 5, "top_p": 0.9}  # processed log-probs differ from the raw ones here
 
 
+class Named:
+    """A policy of the given (name, tensor) pairs, as push_weights reads one (named_parameters)."""
+    def __init__(self, pairs):
+        self.pairs = pairs
+
+    def named_parameters(self, remove_duplicate=False):
+        return iter(self.pairs)
+
+
 def _prompts(small_toy, n):
     from machinery.data import load_dataset, load_tokenizer
     return load_dataset(small_toy["test"], load_tokenizer(small_toy["model"]), 256, False).prompt_ids[:n]
@@ -88,9 +97,9 @@ def test_a_push_changes_the_samples_and_the_original_weights_restore_them(hf, sm
     generator = torch.Generator().manual_seed(0)
     with one_thread():
         before = hf.generate(prompts, range(16), max_tokens=32)
-        hf.push_weights((name, t + 0.05 * torch.randn(t.shape, generator=generator)) for name, t in original)
+        hf.push_weights(Named([(name, t + 0.05 * torch.randn(t.shape, generator=generator)) for name, t in original]))
         moved = hf.generate(prompts, range(16), max_tokens=32)
-        hf.push_weights(iter(original))
+        hf.push_weights(Named(original))
         back = hf.generate(prompts, range(16), max_tokens=32)
     assert [r.response_ids for r in moved] != [r.response_ids for r in before]
     assert [(r.response_ids, r.logprobs) for r in back] == [(r.response_ids, r.logprobs) for r in before]
@@ -99,9 +108,9 @@ def test_a_push_changes_the_samples_and_the_original_weights_restore_them(hf, sm
 def test_a_push_that_leaves_out_a_parameter_is_refused(hf):
     names = list(hf.params)
     with pytest.raises(KeyError, match="1 parameters not pushed"):
-        hf.push_weights((name, hf.params[name].detach().clone()) for name in names[1:])
+        hf.push_weights(Named([(name, hf.params[name].detach().clone()) for name in names[1:]]))
     with pytest.raises(KeyError, match="no parameter 'model.nope'"):
-        hf.push_weights(iter([("model.nope", torch.zeros(1))]))
+        hf.push_weights(Named([("model.nope", torch.zeros(1))]))
 
 
 def test_a_stop_string_ends_the_segment_right_after_it_and_stays_in_the_text(hf, small_toy):

@@ -120,7 +120,7 @@ def _two_steps(engine):
     for _ in range(2):  # what spo.py does each step: generate (wakes), sleep, train, push
         engine.wake_up()
         engine.sleep()
-        engine.push_weights(iter([("w", torch.zeros(2))]))
+        engine.push_weights(torch.nn.ParameterDict({"w": torch.zeros(2)}))
     engine.wake_up()  # the evaluation or the next generate
 
 
@@ -141,7 +141,7 @@ def test_after_sleep_generation_waits_for_a_push():
     engine.sleep()
     with pytest.raises(RuntimeError, match="push_weights before generating"):
         engine.wake_up()
-    engine.push_weights(iter([("w", torch.zeros(2))]))
+    engine.push_weights(torch.nn.ParameterDict({"w": torch.zeros(2)}))
     engine.wake_up()
     assert engine.state == "awake" and engine.llm.calls[-1] == ("wake_up", ("kv_cache",))
 
@@ -154,7 +154,7 @@ def test_on_cpu_nothing_sleeps_and_a_push_goes_through_reload_weights():
 
 def test_a_push_into_an_awake_engine_with_prefix_caching_forgets_the_cached_prefixes():
     engine = _engine_without_vllm(on_gpu=True)  # awake (never slept): its cached KV came from the old weights
-    engine.push_weights(iter([("w", torch.zeros(2))]))
+    engine.push_weights(torch.nn.ParameterDict({"w": torch.zeros(2)}))
     assert engine.llm.calls == [("reload_weights",), ("reset_prefix_cache",)]
 
 

@@ -386,7 +386,7 @@ def push_worker(out, model_path):
     prompts = [r.prompt_ids for r in rollouts]
     sampled = engine.generate(prompts, seeds=range(len(prompts)), max_tokens=16)
     gap_before = trainer.old_logprobs(policy, sampled, [], 1.0, 8)["logprob_gap_max"]
-    engine.push_weights(collectives.full_parameters(policy))
+    engine.push_weights(policy)
     sampled = engine.generate(prompts, seeds=range(len(prompts)), max_tokens=16)
     gap_after = trainer.old_logprobs(policy, sampled, [], 1.0, 8)["logprob_gap_max"]
     norm = engine.llm.apply_model(lambda model: model.model.norm.weight.detach().cpu().clone())[0]
