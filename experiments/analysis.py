@@ -222,8 +222,8 @@ def pool_size(config):
         if config.get("train_prompts"):
             return config["train_prompts"]
         raise SystemExit(f"error: {shown(config['train'])} (the run's --train) is not here: its pool size is unknown")
-    import pyarrow.parquet as pq
-    rows = pq.ParquetFile(config["train"]).metadata.num_rows
+    from machinery.data import load_prompts  # parquet or JSONL, as spo.py reads it
+    rows = load_prompts(config["train"]).n_rows
     return min(rows, config["train_prompts"]) if config.get("train_prompts") else rows
 
 
