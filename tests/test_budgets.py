@@ -216,6 +216,69 @@ def loop_calls(source):
     return found
 
 
+# Data flows forward: a step of the loop may read what an earlier step made but never write into it (it returns its
+# own values instead). Steps are marked by the loop's "# N." comments (what precedes "# 4." is steps 1-3).
+MUTATORS = {"update", "append", "extend", "pop", "clear", "setdefault", "insert", "remove", "popitem", "sort",
+            "fill_", "copy_", "zero_", "add_", "mul_"}
+
+
+def backward_writes(source):
+    """[(line, name, step it was bound in, step that writes it)] of the writes in main's loop, above LOOP_END, into
+    a name an earlier step of the same iteration bound: item or attribute assignment, augmented assignment, or a
+    mutating method call (MUTATORS). Names bound before the loop (the run's state) are free."""
+    lines = source.splitlines()
+    end = next(n for n, line in enumerate(lines, 1) if line.strip().startswith(LOOP_END))
+    marks = [(n, int(m.group(1))) for n, line in enumerate(lines, 1)
+             if (m := re.match(r"\s*# ([4-7])\. ", line))]
+    step_of = lambda line: max([k for n, k in marks if n < line], default=3)  # noqa: E731
+    main = next(node for node in ast.parse(source).body if isinstance(node, ast.FunctionDef) and node.name == "main")
+    loop = next(node for node in ast.walk(main) if isinstance(node, ast.For))
+    bound, found = {}, []
+
+    def root(node):
+        while isinstance(node, (ast.Attribute, ast.Subscript)):
+            node = node.value
+        return node.id if isinstance(node, ast.Name) else None
+
+    for statement in (s for s in loop.body if s.lineno < end):
+        for node in ast.walk(statement):
+            step = step_of(node.lineno) if hasattr(node, "lineno") else None
+            written = []
+            if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                for target in targets:
+                    for t in ast.walk(target):
+                        if isinstance(t, (ast.Attribute, ast.Subscript)) or isinstance(node, ast.AugAssign):
+                            written.append(root(t))
+                        elif isinstance(t, ast.Name):
+                            bound.setdefault(t.id, step)
+            elif isinstance(node, (ast.For, ast.comprehension)) or isinstance(node, ast.withitem):
+                for t in ast.walk(node.target if not isinstance(node, ast.withitem) else
+                                  (node.optional_vars or ast.Tuple([], ast.Store()))):
+                    if isinstance(t, ast.Name):
+                        bound.setdefault(t.id, step or step_of(t.lineno))
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                  and node.func.attr in MUTATORS):
+                written.append(root(node.func.value))
+            found += [(node.lineno, name, bound[name], step) for name in written
+                      if name in bound and bound[name] < step]
+    return found
+
+
+def test_no_step_of_the_loop_writes_into_an_earlier_steps_values():
+    with open(os.path.join(ROOT, "spo.py")) as f:
+        assert backward_writes(f.read()) == []
+
+
+def test_the_forward_check_sees_a_step_writing_back():
+    source = ("def main():\n    for step in range(3):\n        rollouts = sample()\n        # 4. old\n"
+              "        old = score(rollouts)\n        # 6. update\n        stats = update(old)\n"
+              "        old['batch'] = stats['old']\n        rollouts.append(1)\n        # ---- Algorithm 1 ends here\n"
+              "        old.clear()\n")
+    assert [(name, bound, step) for _, name, bound, step in backward_writes(source)] == [("old", 4, 6),
+                                                                                         ("rollouts", 3, 6)]
+
+
 def test_one_step_of_the_loop_reads_in_few_files():
     with open(os.path.join(ROOT, "spo.py")) as f:
         found = loop_calls(f.read())
