@@ -95,12 +95,16 @@ def build_mixed(out_dir=MIXED_DIR, seed=0, n_train=200, n_test=80):
 def mixed_profile(values_path, seed=0, n_train=200, n_test=80):
     """tasks/thinking.py:difficulty_profile of the step-0 model on the mixed train set, from an offline-values file
     of it (offline_values.py: its prompts in the file's order; n0 samples each)."""
-    values = read_json(values_path)
-    scores = [np.mean(entry["scores"]) for entry in values["prompts"].values()]
+    try:  # (offline_values.py's own reader is a layer up)
+        values = read_json(values_path, {"header": {"n0": int}, "prompts": {str: {"scores": [float]}}})
+    except (OSError, ValueError) as e:
+        fail(f"--profile {values_path}: not an offline-values file ({e})")
+    header, prompts = values["header"], values["prompts"]
+    scores = [np.mean(entry["scores"]) for entry in prompts.values()]
     train = make_mixed_problems(seed, n_train, n_test, MIXED_SHARES)[0]
     if len(scores) != len(train):
         fail(f"{values_path}: {len(scores)} prompts, not the mixed train set's {len(train)}")
-    return difficulty_profile(scores, train, samples=values["header"]["n0"])
+    return difficulty_profile(scores, train, samples=header["n0"])
 
 
 # ------------------------------------------------------------------------------------------------ the model
