@@ -66,6 +66,9 @@ def test_the_mixed_profile_reads_a_values_file_in_the_train_sets_order(tmp_path)
     (tmp_path / "v.json").write_text(json.dumps(values))
     with pytest.raises(SystemExit):
         smollm.mixed_profile(str(tmp_path / "v.json"))
+    (tmp_path / "v.json").write_text(json.dumps({"prompts": values["prompts"]}))  # no header: another file
+    with pytest.raises(SystemExit):
+        smollm.mixed_profile(str(tmp_path / "v.json"))
 
 
 def test_a_wrong_wheel_is_one_line(tmp_path):
